@@ -1,0 +1,63 @@
+"""What every genq command shares: --redis-url/--run, connecting, and turning errors into one
+clear line on stderr with a non-zero exit instead of a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+import redis
+
+from common.errors import GenqError, UsageError
+from common.keys import RunKeys
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL", DEFAULT_REDIS_URL),
+                        help="Redis holding the run (env REDIS_URL; default %(default)s)")
+    parser.add_argument("--run", default=os.environ.get("GENQ_RUN", "default"),
+                        help="run name (env GENQ_RUN; default %(default)s)")
+
+
+def run_keys(run: str) -> RunKeys:
+    try:
+        return RunKeys(run)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def connect(url: str) -> redis.Redis:
+    """A client that has answered PING, or one clear error naming the URL."""
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+        client.ping()
+    except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
+        raise GenqError(f"cannot reach Redis at {url}: {e}") from None
+    return client
+
+
+def guarded(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+    """Wrap a command's main: GenqError and Redis trouble become one line and an exit code."""
+
+    def wrapper(argv: list[str] | None = None) -> int:
+        try:
+            return main(argv)
+        except UsageError as e:
+            print(f"genq: error: {e}", file=sys.stderr)
+            return 2
+        except GenqError as e:
+            print(f"genq: error: {e}", file=sys.stderr)
+            return 1
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            print(f"genq: error: lost Redis: {e}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            return 130
+
+    wrapper.__name__ = main.__name__
+    wrapper.__doc__ = main.__doc__
+    return wrapper

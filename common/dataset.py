@@ -1,0 +1,297 @@
+"""Random access to a JSONL or Parquet data set by 0-based row index, as chat prompts.
+
+Fingerprint: ``"{rows}r-{size}b-{sha}"`` where sha is the first 32 hex digits of the sha256 of
+the file's first and last MiB; cheap for a 10 GB file, and it changes when rows are added,
+removed or edited near either end (a same-size edit in the middle goes unnoticed).
+
+JSONL row offsets are indexed once per file version into ``PATH.genq-idx`` (or, when the data
+set's directory is not writable, ``~/.cache/genq/<hash>.genq-idx``; ``index_dir=`` or
+``GENQ_INDEX_DIR`` choose the directory explicitly).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import hashlib
+import os
+import struct
+import sys
+import threading
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from itertools import accumulate, repeat
+from operator import add
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from common.errors import BadTask, DatasetError
+
+_EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
+_CHUNK = 16 << 20  # read size while indexing: big reads keep the pass I/O-bound
+_MAGIC = b"GENQIDX1"
+_ROW_GROUPS_CACHED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    index: int
+    messages: list[dict[str, Any]]
+    id: str | int | None = None
+
+
+def _row_to_prompt(index: int, row: Any) -> Prompt:
+    """Validate one decoded row; every defect becomes a BadTask naming the row."""
+    if not isinstance(row, dict):
+        raise BadTask(index, f"row {index}: not a JSON object")
+    row_id = row.get("id")
+    if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, str | int)):
+        raise BadTask(index, f"row {index}: 'id' must be a string or an integer")
+    messages = row.get("messages")
+    if messages is not None:
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                for m in messages
+            )
+        ):
+            raise BadTask(
+                index,
+                f"row {index}: 'messages' is not a non-empty list of {{role, content}} objects",
+            )
+        return Prompt(index, messages, row_id)
+    prompt = row.get("prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise BadTask(index, f"row {index}: 'prompt' is not a string")
+        return Prompt(index, [{"role": "user", "content": prompt}], row_id)
+    raise BadTask(index, f"row {index}: has neither 'messages' nor 'prompt'")
+
+
+def _edge_digest(fd: int, size: int) -> str:
+    h = hashlib.sha256(os.pread(fd, min(size, _EDGE), 0))
+    if size > _EDGE:
+        h.update(os.pread(fd, _EDGE, max(_EDGE, size - _EDGE)))
+    return h.hexdigest()[:32]
+
+
+class Dataset:
+    """A data set opened for random access; thread-safe ``prompt(index)``."""
+
+    path: Path
+    total: int
+    fingerprint: str
+
+    def prompt(self, index: int) -> Prompt:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.total:
+            raise BadTask(index, f"row {index}: out of range (data set has {self.total} rows)")
+        return _row_to_prompt(index, self._row(index))
+
+    def verify(self, expected: str) -> None:
+        """Refuse to serve a run registered against another version of the file."""
+        if expected != self.fingerprint:
+            raise DatasetError(
+                f"data set {self.path} changed since the run was registered "
+                f"(fingerprint {self.fingerprint}, run has {expected})"
+            )
+
+    def _row(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class JsonlDataset(Dataset):
+    def __init__(self, path: Path, fd: int, index_dir: Path | None) -> None:
+        self.path, self._fd = path, fd
+        st = os.fstat(fd)
+        key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha": _edge_digest(fd, st.st_size)}
+        candidates = _index_paths(path, index_dir)
+        offsets = _load_index(candidates, key)
+        if offsets is None:
+            offsets = _build_offsets(fd, st.st_size)
+            _store_index(candidates, key, offsets)
+        self._offsets = offsets
+        self.total = len(offsets) - 1
+        self.fingerprint = f"{self.total}r-{key['size']}b-{key['sha']}"
+
+    def _row(self, index: int) -> Any:
+        start, end = self._offsets[index], self._offsets[index + 1]
+        try:
+            # pread: no shared file position, so threads never race on seek + read.
+            line = os.pread(self._fd, end - start, start)
+        except OSError as e:
+            raise DatasetError(f"data set {self.path}: {e.strerror}") from e
+        if not line.strip():
+            raise BadTask(index, f"row {index}: empty line")
+        try:
+            return orjson.loads(line)
+        except orjson.JSONDecodeError as e:
+            raise BadTask(index, f"row {index}: not valid JSON ({e})") from None
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _build_offsets(fd: int, size: int) -> array:
+    """Start offset of every line plus a final end offset, in one sequential pass."""
+    offsets = array("Q", [0])
+    pos = 0
+    while pos < size:
+        chunk = os.pread(fd, min(_CHUNK, size - pos), pos)  # stop at the size we fingerprinted
+        if not chunk:
+            break
+        parts = chunk.split(b"\n")
+        # Each part but the last ends at a newline; the next line starts one byte after it.
+        starts = accumulate(map(add, map(len, parts[:-1]), repeat(1)), initial=pos)
+        next(starts)
+        offsets.extend(starts)
+        pos += len(chunk)
+    if offsets[-1] != pos:
+        offsets.append(pos)  # a final line without a newline is still a row
+    return offsets
+
+
+def _index_paths(path: Path, index_dir: Path | None) -> list[Path]:
+    """Where the index may live, in order of preference."""
+    if index_dir is None and os.environ.get("GENQ_INDEX_DIR"):
+        index_dir = Path(os.environ["GENQ_INDEX_DIR"])
+    name = hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".genq-idx"
+    if index_dir is not None:
+        return [index_dir / name]
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "genq"
+    return [path.with_name(path.name + ".genq-idx"), cache / name]
+
+
+def _header(key: dict[str, Any], count: int) -> bytes:
+    meta = orjson.dumps({**key, "count": count, "byteorder": sys.byteorder})
+    return _MAGIC + struct.pack("<I", len(meta)) + meta
+
+
+def _load_index(candidates: list[Path], key: dict[str, Any]) -> array | None:
+    for candidate in candidates:
+        try:
+            data = candidate.read_bytes()
+            (n,) = struct.unpack_from("<I", data, len(_MAGIC))
+            meta = orjson.loads(data[len(_MAGIC) + 4 : len(_MAGIC) + 4 + n])
+        except (OSError, struct.error, orjson.JSONDecodeError):
+            continue  # absent or unreadable: try the next place, or rebuild
+        count = meta.get("count") if isinstance(meta, dict) else None
+        if meta != {**key, "count": count, "byteorder": sys.byteorder}:
+            continue  # another version of the file, or another machine's byte order
+        body = memoryview(data)[len(_MAGIC) + 4 + n :]
+        if not isinstance(count, int) or len(body) != 8 * count:
+            continue  # a torn or foreign file: rebuild rather than trust it
+        offsets = array("Q")
+        offsets.frombytes(body)
+        if offsets and offsets[-1] == key["size"]:
+            return offsets
+    return None
+
+
+def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) -> None:
+    """Write the index to the first writable place; an index is an optimisation, never fatal."""
+    for candidate in candidates:
+        # A private temp name + rename: consumers building at once each publish a whole file.
+        tmp = candidate.with_name(f"{candidate.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            candidate.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(_header(key, len(offsets)))
+                offsets.tofile(f)
+            os.replace(tmp, candidate)
+            return
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+class ParquetDataset(Dataset):
+    def __init__(self, path: Path, fd: int) -> None:
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self._raw = os.fdopen(fd, "rb")  # owns fd from here on
+        try:
+            st = os.fstat(fd)
+            digest = _edge_digest(fd, st.st_size)
+            self._file = pq.ParquetFile(self._raw)
+        except Exception as e:  # pyarrow raises its own types for a corrupt or foreign file
+            self._raw.close()
+            raise DatasetError(f"data set {path}: not a readable Parquet file ({e})") from e
+        meta = self._file.metadata
+        self.total = meta.num_rows
+        self.fingerprint = f"{self.total}r-{st.st_size}b-{digest}"
+        self._starts = list(
+            accumulate((meta.row_group(i).num_rows for i in range(meta.num_row_groups)), initial=0)
+        )
+        names = set(self._file.schema_arrow.names)
+        self._columns = [c for c in ("messages", "prompt", "id") if c in names]
+        self._cache: OrderedDict[int, dict[str, list[Any]]] = OrderedDict()
+        self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
+
+    def _group(self, group: int) -> dict[str, list[Any]]:
+        with self._lock:
+            cached = self._cache.get(group)
+            if cached is None:
+                try:
+                    table = self._file.read_row_group(group, columns=self._columns)
+                except Exception as e:  # pyarrow's own error types; the file is at fault
+                    raise DatasetError(f"data set {self.path}: {e}") from e
+                cached = {c: table.column(c).to_pylist() for c in self._columns}
+                self._cache[group] = cached
+                if len(self._cache) > _ROW_GROUPS_CACHED:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(group)
+            return cached
+
+    def _row(self, index: int) -> Any:
+        group = bisect.bisect_right(self._starts, index) - 1
+        columns = self._group(group)
+        offset = index - self._starts[group]
+        return {c: v[offset] for c, v in columns.items() if v[offset] is not None}
+
+    def close(self) -> None:
+        self._file.close()
+        self._raw.close()
+
+
+def open_dataset(
+    path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None
+) -> Dataset:
+    """Open a data set; Parquet by suffix or magic bytes, JSON lines otherwise."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        raise DatasetError(f"data set {p}: is a directory")
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except FileNotFoundError:
+        raise DatasetError(f"data set not found: {p}") from None
+    except OSError as e:
+        raise DatasetError(f"data set {p}: {e.strerror}") from None
+    try:
+        if p.suffix == ".parquet" or os.pread(fd, 4, 0) == b"PAR1":
+            return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
+    except OSError as e:  # only the magic-byte read can get here
+        os.close(fd)
+        raise DatasetError(f"data set {p}: {e.strerror}") from None
+    try:
+        return JsonlDataset(p, fd, Path(index_dir) if index_dir is not None else None)
+    except OSError as e:
+        os.close(fd)
+        raise DatasetError(f"data set {p}: {e.strerror}") from None

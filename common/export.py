@@ -1,0 +1,124 @@
+"""`genq export`: one record per done index from every shard, the accepted attempt first.
+
+Two passes keep memory small however large the outputs: the first reads only each line's
+index, version and attempt with its location; the second copies the chosen lines in index
+order. Redis says which (version, attempt) was accepted for each done index.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from common.keys import RunKeys
+from common.shards import choose_records
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportResult:
+    written: int
+    done: int
+    missing: list[int]
+    torn_lines: int
+    shards: int
+
+
+def _bitfield_reader(raw: bytes | None, width_bytes: int):
+    data = raw or b""
+
+    def value(index: int) -> int:
+        chunk = data[index * width_bytes:(index + 1) * width_bytes]
+        return int.from_bytes(chunk.ljust(width_bytes, b"\0"), "big")
+
+    return value
+
+
+def accepted_lookup(r: redis.Redis, k: RunKeys):
+    """index -> (params_version, attempt) of its accepted result, or None if not done."""
+    pipe = r.pipeline(transaction=True)
+    for key in (k.done, k.acc_version, k.acc_attempt):
+        pipe.get(key)
+    done_raw, version_raw, attempt_raw = pipe.execute()
+    done = done_raw or b""
+    version = _bitfield_reader(version_raw, 2)
+    attempt = _bitfield_reader(attempt_raw, 1)
+
+    def is_done(index: int) -> bool:
+        byte = index // 8
+        return byte < len(done) and bool(done[byte] & (0x80 >> (index % 8)))
+
+    def accepted(index: int) -> tuple[int, int] | None:
+        return (version(index), attempt(index)) if is_done(index) else None
+
+    return accepted, is_done
+
+
+def shard_paths(dirs: list[str], run: str) -> list[Path]:
+    paths: list[Path] = []
+    for directory in dirs:
+        paths += sorted(Path(directory).glob(f"{run}.*.jsonl"))
+    return paths
+
+
+def locate(paths: list[Path], counter: list[int]) -> Iterator[dict[str, Any]]:
+    """Light records (index, version, attempt, location) of every complete line."""
+    for file_no, path in enumerate(paths):
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            continue
+        with f:
+            offset = 0
+            for line in f:
+                start, offset = offset, offset + len(line)
+                try:
+                    record = orjson.loads(line) if line.endswith(b"\n") else None
+                except orjson.JSONDecodeError:
+                    record = None
+                if not isinstance(record, dict) or "index" not in record:
+                    counter[0] += bool(line.strip())
+                    continue
+                yield {"index": record["index"],
+                       "params_version": record.get("params_version", 0),
+                       "attempt": record.get("attempt", 0),
+                       "loc": (file_no, start, len(line))}
+
+
+def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
+           progress: Any = None) -> ExportResult:
+    accepted, is_done = accepted_lookup(r, k)
+    paths = shard_paths(dirs, k.run)
+    torn = [0]
+    chosen = choose_records(locate(paths, torn), accepted)
+    wanted = sorted(i for i in chosen if is_done(i))
+    done = sum(1 for i in range(total) if is_done(i))
+    missing = [i for i in range(total) if is_done(i) and i not in chosen]
+    tmp = f"{out}.tmp-{os.getpid()}"
+    handles: dict[int, Any] = {}
+    try:
+        with open(tmp, "wb") as dst:
+            for n, index in enumerate(wanted):
+                file_no, start, length = chosen[index]["loc"]
+                if file_no not in handles:
+                    handles[file_no] = open(paths[file_no], "rb")
+                src = handles[file_no]
+                src.seek(start)
+                dst.write(src.read(length))
+                if progress is not None and n % 1000 == 0:
+                    progress(n, len(wanted))
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, out)
+    finally:
+        for handle in handles.values():
+            handle.close()
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return ExportResult(written=len(wanted), done=done, missing=missing[:20],
+                        torn_lines=torn[0], shards=len(paths))

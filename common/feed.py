@@ -1,0 +1,59 @@
+"""Finding unfinished indices and enqueueing them as RQ jobs: the producer's core, shared with
+consumers so a run can top itself up."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import redis
+
+from common.keys import RunKeys
+from common.scripts import ScriptRunner, enqueue_call
+from common.tasks import description, job_data
+
+ENQUEUE_BATCH = 1000
+_NOT_FULL = re.compile(rb"[^\xff]")
+
+
+def free_indices(r: redis.Redis, k: RunKeys, total: int) -> Iterator[int]:
+    """Indices neither done, failed nor pending, in order (a snapshot; enqueue re-checks)."""
+    pipe = r.pipeline(transaction=False)
+    for key in (k.done, k.failed, k.pending):
+        pipe.get(key)
+    size = (total + 7) // 8
+    merged = 0
+    for raw in pipe.execute():
+        raw = (raw or b"")[:size]
+        merged |= int.from_bytes(raw.ljust(size, b"\0"), "big")
+    combined = merged.to_bytes(size, "big")
+    # Scan in C for bytes with a zero bit, then look at their bits (bit 0 is the MSB).
+    for match in _NOT_FULL.finditer(combined):
+        byte_index = match.start()
+        value = combined[byte_index]
+        for bit in range(8):
+            index = byte_index * 8 + bit
+            if index >= total:
+                return
+            if not value & (0x80 >> bit):
+                yield index
+
+
+def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner) -> int:
+    """Enqueue these indices (skipping any already settled or pending); returns how many."""
+    count = 0
+    for start in range(0, len(indices), ENQUEUE_BATCH):
+        batch = indices[start:start + ENQUEUE_BATCH]
+        jobs = [(i, job_data(i), description(i)) for i in batch]
+        count += int(runner(enqueue_call(k, jobs)))
+    return count
+
+
+def top_up(r: redis.Redis, k: RunKeys, total: int, want: int, runner: ScriptRunner) -> int:
+    """Bring up to `want` more unfinished indices into the queue; returns how many."""
+    picked: list[int] = []
+    for index in free_indices(r, k, total):
+        picked.append(index)
+        if len(picked) >= want:
+            break
+    return enqueue(r, k, picked, runner) if picked else 0

@@ -1,0 +1,46 @@
+-- ack: accept one written result iff the lease is still ours: done bit, exact counters,
+-- rate buckets and RQ's finished state change together or not at all.
+-- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
+--       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
+--       14 rq finished registry
+-- ARGV: 1 job id, 2 index, 3 exec id, 4 completion_tokens, 5 prompt_tokens, 6 finish name,
+--       7 finish code, 8 params version, 9 attempt, 10 server, 11 result ttl, 12 now iso,
+--       13 job key prefix, 14 execution key prefix, 15 executions key prefix,
+--       16 rate key prefix, 17 rate bucket seconds, 18 rate bucket ttl
+-- Returns 1 if accepted, 0 if the lease was lost (a stale ack is refused).
+local jid, idx, exec = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local owner = redis.call('HGET', KEYS[2], jid)
+if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('HDEL', KEYS[2], jid)
+redis.call('ZREM', KEYS[1], jid)
+redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
+redis.call('DEL', ARGV[14] .. jid .. ':' .. exec, ARGV[15] .. jid)
+local ctoks, ptoks, fname = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+if redis.call('SETBIT', KEYS[4], idx, 1) == 0 then
+  redis.call('SETBIT', KEYS[5], idx, 0)
+  redis.call('BITFIELD', KEYS[9], 'SET', 'u32', '#' .. idx, ctoks)
+  redis.call('BITFIELD', KEYS[10], 'SET', 'u8', '#' .. idx, ARGV[7])
+  redis.call('BITFIELD', KEYS[11], 'SET', 'u16', '#' .. idx, ARGV[8])
+  redis.call('BITFIELD', KEYS[12], 'SET', 'u8', '#' .. idx, ARGV[9])
+  redis.call('BITFIELD', KEYS[13], 'SET', 'u8', '#' .. idx, 0)
+  redis.call('SETBIT', KEYS[6], idx, fname == 'length' and 1 or 0)
+  redis.call('HINCRBY', KEYS[7], 'finish:' .. fname, 1)
+  redis.call('HINCRBY', KEYS[7], 'ctok_sum', ctoks)
+  redis.call('HINCRBY', KEYS[7], 'ptok_sum', ptoks)
+  redis.call('HINCRBY', KEYS[8], ctoks, 1)
+  local bucket = ARGV[16] .. math.floor(now / tonumber(ARGV[17]))
+  local server = ARGV[10]
+  redis.call('HINCRBY', bucket, 'req', 1)
+  redis.call('HINCRBY', bucket, 'tok', ctoks)
+  redis.call('HINCRBY', bucket, 'req|' .. server, 1)
+  redis.call('HINCRBY', bucket, 'tok|' .. server, ctoks)
+  redis.call('HINCRBY', bucket, 'fin|' .. fname, 1)
+  redis.call('EXPIRE', bucket, ARGV[18])
+end
+local job = ARGV[13] .. jid
+redis.call('HSET', job, 'status', 'finished', 'ended_at', ARGV[12])
+redis.call('EXPIRE', job, ARGV[11])
+redis.call('ZADD', KEYS[14], now + tonumber(ARGV[11]), jid)
+return 1

@@ -1,0 +1,26 @@
+-- enqueue: create RQ jobs for indices that are not done, failed or already pending, so
+-- running the producer twice enqueues nothing twice.
+-- KEYS: 1 queue, 2 done, 3 failed, 4 pending, 5 rq:queues
+-- ARGV: 1 job key prefix, 2 run name, 3 queue key, 4 origin, 5 now iso, 6 result ttl,
+--       7 failure ttl, then (index, data, description) triples
+-- Returns the number of jobs enqueued.
+local count = 0
+for i = 8, #ARGV, 3 do
+  local idx = tonumber(ARGV[i])
+  if redis.call('GETBIT', KEYS[2], idx) == 0 and redis.call('GETBIT', KEYS[3], idx) == 0
+      and redis.call('SETBIT', KEYS[4], idx, 1) == 0 then
+    local jid = ARGV[2] .. '-' .. idx
+    local job = ARGV[1] .. jid
+    redis.call('DEL', job)
+    redis.call('HSET', job, 'status', 'queued', 'origin', ARGV[4], 'created_at', ARGV[5],
+      'enqueued_at', ARGV[5], 'data', ARGV[i + 1], 'description', ARGV[i + 2],
+      'timeout', -1, 'result_ttl', ARGV[6], 'failure_ttl', ARGV[7],
+      'started_at', '', 'ended_at', '', 'last_heartbeat', '', 'worker_name', '',
+      'group_id', '', 'success_callback_name', '', 'failure_callback_name', '',
+      'stopped_callback_name', '')
+    redis.call('RPUSH', KEYS[1], jid)
+    count = count + 1
+  end
+end
+redis.call('SADD', KEYS[5], ARGV[3])
+return count

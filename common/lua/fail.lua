@@ -1,0 +1,26 @@
+-- fail: settle a leased job as failed (a bad task, or out of attempts): failed bit, the
+-- reason, and RQ's failed registry with a result rq-dashboard can show.
+-- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry
+-- ARGV: 1 job id, 2 index, 3 exec id, 4 reason, 5 rq exc_string (b64 zlib), 6 worker name,
+--       7 failure ttl, 8 now iso, 9 job key prefix, 10 execution key prefix,
+--       11 executions key prefix, 12 results key prefix
+-- Returns 1 if failed, 0 if the lease was no longer ours.
+local jid, idx, exec = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local owner = redis.call('HGET', KEYS[2], jid)
+if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+redis.call('HDEL', KEYS[2], jid)
+redis.call('ZREM', KEYS[1], jid)
+redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
+redis.call('DEL', ARGV[10] .. jid .. ':' .. exec, ARGV[11] .. jid)
+redis.call('SETBIT', KEYS[4], idx, 1)
+redis.call('SETBIT', KEYS[5], idx, 0)
+redis.call('HSET', KEYS[6], idx, ARGV[4])
+local job = ARGV[9] .. jid
+redis.call('HSET', job, 'status', 'failed', 'ended_at', ARGV[8])
+redis.call('PERSIST', job)
+redis.call('ZADD', KEYS[7], now + tonumber(ARGV[7]), jid)
+redis.call('XADD', ARGV[12] .. jid, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', ARGV[6],
+  'exc_string', ARGV[5], 'execution_id', exec)
+return 1

@@ -1,0 +1,20 @@
+-- release: give a leased job back to the front of the queue (infrastructure trouble, an
+-- abort for new parameters, shutdown); optionally refund the attempt the claim spent.
+-- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 spent, 6 errors
+-- ARGV: 1 job id, 2 index, 3 exec id, 4 refund (1/0), 5 reason, 6 job key prefix,
+--       7 execution key prefix, 8 executions key prefix
+-- Returns 1 if released, 0 if the lease was no longer ours.
+local jid, idx, exec = ARGV[1], ARGV[2], ARGV[3]
+local owner = redis.call('HGET', KEYS[2], jid)
+if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
+redis.call('HDEL', KEYS[2], jid)
+redis.call('ZREM', KEYS[1], jid)
+redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
+redis.call('DEL', ARGV[7] .. jid .. ':' .. exec, ARGV[8] .. jid)
+if ARGV[4] == '1' then
+  redis.call('BITFIELD', KEYS[5], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, -1)
+end
+if ARGV[5] ~= '' then redis.call('HSET', KEYS[6], idx, ARGV[5]) end
+redis.call('HSET', ARGV[6] .. jid, 'status', 'queued')
+redis.call('LPUSH', KEYS[4], jid)
+return 1

@@ -1,0 +1,20 @@
+-- renew: extend the leases this consumer still owns; report the ones it lost (fencing).
+-- KEYS: 1 leases, 2 lease_owner, 3 wip
+-- ARGV: 1 visibility timeout s, 2 wip margin s, 3 executions key prefix, then job_id, exec_id pairs
+-- Returns the job ids whose lease is no longer this consumer's.
+local t = redis.call('TIME')
+local deadline = tonumber(t[1]) + tonumber(t[2]) / 1e6 + tonumber(ARGV[1])
+local margin = tonumber(ARGV[2])
+local lost = {}
+for i = 4, #ARGV, 2 do
+  local jid, exec = ARGV[i], ARGV[i + 1]
+  local owner = redis.call('HGET', KEYS[2], jid)
+  if owner and string.sub(owner, 1, #exec + 1) == exec .. '|' then
+    redis.call('ZADD', KEYS[1], 'XX', deadline, jid)
+    redis.call('ZADD', KEYS[3], 'XX', deadline + margin, jid .. ':' .. exec)
+    redis.call('ZADD', ARGV[3] .. jid, 'XX', deadline + margin, exec)
+  else
+    lost[#lost + 1] = jid
+  end
+end
+return lost

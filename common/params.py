@@ -1,0 +1,131 @@
+"""Versioned generation parameters: parsing `--set KEY=VALUE`, storing versions, the request body.
+
+A job names no parameters. The run has a current version in Redis; a consumer reads it when it
+starts a request, so changing parameters never rewrites queued work.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import orjson
+import redis
+
+from common.errors import UsageError
+from common.keys import RunKeys
+
+DEFAULTS: dict[str, Any] = {"max_tokens": 4096, "temperature": 0.6, "enable_thinking": True}
+
+
+def _positive_int(value: str) -> int:
+    n = int(value)
+    if n <= 0:
+        raise ValueError("must be a positive integer")
+    return n
+
+
+def _non_negative_float(value: str) -> float:
+    f = float(value)
+    if not f >= 0:  # also rejects nan
+        raise ValueError("must be a number >= 0")
+    return f
+
+
+def _unit_float(value: str) -> float:
+    f = float(value)
+    if not 0 < f <= 1:
+        raise ValueError("must be a number in (0, 1]")
+    return f
+
+
+def _bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("must be true or false")
+
+
+def _int(value: str) -> int:
+    return int(value)
+
+
+KNOWN: dict[str, Callable[[str], Any]] = {
+    "max_tokens": _positive_int,
+    "temperature": _non_negative_float,
+    "top_p": _unit_float,
+    "top_k": _int,
+    "min_p": _non_negative_float,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": _non_negative_float,
+    "seed": _int,
+    "model": str,
+    "enable_thinking": _bool,
+}
+
+
+def parse_sets(pairs: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
+    """Parse KEY=VALUE pairs into typed values; returns (changes, notices for unknown keys)."""
+    changes: dict[str, Any] = {}
+    notices: list[str] = []
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"bad --set {pair!r}: expected KEY=VALUE")
+        if key in KNOWN:
+            try:
+                changes[key] = KNOWN[key](raw)
+            except ValueError as e:
+                reason = str(e) if "must" in str(e) else f"not a valid {key} value"
+                raise UsageError(f"bad --set {pair!r}: {key} {reason}") from None
+        else:
+            changes[key] = _loose(raw)
+            notices.append(f"{key} is not a parameter genq knows; it is passed to the server as-is")
+    return changes, notices
+
+
+def _loose(raw: str) -> Any:
+    """An unknown key's value: JSON if it parses (numbers, booleans, objects), else the string."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return raw
+
+
+def current(r: redis.Redis, k: RunKeys) -> tuple[int, dict[str, Any]]:
+    version = int(r.get(k.params_version) or 1)
+    raw = r.hget(k.params, str(version))
+    return version, (orjson.loads(raw) if raw else dict(DEFAULTS))
+
+
+def history(r: redis.Redis, k: RunKeys) -> list[dict[str, Any]]:
+    return [orjson.loads(x) for x in r.lrange(k.params_history, 0, -1)]
+
+
+def init_version_one(r: redis.Redis, k: RunKeys, params: dict[str, Any]) -> bool:
+    """Store version 1 unless the run has parameters already; True if it stored them."""
+    entry = {"version": 1, "changes": params, "redo": "none", "inflight": "finish",
+             "at": time.time()}
+    if not r.hsetnx(k.params, "1", orjson.dumps(params)):
+        return False
+    r.set(k.params_version, 1, nx=True)
+    r.rpush(k.params_history, orjson.dumps(entry))
+    return True
+
+
+def request_body(messages: list[dict], params: dict[str, Any], model: str) -> dict[str, Any]:
+    """The /v1/chat/completions body: the limit is always explicit, thinking on by default."""
+    body = {k: v for k, v in params.items() if k != "enable_thinking"}
+    body.setdefault("model", model)
+    body["messages"] = messages
+    body["max_tokens"] = int(params.get("max_tokens", DEFAULTS["max_tokens"]))
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    kwargs.setdefault("enable_thinking", bool(params.get("enable_thinking", True)))
+    body["chat_template_kwargs"] = kwargs
+    body["stream"] = False
+    return body

@@ -1,0 +1,109 @@
+"""The Lua scripts that move a task through RQ's states atomically, and their call shapes.
+
+Each ``*_call`` function is pure: it returns the script name, KEYS and ARGV for one state
+change, so the synchronous producer/monitor and the asynchronous consumer share one definition.
+Every script lives in ``common/lua/`` with a comment saying which change it makes atomic.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from common.keys import RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
+
+NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue")
+SOURCES = {name: resources.files("common.lua").joinpath(f"{name}.lua").read_text()
+           for name in NAMES}
+
+# rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past
+# its genq deadline in rq:wip so they never mistake it for abandoned work.
+WIP_MARGIN_S = 24 * 3600
+RESULT_TTL_S = 3600
+FAILURE_TTL_S = 365 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class Call:
+    script: str
+    keys: list[str]
+    args: list[Any]
+
+
+def iso_now() -> str:
+    """rq's timestamp format; display only, never used for lease decisions."""
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _prefixes(k: RunKeys) -> list[str]:
+    return [k.rq_job_prefix, k.rq_execution_prefix, k.rq_executions_prefix]
+
+
+def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str) -> Call:
+    keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
+            k.failed, k.params_version]
+    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run]
+    return Call("claim", keys, args)
+
+
+def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
+    args: list[Any] = [vt, WIP_MARGIN_S, k.rq_executions_prefix]
+    for job_id, exec_id in held:
+        args += [job_id, exec_id]
+    return Call("renew", [k.leases, k.lease_owner, k.rq_wip], args)
+
+
+def ack_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, completion_tokens: int,
+             prompt_tokens: int, finish_reason: str, version: int, attempt: int,
+             server: str) -> Call:
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
+            k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
+            k.rq_finished]
+    code = finish_code(finish_reason)
+    name = finish_reason if finish_reason in ("stop", "length", "abort") else "other"
+    args = [job_id, index, exec_id, completion_tokens, prompt_tokens, name, code, version,
+            attempt, server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
+            RATE_BUCKET_S, RATE_BUCKET_TTL_S]
+    return Call("ack", keys, args)
+
+
+def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: bool,
+                 reason: str = "") -> Call:
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.spent, k.errors]
+    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k)]
+    return Call("release", keys, args)
+
+
+def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
+              exc_string: str, worker: str) -> Call:
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed]
+    args = [job_id, index, exec_id, reason, exc_string, worker, FAILURE_TTL_S, iso_now(),
+            *_prefixes(k), k.rq_results_prefix]
+    return Call("fail", keys, args)
+
+
+def reap_call(k: RunKeys, limit: int = 500) -> Call:
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors]
+    return Call("reap", keys, [limit, *_prefixes(k), k.run])
+
+
+def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]]) -> Call:
+    keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues]
+    args: list[Any] = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(),
+                       RESULT_TTL_S, FAILURE_TTL_S]
+    for index, data, description in jobs:
+        args += [index, data, description]
+    return Call("enqueue", keys, args)
+
+
+class ScriptRunner:
+    """Runs Calls on one client (sync or asyncio), loading each script once."""
+
+    def __init__(self, client: Any) -> None:
+        self._scripts = {name: client.register_script(src) for name, src in SOURCES.items()}
+
+    def __call__(self, call: Call) -> Any:
+        # For redis.asyncio clients this returns an awaitable; callers await it.
+        return self._scripts[call.script](keys=call.keys, args=call.args)

@@ -1,0 +1,282 @@
+"""Output shards: the consumer's durable JSON-lines sink, their repair, and reading them back.
+
+A shard is ``{out_dir}/{run}.{name}.{start_ts}-{pid}.jsonl``, written by one process that holds
+an exclusive ``flock`` on it for as long as it is open; a shard nobody holds is finished (or was
+left by a dead consumer) and may be repaired, shipped or read.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from common.errors import OutputUnavailable
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+_TAIL_BLOCK = 64 << 10
+
+
+def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
+    reason = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
+    return OutputUnavailable(f"output directory {out_dir}: {reason}")
+
+
+def _fsync_dir(directory: Path) -> None:
+    # fdatasync on the file does not make its directory entry durable; do that once per shard.
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardWriter:
+    """Appends records to the current shard, durably, one whole line or nothing.
+
+    ``write`` may be called from several threads. With ``rotate_every=N`` a shard is closed
+    after N records and the next one is opened on the next write; each closed, non-empty shard
+    is appended to ``closed_shards`` and passed to ``on_close`` (the hook for shipping it).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        run: str,
+        name: str,
+        rotate_every: int | None = None,
+        on_close: Callable[[Path], None] | None = None,
+    ) -> None:
+        self.out_dir = Path(out_dir)
+        self.run = run
+        self.name = _UNSAFE.sub("_", name) or "consumer"
+        self.rotate_every = rotate_every
+        self.on_close = on_close
+        self.closed_shards: list[Path] = []
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._path: Path | None = None
+        self._size = 0
+        self._count = 0
+        self._closed = False
+        self._open()  # at once, so an unwritable --out fails at start, not at the first result
+
+    @property
+    def path(self) -> Path | None:
+        """The shard being written now (None between a rotation and the next write)."""
+        return self._path
+
+    def _open(self) -> None:
+        try:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            while True:
+                now = time.time_ns()
+                # UTC to the nanosecond: names sort by start time and rarely collide.
+                ts = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now // 10**9))
+                stem = f"{self.run}.{self.name}.{ts}{now % 10**9:09d}Z-{os.getpid()}"
+                path = self.out_dir / f"{stem}.jsonl"
+                try:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+                    break
+                except FileExistsError:
+                    continue  # same nanosecond as a shard just closed; take the next name
+        except OSError as e:
+            raise _out_error(self.out_dir, e) from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _fsync_dir(self.out_dir)
+        except OSError as e:
+            os.close(fd)
+            raise _out_error(self.out_dir, e) from e
+        self._fd, self._path, self._size, self._count = fd, path, 0, 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record and fdatasync it; on failure the shard is as it was before."""
+        line = orjson.dumps(record) + b"\n"
+        with self._lock:
+            if self._fd < 0:
+                if self._closed:
+                    raise ValueError("ShardWriter is closed")
+                self._open()
+            try:
+                view = memoryview(line)
+                while view:  # a write can be partial when the disk or a quota fills mid-line
+                    view = view[os.write(self._fd, view) :]
+                os.fdatasync(self._fd)
+            except OSError as e:
+                # Cut the partial line so no reader ever sees a torn record; the caller will not
+                # ack, so the task runs again elsewhere.
+                try:
+                    os.ftruncate(self._fd, self._size)
+                except OSError:
+                    # The next line would be glued to the torn one; leave this shard to
+                    # repair_shards and start a fresh one on the next write.
+                    self._close_current()
+                raise _out_error(self.out_dir, e) from e
+            self._size += len(line)
+            self._count += 1
+            if self.rotate_every and self._count >= self.rotate_every:
+                self._close_current()
+
+    def _close_current(self) -> None:
+        fd, path, count = self._fd, self._path, self._count
+        self._fd, self._path = -1, None
+        if fd < 0 or path is None:
+            return
+        if count == 0:
+            path.unlink(missing_ok=True)  # nothing to ship; unlink while still holding the lock
+        os.close(fd)  # releases the flock: the shard is now complete for repair and shipping
+        if count:
+            self.closed_shards.append(path)
+            if self.on_close is not None:
+                self.on_close(path)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_current()
+            self._closed = True
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _shards(out_dir: Path, run: str) -> list[Path]:
+    return sorted(out_dir.glob(f"{run}.*.jsonl"))
+
+
+def _valid(line: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(line), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _line_start(fd: int, end: int) -> int:
+    """Offset where the line holding byte ``end - 1`` starts (after the previous newline)."""
+    pos = end - 1  # the byte at end-1 is the line's own newline (or its last byte); skip it
+    while pos > 0:
+        lo = max(0, pos - _TAIL_BLOCK)
+        nl = os.pread(fd, pos - lo, lo).rfind(b"\n")
+        if nl >= 0:
+            return lo + nl + 1
+        pos = lo
+    return 0
+
+
+def _good_end(fd: int, size: int) -> int:
+    """End of the last complete line that is a valid JSON object (0 when there is none)."""
+    end = size
+    while end > 0:
+        start = _line_start(fd, end)
+        line = os.pread(fd, end - start, start)
+        if line.endswith(b"\n") and _valid(line):
+            return end
+        end = start  # torn (no newline) or garbage: drop it and look at the line before
+    return 0
+
+
+def repair_shards(out_dir: str | os.PathLike[str], run: str) -> list[tuple[Path, int]]:
+    """Cut torn tails off every shard of ``run`` that no live writer holds; report the cuts."""
+    cuts: list[tuple[Path, int]] = []
+    for path in _shards(Path(out_dir), run):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue  # shipped and removed since we listed the directory
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer owns it; its tail is not torn, just in progress
+            size = os.fstat(fd).st_size
+            end = _good_end(fd, size)
+            if end < size:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+                cuts.append((path, size - end))
+        finally:
+            os.close(fd)
+    return cuts
+
+
+@dataclass
+class ReadStats:
+    """What ``read_records`` saw: shards opened, records yielded, lines skipped as torn."""
+
+    shards: int = 0
+    records: int = 0
+    skipped: int = 0
+
+
+def read_records(
+    dirs: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
+    run: str,
+    stats: ReadStats | None = None,
+) -> Iterator[dict[str, Any]]:
+    """Every record in every shard of ``run`` in ``dirs``; unparsable lines are counted, skipped.
+
+    A last line without its newline is a write that never completed (so was never acked) and is
+    skipped too, even if it happens to parse.
+    """
+    stats = stats if stats is not None else ReadStats()
+    if isinstance(dirs, str | os.PathLike):
+        dirs = [dirs]
+    for directory in dirs:
+        for path in _shards(Path(directory), run):
+            yield from _read_shard(path, stats)
+
+
+def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
+    try:
+        with open(path, "rb") as f:
+            stats.shards += 1
+            for line in f:
+                try:
+                    record = orjson.loads(line) if line.endswith(b"\n") else None
+                except orjson.JSONDecodeError:
+                    record = None
+                if isinstance(record, dict):
+                    stats.records += 1
+                    yield record
+                elif line.strip():
+                    stats.skipped += 1
+    except FileNotFoundError:
+        return  # shipped and removed since the directory was listed
+
+
+def choose_records(
+    records: Iterable[dict[str, Any]], accepted: Callable[[int], tuple[int, int] | None]
+) -> dict[int, dict[str, Any]]:
+    """One record per index: the accepted (params_version, attempt) if present, else the newest.
+
+    Newest means highest ``params_version``, then highest ``attempt``, then last seen.
+    ``accepted`` is called at most once per index.
+    """
+    chosen: dict[int, dict[str, Any]] = {}
+    keys: dict[int, tuple[int, int]] = {}
+    wanted: dict[int, tuple[int, int] | None] = {}
+    matched: set[int] = set()
+    for record in records:
+        index = record["index"]
+        key = (record.get("params_version", 0), record.get("attempt", 0))
+        if index not in wanted:
+            pair = accepted(index)
+            wanted[index] = tuple(pair) if pair is not None else None  # type: ignore[assignment]
+        if key == wanted[index]:
+            matched.add(index)
+        elif index in matched or (index in keys and key < keys[index]):
+            continue
+        chosen[index], keys[index] = record, key
+    return chosen

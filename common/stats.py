@@ -1,0 +1,202 @@
+"""Rate, ETA, percentile and alert maths over the numbers genq keeps in Redis, with no I/O."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from common.keys import RATE_BUCKET_S
+
+Buckets = Mapping[int, Mapping[str, float]]
+
+TRUNCATION_THRESHOLD = 0.05
+# Below this many recent completions a truncation share is noise (1 of 3 is not "33 %").
+TRUNCATION_MIN_SAMPLES = 20
+RECENT_S = 300
+STALL_S = 300
+
+
+def activity_start(buckets: Buckets, created_at: float | None = None) -> float | None:
+    """When the run began producing results, as precisely as the buckets and meta allow.
+
+    The earliest bucket with completions bounds it to RATE_BUCKET_S; the run's own creation
+    time refines it when it falls inside that bucket (it cannot be later than the first result).
+    """
+    active = [b for b, f in buckets.items() if f.get("req", 0) > 0]
+    if not active:
+        return created_at
+    first = min(active) * RATE_BUCKET_S
+    if created_at is not None and first <= created_at < first + RATE_BUCKET_S:
+        return created_at
+    return float(first)
+
+
+def window_sum(buckets: Buckets, field: str, now: float, window_s: float,
+               since: float | None = None) -> tuple[float, float]:
+    """Sum of ``field`` over [max(now - window_s, since), now] and that span's length in s.
+
+    A bucket only partly inside the window counts in proportion to its overlap, so the rate
+    slides smoothly; the current bucket holds exactly what happened in [its start, now], so it
+    counts whole. A run younger than the window is measured over the time it has existed.
+    """
+    since = min(since, now) if since is not None else None
+    start = now - window_s if since is None else max(now - window_s, since)
+    total = 0.0
+    for bucket, fields in buckets.items():
+        lo = bucket * RATE_BUCKET_S
+        hi = min(lo + RATE_BUCKET_S, now)
+        if hi <= start or lo > now:
+            continue
+        value = fields.get(field, 0)
+        # Nothing happened before the run began, so a bucket's events spread over its active
+        # part only; only that part's share inside the window counts.
+        active_lo = lo if since is None else max(lo, since)
+        if start > active_lo:
+            value *= (hi - start) / (hi - active_lo)
+        total += value
+    return total, now - start
+
+
+def window_rate(buckets: Buckets, field: str, now: float, window_s: float,
+                since: float | None = None) -> float:
+    """Events of ``field`` per second over the window (see window_sum); 0 with no time covered."""
+    total, covered = window_sum(buckets, field, now, window_s, since)
+    # Under one second of history a rate is meaningless (and would divide by ~0).
+    return total / covered if covered >= 1.0 else 0.0
+
+
+def rates(buckets: Buckets, now: float, window_s: float, since: float | None = None,
+          suffix: str = "") -> dict[str, float]:
+    """{req_per_s, tok_per_s} over the window; ``suffix`` selects a server (``"|<server>"``)."""
+    return {
+        "req_per_s": round(window_rate(buckets, "req" + suffix, now, window_s, since), 4),
+        "tok_per_s": round(window_rate(buckets, "tok" + suffix, now, window_s, since), 2),
+    }
+
+
+def eta_seconds(remaining: int, req_per_s: float) -> float | None:
+    """Seconds until ``remaining`` prompts are done at ``req_per_s``; None without a rate."""
+    if remaining <= 0:
+        return 0.0
+    if req_per_s <= 0:
+        return None
+    return round(remaining / req_per_s, 1)
+
+
+def percentiles(hist: Mapping[int, int]) -> dict[str, float | int | None]:
+    """Exact mean, p50, p90, p99 and max (nearest-rank) of a value -> count histogram."""
+    items = sorted((v, c) for v, c in hist.items() if c > 0)
+    n = sum(c for _, c in items)
+    if n == 0:
+        return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    out: dict[str, float | int | None] = {
+        "mean": round(sum(v * c for v, c in items) / n, 1)
+    }
+    for name, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99)):
+        # Nearest rank: the smallest value with at least ceil(q * n) results at or below it.
+        rank = max(1, math.ceil(q * n - 1e-9))
+        seen = 0
+        for v, c in items:
+            seen += c
+            if seen >= rank:
+                out[name] = v
+                break
+    out["max"] = items[-1][0]
+    return out
+
+
+def histogram_bins(hist: Mapping[int, int], bins: int = 20) -> list[dict[str, int]]:
+    """Equal-width bins [lo, hi) from 0 to past the max value, for a length chart."""
+    values = [v for v, c in hist.items() if c > 0]
+    if not values:
+        return []
+    width = max(1, math.ceil((max(values) + 1) / bins))
+    out = [{"lo": i * width, "hi": (i + 1) * width, "count": 0} for i in range(bins)]
+    for v, c in hist.items():
+        if c > 0:
+            out[min(max(v, 0) // width, bins - 1)]["count"] += c
+    # Trailing empty bins only exist when the width rounded up; they carry no information.
+    while out and out[-1]["count"] == 0:
+        out.pop()
+    return out
+
+
+def truncation_rate(length: int, done: int) -> float:
+    """Share of done results that ended with finish_reason length."""
+    return round(length / done, 4) if done > 0 else 0.0
+
+
+def recent_truncation(buckets: Buckets, now: float, window_s: float = RECENT_S,
+                      since: float | None = None) -> tuple[float, float]:
+    """(share of recent completions truncated, number of recent completions)."""
+    length, _ = window_sum(buckets, "fin|length", now, window_s, since)
+    req, _ = window_sum(buckets, "req", now, window_s, since)
+    return (round(length / req, 4) if req > 0 else 0.0), req
+
+
+def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
+                      group: int = 6) -> list[dict[str, float]]:
+    """Per-``group``-bucket rates ending before the (incomplete) current bucket, oldest first."""
+    out = []
+    span = group * RATE_BUCKET_S
+    for p in range(points, 0, -1):
+        first = now_bucket - p * group
+        req = sum(buckets.get(b, {}).get("req", 0) for b in range(first, first + group))
+        tok = sum(buckets.get(b, {}).get("tok", 0) for b in range(first, first + group))
+        out.append({"t": first * RATE_BUCKET_S, "req_per_s": round(req / span, 4),
+                    "tok_per_s": round(tok / span, 2)})
+    return out
+
+
+def requeue_command(max_tokens: int | None, run: str) -> str | None:
+    """The exact command that re-runs truncated prompts with twice the output budget."""
+    if not max_tokens:
+        return None
+    cmd = f"genq requeue --set max_tokens={2 * int(max_tokens)} --redo truncated"
+    # Pasted as is, the command must act on this run, not on whatever GENQ_RUN says.
+    return cmd if run == "default" else f"{cmd} --run {run}"
+
+
+def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None, run: str,
+                     threshold: float = TRUNCATION_THRESHOLD,
+                     min_samples: float = TRUNCATION_MIN_SAMPLES) -> dict | None:
+    """An alert when recent completions hit max_tokens more often than ``threshold``."""
+    if samples < min_samples or recent_rate <= threshold:
+        return None
+    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
+    alert: dict = {
+        "kind": "truncation",
+        "message": (f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
+                    f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated ones"),
+    }
+    cmd = requeue_command(max_tokens, run)
+    if cmd:
+        alert["command"] = cmd
+    return alert
+
+
+def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],
+                 remaining: int, window_s: float = STALL_S) -> list[dict]:
+    """Alerts for servers with no completions in ``window_s`` while work remains.
+
+    A server seen for less than the window is not judged yet: its first long generations may
+    simply not have finished.
+    """
+    if remaining <= 0:
+        return []
+    alerts = []
+    for server in sorted(recent_req):
+        if recent_req[server] > 0 or known_for_s.get(server, 0.0) < window_s:
+            continue
+        alerts.append({
+            "kind": "stalled_server",
+            "server": server,
+            "message": (f"{server} completed nothing in the last {window_s / 60:g} min "
+                        f"while {remaining} prompts remain; check the server and its consumer"),
+        })
+    return alerts
+
+
+def merge_buckets(rows: Iterable[tuple[int, Mapping[str, float]]]) -> dict[int, dict[str, float]]:
+    """Drop empty buckets so callers can ask "was there activity" by membership."""
+    return {b: dict(f) for b, f in rows if f}

@@ -1,0 +1,259 @@
+"""Where a run stands, read from Redis in two pipelines and derived with common.stats."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from typing import Any
+
+import orjson
+import redis
+
+from common import stats
+from common.errors import UsageError
+from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
+from common.params import DEFAULTS
+
+# The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
+HISTORY_BUCKETS = 3600 // RATE_BUCKET_S
+WINDOWS = {"1m": 60, "5m": 300, "15m": 900}
+HISTORY_LIMIT = 20
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _num(value: Any, default: float = 0) -> float:
+    try:
+        return float(_s(value))
+    except (TypeError, ValueError):
+        return default
+
+
+def _json(value: Any) -> Any:
+    try:
+        return orjson.loads(value) if value is not None else None
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _timestamp(value: Any) -> float | None:
+    """created_at as Unix seconds, whether it was written as a number or as ISO 8601."""
+    if value is None:
+        return None
+    text = _s(value)
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        parsed = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=dt.UTC)
+    return parsed.timestamp()
+
+
+def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
+    """Every per-run figure in one MULTI, so done, counters and histogram agree exactly."""
+    p = r.pipeline(transaction=True)
+    p.time()
+    p.hgetall(k.meta)
+    p.bitcount(k.done)
+    p.bitcount(k.failed)
+    p.bitcount(k.truncated)
+    p.llen(k.rq_queue)
+    p.zcard(k.leases)
+    p.hvals(k.lease_owner)
+    p.hgetall(k.counters)
+    p.hgetall(k.length_hist)
+    p.get(k.params_version)
+    p.hgetall(k.params)
+    p.lrange(k.params_history, -HISTORY_LIMIT, -1)
+    p.zrange(k.consumers, 0, -1, withscores=True)
+    names = ("time", "meta", "done", "failed", "truncated", "queued", "inflight", "owners",
+             "counters", "hist", "version", "params", "history", "consumers")
+    return dict(zip(names, p.execute(), strict=True))
+
+
+def _read_buckets(r: redis.Redis, k: RunKeys, now_bucket: int, consumers: list[str]):
+    """The last hour of rate buckets and the consumers' heartbeats, in one pipeline."""
+    p = r.pipeline(transaction=False)
+    span = range(now_bucket - HISTORY_BUCKETS, now_bucket + 1)
+    for b in span:
+        p.hgetall(k.rate_bucket(b))
+    for name in consumers:
+        p.get(k.consumer(name))
+    out = p.execute()
+    buckets = stats.merge_buckets(
+        (b, {_s(f): _num(v) for f, v in row.items()}) for b, row in zip(span, out, strict=False)
+    )
+    return buckets, [_json(v) for v in out[len(span):]]
+
+
+def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | None) -> list:
+    """One row per server: leases held, recent rates, and what its consumers report."""
+    leased = Counter(_s(o).split("|")[1] for o in raw["owners"] if _s(o).count("|") >= 2)
+    rows: dict[str, dict] = {}
+    for (name, seen), beat in zip(raw["consumers"], beats, strict=True):
+        if not isinstance(beat, dict) or not beat.get("server"):
+            continue  # heartbeat expired: the consumer is gone, its leases show it anyway
+        row = rows.setdefault(beat["server"], {"capacity": 0, "consumers": [], "load": None})
+        row["capacity"] += int(beat.get("capacity") or 0)
+        row["consumers"].append(_s(name))
+        row["load"] = beat.get("load") or row["load"]
+        row["last_seen_s"] = round(min(row.get("last_seen_s", 1e18), now - seen), 1)
+        row["started_at"] = beat.get("started_at")
+    first_seen: dict[str, int] = {}
+    for b in sorted(buckets):
+        for field in buckets[b]:
+            if field.startswith("req|"):
+                first_seen.setdefault(field[4:], b)
+    out = []
+    for server in sorted(set(rows) | set(leased) | set(first_seen)):
+        row = rows.get(server, {"capacity": None, "consumers": [], "load": None})
+        rate = stats.rates(buckets, now, WINDOWS["5m"], since, suffix=f"|{server}")
+        recent, _ = stats.window_sum(buckets, f"req|{server}", now, stats.STALL_S)
+        start = first_seen.get(server)
+        known = [start * RATE_BUCKET_S] if start is not None else []
+        known += [x for x in (_timestamp(row.get("started_at")), since) if x is not None]
+        out.append({
+            "server": server, "inflight": leased.get(server, 0), **rate,
+            "capacity": row["capacity"], "load": row["load"],
+            "consumer": ",".join(row["consumers"]) or None,
+            "last_seen_s": row.get("last_seen_s"),
+            "_recent": recent, "_known_s": now - min(known) if known else 0.0,
+        })
+    return out
+
+
+def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05) -> dict:
+    """The run's figures as `genq status --json` shows them (CLI.md), plus monitor extras."""
+    try:
+        k = RunKeys(run)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    raw = _read(r, k)
+    if not raw["meta"]:
+        raise UsageError(f"unknown run {run!r}: no genq:{run}:meta in Redis "
+                         "(start it with `genq produce DATASET`, or pick --run/GENQ_RUN)")
+    now = raw["time"][0] + raw["time"][1] / 1e6
+    now_bucket = int(now // RATE_BUCKET_S)
+    consumers = [_s(name) for name, _ in raw["consumers"]]
+    buckets, beats = _read_buckets(r, k, now_bucket, consumers)
+    return _assemble(run, raw, buckets, beats, now, truncation_threshold)
+
+
+def _assemble(run: str, raw: dict, buckets: dict, beats: list, now: float,
+              threshold: float) -> dict:
+    meta = {_s(f): _s(v) for f, v in raw["meta"].items()}
+    total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]
+    remaining = max(0, total - done - failed)
+    counters = {_s(f): int(_num(v)) for f, v in raw["counters"].items()}
+    hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
+    since = stats.activity_start(buckets, _timestamp(meta.get("created_at")))
+    rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
+    # Same fallback as common.params.current: what a consumer would run with right now.
+    version = int(_num(raw["version"], 1)) or 1
+    params_all = {_s(v): _json(j) for v, j in raw["params"].items()}
+    params = params_all.get(str(version)) or dict(DEFAULTS)
+    recent, samples = stats.recent_truncation(buckets, now, since=since)
+    servers = _servers(raw, buckets, beats, now, since)
+    finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
+    max_tokens = params.get("max_tokens") if isinstance(params, dict) else None
+    alerts = [a for a in [stats.truncation_alert(recent, samples, max_tokens, run, threshold)]
+              if a]
+    alerts += stats.stall_alerts({s["server"]: s["_recent"] for s in servers},
+                                 {s["server"]: s["_known_s"] for s in servers}, remaining)
+    for s in servers:
+        del s["_recent"], s["_known_s"]
+    return {
+        "run": run, "total": total, "done": done, "queued": raw["queued"],
+        "inflight": raw["inflight"], "failed": failed, "params_version": version,
+        "rate": rates["5m"], "eta_s": stats.eta_seconds(remaining, rates["5m"]["req_per_s"]),
+        "finish_reasons": {n: c for n, c in finish.items() if c},
+        "truncation_rate": stats.truncation_rate(finish["length"], done),
+        "output_tokens": stats.percentiles(hist),
+        "servers": servers,
+        "remaining": remaining, "rates": rates, "recent_truncation_rate": recent,
+        "truncated": raw["truncated"], "output_tokens_total": counters.get("ctok_sum", 0),
+        "prompt_tokens_total": counters.get("ptok_sum", 0),
+        "params": params, "params_history": [_json(h) for h in raw["history"]],
+        "length_histogram": stats.histogram_bins(hist),
+        "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),
+        "dataset": meta.get("dataset"), "created_at": _timestamp(meta.get("created_at")),
+        "alerts": alerts, "time": round(now, 3),
+    }
+
+
+def human_duration(seconds: float | None) -> str:
+    """96100 -> '1d 2h 41m'; what a person reads at a glance."""
+    if seconds is None:
+        return "—"
+    s = int(round(seconds))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h}h {m}m"
+    if h:
+        return f"{h}h {m}m"
+    return f"{m}m {s}s" if m else f"{s}s"
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    return "█" * filled + "░" * (width - filled)
+
+
+def _server_table(status: dict) -> Any:
+    from rich.table import Table
+
+    table = Table(title="servers", title_justify="left", expand=False)
+    for col in ("server", "req/s", "tok/s", "in flight / capacity", "running / waiting",
+                "last seen"):
+        table.add_column(col, justify="left" if col == "server" else "right")
+    for s in status["servers"]:
+        load = s.get("load") or {}
+        run_wait = (f"{load.get('num_reqs', '?')} / {load.get('num_waiting_reqs', '?')}"
+                    if load else "—")
+        seen = s.get("last_seen_s")
+        table.add_row(s["server"], f"{s['req_per_s']:.2f}", f"{s['tok_per_s']:,.0f}",
+                      f"{s['inflight']} / {s['capacity'] or '?'}", run_wait,
+                      f"{seen:.0f}s ago" if seen is not None else "gone")
+    return table
+
+
+def render_table(status: dict) -> Any:
+    """A rich renderable for `genq status`: progress, rates, finish mix, lengths, servers."""
+    from rich.console import Group
+    from rich.text import Text
+
+    total, done = status["total"], status["done"]
+    frac = done / total if total else 0.0
+    rate, tok = status["rate"]["req_per_s"], status["rate"]["tok_per_s"]
+    lines = [
+        Text(f"run {status['run']}  params v{status['params_version']}", style="bold"),
+        Text(f"{_bar(frac)} {frac:6.2%}  {done:,} / {total:,} done"),
+        Text(f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
+             f"failed {status['failed']:,}  remaining {status['remaining']:,}"),
+        Text(f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
+             f"ETA {human_duration(status['eta_s'])}"),
+    ]
+    mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
+    lines.append(Text(f"finish {mix}  truncated {status['truncation_rate']:.1%} "
+                      f"(last 5 min {status['recent_truncation_rate']:.1%})"))
+    o = status["output_tokens"]
+    if o["max"] is not None:
+        lines.append(Text(f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
+                          f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"))
+    parts: list[Any] = [*lines]
+    if status["servers"]:
+        parts.append(_server_table(status))
+    for alert in status["alerts"]:
+        parts.append(Text(f"! {alert['message']}", style="bold red"))
+        if alert.get("command"):
+            parts.append(Text(f"  {alert['command']}", style="bold"))
+    return Group(*parts)

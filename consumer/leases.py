@@ -1,0 +1,79 @@
+"""The consumer's side of the task queue: claim, renew, ack, release, fail and reap over the
+shared Lua scripts, on one redis.asyncio client."""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import zlib
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from common import scripts
+from common.keys import RunKeys
+
+
+@dataclass(kw_only=True)
+class Lease:
+    job_id: str
+    index: int
+    exec_id: str
+    attempt: int
+    spent: int
+    version: int
+
+
+class TaskQueue:
+    def __init__(self, client: aioredis.Redis, keys: RunKeys, *, server: str, worker: str,
+                 visibility_timeout: float) -> None:
+        self.r = client
+        self.k = keys
+        self.server = server
+        self.worker = worker
+        self.vt = visibility_timeout
+        self.run_script = scripts.ScriptRunner(client)
+
+    async def claim(self, n: int = 1) -> list[Lease]:
+        call = scripts.claim_call(self.k, n, self.vt, self.server, self.worker,
+                                  secrets.token_hex(6))
+        version, *rows = await self.run_script(call)
+        return [Lease(job_id=jid.decode(), index=int(idx), exec_id=ex.decode(),
+                      attempt=int(att), spent=int(spent), version=int(version))
+                for jid, idx, ex, att, spent in rows]
+
+    async def renew(self, leases: list[Lease]) -> set[str]:
+        """Extend these leases; returns the job ids that are no longer ours."""
+        if not leases:
+            return set()
+        held = [(lease.job_id, lease.exec_id) for lease in leases]
+        lost = await self.run_script(scripts.renew_call(self.k, self.vt, held))
+        return {jid.decode() for jid in lost}
+
+    async def ack(self, lease: Lease, *, completion_tokens: int, prompt_tokens: int,
+                  finish_reason: str) -> bool:
+        call = scripts.ack_call(
+            self.k, lease.job_id, lease.index, lease.exec_id,
+            completion_tokens=completion_tokens, prompt_tokens=prompt_tokens,
+            finish_reason=finish_reason, version=lease.version, attempt=lease.attempt,
+            server=self.server)
+        return bool(await self.run_script(call))
+
+    async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
+        call = scripts.release_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                    refund=refund, reason=reason)
+        return bool(await self.run_script(call))
+
+    async def fail(self, lease: Lease, reason: str) -> bool:
+        # rq-dashboard shows a failed job's exc_string; rq stores it as b64(zlib(text)).
+        exc = base64.b64encode(zlib.compress(reason.encode())).decode()
+        call = scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                 reason=reason, exc_string=exc, worker=self.worker)
+        return bool(await self.run_script(call))
+
+    async def reap(self) -> int:
+        return len(await self.run_script(scripts.reap_call(self.k)))
+
+    async def last_error(self, index: int) -> str:
+        raw = await self.r.hget(self.k.errors, str(index))
+        return raw.decode() if raw else ""

@@ -1,0 +1,287 @@
+"""The consumer loop: a fixed set of slots, each holding one leased task at a time, plus lease
+renewal and housekeeping, in one asyncio.TaskGroup. A slot that finishes claims the next task
+at once, so the server stays exactly full while work remains."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import orjson
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from common.errors import BadTask, GenqError, Retryable
+from common.keys import RunKeys
+from common.params import DEFAULTS, request_body
+from common.records import build_record
+from consumer.leases import Lease, TaskQueue
+from consumer.sglang import SGLang
+
+logger = structlog.get_logger("consumer")
+T = TypeVar("T")
+REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumeSettings:
+    redis_url: str
+    run: str
+    server: str
+    concurrency: int | None
+    visibility_timeout: float
+    out: str
+    burst: bool
+    max_attempts: int
+    request_timeout: float
+    grace: float
+    name: str
+    poll: float
+    server_wait: float
+
+
+@dataclass
+class Inflight:
+    lease: Lease
+    request: asyncio.Task | None = None
+    abort: str = ""
+    started: float = field(default_factory=time.monotonic)
+
+
+class Consumer:
+    def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
+                 total: int, dataset: Any, sink: Any, server: SGLang, capacity: int,
+                 model: str) -> None:
+        self.s, self.r, self.k, self.total = s, client, keys, total
+        self.dataset, self.sink, self.server = dataset, sink, server
+        self.capacity, self.model = capacity, model
+        self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
+                           visibility_timeout=s.visibility_timeout)
+        self.held: dict[str, Inflight] = {}
+        self.stop = asyncio.Event()
+        self.params: dict[int, dict[str, Any]] = {}
+        self.version = 0
+        self.trouble_until = 0.0
+        self.backoff = 1.0
+        self.load: dict[str, int] | None = None
+        self.acked = 0
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def run(self) -> None:
+        background = [asyncio.create_task(self.keep_leases()),
+                      asyncio.create_task(self.housekeeping())]
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for n in range(self.capacity):
+                    tg.create_task(self.slot(n))
+                tg.create_task(self.drain_on_stop())
+        finally:
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.r.zrem(self.k.consumers, self.s.name)
+            await self.r.delete(self.k.consumer(self.s.name))
+
+    def request_stop(self) -> None:
+        """First SIGTERM: stop claiming and drain; a second one gives everything back now."""
+        if self.stop.is_set():
+            self.abort_all("shutdown")
+        logger.info("stopping", inflight=len(self.held), grace_s=self.s.grace)
+        self.stop.set()
+
+    async def drain_on_stop(self) -> None:
+        await self.stop.wait()
+        deadline = time.monotonic() + self.s.grace
+        while self.held and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.abort_all("shutdown")
+
+    def abort_all(self, reason: str) -> None:
+        for inflight in list(self.held.values()):
+            self.abort(inflight, reason)
+
+    def abort(self, inflight: Inflight, reason: str) -> None:
+        if inflight.request is not None and not inflight.request.done():
+            inflight.abort = reason
+            inflight.request.cancel()
+
+    # --- slots -------------------------------------------------------------------------
+    async def slot(self, n: int) -> None:
+        while not self.stop.is_set():
+            if self.trouble_until > time.monotonic():
+                await asyncio.sleep(min(0.5, self.trouble_until - time.monotonic()))
+                continue
+            leases = await self.redis_retry(lambda: self.q.claim(1))
+            if leases is None:
+                continue
+            if not leases:
+                if self.s.burst and not self.held and await self.settled():
+                    logger.info("run_settled", acked=self.acked)
+                    self.stop.set()
+                    return
+                await asyncio.sleep(self.s.poll * (0.5 + random.random()))
+                continue
+            with structlog.contextvars.bound_contextvars(index=leases[0].index):
+                await self.process(leases[0])
+
+    async def process(self, lease: Lease) -> None:
+        if lease.spent > self.s.max_attempts:
+            last = await self.q.last_error(lease.index)
+            reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
+            await self.redis_retry(lambda: self.q.fail(lease, reason))
+            logger.warning("task_failed", reason=reason)
+            return
+        inflight = Inflight(lease)
+        self.held[lease.job_id] = inflight
+        try:
+            await self.generate_and_ack(inflight)
+        finally:
+            self.held.pop(lease.job_id, None)
+
+    async def generate_and_ack(self, inflight: Inflight) -> None:
+        lease = inflight.lease
+        try:
+            prompt = self.dataset.prompt(lease.index)
+            params = await self.params_for(lease.version)
+            body = request_body(prompt.messages, params, self.model)
+            inflight.request = asyncio.create_task(self.server.chat(body, lease.index))
+            completion = await inflight.request
+            record = build_record(
+                run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,
+                attempt=lease.attempt, server=self.s.server, model=body["model"],
+                completion=completion, latency_s=time.monotonic() - inflight.started)
+            await asyncio.to_thread(self.sink.write, record)
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            await self.after_abort(inflight)
+            return
+        except BadTask as e:
+            await self.redis_retry(lambda: self.q.fail(lease, e.reason))
+            logger.warning("task_failed", reason=e.reason)
+            return
+        except (Retryable, GenqError) as e:
+            await self.redis_retry(lambda: self.q.release(lease, refund=True, reason=str(e)))
+            self.trouble(str(e))
+            return
+        accepted = await self.redis_retry(lambda: self.q.ack(
+            lease, completion_tokens=completion.completion_tokens,
+            prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
+        if accepted:
+            self.acked += 1
+            self.backoff = 1.0
+            logger.debug("task_acked", finish_reason=completion.finish_reason,
+                         completion_tokens=completion.completion_tokens)
+        else:
+            logger.warning("ack_refused", reason="lease lost; another attempt owns the task")
+
+    async def after_abort(self, inflight: Inflight) -> None:
+        lease = inflight.lease
+        if inflight.abort == "lost":
+            logger.warning("lease_lost", reason="lease expired; the task was handed out again")
+            return
+        reason = f"aborted: {inflight.abort}"
+        await self.redis_retry(lambda: self.q.release(lease, refund=True, reason=reason))
+        logger.info("task_released", reason=reason)
+
+    async def params_for(self, version: int) -> dict[str, Any]:
+        if version not in self.params:
+            raw = await self.r.hget(self.k.params, str(version))
+            self.params[version] = orjson.loads(raw) if raw else dict(DEFAULTS)
+        return self.params[version]
+
+    async def settled(self) -> bool:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.bitcount(self.k.done)
+        pipe.bitcount(self.k.failed)
+        pipe.zcard(self.k.leases)
+        pipe.llen(self.k.rq_queue)
+        done, failed, leased, queued = await pipe.execute()
+        return done + failed >= self.total and not leased and not queued
+
+    # --- trouble -----------------------------------------------------------------------
+    def trouble(self, error: str) -> None:
+        """Infrastructure trouble: pause claiming with jittered exponential backoff."""
+        pause = self.backoff * (0.5 + random.random())
+        if self.trouble_until <= time.monotonic():
+            logger.warning("claiming_paused", error=error, pause_s=round(pause, 2))
+        self.trouble_until = max(self.trouble_until, time.monotonic() + pause)
+        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
+
+    async def redis_retry(self, op: Callable[[], Awaitable[T]]) -> T | None:
+        """Run a Redis operation, riding through outages; None only if stopping meanwhile."""
+        delay = 0.2
+        while True:
+            try:
+                return await op()
+            except REDIS_ERRORS as e:
+                logger.warning("redis_unavailable", error=str(e), retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    # --- background --------------------------------------------------------------------
+    async def keep_leases(self) -> None:
+        """Renew every held lease each third of the visibility timeout; drop the lost ones."""
+        period = self.s.visibility_timeout / 3
+        while True:
+            await asyncio.sleep(period)
+            held = list(self.held.values())
+            try:
+                lost = await self.q.renew([i.lease for i in held])
+            except REDIS_ERRORS as e:
+                logger.warning("renew_failed", error=str(e))
+                continue
+            for inflight in held:
+                if inflight.lease.job_id in lost:
+                    self.abort(inflight, "lost")
+
+    async def housekeeping(self) -> None:
+        """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
+        tick = 0
+        while True:
+            try:
+                await self.watch_version()
+                if tick % 2 == 0:
+                    await self.q.reap()
+                    await self.heartbeat()
+                if tick % 5 == 0:
+                    self.load = await self.server.load()
+            except REDIS_ERRORS as e:
+                logger.warning("housekeeping_failed", error=str(e))
+            tick += 1
+            await asyncio.sleep(0.5)
+
+    async def watch_version(self) -> None:
+        version = int(await self.r.get(self.k.params_version) or 1)
+        if version <= self.version:
+            return
+        previous, self.version = self.version, version
+        if not previous:
+            return
+        last = await self.r.lindex(self.k.params_history, -1)
+        policy = orjson.loads(last).get("inflight", "abort") if last else "abort"
+        logger.info("params_changed", version=version, inflight=policy)
+        if policy == "abort":
+            for inflight in list(self.held.values()):
+                if inflight.lease.version < version:
+                    self.abort(inflight, f"parameters changed to version {version}")
+
+    async def heartbeat(self) -> None:
+        now = (await self.r.time())[0]
+        beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
+                "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
+                "pid": os.getpid(), "acked": self.acked}
+        pipe = self.r.pipeline(transaction=False)
+        pipe.set(self.k.consumer(self.s.name), orjson.dumps(beat), ex=15)
+        pipe.zadd(self.k.consumers, {self.s.name: now})
+        await pipe.execute()

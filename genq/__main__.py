@@ -1,0 +1,5 @@
+import sys
+
+from genq.cli import main
+
+sys.exit(main())

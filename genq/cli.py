@@ -1,0 +1,65 @@
+"""The `genq` command: one console script dispatching to each service's own main."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from common.cli import add_common, connect, guarded, run_keys
+
+COMMANDS = {
+    "sim": ("simulator.cli", "main", "a simulated SGLang server"),
+    "produce": ("producer.cli", "main", "register a run and queue its prompts"),
+    "consume": ("consumer.cli", "main", "one consumer for one SGLang server"),
+    "status": ("monitor.status_cli", "status_main", "where the run stands"),
+    "requeue": ("producer.requeue", "main", "new parameters for a live run"),
+    "export": ("genq.cli", "export_main", "one record per prompt, to a file"),
+    "monitor": ("monitor.cli", "main", "web page, /api/status, /metrics, progress.json"),
+    "demo": ("genq.demo", "main", "the whole pipeline on one machine with the simulator"),
+}
+
+USAGE = "usage: genq COMMAND [ARGS]\n\ncommands:\n" + "".join(
+    f"  {name:<9} {text}\n" for name, (_, _, text) in COMMANDS.items()
+) + "\n`genq COMMAND --help` describes each one."
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] not in COMMANDS:
+        print(f"genq: error: unknown command {args[0]!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    module, func, _ = COMMANDS[args[0]]
+    return int(getattr(importlib.import_module(module), func)(args[1:]) or 0)
+
+
+@guarded
+def export_main(argv: list[str] | None = None) -> int:
+    """Write the run's results, one record per done prompt index, newest version winning."""
+    from common import export
+    from common import run as runs
+
+    p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
+    p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
+    p.add_argument("--shards", action="append", default=[], metavar="DIR",
+                   help="shard directory to read (default: those the consumers registered)")
+    add_common(p)
+    a = p.parse_args(argv)
+    k = run_keys(a.run)
+    r = connect(a.redis_url)
+    info = runs.load(r, k)
+    dirs = a.shards or sorted(d.decode() for d in r.smembers(k.outdirs))
+    dirs = [d for d in dirs if os.path.isdir(d)]
+    result = export.export(r, k, info.total, dirs, a.out)
+    print(f"exported {result.written} records ({result.done} done of {info.total}) "
+          f"from {result.shards} shards to {a.out}")
+    if result.missing:
+        print(f"genq: warning: {result.done - result.written} done prompts have no record in "
+              f"{dirs} (first: {result.missing[:5]}); are all shard directories given?",
+              file=sys.stderr)
+        return 1
+    return 0

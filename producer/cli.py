@@ -1,0 +1,128 @@
+"""`genq produce`: register the run, then enqueue its unfinished indices once or keep a
+bounded window of them queued while consumers drain it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis
+import structlog
+
+from common import feed, log, params
+from common import run as runs
+from common.cli import add_common, connect, guarded, run_keys
+from common.dataset import open_dataset
+from common.keys import RunKeys
+from common.scripts import ScriptRunner, reap_call
+
+logger = structlog.get_logger("producer")
+
+MIN_WINDOW = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProduceSettings:
+    redis_url: str
+    run: str
+    dataset: str
+    params: dict[str, Any]
+    notices: tuple[str, ...]
+    window: int
+    once: bool
+    interval: float
+
+
+def parse(argv: list[str] | None) -> ProduceSettings:
+    p = argparse.ArgumentParser(prog="genq produce", description=__doc__)
+    p.add_argument("dataset", help="JSONL or Parquet; rows have `messages` or `prompt`")
+    p.add_argument("--max-tokens", type=int, help="generation limit (default 4096)")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default 0.6)")
+    p.add_argument("--model", help="model name sent to the server (default: the server's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other generation parameter; repeatable")
+    p.add_argument("--window", type=int, default=0,
+                   help="jobs kept queued (default: twice the live consumers' capacity, "
+                        f"at least {MIN_WINDOW})")
+    p.add_argument("--once", action="store_true",
+                   help="enqueue every unfinished index, then exit")
+    p.add_argument("--interval", type=float, default=0.5, help="top-up period, seconds")
+    add_common(p)
+    a = p.parse_args(argv)
+    sets = list(a.set)
+    for flag, key in ((a.max_tokens, "max_tokens"), (a.temperature, "temperature"),
+                      (a.model, "model")):
+        if flag is not None:
+            sets.append(f"{key}={flag}")
+    changes, notices = params.parse_sets(sets)
+    if a.window < 0:
+        p.error("--window must be >= 0")
+    return ProduceSettings(redis_url=a.redis_url, run=a.run, dataset=a.dataset,
+                           params={**params.DEFAULTS, **changes}, notices=tuple(notices),
+                           window=a.window, once=a.once, interval=a.interval)
+
+
+@guarded
+def main(argv: list[str] | None = None) -> int:
+    s = parse(argv)
+    log.setup()
+    k = run_keys(s.run)
+    ds = open_dataset(s.dataset)
+    r = connect(s.redis_url)
+    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
+    ds.close()
+    for notice in s.notices:
+        logger.warning("unknown_parameter", notice=notice)
+    if not params.init_version_one(r, k, s.params):
+        version, current = params.current(r, k)
+        if any(current.get(key) != value for key, value in s.params.items()):
+            logger.warning("parameters_not_changed", version=version,
+                           hint="the run has parameters already; change them with "
+                                "`genq requeue --set KEY=VALUE`")
+    runner = ScriptRunner(r)
+    logger.info("run_registered", run=s.run, dataset=info.dataset, total=info.total)
+    if s.once:
+        added = enqueue_all(r, k, info.total, runner)
+        logger.info("enqueued", run=s.run, jobs=added)
+        print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
+        return 0
+    keep_window(r, k, s, info.total, runner)
+    return 0
+
+
+def enqueue_all(r: redis.Redis, k: RunKeys, total: int, runner: ScriptRunner) -> int:
+    free = list(feed.free_indices(r, k, total))
+    return feed.enqueue(r, k, free, runner)
+
+
+def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
+    """Enough queued jobs that every live consumer can refill all its slots at once, twice."""
+    if fixed:
+        return fixed
+    names = r.zrange(k.consumers, 0, -1)
+    raws = r.mget([k.consumer(n.decode()) for n in names]) if names else []
+    capacity = sum(orjson.loads(raw).get("capacity", 0) for raw in raws if raw)
+    return max(MIN_WINDOW, 2 * capacity)
+
+
+def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, total: int,
+                runner: ScriptRunner) -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    logger.info("producer_started", run=s.run, window=s.window or "auto")
+    while not stop.is_set():
+        try:
+            runner(reap_call(k))
+            want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
+            if want > 0 and feed.top_up(r, k, total, want, runner):
+                logger.debug("topped_up", queued=r.llen(k.rq_queue))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            logger.warning("redis_unavailable", error=str(e), retry_in_s=2)
+            stop.wait(2)
+        stop.wait(s.interval)
+    logger.info("producer_stopped", run=s.run)

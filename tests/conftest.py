@@ -1,0 +1,118 @@
+"""Shared fixtures: a private redis-server per test session, fresh run names, free ports."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on port {port} after {timeout}s")
+
+
+class RedisServer:
+    """A private redis-server that a test may kill, restart and reconfigure."""
+
+    def __init__(self, directory: Path, port: int | None = None, *extra: str) -> None:
+        self.dir = directory
+        self.port = port or free_port()
+        self.extra = list(extra)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        args = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
+            "--dir", str(self.dir), "--save", "", "--appendonly", "no",
+            "--maxmemory-policy", "noeviction", *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if kill:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    directory = Path(tempfile.mkdtemp(prefix="genq-redis-"))
+    server = RedisServer(directory)
+    server.start()
+    yield server
+    server.stop(kill=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_server):
+    client = redis_server.client()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def run_name() -> str:
+    """A fresh run per test instead of FLUSHALL, so tests never see each other's keys."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def genq_env(redis_url: str, run: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(REDIS_URL=redis_url, GENQ_RUN=run, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def genq(*args: str, redis_url: str, run: str, check: bool = True, timeout: float = 60,
+         **kw) -> subprocess.CompletedProcess:
+    """Run the real `genq` command line as a user would."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "genq", *args], env=genq_env(redis_url, run),
+        capture_output=True, text=True, timeout=timeout, **kw,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"genq {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
+    return proc
