@@ -7,7 +7,9 @@ Every script lives in ``common/lua/`` with a comment saying which change it make
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import zlib
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -77,7 +79,9 @@ def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: b
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
-              exc_string: str, worker: str) -> Call:
+              worker: str) -> Call:
+    # rq-dashboard shows a failed job's exc_string; rq stores it as b64(zlib(text)).
+    exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
     keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed]
     args = [job_id, index, exec_id, reason, exc_string, worker, FAILURE_TTL_S, iso_now(),
             *_prefixes(k), k.rq_results_prefix]

@@ -3,9 +3,7 @@ shared Lua scripts, on one redis.asyncio client."""
 
 from __future__ import annotations
 
-import base64
 import secrets
-import zlib
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -65,10 +63,8 @@ class TaskQueue:
         return bool(await self.run_script(call))
 
     async def fail(self, lease: Lease, reason: str) -> bool:
-        # rq-dashboard shows a failed job's exc_string; rq stores it as b64(zlib(text)).
-        exc = base64.b64encode(zlib.compress(reason.encode())).decode()
         call = scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
-                                 reason=reason, exc_string=exc, worker=self.worker)
+                                 reason=reason, worker=self.worker)
         return bool(await self.run_script(call))
 
     async def reap(self) -> int:

@@ -17,6 +17,8 @@ import redis
 
 REPO = Path(__file__).resolve().parent.parent
 
+pytest_plugins = ["sim_fixtures"]
+
 
 def free_port() -> int:
     with socket.socket() as s:

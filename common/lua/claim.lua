@@ -20,7 +20,8 @@ for i = 1, n do
   if redis.call('GETBIT', KEYS[7], idx) == 0 and redis.call('GETBIT', KEYS[8], idx) == 0 then
     local attempt = redis.call('BITFIELD', KEYS[5], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, 1)[1]
     local spent = redis.call('BITFIELD', KEYS[6], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, 1)[1]
-    local exec = ARGV[6] .. i
+    -- The claim number makes the fencing token unique per index even if a base repeats.
+    local exec = ARGV[6] .. i .. '.' .. attempt
     redis.call('ZADD', KEYS[3], deadline, jid)
     redis.call('HSET', KEYS[4], jid, exec .. '|' .. ARGV[4] .. '|' .. version .. '|' .. attempt)
     redis.call('HSET', ARGV[8] .. jid, 'status', 'started', 'started_at', ARGV[7],

@@ -1,0 +1,98 @@
+"""Helpers for end-to-end tests: data sets on disk, consumers as real subprocesses, waiting on
+the run's truth in Redis."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import orjson
+import redis
+from conftest import REPO, genq_env
+
+BAD_MARKER = "__GENQ_BAD__"
+
+
+def write_dataset(path: Path, n: int, *, bad_json: tuple[int, ...] = (),
+                  no_fields: tuple[int, ...] = (), poison: tuple[int, ...] = ()) -> Path:
+    """n rows of chat messages; chosen rows broken or poisoned (the simulator answers 400)."""
+    with open(path, "w") as f:
+        for i in range(n):
+            if i in bad_json:
+                f.write('{"messages": [this is not json\n')
+            elif i in no_fields:
+                f.write(json.dumps({"id": f"p{i}", "text": "no messages here"}) + "\n")
+            else:
+                text = f"Write program number {i}." + (f" {BAD_MARKER}" if i in poison else "")
+                row = {"id": f"p{i}", "messages": [{"role": "user", "content": text}]}
+                f.write(json.dumps(row) + "\n")
+    return path
+
+
+class ConsumerProcess:
+    """`genq consume` as a subprocess a test can signal, kill, pause and resume."""
+
+    def __init__(self, redis_url: str, run: str, server: str, out: Path, *flags: str) -> None:
+        self.log_path = Path(tempfile.mkstemp(prefix="genq-consumer-", suffix=".log")[1])
+        args = [sys.executable, "-m", "genq", "consume", "--server", server, "--out", str(out),
+                *flags]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, cwd=REPO, env=genq_env(redis_url, run),
+                                         stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log().splitlines():
+            try:
+                out.append(orjson.loads(line))
+            except orjson.JSONDecodeError:
+                pass
+        return out
+
+    def wait(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"consumer did not exit in {timeout}s:\n{self.log()[-3000:]}")
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def cleanup(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log_path.unlink(missing_ok=True)
+
+
+def bitcount(r: redis.Redis, key: str) -> int:
+    return int(r.bitcount(key))
+
+
+def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]

@@ -1,0 +1,126 @@
+"""Single state transitions of the queue scripts against a real Redis: claim, renew, ack,
+release, fail, reap, and the refusal of stale acks."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+from rq import Queue
+from rq.job import Job
+from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
+
+from common import feed, scripts
+from common.keys import RunKeys
+
+
+def setup_run(r: redis.Redis, run: str, n: int) -> tuple[RunKeys, scripts.ScriptRunner]:
+    k = RunKeys(run)
+    r.hset(k.meta, mapping={"total": n, "dataset": "/x", "fingerprint": "f"})
+    runner = scripts.ScriptRunner(r)
+    feed.enqueue(r, k, list(range(n)), runner)
+    return k, runner
+
+
+def claim(runner, k, n=1, vt=30.0, server="http://s:1"):
+    version, *rows = runner(scripts.claim_call(k, n, vt, server, "w1", "ex"))
+    return [(jid.decode(), int(idx), ex.decode(), int(att)) for jid, idx, ex, att, _ in rows]
+
+
+def ack(runner, k, lease, tokens=100, finish="stop"):
+    jid, idx, ex, att = lease
+    return runner(scripts.ack_call(k, jid, idx, ex, completion_tokens=tokens, prompt_tokens=7,
+                                   finish_reason=finish, version=1, attempt=att, server="s"))
+
+
+def test_enqueue_is_idempotent(r, run_name):
+    k, runner = setup_run(r, run_name, 5)
+    assert feed.enqueue(r, k, list(range(5)), runner) == 0
+    assert r.llen(k.rq_queue) == 5
+    assert list(feed.free_indices(r, k, 8)) == [5, 6, 7]
+
+
+def test_claim_leases_in_rq_layout(r, run_name):
+    k, runner = setup_run(r, run_name, 3)
+    [lease] = claim(runner, k)
+    jid, idx, ex, attempt = lease
+    assert (idx, attempt) == (0, 1)
+    q = Queue(k.queue_name, connection=r)
+    assert len(q) == 2
+    assert StartedJobRegistry(queue=q).get_job_ids(cleanup=False) == [jid]
+    assert Job.fetch(jid, connection=r).get_status().value == "started"
+    # rq's own sweep (what `rq info` does) must leave a live lease alone.
+    StartedJobRegistry(queue=q).cleanup()
+    assert r.zscore(k.leases, jid) is not None
+    assert Job.fetch(jid, connection=r).get_status().value == "started"
+
+
+def test_ack_counts_once_and_finishes_in_rq(r, run_name):
+    k, runner = setup_run(r, run_name, 2)
+    lease = claim(runner, k)[0]
+    assert ack(runner, k, lease, tokens=4096, finish="length") == 1
+    assert r.getbit(k.done, 0) == 1 and r.getbit(k.truncated, 0) == 1
+    assert r.hget(k.counters, "finish:length") == b"1"
+    assert r.hget(k.length_hist, "4096") == b"1"
+    assert r.zcard(k.leases) == 0
+    q = Queue(k.queue_name, connection=r)
+    assert FinishedJobRegistry(queue=q).get_job_ids() == [lease[0]]
+    # A second ack with the same token is refused: the lease is gone.
+    assert ack(runner, k, lease) == 0
+    assert r.hget(k.counters, "finish:length") == b"1"
+
+
+def test_stale_ack_after_reap_is_refused(r, run_name):
+    k, runner = setup_run(r, run_name, 1)
+    old = claim(runner, k, vt=0.001)[0]
+    time.sleep(0.01)  # let the 1 ms lease pass on Redis's clock
+    assert runner(scripts.reap_call(k)) == [old[0].encode()]
+    assert b"lease expired" in r.hget(k.errors, "0")
+    new = claim(runner, k)[0]
+    assert new[3] == 2  # the record's attempt rises with each claim
+    assert ack(runner, k, old) == 0
+    assert runner(scripts.renew_call(k, 30, [(old[0], old[2])])) == [old[0].encode()]
+    assert ack(runner, k, new) == 1
+    assert r.bitcount(k.done) == 1 and r.hget(k.counters, "finish:stop") == b"1"
+
+
+def test_renew_extends_deadline(r, run_name):
+    k, runner = setup_run(r, run_name, 1)
+    jid, _, ex, _ = claim(runner, k, vt=1)[0]
+    before = r.zscore(k.leases, jid)
+    assert runner(scripts.renew_call(k, 100, [(jid, ex)])) == []
+    assert r.zscore(k.leases, jid) > before + 50
+    assert runner(scripts.reap_call(k)) == []
+
+
+def test_release_with_refund_puts_task_first_and_spends_nothing(r, run_name):
+    k, runner = setup_run(r, run_name, 3)
+    jid, idx, ex, _ = claim(runner, k)[0]
+    assert runner(scripts.release_call(k, jid, idx, ex, refund=True, reason="HTTP 503")) == 1
+    assert r.lindex(k.rq_queue, 0).decode() == jid
+    assert r.bitfield(k.spent).get("u8", f"#{idx}").execute() == [0]
+    assert r.zcard(k.leases) == 0 and r.zcard(k.rq_wip) == 0
+
+
+def test_fail_lands_in_rq_failed_registry_with_reason(r, run_name):
+    k, runner = setup_run(r, run_name, 2)
+    jid, idx, ex, _ = claim(runner, k)[0]
+    call = scripts.fail_call(k, jid, idx, ex, reason="row 0: not valid JSON",
+                             worker="w1")
+    assert runner(call) == 1
+    assert r.getbit(k.failed, 0) == 1 and r.getbit(k.pending, 0) == 0
+    q = Queue(k.queue_name, connection=r)
+    assert FailedJobRegistry(queue=q).get_job_ids() == [jid]
+    job = Job.fetch(jid, connection=r)
+    assert job.get_status().value == "failed"
+    assert job.latest_result().exc_string == "row 0: not valid JSON"  # rq-dashboard shows it
+    assert feed.enqueue(r, k, [0], runner) == 0  # a failed index is not enqueued again
+
+
+def test_claim_drops_job_of_settled_index(r, run_name):
+    k, runner = setup_run(r, run_name, 1)
+    lease = claim(runner, k)[0]
+    ack(runner, k, lease)
+    r.rpush(k.rq_queue, lease[0])  # a stray duplicate push
+    assert claim(runner, k) == []
+    assert r.bitcount(k.done) == 1
