@@ -14,6 +14,9 @@ from common.errors import GenqError, UsageError
 from common.keys import RunKeys
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+# Long-running services (producer, consumer) give every Redis reply this long: without a read
+# timeout a command sent into a network partition would wait for the TCP stack, for many minutes.
+SERVICE_SOCKET_TIMEOUT_S = 10.0
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -30,10 +33,11 @@ def run_keys(run: str) -> RunKeys:
         raise UsageError(str(e)) from None
 
 
-def connect(url: str) -> redis.Redis:
+def connect(url: str, socket_timeout: float | None = None) -> redis.Redis:
     """A client that has answered PING, or one clear error naming the URL."""
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+        client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30,
+                                      socket_timeout=socket_timeout)
         client.ping()
     except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
         raise GenqError(f"cannot reach Redis at {url}: {e}") from None
@@ -54,6 +58,11 @@ def guarded(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
             return 1
         except (redis.ConnectionError, redis.TimeoutError) as e:
             print(f"genq: error: lost Redis: {e}", file=sys.stderr)
+            return 1
+        except redis.exceptions.OutOfMemoryError as e:
+            print(f"genq: error: Redis is full (maxmemory reached, noeviction refuses writes): "
+                  f"{e}; free memory or raise maxmemory, then run the command again",
+                  file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 130

@@ -9,10 +9,14 @@
         └── OutputUnavailable      # disk full / output dir unwritable
 
 Classify once, where the failure is first understood; callers then only ask "BadTask or
-Retryable?" to decide between failing the task and giving it back.
+Retryable?" (``classify``) to decide between failing the task and giving it back. Redis trouble
+(``REDIS_TROUBLE``: unreachable, timed out, loading after a restart, read-only replica, or at
+maxmemory with noeviction) is infrastructure trouble too: wait and retry, never fail a task.
 """
 
 from __future__ import annotations
+
+import redis
 
 
 class GenqError(Exception):
@@ -51,3 +55,24 @@ class ServerUnavailable(Retryable):
 
 class OutputUnavailable(Retryable):
     """The output shard cannot be written (disk full, quota, read-only or missing directory)."""
+
+
+# Redis trouble that passes on its own or once an operator acts; never a reason to fail a task.
+# BusyLoadingError (Redis replaying its AOF after a restart) is a ConnectionError.
+REDIS_TROUBLE: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    OSError,
+)
+
+
+def classify(exc: BaseException) -> type[BadTask] | type[Retryable] | None:
+    """The one verdict on a failed task: BadTask (fail it now, with its message), Retryable
+    (give it back without spending an attempt and back off), or None (a bug: let it crash)."""
+    if isinstance(exc, BadTask):
+        return BadTask
+    if isinstance(exc, (GenqError, *REDIS_TROUBLE)):
+        return Retryable
+    return None

@@ -148,6 +148,11 @@ class RunKeys:
         return self.prefix + "acc_tokens"
 
     @property
+    def acc_ptoks(self) -> str:
+        """BITFIELD u32 per index: prompt_tokens of the accepted result."""
+        return self.prefix + "acc_ptoks"
+
+    @property
     def acc_finish(self) -> str:
         """BITFIELD u8 per index: finish code (FINISH_CODES) of the accepted result."""
         return self.prefix + "acc_finish"
@@ -183,6 +188,11 @@ class RunKeys:
     @property
     def params_version(self) -> str:
         return self.prefix + "params_version"
+
+    @property
+    def params_floor(self) -> str:
+        """Lowest parameter version whose results are still accepted (raised by an abort)."""
+        return self.prefix + "params_floor"
 
     @property
     def params_history(self) -> str:

@@ -129,3 +129,30 @@ def request_body(messages: list[dict], params: dict[str, Any], model: str) -> di
     body["chat_template_kwargs"] = kwargs
     body["stream"] = False
     return body
+
+
+def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str,
+         inflight: str) -> tuple[int, dict[str, Any]]:
+    """Make a new current version from the current one plus `changes`; returns (version,
+    what changed as {key: [old, new]}). With inflight="abort", acks of older versions are
+    refused from now on, so no old-parameter result is accepted after the switch."""
+    with r.pipeline() as pipe:
+        while True:
+            try:
+                pipe.watch(k.params_version, k.params)
+                version, old = current(pipe, k)
+                new = {**old, **changes}
+                diff = {key: [old.get(key), value] for key, value in changes.items()}
+                entry = {"version": version + 1, "changes": diff, "redo": redo,
+                         "inflight": inflight, "at": time.time()}
+                pipe.multi()
+                pipe.hset(k.params, str(version + 1), orjson.dumps(new))
+                pipe.set(k.params_version, version + 1)
+                pipe.rpush(k.params_history, orjson.dumps(entry))
+                if inflight == "abort":
+                    pipe.set(k.params_floor, version + 1)
+                pipe.publish(k.events, orjson.dumps(entry))
+                pipe.execute()
+                return version + 1, diff
+            except redis.WatchError:
+                continue

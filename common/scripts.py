@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from common.keys import RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
+from common.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
 
-NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue")
+NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo")
 SOURCES = {name: resources.files("common.lua").joinpath(f"{name}.lua").read_text()
            for name in NAMES}
 
@@ -62,7 +62,7 @@ def ack_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, completion_to
              server: str) -> Call:
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
-            k.rq_finished]
+            k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue]
     code = finish_code(finish_reason)
     name = finish_reason if finish_reason in ("stop", "length", "abort") else "other"
     args = [job_id, index, exec_id, completion_tokens, prompt_tokens, name, code, version,
@@ -100,6 +100,14 @@ def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]]) -> Call:
     for index, data, description in jobs:
         args += [index, data, description]
     return Call("enqueue", keys, args)
+
+
+def redo_call(k: RunKeys, mode: str, start: int, stop: int, below_version: int) -> Call:
+    keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
+            k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
+            k.pending]
+    names = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
+    return Call("redo", keys, [mode, start, stop, below_version, k.run, *names])
 
 
 class ScriptRunner:

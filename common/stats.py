@@ -31,8 +31,9 @@ def activity_start(buckets: Buckets, created_at: float | None = None) -> float |
     return float(first)
 
 
-def window_sum(buckets: Buckets, field: str, now: float, window_s: float,
-               since: float | None = None) -> tuple[float, float]:
+def window_sum(
+    buckets: Buckets, field: str, now: float, window_s: float, since: float | None = None
+) -> tuple[float, float]:
     """Sum of ``field`` over [max(now - window_s, since), now] and that span's length in s.
 
     A bucket only partly inside the window counts in proportion to its overlap, so the rate
@@ -57,16 +58,18 @@ def window_sum(buckets: Buckets, field: str, now: float, window_s: float,
     return total, now - start
 
 
-def window_rate(buckets: Buckets, field: str, now: float, window_s: float,
-                since: float | None = None) -> float:
+def window_rate(
+    buckets: Buckets, field: str, now: float, window_s: float, since: float | None = None
+) -> float:
     """Events of ``field`` per second over the window (see window_sum); 0 with no time covered."""
     total, covered = window_sum(buckets, field, now, window_s, since)
     # Under one second of history a rate is meaningless (and would divide by ~0).
     return total / covered if covered >= 1.0 else 0.0
 
 
-def rates(buckets: Buckets, now: float, window_s: float, since: float | None = None,
-          suffix: str = "") -> dict[str, float]:
+def rates(
+    buckets: Buckets, now: float, window_s: float, since: float | None = None, suffix: str = ""
+) -> dict[str, float]:
     """{req_per_s, tok_per_s} over the window; ``suffix`` selects a server (``"|<server>"``)."""
     return {
         "req_per_s": round(window_rate(buckets, "req" + suffix, now, window_s, since), 4),
@@ -89,9 +92,7 @@ def percentiles(hist: Mapping[int, int]) -> dict[str, float | int | None]:
     n = sum(c for _, c in items)
     if n == 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
-    out: dict[str, float | int | None] = {
-        "mean": round(sum(v * c for v, c in items) / n, 1)
-    }
+    out: dict[str, float | int | None] = {"mean": round(sum(v * c for v, c in items) / n, 1)}
     for name, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99)):
         # Nearest rank: the smallest value with at least ceil(q * n) results at or below it.
         rank = max(1, math.ceil(q * n - 1e-9))
@@ -126,16 +127,18 @@ def truncation_rate(length: int, done: int) -> float:
     return round(length / done, 4) if done > 0 else 0.0
 
 
-def recent_truncation(buckets: Buckets, now: float, window_s: float = RECENT_S,
-                      since: float | None = None) -> tuple[float, float]:
+def recent_truncation(
+    buckets: Buckets, now: float, window_s: float = RECENT_S, since: float | None = None
+) -> tuple[float, float]:
     """(share of recent completions truncated, number of recent completions)."""
     length, _ = window_sum(buckets, "fin|length", now, window_s, since)
     req, _ = window_sum(buckets, "req", now, window_s, since)
     return (round(length / req, 4) if req > 0 else 0.0), req
 
 
-def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
-                      group: int = 6) -> list[dict[str, float]]:
+def throughput_series(
+    buckets: Buckets, now_bucket: int, points: int = 60, group: int = 6
+) -> list[dict[str, float]]:
     """Per-``group``-bucket rates ending before the (incomplete) current bucket, oldest first."""
     out = []
     span = group * RATE_BUCKET_S
@@ -143,8 +146,13 @@ def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
         first = now_bucket - p * group
         req = sum(buckets.get(b, {}).get("req", 0) for b in range(first, first + group))
         tok = sum(buckets.get(b, {}).get("tok", 0) for b in range(first, first + group))
-        out.append({"t": first * RATE_BUCKET_S, "req_per_s": round(req / span, 4),
-                    "tok_per_s": round(tok / span, 2)})
+        out.append(
+            {
+                "t": first * RATE_BUCKET_S,
+                "req_per_s": round(req / span, 4),
+                "tok_per_s": round(tok / span, 2),
+            }
+        )
     return out
 
 
@@ -157,17 +165,24 @@ def requeue_command(max_tokens: int | None, run: str) -> str | None:
     return cmd if run == "default" else f"{cmd} --run {run}"
 
 
-def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None, run: str,
-                     threshold: float = TRUNCATION_THRESHOLD,
-                     min_samples: float = TRUNCATION_MIN_SAMPLES) -> dict | None:
+def truncation_alert(
+    recent_rate: float,
+    samples: float,
+    max_tokens: int | None,
+    run: str,
+    threshold: float = TRUNCATION_THRESHOLD,
+    min_samples: float = TRUNCATION_MIN_SAMPLES,
+) -> dict | None:
     """An alert when recent completions hit max_tokens more often than ``threshold``."""
     if samples < min_samples or recent_rate <= threshold:
         return None
     limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
     alert: dict = {
         "kind": "truncation",
-        "message": (f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
-                    f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated ones"),
+        "message": (
+            f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
+            f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated ones"
+        ),
     }
     cmd = requeue_command(max_tokens, run)
     if cmd:
@@ -175,8 +190,12 @@ def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None,
     return alert
 
 
-def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],
-                 remaining: int, window_s: float = STALL_S) -> list[dict]:
+def stall_alerts(
+    recent_req: Mapping[str, float],
+    known_for_s: Mapping[str, float],
+    remaining: int,
+    window_s: float = STALL_S,
+) -> list[dict]:
     """Alerts for servers with no completions in ``window_s`` while work remains.
 
     A server seen for less than the window is not judged yet: its first long generations may
@@ -188,12 +207,16 @@ def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, floa
     for server in sorted(recent_req):
         if recent_req[server] > 0 or known_for_s.get(server, 0.0) < window_s:
             continue
-        alerts.append({
-            "kind": "stalled_server",
-            "server": server,
-            "message": (f"{server} completed nothing in the last {window_s / 60:g} min "
-                        f"while {remaining} prompts remain; check the server and its consumer"),
-        })
+        alerts.append(
+            {
+                "kind": "stalled_server",
+                "server": server,
+                "message": (
+                    f"{server} completed nothing in the last {window_s / 60:g} min "
+                    f"while {remaining} prompts remain; check the server and its consumer"
+                ),
+            }
+        )
     return alerts
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from functools import partial
 from typing import Any
 
 import orjson
@@ -59,23 +60,25 @@ def _timestamp(value: Any) -> float | None:
 def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
     """Every per-run figure in one MULTI, so done, counters and histogram agree exactly."""
     p = r.pipeline(transaction=True)
-    p.time()
-    p.hgetall(k.meta)
-    p.bitcount(k.done)
-    p.bitcount(k.failed)
-    p.bitcount(k.truncated)
-    p.llen(k.rq_queue)
-    p.zcard(k.leases)
-    p.hvals(k.lease_owner)
-    p.hgetall(k.counters)
-    p.hgetall(k.length_hist)
-    p.get(k.params_version)
-    p.hgetall(k.params)
-    p.lrange(k.params_history, -HISTORY_LIMIT, -1)
-    p.zrange(k.consumers, 0, -1, withscores=True)
-    names = ("time", "meta", "done", "failed", "truncated", "queued", "inflight", "owners",
-             "counters", "hist", "version", "params", "history", "consumers")
-    return dict(zip(names, p.execute(), strict=True))
+    reads = {
+        "time": (p.time,),
+        "meta": (p.hgetall, k.meta),
+        "done": (p.bitcount, k.done),
+        "failed": (p.bitcount, k.failed),
+        "truncated": (p.bitcount, k.truncated),
+        "queued": (p.llen, k.rq_queue),
+        "inflight": (p.zcard, k.leases),
+        "owners": (p.hvals, k.lease_owner),
+        "counters": (p.hgetall, k.counters),
+        "hist": (p.hgetall, k.length_hist),
+        "version": (p.get, k.params_version),
+        "params": (p.hgetall, k.params),
+        "history": (p.lrange, k.params_history, -HISTORY_LIMIT, -1),
+        "consumers": (partial(p.zrange, withscores=True), k.consumers, 0, -1),
+    }
+    for call, *args in reads.values():
+        call(*args)
+    return dict(zip(reads, p.execute(), strict=True))
 
 
 def _read_buckets(r: redis.Redis, k: RunKeys, now_bucket: int, consumers: list[str]):
@@ -90,7 +93,7 @@ def _read_buckets(r: redis.Redis, k: RunKeys, now_bucket: int, consumers: list[s
     buckets = stats.merge_buckets(
         (b, {_s(f): _num(v) for f, v in row.items()}) for b, row in zip(span, out, strict=False)
     )
-    return buckets, [_json(v) for v in out[len(span):]]
+    return buckets, [_json(v) for v in out[len(span) :]]
 
 
 def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | None) -> list:
@@ -119,13 +122,19 @@ def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | N
         start = first_seen.get(server)
         known = [start * RATE_BUCKET_S] if start is not None else []
         known += [x for x in (_timestamp(row.get("started_at")), since) if x is not None]
-        out.append({
-            "server": server, "inflight": leased.get(server, 0), **rate,
-            "capacity": row["capacity"], "load": row["load"],
-            "consumer": ",".join(row["consumers"]) or None,
-            "last_seen_s": row.get("last_seen_s"),
-            "_recent": recent, "_known_s": now - min(known) if known else 0.0,
-        })
+        out.append(
+            {
+                "server": server,
+                "inflight": leased.get(server, 0),
+                **rate,
+                "capacity": row["capacity"],
+                "load": row["load"],
+                "consumer": ",".join(row["consumers"]) or None,
+                "last_seen_s": row.get("last_seen_s"),
+                "_recent": recent,
+                "_known_s": now - min(known) if known else 0.0,
+            }
+        )
     return out
 
 
@@ -137,8 +146,10 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
         raise UsageError(str(e)) from None
     raw = _read(r, k)
     if not raw["meta"]:
-        raise UsageError(f"unknown run {run!r}: no genq:{run}:meta in Redis "
-                         "(start it with `genq produce DATASET`, or pick --run/GENQ_RUN)")
+        raise UsageError(
+            f"unknown run {run!r}: no genq:{run}:meta in Redis "
+            "(start it with `genq produce DATASET`, or pick --run/GENQ_RUN)"
+        )
     now = raw["time"][0] + raw["time"][1] / 1e6
     now_bucket = int(now // RATE_BUCKET_S)
     consumers = [_s(name) for name, _ in raw["consumers"]]
@@ -146,8 +157,16 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     return _assemble(run, raw, buckets, beats, now, truncation_threshold)
 
 
-def _assemble(run: str, raw: dict, buckets: dict, beats: list, now: float,
-              threshold: float) -> dict:
+def _params(raw: dict) -> tuple[int, dict]:
+    """Same fallback as common.params.current: what a consumer would run with right now."""
+    version = int(_num(raw["version"], 1)) or 1
+    stored = {_s(v): _json(j) for v, j in raw["params"].items()}.get(str(version))
+    return version, stored if isinstance(stored, dict) else dict(DEFAULTS)
+
+
+def _assemble(
+    run: str, raw: dict, buckets: dict, beats: list, now: float, threshold: float
+) -> dict:
     meta = {_s(f): _s(v) for f, v in raw["meta"].items()}
     total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]
     remaining = max(0, total - done - failed)
@@ -155,36 +174,44 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: list, now: float,
     hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
     since = stats.activity_start(buckets, _timestamp(meta.get("created_at")))
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
-    # Same fallback as common.params.current: what a consumer would run with right now.
-    version = int(_num(raw["version"], 1)) or 1
-    params_all = {_s(v): _json(j) for v, j in raw["params"].items()}
-    params = params_all.get(str(version)) or dict(DEFAULTS)
+    version, params = _params(raw)
     recent, samples = stats.recent_truncation(buckets, now, since=since)
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
-    max_tokens = params.get("max_tokens") if isinstance(params, dict) else None
-    alerts = [a for a in [stats.truncation_alert(recent, samples, max_tokens, run, threshold)]
-              if a]
-    alerts += stats.stall_alerts({s["server"]: s["_recent"] for s in servers},
-                                 {s["server"]: s["_known_s"] for s in servers}, remaining)
-    for s in servers:
-        del s["_recent"], s["_known_s"]
+    alert = stats.truncation_alert(recent, samples, params.get("max_tokens"), run, threshold)
+    alerts = ([alert] if alert else []) + stats.stall_alerts(
+        {s["server"]: s.pop("_recent") for s in servers},
+        {s["server"]: s.pop("_known_s") for s in servers},
+        remaining,
+    )
     return {
-        "run": run, "total": total, "done": done, "queued": raw["queued"],
-        "inflight": raw["inflight"], "failed": failed, "params_version": version,
-        "rate": rates["5m"], "eta_s": stats.eta_seconds(remaining, rates["5m"]["req_per_s"]),
+        "run": run,
+        "total": total,
+        "done": done,
+        "queued": raw["queued"],
+        "inflight": raw["inflight"],
+        "failed": failed,
+        "params_version": version,
+        "rate": rates["5m"],
+        "eta_s": stats.eta_seconds(remaining, rates["5m"]["req_per_s"]),
         "finish_reasons": {n: c for n, c in finish.items() if c},
         "truncation_rate": stats.truncation_rate(finish["length"], done),
         "output_tokens": stats.percentiles(hist),
         "servers": servers,
-        "remaining": remaining, "rates": rates, "recent_truncation_rate": recent,
-        "truncated": raw["truncated"], "output_tokens_total": counters.get("ctok_sum", 0),
+        "remaining": remaining,
+        "rates": rates,
+        "recent_truncation_rate": recent,
+        "truncated": raw["truncated"],
+        "output_tokens_total": counters.get("ctok_sum", 0),
         "prompt_tokens_total": counters.get("ptok_sum", 0),
-        "params": params, "params_history": [_json(h) for h in raw["history"]],
+        "params": params,
+        "params_history": [_json(h) for h in raw["history"]],
         "length_histogram": stats.histogram_bins(hist),
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),
-        "dataset": meta.get("dataset"), "created_at": _timestamp(meta.get("created_at")),
-        "alerts": alerts, "time": round(now, 3),
+        "dataset": meta.get("dataset"),
+        "created_at": _timestamp(meta.get("created_at")),
+        "alerts": alerts,
+        "time": round(now, 3),
     }
 
 
@@ -212,17 +239,24 @@ def _server_table(status: dict) -> Any:
     from rich.table import Table
 
     table = Table(title="servers", title_justify="left", expand=False)
-    for col in ("server", "req/s", "tok/s", "in flight / capacity", "running / waiting",
-                "last seen"):
-        table.add_column(col, justify="left" if col == "server" else "right")
+    # The URL is what a person acts on: fold it rather than cut it off on a narrow terminal.
+    table.add_column("server", overflow="fold")
+    for col in ("req/s", "tok/s", "in flight/cap", "server run/wait", "seen"):
+        table.add_column(col, justify="right", no_wrap=True)
     for s in status["servers"]:
         load = s.get("load") or {}
-        run_wait = (f"{load.get('num_reqs', '?')} / {load.get('num_waiting_reqs', '?')}"
-                    if load else "—")
+        run_wait = (
+            f"{load.get('num_reqs', '?')}/{load.get('num_waiting_reqs', '?')}" if load else "—"
+        )
         seen = s.get("last_seen_s")
-        table.add_row(s["server"], f"{s['req_per_s']:.2f}", f"{s['tok_per_s']:,.0f}",
-                      f"{s['inflight']} / {s['capacity'] or '?'}", run_wait,
-                      f"{seen:.0f}s ago" if seen is not None else "gone")
+        table.add_row(
+            s["server"],
+            f"{s['req_per_s']:.2f}",
+            f"{s['tok_per_s']:,.0f}",
+            f"{s['inflight']}/{s['capacity'] or '?'}",
+            run_wait,
+            f"{seen:.0f}s ago" if seen is not None else "gone",
+        )
     return table
 
 
@@ -237,18 +271,30 @@ def render_table(status: dict) -> Any:
     lines = [
         Text(f"run {status['run']}  params v{status['params_version']}", style="bold"),
         Text(f"{_bar(frac)} {frac:6.2%}  {done:,} / {total:,} done"),
-        Text(f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
-             f"failed {status['failed']:,}  remaining {status['remaining']:,}"),
-        Text(f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
-             f"ETA {human_duration(status['eta_s'])}"),
+        Text(
+            f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
+            f"failed {status['failed']:,}  remaining {status['remaining']:,}"
+        ),
+        Text(
+            f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
+            f"ETA {human_duration(status['eta_s'])}"
+        ),
     ]
     mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
-    lines.append(Text(f"finish {mix}  truncated {status['truncation_rate']:.1%} "
-                      f"(last 5 min {status['recent_truncation_rate']:.1%})"))
+    lines.append(
+        Text(
+            f"finish {mix}  truncated {status['truncation_rate']:.1%} "
+            f"(last 5 min {status['recent_truncation_rate']:.1%})"
+        )
+    )
     o = status["output_tokens"]
     if o["max"] is not None:
-        lines.append(Text(f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
-                          f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"))
+        lines.append(
+            Text(
+                f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
+                f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
+            )
+        )
     parts: list[Any] = [*lines]
     if status["servers"]:
         parts.append(_server_table(status))

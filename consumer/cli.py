@@ -16,12 +16,13 @@ import structlog
 
 from common import log
 from common import run as runs
-from common.cli import add_common, connect, guarded, run_keys
+from common.cli import SERVICE_SOCKET_TIMEOUT_S, add_common, connect, guarded, run_keys
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
+from consumer import faults
 from consumer.sglang import SGLang
-from consumer.worker import ConsumeSettings, Consumer
+from consumer.worker import Consumer, ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 
@@ -88,21 +89,21 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str]
 
 async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
-    sync = connect(s.redis_url)
+    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
     info = runs.load(sync, k)
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
-    sink = ShardWriter(s.out, s.run, s.name)
+    sink = faults.wrap(ShardWriter(s.out, s.run, s.name), os.environ.get("GENQ_FAULT"))
     sync.sadd(k.outdirs, os.path.abspath(s.out))
-    sync.close()
     server = SGLang(s.server, request_timeout=s.request_timeout,
                     connections=s.concurrency or 1024)
-    client = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5)
+    client = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
+                                     socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
     try:
         capacity, model = await wait_for_server(server, s)
-        consumer = Consumer(s, client, k, total=info.total, dataset=dataset, sink=sink,
+        consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
                             server=server, capacity=capacity, model=model)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -113,6 +114,7 @@ async def serve(s: ConsumeSettings) -> int:
     finally:
         await server.close()
         await client.aclose()
+        sync.close()
         sink.close()
         dataset.close()
     return 0

@@ -22,6 +22,10 @@ class Lease:
     version: int
 
 
+# What ack.lua answers.
+REFUSED, ACCEPTED, SUPERSEDED = 0, 1, 2
+
+
 class TaskQueue:
     def __init__(self, client: aioredis.Redis, keys: RunKeys, *, server: str, worker: str,
                  visibility_timeout: float) -> None:
@@ -49,13 +53,14 @@ class TaskQueue:
         return {jid.decode() for jid in lost}
 
     async def ack(self, lease: Lease, *, completion_tokens: int, prompt_tokens: int,
-                  finish_reason: str) -> bool:
+                  finish_reason: str) -> int:
+        """ACCEPTED, REFUSED (the lease was lost) or SUPERSEDED (new parameters; requeued)."""
         call = scripts.ack_call(
             self.k, lease.job_id, lease.index, lease.exec_id,
             completion_tokens=completion_tokens, prompt_tokens=prompt_tokens,
             finish_reason=finish_reason, version=lease.version, attempt=lease.attempt,
             server=self.server)
-        return bool(await self.run_script(call))
+        return int(await self.run_script(call))
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
         call = scripts.release_call(self.k, lease.job_id, lease.index, lease.exec_id,

@@ -14,22 +14,25 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
+import redis
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from common.errors import BadTask, GenqError, Retryable
+from common import feed
+from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
-from consumer.leases import Lease, TaskQueue
+from common.scripts import ScriptRunner
+from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
 from consumer.sglang import SGLang
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
-MAX_BACKOFF_S = 30.0
+REDIS_ERRORS = REDIS_TROUBLE
+# Longest pause of claiming while trouble lasts: a dead server costs one round of claims and
+# releases per pause, and a server that comes back is used again within this.
+MAX_BACKOFF_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,9 +62,11 @@ class Inflight:
 
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
-                 total: int, dataset: Any, sink: Any, server: SGLang, capacity: int,
-                 model: str) -> None:
+                 sync: redis.Redis, total: int, dataset: Any, sink: Any, server: SGLang,
+                 capacity: int, model: str) -> None:
         self.s, self.r, self.k, self.total = s, client, keys, total
+        # The producer's top-up code is synchronous; it runs on its own client in a thread.
+        self.sync, self.sync_scripts = sync, ScriptRunner(sync)
         self.dataset, self.sink, self.server = dataset, sink, server
         self.capacity, self.model = capacity, model
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
@@ -74,6 +79,7 @@ class Consumer:
         self.backoff = 1.0
         self.load: dict[str, int] | None = None
         self.acked = 0
+        self.started_at = 0
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -88,8 +94,11 @@ class Consumer:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            await self.r.zrem(self.k.consumers, self.s.name)
-            await self.r.delete(self.k.consumer(self.s.name))
+            try:
+                await self.r.zrem(self.k.consumers, self.s.name)
+                await self.r.delete(self.k.consumer(self.s.name))
+            except REDIS_ERRORS as e:  # the heartbeat key expires on its own
+                logger.warning("deregister_failed", error=str(e))
 
     def request_stop(self) -> None:
         """First SIGTERM: stop claiming and drain; a second one gives everything back now."""
@@ -124,7 +133,7 @@ class Consumer:
             if leases is None:
                 continue
             if not leases:
-                if self.s.burst and not self.held and await self.settled():
+                if self.s.burst and not self.held and await self.redis_retry(self.settled):
                     logger.info("run_settled", acked=self.acked)
                     self.stop.set()
                     return
@@ -135,7 +144,7 @@ class Consumer:
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
-            last = await self.q.last_error(lease.index)
+            last = await self.redis_retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
             await self.redis_retry(lambda: self.q.fail(lease, reason))
             logger.warning("task_failed", reason=reason)
@@ -166,22 +175,30 @@ class Consumer:
                 raise
             await self.after_abort(inflight)
             return
-        except BadTask as e:
-            await self.redis_retry(lambda: self.q.fail(lease, e.reason))
-            logger.warning("task_failed", reason=e.reason)
+        except Exception as e:
+            verdict = classify(e)
+            if verdict is BadTask:
+                reason = e.reason if isinstance(e, BadTask) else str(e)
+                await self.redis_retry(lambda: self.q.fail(lease, reason))
+                logger.warning("task_failed", reason=reason)
+                return
+            if verdict is not Retryable:
+                raise
+            error = str(e) or type(e).__name__
+            await self.redis_retry(lambda: self.q.release(lease, refund=True, reason=error))
+            self.trouble(error)
             return
-        except (Retryable, GenqError) as e:
-            await self.redis_retry(lambda: self.q.release(lease, refund=True, reason=str(e)))
-            self.trouble(str(e))
-            return
-        accepted = await self.redis_retry(lambda: self.q.ack(
+        outcome = await self.redis_retry(lambda: self.q.ack(
             lease, completion_tokens=completion.completion_tokens,
             prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
-        if accepted:
+        if outcome == ACCEPTED:
             self.acked += 1
-            self.backoff = 1.0
+            self.recovered()
             logger.debug("task_acked", finish_reason=completion.finish_reason,
                          completion_tokens=completion.completion_tokens)
+        elif outcome == SUPERSEDED:
+            logger.info("result_superseded", version=lease.version,
+                        reason="parameters changed; the task runs again under the new ones")
         else:
             logger.warning("ack_refused", reason="lease lost; another attempt owns the task")
 
@@ -211,12 +228,21 @@ class Consumer:
 
     # --- trouble -----------------------------------------------------------------------
     def trouble(self, error: str) -> None:
-        """Infrastructure trouble: pause claiming with jittered exponential backoff."""
+        """Infrastructure trouble: pause claiming with jittered exponential backoff. Requests
+        already in flight that fail during a pause do not lengthen it; only a failed try after
+        it does, so a server that comes back is used again within MAX_BACKOFF_S."""
+        now = time.monotonic()
+        if self.trouble_until > now:
+            return
         pause = self.backoff * (0.5 + random.random())
-        if self.trouble_until <= time.monotonic():
-            logger.warning("claiming_paused", error=error, pause_s=round(pause, 2))
-        self.trouble_until = max(self.trouble_until, time.monotonic() + pause)
+        logger.warning("claiming_paused", error=error, pause_s=round(pause, 2))
+        self.trouble_until = now + pause
         self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
+
+    def recovered(self) -> None:
+        if self.backoff > 1.0:
+            logger.info("claiming_resumed")
+            self.backoff = 1.0
 
     async def redis_retry(self, op: Callable[[], Awaitable[T]]) -> T | None:
         """Run a Redis operation, riding through outages; None only if stopping meanwhile."""
@@ -254,12 +280,23 @@ class Consumer:
                 if tick % 2 == 0:
                     await self.q.reap()
                     await self.heartbeat()
+                    await self.top_up()
                 if tick % 5 == 0:
                     self.load = await self.server.load()
             except REDIS_ERRORS as e:
                 logger.warning("housekeeping_failed", error=str(e))
             tick += 1
             await asyncio.sleep(0.5)
+
+    async def top_up(self) -> None:
+        """Queue more unfinished prompts when the queue runs low, so the server stays full
+        after a redo or when no producer is running; the enqueue script prevents doubles."""
+        if await self.r.llen(self.k.rq_queue) >= self.capacity:
+            return
+        added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
+                                        2 * self.capacity, self.sync_scripts)
+        if added:
+            logger.debug("topped_up", jobs=added)
 
     async def watch_version(self) -> None:
         version = int(await self.r.get(self.k.params_version) or 1)
@@ -278,9 +315,10 @@ class Consumer:
 
     async def heartbeat(self) -> None:
         now = (await self.r.time())[0]
+        self.started_at = self.started_at or now
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
                 "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
-                "pid": os.getpid(), "acked": self.acked}
+                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at}
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.k.consumer(self.s.name), orjson.dumps(beat), ex=15)
         pipe.zadd(self.k.consumers, {self.s.name: now})

@@ -4,6 +4,7 @@ bounded window of them queued while consumers drain it."""
 from __future__ import annotations
 
 import argparse
+import random
 import signal
 import threading
 from dataclasses import dataclass
@@ -15,14 +16,16 @@ import structlog
 
 from common import feed, log, params
 from common import run as runs
-from common.cli import add_common, connect, guarded, run_keys
+from common.cli import SERVICE_SOCKET_TIMEOUT_S, add_common, connect, guarded, run_keys
 from common.dataset import open_dataset
+from common.errors import REDIS_TROUBLE
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, reap_call
 
 logger = structlog.get_logger("producer")
 
 MIN_WINDOW = 64
+MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setup()
     k = run_keys(s.run)
     ds = open_dataset(s.dataset)
-    r = connect(s.redis_url)
+    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
     ds.close()
     for notice in s.notices:
@@ -115,14 +118,28 @@ def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, total: int,
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logger.info("producer_started", run=s.run, window=s.window or "auto")
+    backoff = 0.0
     while not stop.is_set():
         try:
             runner(reap_call(k))
             want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
             if want > 0 and feed.top_up(r, k, total, want, runner):
                 logger.debug("topped_up", queued=r.llen(k.rq_queue))
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            logger.warning("redis_unavailable", error=str(e), retry_in_s=2)
-            stop.wait(2)
+            if backoff:
+                logger.info("producer_resumed", run=s.run)
+                backoff = 0.0
+        except REDIS_TROUBLE as e:
+            # Wait it out with jittered exponential backoff; every step is idempotent, so the
+            # next round simply continues. A full Redis (noeviction) gets its own clear line.
+            backoff = min(max(1.0, backoff * 2), MAX_BACKOFF_S)
+            pause = round(backoff * (0.5 + random.random()), 2)
+            if isinstance(e, redis.exceptions.OutOfMemoryError):
+                logger.warning("redis_full", error=str(e), retry_in_s=pause,
+                               hint="Redis is at maxmemory and refuses new jobs (noeviction: "
+                                    "nothing is evicted or lost); enqueueing resumes once "
+                                    "memory is freed or maxmemory is raised")
+            else:
+                logger.warning("redis_unavailable", error=str(e), retry_in_s=pause)
+            stop.wait(pause)
         stop.wait(s.interval)
     logger.info("producer_stopped", run=s.run)

@@ -3,6 +3,7 @@ the run's truth in Redis."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,10 +53,8 @@ class ConsumerProcess:
     def events(self) -> list[dict]:
         out = []
         for line in self.log().splitlines():
-            try:
+            with contextlib.suppress(orjson.JSONDecodeError):
                 out.append(orjson.loads(line))
-            except orjson.JSONDecodeError:
-                pass
         return out
 
     def wait(self, timeout: float = 60) -> int:
@@ -63,7 +62,8 @@ class ConsumerProcess:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"consumer did not exit in {timeout}s:\n{self.log()[-3000:]}")
+            raise AssertionError(
+                f"consumer did not exit in {timeout}s:\n{self.log()[-3000:]}") from None
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:

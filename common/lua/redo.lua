@@ -1,0 +1,52 @@
+-- redo: make settled indices in [start, stop) runnable again, undoing their counters,
+-- histogram and bits in the same step, so `genq status` stays exact while a redo runs.
+-- KEYS: 1 done, 2 truncated, 3 failed, 4 counters, 5 length_hist, 6 acc_tokens, 7 acc_ptoks,
+--       8 acc_finish, 9 acc_version, 10 spent, 11 errors, 12 rq failed registry, 13 pending
+-- ARGV: 1 mode (truncated|failed|all), 2 start, 3 stop (exclusive), 4 redo results whose
+--       version is below this, 5 run name, 6.. finish names by code (keys.FINISH_NAMES)
+-- Returns {results made not-done, failed indices made runnable}
+local mode, start, stop, below = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+
+local function each_set_bit(key, fn)
+  local count, pos = 0, start
+  while pos < stop do
+    pos = redis.call('BITPOS', key, 1, pos, stop - 1, 'BIT')
+    if pos < 0 then break end
+    count = count + fn(pos)
+    pos = pos + 1
+  end
+  return count
+end
+
+local function undo_result(idx)
+  local at = '#' .. idx
+  if redis.call('BITFIELD', KEYS[9], 'GET', 'u16', at)[1] >= below then return 0 end
+  if redis.call('GETBIT', KEYS[1], idx) == 0 then return 0 end
+  local ctoks = redis.call('BITFIELD', KEYS[6], 'GET', 'u32', at)[1]
+  local ptoks = redis.call('BITFIELD', KEYS[7], 'GET', 'u32', at)[1]
+  local code = redis.call('BITFIELD', KEYS[8], 'GET', 'u8', at)[1]
+  redis.call('HINCRBY', KEYS[4], 'finish:' .. (ARGV[5 + code] or 'other'), -1)
+  redis.call('HINCRBY', KEYS[4], 'ctok_sum', -ctoks)
+  redis.call('HINCRBY', KEYS[4], 'ptok_sum', -ptoks)
+  if redis.call('HINCRBY', KEYS[5], ctoks, -1) <= 0 then redis.call('HDEL', KEYS[5], ctoks) end
+  redis.call('SETBIT', KEYS[1], idx, 0)
+  redis.call('SETBIT', KEYS[2], idx, 0)
+  redis.call('SETBIT', KEYS[13], idx, 0)
+  redis.call('BITFIELD', KEYS[10], 'SET', 'u8', at, 0)
+  return 1
+end
+
+local function revive_failed(idx)
+  redis.call('SETBIT', KEYS[3], idx, 0)
+  redis.call('SETBIT', KEYS[13], idx, 0)
+  redis.call('BITFIELD', KEYS[10], 'SET', 'u8', '#' .. idx, 0)
+  redis.call('HDEL', KEYS[11], idx)
+  redis.call('ZREM', KEYS[12], ARGV[5] .. '-' .. idx)
+  return 1
+end
+
+local results, failed = 0, 0
+if mode == 'truncated' then results = each_set_bit(KEYS[2], undo_result) end
+if mode == 'all' then results = each_set_bit(KEYS[1], undo_result) end
+if mode == 'failed' or mode == 'all' then failed = each_set_bit(KEYS[3], revive_failed) end
+return {results, failed}

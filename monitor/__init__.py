@@ -1,0 +1,1 @@
+"""The monitor service: a web page, the status JSON, Prometheus metrics and a progress file."""

@@ -1,0 +1,81 @@
+"""Background work the monitor does on a timer: the progress file now, the reaper later."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+import structlog
+
+log = structlog.get_logger("monitor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeriodicTask:
+    name: str
+    interval_s: float
+    fn: Callable[[], None]
+
+
+class Periodic(threading.Thread):
+    """Runs each task every interval_s on one thread; a failing task is logged, never fatal."""
+
+    def __init__(self, tasks: list[PeriodicTask]) -> None:
+        super().__init__(name="genq-monitor-periodic", daemon=True)
+        self.tasks = tasks
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        due = {t.name: 0.0 for t in self.tasks}
+        while not self._stop_event.is_set():
+            now = time.monotonic()
+            for task in self.tasks:
+                if now >= due[task.name]:
+                    due[task.name] = now + task.interval_s
+                    self._run_one(task)
+            if due:
+                self._stop_event.wait(max(0.0, min(due.values()) - time.monotonic()))
+            else:
+                self._stop_event.wait()
+
+    def _run_one(self, task: PeriodicTask) -> None:
+        try:
+            task.fn()
+        except Exception as e:  # a bad tick must not stop the next one (or the other tasks)
+            log.error("periodic_task_failed", task=task.name, error=repr(e))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop_event.set()
+        if self.is_alive():
+            self.join(timeout)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never a half-written one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def progress_writer(path: Path, read: Callable[[], tuple[dict | None, str | None]]):
+    """A task body that rewrites ``path`` with the status; an unreadable status keeps the last
+    good file (its ``time`` says how old it is) rather than replacing figures with nothing."""
+
+    def tick() -> None:
+        status, _error = read()
+        if status is not None:
+            write_atomic(path, orjson.dumps(status, option=orjson.OPT_INDENT_2))
+
+    return tick

@@ -1,0 +1,128 @@
+"""The read-only HTTP service: the page, /api/status and /metrics, over one status source."""
+
+from __future__ import annotations
+
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+
+import orjson
+import redis
+import structlog
+
+from common.errors import GenqError
+from common.status import read_status
+from monitor import metrics
+
+log = structlog.get_logger("monitor")
+
+PAGE = resources.files("monitor").joinpath("page.html").read_bytes()
+
+
+def redact(url: str) -> str:
+    """The Redis URL without its password, fit for logs and pages."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***' + at if at else ''}{host}" if sep else url
+
+
+class StatusSource:
+    """Reads the status on demand and remembers whether the last read worked, to log changes."""
+
+    def __init__(
+        self, client: redis.Redis, run: str, *, url: str, truncation_threshold: float
+    ) -> None:
+        self.client, self.run, self.url = client, run, redact(url)
+        self.threshold = truncation_threshold
+        self._lock = threading.Lock()
+        self._last_error: str | None = ""  # "" = not read yet, None = last read worked
+
+    def read(self) -> tuple[dict | None, str | None]:
+        """(status, None) or (None, one-line reason); never raises for Redis or run trouble."""
+        try:
+            status = read_status(self.client, self.run, truncation_threshold=self.threshold)
+        except GenqError as e:
+            return None, self._note("status_unavailable", str(e))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            return None, self._note("redis_unreachable", f"cannot reach Redis at {self.url}: {e}")
+        except redis.RedisError as e:
+            return None, self._note("status_unavailable", f"Redis error at {self.url}: {e}")
+        self._note("status_available", None)
+        return status, None
+
+    def _note(self, event: str, error: str | None) -> str | None:
+        # One log line per change of state, not one per request: a page polls every 2 s.
+        with self._lock:
+            changed, self._last_error = error != self._last_error, error
+        if changed and error:
+            log.warning(event, run=self.run, error=error)
+        elif changed:
+            log.info(event, run=self.run, redis=self.url)
+        return error
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: MonitorServer
+    server_version = "genq-monitor"
+
+    def _send(self, code: int, body: bytes, content_type: str, head: bool = False) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        if code == HTTPStatus.METHOD_NOT_ALLOWED:
+            self.send_header("Allow", "GET, HEAD")
+        self.end_headers()
+        if not head:
+            self.wfile.write(body)
+
+    def _json(self, code: int, obj: object, head: bool = False) -> None:
+        self._send(code, orjson.dumps(obj), "application/json", head)
+
+    def do_GET(self, head: bool = False) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path in ("/", "/index.html"):
+            self._send(200, PAGE, "text/html; charset=utf-8", head)
+        elif path == "/api/status":
+            status, error = self.server.source.read()
+            if status is None:
+                self._json(503, {"error": error, "run": self.server.source.run}, head)
+            else:
+                self._json(200, status, head)
+        elif path == "/metrics":
+            status, error = self.server.source.read()
+            text = (
+                metrics.render(status)
+                if status is not None
+                else metrics.render_down(self.server.source.run, error or "unknown")
+            )
+            self._send(200, text.encode(), metrics.CONTENT_TYPE, head)
+        else:
+            self._json(404, {"error": f"no such page {path}"}, head)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self.do_GET(head=True)
+
+    def _refuse(self) -> None:
+        # The monitor only reads: changing a run is `genq requeue`'s job, on purpose. The body is
+        # drained (up to 1 MiB) so the client reads our 405 instead of a connection reset.
+        length = int(self.headers.get("Content-Length") or 0)
+        if 0 < length <= 1 << 20:
+            self.rfile.read(length)
+        self._json(405, {"error": f"{self.command} not allowed: the monitor is read-only"})
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+        # http.server writes every request to stderr; per-request lines would drown the logs.
+        pass
+
+
+class MonitorServer(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], source: StatusSource) -> None:
+        super().__init__(address, Handler)
+        self.source = source

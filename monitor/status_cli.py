@@ -1,0 +1,89 @@
+"""`genq status`: where the run stands, as JSON, a table, or a live view that refreshes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import orjson
+import redis
+
+from common.cli import add_common, guarded
+from common.errors import GenqError
+from common.status import read_status, render_table
+
+WATCH_INTERVAL_S = 2.0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="genq status", description="Where the run stands.")
+    add_common(parser)
+    parser.add_argument("--json", action="store_true", help="print the status JSON (CLI.md)")
+    parser.add_argument(
+        "--watch", action="store_true", help=f"refresh every {WATCH_INTERVAL_S:g} s until Ctrl-C"
+    )
+    return parser.parse_args(argv)
+
+
+def _client(url: str) -> redis.Redis:
+    try:
+        return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
+    except ValueError as e:
+        raise GenqError(f"bad Redis URL {url}: {e}") from None
+
+
+def _read(client: redis.Redis, url: str, run: str) -> dict:
+    try:
+        return read_status(client, run)
+    except (redis.ConnectionError, redis.TimeoutError) as e:
+        raise GenqError(f"cannot reach Redis at {url}: {e}") from None
+
+
+def _progress(status: dict):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn
+
+    bar = Progress(
+        "[bold]done",
+        BarColumn(bar_width=None),
+        MofNCompleteColumn(),
+        TaskProgressColumn(),
+        expand=True,
+    )
+    bar.add_task("done", total=status["total"] or None, completed=status["done"])
+    return bar
+
+
+def _watch(client: redis.Redis, url: str, run: str) -> int:
+    from rich.console import Group
+    from rich.live import Live
+
+    status = _read(client, url, run)
+    with Live(Group(_progress(status), render_table(status)), auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(WATCH_INTERVAL_S)
+                status = _read(client, url, run)
+                live.update(Group(_progress(status), render_table(status)), refresh=True)
+        except KeyboardInterrupt:
+            return 0
+
+
+@guarded
+def status_main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    client = _client(args.redis_url)
+    try:
+        if args.watch:
+            return _watch(client, args.redis_url, args.run)
+        status = _read(client, args.redis_url, args.run)
+        if args.json:
+            sys.stdout.buffer.write(orjson.dumps(status) + b"\n")
+            sys.stdout.flush()
+        else:
+            from rich.console import Console
+
+            Console().print(render_table(status))
+        return 0
+    finally:
+        client.close()

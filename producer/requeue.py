@@ -1,0 +1,73 @@
+"""`genq requeue`: new parameters for a live run, and optionally finished prompts run again
+under them, without restarting anything or losing finished work."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import redis
+from rich.progress import Progress
+
+from common import params
+from common import run as runs
+from common.cli import add_common, connect, guarded, run_keys
+from common.errors import UsageError
+from common.keys import RunKeys
+from common.scripts import ScriptRunner, redo_call
+
+# Indices per redo script call: each call is atomic and exact, and short enough (tens of ms)
+# that consumers' acks are not held up behind it.
+REDO_CHUNK = 65536
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="genq requeue", description=__doc__)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="parameter to change (max_tokens, temperature, top_p, model, "
+                        "enable_thinking, ...); repeatable")
+    p.add_argument("--redo", choices=["none", "truncated", "failed", "all"], default="none",
+                   help="also run again: results that hit max_tokens, failed prompts, or all")
+    p.add_argument("--inflight", choices=["abort", "finish"], default="abort",
+                   help="requests running under older parameters: abort and requeue them "
+                        "(default) or let them finish")
+    add_common(p)
+    return p.parse_args(argv)
+
+
+@guarded
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    changes, notices = params.parse_sets(a.set)
+    if not changes and a.redo == "none":
+        raise UsageError("nothing to change: give --set KEY=VALUE and/or --redo")
+    k = run_keys(a.run)
+    r = connect(a.redis_url)
+    info = runs.load(r, k)
+    for notice in notices:
+        print(f"genq: note: {notice}", file=sys.stderr)
+    if changes:
+        version, diff = params.bump(r, k, changes, redo=a.redo, inflight=a.inflight)
+        described = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in diff.items())
+        print(f"run {a.run!r}: parameters version {version}: {described}")
+        if a.inflight == "abort":
+            print("requests running under older parameters are aborted and queued again")
+    else:
+        version = params.current(r, k)[0] + 1  # redo everything from the current version
+    if a.redo != "none":
+        results, failed = redo(r, k, info.total, a.redo, version)
+        print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")
+    return 0
+
+
+def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple[int, int]:
+    runner = ScriptRunner(r)
+    results = failed = 0
+    with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
+        task = bar.add_task(f"redo {mode}", total=total)
+        for start in range(0, total, REDO_CHUNK):
+            stop = min(start + REDO_CHUNK, total)
+            got = runner(redo_call(k, mode, start, stop, below))
+            results, failed = results + int(got[0]), failed + int(got[1])
+            bar.update(task, completed=stop)
+    return results, failed

@@ -1,0 +1,1 @@
+"""An SGLang-faithful simulated server: same endpoints and shapes, continuous batching, faults."""

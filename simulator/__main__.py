@@ -1,0 +1,7 @@
+"""Entry point for `python -m simulator`."""
+
+import sys
+
+from simulator.cli import main
+
+sys.exit(main())

@@ -1,0 +1,210 @@
+"""Continuous batching: FIFO admission to a fixed number of decode slots, faults and counters."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from simulator.httpserver import ResetConnection
+from simulator.model import Completion
+from simulator.settings import Settings
+
+
+class ApiError(Exception):
+    """A request answered with an HTTP error status and SGLang's error object."""
+
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+
+
+class Slots:
+    """At most `limit` requests run at once; the rest wait first come, first served."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running = 0
+        self.max_running_seen = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def acquire(self) -> None:
+        if self.running < self.limit and not self._waiters:
+            self.running += 1
+            self.max_running_seen = max(self.max_running_seen, self.running)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                # The slot was handed over just as the client left: pass it on.
+                self.release()
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        # Hand the slot straight to the oldest waiter, so `running` never dips in between.
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self.running -= 1
+
+
+@dataclass
+class Stats:
+    """Counters since start; `GET /_sim/stats` shows them with the live gauges."""
+
+    received: int = 0
+    completed: int = 0
+    aborted: int = 0
+    bad_requests: int = 0
+    fault_errors: int = 0
+    hung: int = 0
+    resets: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+@dataclass
+class Faults:
+    """Injected failures: per-request rates, and timed modes set through `POST /_sim/faults`."""
+
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    reset_rate: float = 0.0
+    status: int | None = None
+    status_until: float = 0.0
+    hang_until: float = 0.0
+    reset_until: float = 0.0
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def pick(self) -> str | int | None:
+        """The fault for one request: an HTTP status, "hang", "reset" or None."""
+        now = time.monotonic()
+        if self.status is not None and now < self.status_until:
+            return self.status
+        if now < self.hang_until:
+            return "hang"
+        if now < self.reset_until:
+            return "reset"
+        u = self.rng.random()
+        if u < self.error_rate:
+            return 503
+        if u < self.error_rate + self.hang_rate:
+            return "hang"
+        if u < self.error_rate + self.hang_rate + self.reset_rate:
+            return "reset"
+        return None
+
+    def view(self) -> dict:
+        now = time.monotonic()
+        left = {k: max(0.0, getattr(self, k + "_until") - now) for k in ("status", "hang", "reset")}
+        return {
+            "error_rate": self.error_rate,
+            "hang_rate": self.hang_rate,
+            "reset_rate": self.reset_rate,
+            "status": self.status if left["status"] > 0 else None,
+            "status_left_s": left["status"],
+            "hang_left_s": left["hang"],
+            "reset_left_s": left["reset"],
+        }
+
+
+@dataclass(slots=True)
+class _Running:
+    prompt_tokens: int
+    tokens: int
+    started: float
+
+
+class Engine:
+    """Runs generation requests through the slots, applying faults and keeping counters."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.slots = Slots(settings.max_running_requests)
+        self.stats = Stats()
+        self.faults = self.initial_faults()
+        self._active: dict[int, _Running] = {}
+        self._ids = itertools.count()
+        self.started = time.time()
+
+    def initial_faults(self) -> Faults:
+        s = self.settings
+        return Faults(
+            error_rate=s.error_rate,
+            hang_rate=s.hang_rate,
+            reset_rate=s.reset_rate,
+            rng=random.Random(s.seed),
+        )
+
+    async def run(self, prompt_tokens: int, completion: Completion) -> None:
+        """Queue, decode and finish one request; cancellation (client gone) aborts it."""
+        fault = self.faults.pick()
+        if isinstance(fault, int):
+            self.stats.fault_errors += 1
+            raise ApiError(fault, f"simulated fault: HTTP {fault}", _error_kind(fault))
+        try:
+            if fault == "hang":
+                self.stats.hung += 1
+                await asyncio.Event().wait()
+            await self._decode(prompt_tokens, completion)
+        except asyncio.CancelledError:
+            self.stats.aborted += 1
+            raise
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.output_tokens += completion.tokens
+        if fault == "reset":
+            self.stats.resets += 1
+            raise ResetConnection
+        self.stats.completed += 1
+
+    async def _decode(self, prompt_tokens: int, completion: Completion) -> None:
+        s = self.settings
+        await self.slots.acquire()
+        key = next(self._ids)
+        try:
+            self._active[key] = _Running(prompt_tokens, completion.tokens, time.monotonic())
+            await asyncio.sleep((s.ttft + completion.tokens / s.decode_tps) / s.time_scale)
+        finally:
+            self._active.pop(key, None)
+            self.slots.release()
+
+    def tokens_in_use(self) -> int:
+        """Prompt plus generated-so-far tokens of the running requests (SGLang's `num_tokens`)."""
+        s = self.settings
+        now = time.monotonic()
+        total = 0
+        for r in self._active.values():
+            decoded = ((now - r.started) * s.time_scale - s.ttft) * s.decode_tps
+            total += r.prompt_tokens + min(r.tokens, max(0, int(decoded)))
+        return total
+
+    def stats_view(self) -> dict:
+        return {
+            **asdict(self.stats),
+            "running": self.slots.running,
+            "waiting": self.slots.waiting,
+            "max_running_seen": self.slots.max_running_seen,
+            "max_running_requests": self.slots.limit,
+        }
+
+
+def _error_kind(status: int) -> str:
+    kinds = {400: "BadRequestError", 429: "RateLimitError", 503: "ServiceUnavailableError"}
+    return kinds.get(status, "InternalServerError" if status >= 500 else "BadRequestError")

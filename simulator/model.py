@@ -1,0 +1,77 @@
+"""Pure completion model: a prompt's natural length, its thinking/answer split, and its text."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from simulator.settings import LengthDist
+
+# Share of a natural completion spent thinking, like the reasoning model the run served.
+THINK_SHARE = 0.7
+# Qwen's <|im_end|>: the id SGLang reports as `matched_stop` when a completion ends naturally.
+STOP_TOKEN_ID = 151645
+# One token is one short word, so texts are cheap to build and easy to count.
+THINK_WORD = "hmm "
+ANSWER_WORD = "ok "
+
+
+def unit_draw(text: str, seed: int) -> float:
+    """A uniform number in the open interval (0, 1), fixed by the prompt text and the seed."""
+    digest = hashlib.sha256(f"{seed}\x00{text}".encode()).digest()
+    n = int.from_bytes(digest[:8], "big") >> 11
+    # (n + 1) / (2**53 + 2) never reaches 0 or 1, which the normal quantile cannot take.
+    return (n + 1) / (2**53 + 2)
+
+
+def natural_length(text: str, seed: int, dist: LengthDist) -> int:
+    return dist.draw(unit_draw(text, seed))
+
+
+def count_words(text: str) -> int:
+    return len(text.split())
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """What the model produced for one request, before it is shaped into a response."""
+
+    natural: int
+    tokens: int
+    reasoning_tokens: int
+    thinking: bool
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if self.natural > self.tokens else "stop"
+
+    @property
+    def content_tokens(self) -> int:
+        return self.tokens - self.reasoning_tokens
+
+    def reasoning_text(self) -> str | None:
+        # Thinking switched off means no reasoning at all (null), as SGLang's parser gives.
+        if not self.thinking:
+            return None
+        return (THINK_WORD * self.reasoning_tokens).rstrip()
+
+    def content_text(self) -> str:
+        # A completion cut inside its thinking has an empty answer: truncation, not an error.
+        return (ANSWER_WORD * self.content_tokens).rstrip()
+
+    def raw_text(self) -> str:
+        """The unparsed text `/generate` returns, thinking wrapped in Qwen-style tags."""
+        if not self.thinking:
+            return self.content_text()
+        if self.content_tokens == 0 and self.finish_reason == "length":
+            return "<think>" + self.reasoning_text()
+        return f"<think>{self.reasoning_text()}</think>\n\n{self.content_text()}"
+
+
+def complete(natural: int, max_tokens: int, thinking: bool) -> Completion:
+    """Cut a natural completion at `max_tokens`; thinking comes first, then the answer."""
+    tokens = min(natural, max_tokens)
+    think = int(natural * THINK_SHARE) if thinking else 0
+    return Completion(
+        natural=natural, tokens=tokens, reasoning_tokens=min(think, tokens), thinking=thinking
+    )

@@ -1,0 +1,70 @@
+"""The simulator's frozen settings and its completion-length distribution."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+_NORMAL = NormalDist()
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthDist:
+    """Natural completion lengths: `lognormal` around a median, or `fixed`."""
+
+    kind: str
+    median: float = 0.0
+    sigma: float = 0.0
+    n: int = 0
+
+    def draw(self, u: float) -> int:
+        """Map a uniform draw in (0, 1) to a length of at least one token."""
+        if self.kind == "fixed":
+            return self.n
+        return max(1, round(self.median * math.exp(self.sigma * _NORMAL.inv_cdf(u))))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{self.n}"
+        return f"lognormal:{self.median:g}:{self.sigma:g}"
+
+
+def parse_length_dist(spec: str) -> LengthDist:
+    """Parse `lognormal:MEDIAN:SIGMA` or `fixed:N`; raise ValueError with the reason."""
+    kind, _, rest = spec.partition(":")
+    parts = rest.split(":") if rest else []
+    try:
+        if kind == "fixed" and len(parts) == 1:
+            n = int(parts[0])
+            if n < 1:
+                raise ValueError("fixed length must be at least 1")
+            return LengthDist(kind="fixed", n=n)
+        if kind == "lognormal" and len(parts) == 2:
+            median, sigma = float(parts[0]), float(parts[1])
+            if not (median >= 1 and 0 <= sigma < 10):
+                raise ValueError("need MEDIAN >= 1 and 0 <= SIGMA < 10")
+            return LengthDist(kind="lognormal", median=median, sigma=sigma)
+    except ValueError as exc:
+        raise ValueError(f"bad length distribution {spec!r}: {exc}") from None
+    raise ValueError(f"bad length distribution {spec!r}: use lognormal:MEDIAN:SIGMA or fixed:N")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Everything the simulator is told at start; rates may later be changed at runtime."""
+
+    host: str = "127.0.0.1"
+    port: int = 30000
+    max_running_requests: int = 40
+    decode_tps: float = 87.5
+    ttft: float = 0.5
+    time_scale: float = 1.0
+    # Calibrated on the real run: at max_tokens 4096, ~18 % truncate and the median is ~2326.
+    length_dist: LengthDist = LengthDist(kind="lognormal", median=2326, sigma=0.62)
+    seed: int = 0
+    model: str = "sim-model"
+    error_rate: float = 0.0
+    hang_rate: float = 0.0
+    reset_rate: float = 0.0
+    bad_marker: str = "__GENQ_BAD__"
