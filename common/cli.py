@@ -64,6 +64,9 @@ def guarded(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
                   f"{e}; free memory or raise maxmemory, then run the command again",
                   file=sys.stderr)
             return 1
+        except redis.RedisError as e:
+            print(f"genq: error: Redis refused a command: {e}", file=sys.stderr)
+            return 1
         except KeyboardInterrupt:
             return 130
 

@@ -60,6 +60,15 @@ class RunKeys:
     def rq_failed(self) -> str:
         return f"rq:failed:{self.queue_name}"
 
+    rq_workers = "rq:workers"
+
+    @property
+    def rq_workers_of_queue(self) -> str:
+        return f"rq:workers:{self.queue_name}"
+
+    def rq_worker(self, name: str) -> str:
+        return f"rq:worker:{name}"
+
     @property
     def rq_job_prefix(self) -> str:
         return "rq:job:"

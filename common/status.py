@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections import Counter
 from functools import partial
 from typing import Any
@@ -260,6 +261,21 @@ def _server_table(status: dict) -> Any:
     return table
 
 
+def history_lines(status: dict) -> list[str]:
+    """One line per parameter version: what changed, the redo asked for, when (UTC)."""
+    out = []
+    for h in status.get("params_history") or []:
+        changes = h.get("changes") or {}
+        if h.get("version") == 1:
+            what = " ".join(f"{key}={value}" for key, value in changes.items())
+        else:
+            what = " ".join(f"{key} {old}->{new}" for key, (old, new) in changes.items())
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("at", 0)))
+        extra = f" (redo {h['redo']}, {h['inflight']} in-flight)" if h.get("version", 1) > 1 else ""
+        out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
+    return out
+
+
 def render_table(status: dict) -> Any:
     """A rich renderable for `genq status`: progress, rates, finish mix, lengths, servers."""
     from rich.console import Group
@@ -295,6 +311,7 @@ def render_table(status: dict) -> Any:
                 f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
             )
         )
+    lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
     parts: list[Any] = [*lines]
     if status["servers"]:
         parts.append(_server_table(status))

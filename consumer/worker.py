@@ -23,7 +23,7 @@ from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
-from common.scripts import ScriptRunner
+from common.scripts import ScriptRunner, iso_now
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
 from consumer.sglang import SGLang
 
@@ -80,6 +80,7 @@ class Consumer:
         self.load: dict[str, int] | None = None
         self.acked = 0
         self.started_at = 0
+        self.birth = iso_now()
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -94,10 +95,15 @@ class Consumer:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
+            worker = self.k.rq_worker(self.s.name)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.zrem(self.k.consumers, self.s.name)
+            pipe.delete(self.k.consumer(self.s.name), worker)
+            pipe.srem(self.k.rq_workers, worker)
+            pipe.srem(self.k.rq_workers_of_queue, worker)
             try:
-                await self.r.zrem(self.k.consumers, self.s.name)
-                await self.r.delete(self.k.consumer(self.s.name))
-            except REDIS_ERRORS as e:  # the heartbeat key expires on its own
+                await pipe.execute()
+            except REDIS_ERRORS as e:  # the heartbeat keys expire on their own
                 logger.warning("deregister_failed", error=str(e))
 
     def request_stop(self) -> None:
@@ -322,4 +328,14 @@ class Consumer:
         pipe = self.r.pipeline(transaction=False)
         pipe.set(self.k.consumer(self.s.name), orjson.dumps(beat), ex=15)
         pipe.zadd(self.k.consumers, {self.s.name: now})
+        # Also an RQ worker entry, so `rq info` and rq-dashboard list the consumer.
+        worker = self.k.rq_worker(self.s.name)
+        pipe.hset(worker, mapping={
+            "birth": self.birth, "last_heartbeat": iso_now(), "queues": self.k.queue_name,
+            "pid": os.getpid(), "hostname": socket.gethostname(),
+            "state": "busy" if self.held else "idle", "successful_job_count": self.acked,
+            "current_job": next(iter(self.held), "")})
+        pipe.expire(worker, 30)
+        pipe.sadd(self.k.rq_workers, worker)
+        pipe.sadd(self.k.rq_workers_of_queue, worker)
         await pipe.execute()

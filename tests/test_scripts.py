@@ -124,3 +124,15 @@ def test_claim_drops_job_of_settled_index(r, run_name):
     r.rpush(k.rq_queue, lease[0])  # a stray duplicate push
     assert claim(runner, k) == []
     assert r.bitcount(k.done) == 1
+
+
+def test_redo_undoes_zero_token_results(r, run_name):
+    """A result with 0 prompt or completion tokens must not break the redo script midway."""
+    k, runner = setup_run(r, run_name, 2)
+    for lease in claim(runner, k, n=2):
+        jid, idx, ex, att = lease
+        runner(scripts.ack_call(k, jid, idx, ex, completion_tokens=0, prompt_tokens=0,
+                                finish_reason="length", version=1, attempt=att, server="s"))
+    assert runner(scripts.redo_call(k, "truncated", 0, 2, 2)) == [2, 0]
+    assert r.bitcount(k.done) == 0 and r.hget(k.counters, "finish:length") == b"0"
+    assert r.hgetall(k.length_hist) == {}

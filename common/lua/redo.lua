@@ -26,8 +26,9 @@ local function undo_result(idx)
   local ptoks = redis.call('BITFIELD', KEYS[7], 'GET', 'u32', at)[1]
   local code = redis.call('BITFIELD', KEYS[8], 'GET', 'u8', at)[1]
   redis.call('HINCRBY', KEYS[4], 'finish:' .. (ARGV[5 + code] or 'other'), -1)
-  redis.call('HINCRBY', KEYS[4], 'ctok_sum', -ctoks)
-  redis.call('HINCRBY', KEYS[4], 'ptok_sum', -ptoks)
+  -- 0 - n, not -n: Lua's -0 reaches Redis as "-0", which HINCRBY rejects mid-script.
+  redis.call('HINCRBY', KEYS[4], 'ctok_sum', 0 - ctoks)
+  redis.call('HINCRBY', KEYS[4], 'ptok_sum', 0 - ptoks)
   if redis.call('HINCRBY', KEYS[5], ctoks, -1) <= 0 then redis.call('HDEL', KEYS[5], ctoks) end
   redis.call('SETBIT', KEYS[1], idx, 0)
   redis.call('SETBIT', KEYS[2], idx, 0)
