@@ -102,12 +102,14 @@ def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]]) -> Call:
     return Call("enqueue", keys, args)
 
 
-def redo_call(k: RunKeys, mode: str, start: int, stop: int, below_version: int) -> Call:
+def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
+              limit: int = 10_000) -> Call:
+    """what: "truncated" or "done" (results to undo) or "failed" (prompts to revive)."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
             k.pending]
     names = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
-    return Call("redo", keys, [mode, start, stop, below_version, k.run, *names])
+    return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *names])
 
 
 class ScriptRunner:

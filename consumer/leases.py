@@ -36,6 +36,11 @@ class TaskQueue:
         self.vt = visibility_timeout
         self.run_script = scripts.ScriptRunner(client)
 
+    async def preload(self) -> None:
+        """Load every script once, so the first calls of many slots do not each reload it."""
+        for source in scripts.SOURCES.values():
+            await self.r.script_load(source)
+
     async def claim(self, n: int = 1) -> list[Lease]:
         call = scripts.claim_call(self.k, n, self.vt, self.server, self.worker,
                                   secrets.token_hex(6))

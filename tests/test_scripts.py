@@ -133,6 +133,17 @@ def test_redo_undoes_zero_token_results(r, run_name):
         jid, idx, ex, att = lease
         runner(scripts.ack_call(k, jid, idx, ex, completion_tokens=0, prompt_tokens=0,
                                 finish_reason="length", version=1, attempt=att, server="s"))
-    assert runner(scripts.redo_call(k, "truncated", 0, 2, 2)) == [2, 0]
+    assert runner(scripts.redo_call(k, "truncated", 0, 2, 2)) == [2, 2]
     assert r.bitcount(k.done) == 0 and r.hget(k.counters, "finish:length") == b"0"
     assert r.hgetall(k.length_hist) == {}
+
+
+def test_redo_stops_at_its_limit_and_resumes(r, run_name):
+    k, runner = setup_run(r, run_name, 5)
+    for lease in claim(runner, k, n=5):
+        ack(runner, k, lease, finish="length")
+    count, pos = runner(scripts.redo_call(k, "truncated", 0, 5, 2, limit=2))
+    assert (count, pos) == (2, 2) and r.bitcount(k.done) == 3
+    assert runner(scripts.redo_call(k, "truncated", pos, 5, 2, limit=2)) == [2, 4]
+    assert runner(scripts.redo_call(k, "truncated", 4, 5, 2, limit=2)) == [1, 5]
+    assert r.bitcount(k.done) == 0 and r.hget(k.counters, "finish:length") == b"0"

@@ -1,22 +1,13 @@
--- redo: make settled indices in [start, stop) runnable again, undoing their counters,
+-- redo: make settled indices from `start` on runnable again, undoing their counters,
 -- histogram and bits in the same step, so `genq status` stays exact while a redo runs.
+-- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
 -- KEYS: 1 done, 2 truncated, 3 failed, 4 counters, 5 length_hist, 6 acc_tokens, 7 acc_ptoks,
 --       8 acc_finish, 9 acc_version, 10 spent, 11 errors, 12 rq failed registry, 13 pending
--- ARGV: 1 mode (truncated|failed|all), 2 start, 3 stop (exclusive), 4 redo results whose
---       version is below this, 5 run name, 6.. finish names by code (keys.FINISH_NAMES)
--- Returns {results made not-done, failed indices made runnable}
-local mode, start, stop, below = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-
-local function each_set_bit(key, fn)
-  local count, pos = 0, start
-  while pos < stop do
-    pos = redis.call('BITPOS', key, 1, pos, stop - 1, 'BIT')
-    if pos < 0 then break end
-    count = count + fn(pos)
-    pos = pos + 1
-  end
-  return count
-end
+-- ARGV: 1 what (truncated|done|failed), 2 start, 3 stop (exclusive), 4 redo results whose
+--       version is below this, 5 run name, 6 limit, 7.. finish names by code (keys.FINISH_NAMES)
+-- Returns {indices made runnable, position to continue from (stop when finished)}
+local what, start, stop = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local below, limit = tonumber(ARGV[4]), tonumber(ARGV[6])
 
 local function undo_result(idx)
   local at = '#' .. idx
@@ -25,7 +16,7 @@ local function undo_result(idx)
   local ctoks = redis.call('BITFIELD', KEYS[6], 'GET', 'u32', at)[1]
   local ptoks = redis.call('BITFIELD', KEYS[7], 'GET', 'u32', at)[1]
   local code = redis.call('BITFIELD', KEYS[8], 'GET', 'u8', at)[1]
-  redis.call('HINCRBY', KEYS[4], 'finish:' .. (ARGV[5 + code] or 'other'), -1)
+  redis.call('HINCRBY', KEYS[4], 'finish:' .. (ARGV[6 + code] or 'other'), -1)
   -- 0 - n, not -n: Lua's -0 reaches Redis as "-0", which HINCRBY rejects mid-script.
   redis.call('HINCRBY', KEYS[4], 'ctok_sum', 0 - ctoks)
   redis.call('HINCRBY', KEYS[4], 'ptok_sum', 0 - ptoks)
@@ -46,8 +37,14 @@ local function revive_failed(idx)
   return 1
 end
 
-local results, failed = 0, 0
-if mode == 'truncated' then results = each_set_bit(KEYS[2], undo_result) end
-if mode == 'all' then results = each_set_bit(KEYS[1], undo_result) end
-if mode == 'failed' or mode == 'all' then failed = each_set_bit(KEYS[3], revive_failed) end
-return {results, failed}
+local source, fn = KEYS[2], undo_result
+if what == 'done' then source = KEYS[1] end
+if what == 'failed' then source, fn = KEYS[3], revive_failed end
+local count, pos = 0, start
+while pos < stop and count < limit do
+  pos = redis.call('BITPOS', source, 1, pos, stop - 1, 'BIT')
+  if pos < 0 then pos = stop break end
+  count = count + fn(pos)
+  pos = pos + 1
+end
+return {count, pos}
