@@ -17,7 +17,7 @@ from common import log as genq_log
 from common.cli import add_common
 from common.keys import RUN_NAME, RunKeys
 from common.scripts import ScriptRunner, reap_call
-from monitor.periodic import Periodic, PeriodicTask, progress_writer
+from monitor.periodic import Periodic, PeriodicTask, alert_logger, progress_writer
 from monitor.service import MonitorServer, StatusSource, redact
 
 log = structlog.get_logger("monitor")
@@ -97,6 +97,7 @@ def periodic_tasks(
             interval_s=settings.interval_s,
             fn=progress_writer(settings.progress_file, source.read),
         ),
+        PeriodicTask(name="alerts", interval_s=settings.interval_s, fn=alert_logger(source.read)),
         PeriodicTask(name="reaper", interval_s=1.0, fn=lambda: runner(reap_call(keys))),
     ]
 

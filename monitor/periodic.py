@@ -1,4 +1,4 @@
-"""Background work the monitor does on a timer: the progress file now, the reaper later."""
+"""Background work the monitor does on a timer: the progress file, alert logging, the reaper."""
 
 from __future__ import annotations
 
@@ -77,5 +77,28 @@ def progress_writer(path: Path, read: Callable[[], tuple[dict | None, str | None
         status, _error = read()
         if status is not None:
             write_atomic(path, orjson.dumps(status, option=orjson.OPT_INDENT_2))
+
+    return tick
+
+
+def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
+    """A task body that logs each alert once when it appears (with its fix command) and once
+    when it clears, so the log says what the page and the status table say."""
+    active: dict[str, dict] = {}
+
+    def tick() -> None:
+        status, _error = read()
+        if status is None:
+            return
+        now = {f"{a['kind']}|{a.get('server', '')}": a for a in status["alerts"]}
+        for key, alert in now.items():
+            if key not in active:
+                log.warning("alert", run=status["run"], kind=alert["kind"],
+                            message=alert["message"], command=alert.get("command"))
+        for key, alert in active.items():
+            if key not in now:
+                log.info("alert_cleared", run=status["run"], kind=alert["kind"])
+        active.clear()
+        active.update(now)
 
     return tick

@@ -14,6 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from conftest import REPO, free_port, genq_env, wait_port
+from pipeline import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.keys import RATE_BUCKET_S, RunKeys
@@ -306,3 +307,28 @@ def test_page_shows_the_status(monitor):
     assert num(shown["len-p50"]) == 1000 and num(shown["len-p90"]) == 4096
     assert alert == s["alerts"][0]["command"]
     assert "7 / 40" in row
+
+
+def test_the_log_says_what_the_page_says(monitor, run_name):
+    """The truncation alert reaches the log once, with the exact command that fixes it."""
+    wait_for(lambda: b'"alert"' in monitor.log.read_bytes(), what="an alert in the log")
+    time.sleep(1.2)  # a few more ticks: still logged once
+    alerts = [json.loads(line) for line in monitor.stop().splitlines()
+              if line.startswith("{") and json.loads(line).get("event") == "alert"]
+    assert len(alerts) == 1 and alerts[0]["kind"] == "truncation"
+    assert alerts[0]["command"].startswith("genq requeue --set max_tokens=8192 --redo truncated")
+
+
+def test_the_monitor_reaps_expired_leases(monitor, r, run_name):
+    """With every consumer gone, the monitor alone returns expired leases to the queue."""
+    from common import feed, scripts
+
+    k = RunKeys(run_name)
+    runner = scripts.ScriptRunner(r)
+    r.delete(k.rq_queue)
+    feed.enqueue(r, k, [500], runner)
+    runner(scripts.claim_call(k, 1, 0.2, "http://dead:1", "gone", "x"))
+    job = f"{run_name}-500"
+    assert r.zscore(k.leases, job) is not None
+    wait_for(lambda: r.zscore(k.leases, job) is None, timeout=10, what="the lease reaped")
+    assert r.lrange(k.rq_queue, 0, -1) == [job.encode()]
