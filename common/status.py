@@ -266,10 +266,10 @@ def history_lines(status: dict) -> list[str]:
     out = []
     for h in status.get("params_history") or []:
         changes = h.get("changes") or {}
-        if h.get("version") == 1:
-            what = " ".join(f"{key}={value}" for key, value in changes.items())
-        else:
-            what = " ".join(f"{key} {old}->{new}" for key, (old, new) in changes.items())
+        # Version 1 records its values; later versions record [old, new] pairs.
+        what = " ".join(
+            f"{key} {value[0]}->{value[1]}" if isinstance(value, list) and len(value) == 2
+            else f"{key}={value}" for key, value in changes.items())
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("at", 0)))
         extra = f" (redo {h['redo']}, {h['inflight']} in-flight)" if h.get("version", 1) > 1 else ""
         out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
