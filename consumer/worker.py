@@ -84,6 +84,7 @@ class Consumer:
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
+        await self.redis_retry(self.q.preload)
         background = [asyncio.create_task(self.keep_leases()),
                       asyncio.create_task(self.housekeeping())]
         try:
@@ -140,7 +141,8 @@ class Consumer:
                 continue
             if not leases:
                 if self.s.burst and not self.held and await self.redis_retry(self.settled):
-                    logger.info("run_settled", acked=self.acked)
+                    if not self.stop.is_set():
+                        logger.info("run_settled", acked=self.acked)
                     self.stop.set()
                     return
                 await asyncio.sleep(self.s.poll * (0.5 + random.random()))
