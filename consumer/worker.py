@@ -5,9 +5,12 @@ at once, so the server stays exactly full while work remains."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import os
 import random
 import socket
+import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -58,6 +61,15 @@ class Inflight:
     request: asyncio.Task | None = None
     abort: str = ""
     started: float = field(default_factory=time.monotonic)
+
+
+def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
+    """Shutdown is taking far longer than its grace: log where every task and thread is, so a
+    hang in the field can be diagnosed from the log alone."""
+    logger.error("shutdown_stuck", tasks=len(asyncio.all_tasks(loop)))
+    for task in asyncio.all_tasks(loop):
+        task.print_stack(file=sys.stderr)
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 class Consumer:
@@ -116,6 +128,9 @@ class Consumer:
 
     async def drain_on_stop(self) -> None:
         await self.stop.wait()
+        watchdog = threading.Timer(self.s.grace + 30, dump_stuck, [asyncio.get_running_loop()])
+        watchdog.daemon = True  # never keeps a finished process alive
+        watchdog.start()
         deadline = time.monotonic() + self.s.grace
         while self.held and time.monotonic() < deadline:
             await asyncio.sleep(0.05)

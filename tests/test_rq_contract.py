@@ -37,8 +37,9 @@ def test_rq_tools_see_the_run_mid_run_and_after(tmp_path, redis_url, r, run_name
     q = Queue(k.queue_name, connection=r)
     c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "o", "--burst")
     try:
-        wait_for(lambda: r.zcard(k.leases) == 6 and r.exists(k.rq_worker(_name(r, k))),
-                 what="6 in flight and the consumer registered")
+        wait_for(lambda: r.zcard(k.leases) == 6
+                 and r.hget(k.rq_worker(_name(r, k)), "state") == b"busy",
+                 what="6 in flight and the consumer registered as busy")
         started = StartedJobRegistry(queue=q)
         # `rq info` sweeps started registries with cleanup=True: live leases must survive it.
         info = subprocess.run(["rq", "info", "-u", redis_url, k.queue_name],

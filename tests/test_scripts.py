@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis
 from rq import Queue
 from rq.job import Job
@@ -147,3 +148,20 @@ def test_redo_stops_at_its_limit_and_resumes(r, run_name):
     assert runner(scripts.redo_call(k, "truncated", pos, 5, 2, limit=2)) == [2, 4]
     assert runner(scripts.redo_call(k, "truncated", 4, 5, 2, limit=2)) == [1, 5]
     assert r.bitcount(k.done) == 0 and r.hget(k.counters, "finish:length") == b"0"
+
+
+def test_leases_keep_working_while_redis_is_full(r, run_name):
+    """At maxmemory (noeviction) new jobs are refused, but renewals, acks and releases of work
+    already leased go through, so a full Redis costs no finished generation."""
+    k, runner = setup_run(r, run_name, 3)
+    first, second = claim(runner, k, n=2)
+    r.config_set("maxmemory", max(1, r.info("memory")["used_memory"] - (256 << 10)))
+    try:
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            feed.enqueue(r, k, [7], runner)
+        assert runner(scripts.renew_call(k, 30, [(first[0], first[2])])) == []
+        assert ack(runner, k, first) == 1
+        assert runner(scripts.release_call(k, second[0], second[1], second[2], refund=True)) == 1
+    finally:
+        r.config_set("maxmemory", 0)
+    assert r.bitcount(k.done) == 1 and r.llen(k.rq_queue) == 2

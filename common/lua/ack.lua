@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- ack: accept one written result iff the lease is still ours: done bit, exact counters,
 -- rate buckets and RQ's finished state change together or not at all.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- fail: settle a leased job as failed (a bad task, or out of attempts): failed bit, the
 -- reason, and RQ's failed registry with a result rq-dashboard can show.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- reap: return every job whose lease deadline (Redis TIME) has passed to the front of the
 -- queue. Any number of consumers and monitors may run it; each expired lease moves once.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors

@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- release: give a leased job back to the front of the queue (infrastructure trouble, an
 -- abort for new parameters, shutdown); optionally refund the attempt the claim spent.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 spent, 6 errors

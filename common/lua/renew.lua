@@ -1,3 +1,4 @@
+#!lua flags=allow-oom
 -- renew: extend the leases this consumer still owns; report the ones it lost (fencing).
 -- KEYS: 1 leases, 2 lease_owner, 3 wip
 -- ARGV: 1 visibility timeout s, 2 wip margin s, 3 executions key prefix, then job_id, exec_id pairs

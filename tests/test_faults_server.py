@@ -1,0 +1,171 @@
+"""Faults of the SGLang server and of the data: 5xx for a while, a request that never answers,
+a connection reset mid-response, a prompt the server always rejects, malformed rows. Trouble
+with the server must cost no attempt (--max-attempts 1 turns any spent attempt into a failure
+the test would see); a bad task fails at once with its reason."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from faultkit import (
+    VT,
+    Consumer,
+    check_truth,
+    claims,
+    owners,
+    produce_once,
+    record_figures,
+    sim_kwargs,
+    wait_done,
+)
+from pipeline import read_jsonl, wait_for, write_dataset
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+
+from common.keys import RunKeys
+from consumer.worker import MAX_BACKOFF_S
+
+
+def sim_faults(sim, **body) -> None:
+    httpx.post(sim.url + "/_sim/faults", json=body, timeout=5).raise_for_status()
+
+
+def sim_stats(sim) -> dict:
+    return httpx.get(sim.url + "/_sim/stats", timeout=5).json()
+
+
+@pytest.mark.timeout(150)
+def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 60
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.3))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    k = RunKeys(run_name)
+    try:
+        wait_done(r, run_name, 8)
+        sim_faults(sim, status=500, for_s=10)
+        time.sleep(10)
+        sim_faults(sim, status=503, for_s=10)
+        time.sleep(9)
+        done_during = r.bitcount(k.done)
+        time.sleep(1)
+        recovery_s = wait_for_more(r, k, done_during)
+        assert c.wait(90) == 0, c.log()[-3000:]
+        seen = c.event_names()
+    finally:
+        c.cleanup()
+    errors = sim_stats(sim)["fault_errors"]
+    assert errors > 0 and seen["claiming_paused"] >= 2 and seen["claiming_resumed"] >= 1
+    assert not r.bitcount(k.failed)
+    # After the outage the consumer is back at work within the longest (jittered) pause.
+    assert recovery_s <= MAX_BACKOFF_S * 1.5 + 3
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    record_figures("server_5xx_20s", recovery_s=recovery_s, requests_refused=errors,
+                   claiming_paused=seen["claiming_paused"], attempts_spent=0, **figures)
+
+
+def wait_for_more(r, k: RunKeys, before: int) -> float:
+    start = time.monotonic()
+    wait_for(lambda: r.bitcount(k.done) > before, timeout=60, interval=0.02,
+             what="progress after the fault ended")
+    return round(time.monotonic() - start, 2)
+
+
+def test_server_that_never_answers_times_out_keeps_the_lease_and_redoes_the_task(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 30
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    timeout = 2 * VT
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--request-timeout", str(timeout))
+    try:
+        wait_done(r, run_name, 5)
+        sim_faults(sim, hang=True, for_s=0.5)
+        wait_for(lambda: sim_stats(sim)["hung"] >= 1, what="a request hung")
+        hung_leases = set(owners(r, run_name).items())
+        time.sleep(VT + 0.5)
+        # Past the visibility timeout the hung requests' leases are still held, same token.
+        assert hung_leases & set(owners(r, run_name).items())
+        assert c.wait(60) == 0, c.log()[-3000:]
+        seen = c.event_names()
+    finally:
+        c.cleanup()
+    assert seen["claiming_paused"] >= 1
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    redone = [i for i, a in enumerate(claims(r, run_name, n)) if a > 1]
+    assert redone and not r.bitcount(RunKeys(run_name).failed)
+    record_figures("server_never_answers", hung=sim_stats(sim)["hung"], redone=len(redone),
+                   request_timeout_s=timeout, **figures)
+
+
+def test_connection_reset_mid_response_is_retried_and_writes_no_partial_completion(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 30
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2, reset_rate=0.3))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    resets = sim_stats(sim)["resets"]
+    assert resets >= 1
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    # A reset answer never became a record: every shard line is whole, and no index has two.
+    assert figures["broken_shard_lines"] == 0 and figures["duplicate_lines"] == 0
+    assert sum(a > 1 for a in claims(r, run_name, n)) >= 1
+    record_figures("connection_reset", resets=resets, **figures)
+
+
+def test_poison_prompt_fails_after_one_attempt_with_the_servers_message(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n, poison = 30, {3, 17}
+    produce_once(write_dataset(tmp_path / "d.jsonl", n, poison=tuple(poison)), redis_url,
+                 run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out")
+    try:
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    figures = check_truth(r, redis_url, run_name, n, tmp_path, failed=poison)
+    attempts = claims(r, run_name, n)
+    assert [attempts[i] for i in sorted(poison)] == [1, 1]
+    # RQ's failed registry (what `rq info` and rq-dashboard read) has them, with the reason.
+    failed = FailedJobRegistry(RunKeys(run_name).queue_name, connection=r).get_job_ids()
+    assert sorted(failed) == sorted(f"{run_name}-{i}" for i in poison)
+    for i in poison:
+        reason = Job.fetch(f"{run_name}-{i}", connection=r).latest_result().exc_string
+        assert "HTTP 400" in reason and "rejected marker" in reason
+    record_figures("poison_prompt", attempts_spent=1, **figures)
+
+
+def test_malformed_rows_fail_with_their_index_and_crash_nothing(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 30
+    data = write_dataset(tmp_path / "d.jsonl", n, bad_json=(4,), no_fields=(9,))
+    lines = data.read_text().splitlines()
+    lines[14] = "[1, 2, 3]"
+    lines[21] = '{"prompt": 5}'
+    data.write_text("\n".join(lines) + "\n")
+    bad = {4, 9, 14, 21}
+    produce_once(data, redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out")
+    try:
+        assert c.wait(60) == 0, c.log()[-3000:]
+        reported = {e["index"]: e["reason"] for e in c.events() if e.get("event") == "task_failed"}
+    finally:
+        c.cleanup()
+    assert set(reported) == bad
+    assert all(reason.startswith(f"row {i}: ") for i, reason in reported.items())
+    errors = {int(i): v.decode() for i, v in r.hgetall(RunKeys(run_name).errors).items()}
+    assert {i: errors[i] for i in bad} == reported
+    figures = check_truth(r, redis_url, run_name, n, tmp_path, failed=bad)
+    assert {rec["index"] for rec in read_jsonl(tmp_path / f"export-{run_name}.jsonl")} \
+        == set(range(n)) - bad
+    record_figures("malformed_rows", reported=len(reported), **figures)

@@ -1,0 +1,228 @@
+"""The queue scripts in any order, against a real Redis: claims, renewals, acks (current and
+stale), releases, failures, expiries and reaps, consumer crashes and `rq info` sweeps, with the
+queue's invariants checked after every step:
+
+- every index is in exactly one of queued, leased, done, failed (and `pending` says which);
+- done counts an index at most once: the counters and the length histogram agree with the
+  done bitmap;
+- an index's attempt count never decreases.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+import redis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from rq.registry import StartedJobRegistry
+
+from common import feed, scripts
+from common.keys import RunKeys
+
+N = 6
+CONSUMERS = ("c0", "c1")
+MAX_ATTEMPTS = 3
+VT = 60.0  # expiry is forced by moving a lease's deadline, never by waiting
+
+
+@dataclass(frozen=True)
+class Held:
+    job_id: str
+    index: int
+    exec_id: str
+    attempt: int
+    version: int
+
+
+class QueueMachine(RuleBasedStateMachine):
+    url = ""
+
+    @initialize()
+    def start(self) -> None:
+        self.r = redis.Redis.from_url(self.url)
+        self.k = RunKeys("m" + uuid.uuid4().hex[:10])
+        self.run = scripts.ScriptRunner(self.r)
+        assert feed.enqueue(self.r, self.k, list(range(N)), self.run) == N
+        # The model: what each consumer believes it holds, and what Redis must say.
+        self.held: dict[str, list[Held]] = {c: [] for c in CONSUMERS}
+        self.owner: dict[int, str] = {}  # index -> exec id of its live lease
+        self.done: set[int] = set()
+        self.failed: set[int] = set()
+        self.attempts = [0] * N
+        self.acks = 0
+
+    def teardown(self) -> None:
+        if hasattr(self, "r"):
+            self.r.close()
+
+    def current(self, lease: Held) -> bool:
+        return self.owner.get(lease.index) == lease.exec_id
+
+    def all_held(self) -> list[Held]:
+        return [lease for leases in self.held.values() for lease in leases]
+
+    # --- rules ---------------------------------------------------------------------------
+    @rule(consumer=st.sampled_from(CONSUMERS), n=st.integers(1, 3))
+    def claim(self, consumer: str, n: int) -> None:
+        version, *rows = self.run(scripts.claim_call(self.k, n, VT, f"http://{consumer}", consumer,
+                                                     uuid.uuid4().hex[:6]))
+        for jid, idx, ex, attempt, spent in rows:
+            idx = int(idx)
+            assert idx not in self.owner and idx not in self.done | self.failed
+            assert int(attempt) == self.attempts[idx] + 1
+            self.attempts[idx] = int(attempt)
+            lease = Held(jid.decode(), idx, ex.decode(), int(attempt), int(version))
+            self.owner[idx] = lease.exec_id
+            if int(spent) > MAX_ATTEMPTS:  # what the consumer does with an exhausted task
+                assert self.run(scripts.fail_call(self.k, lease.job_id, idx, lease.exec_id,
+                                                  reason="gave up", worker="w"))
+                self.settle(idx, self.failed)
+            else:
+                self.held[consumer].append(lease)
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def renew(self, consumer: str) -> None:
+        leases = self.held[consumer]
+        lost = self.run(scripts.renew_call(self.k, VT, [(x.job_id, x.exec_id) for x in leases]))
+        assert {j.decode() for j in lost} == {x.job_id for x in leases if not self.current(x)}
+        # A consumer drops the leases a renewal reports lost (fencing).
+        self.held[consumer] = [x for x in leases if self.current(x)]
+
+    def take(self, pick: int) -> tuple[str, Held]:
+        """One lease some consumer holds (current or stale), removed from its hands."""
+        owned = [(c, lease) for c, leases in self.held.items() for lease in leases]
+        consumer, lease = owned[pick % len(owned)]
+        self.held[consumer].remove(lease)
+        return consumer, lease
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(pick=st.integers(0, 20), tokens=st.integers(1, 50),
+          finish=st.sampled_from(["stop", "length"]))
+    def ack(self, pick: int, tokens: int, finish: str) -> None:
+        consumer, lease = self.take(pick)
+        accepted = self.run(scripts.ack_call(
+            self.k, lease.job_id, lease.index, lease.exec_id, completion_tokens=tokens,
+            prompt_tokens=3, finish_reason=finish, version=lease.version,
+            attempt=lease.attempt, server=f"http://{consumer}"))
+        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused.
+        assert accepted == int(self.current(lease))
+        if accepted:
+            self.acks += 1
+            self.settle(lease.index, self.done)
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(pick=st.integers(0, 20), refund=st.booleans())
+    def release(self, pick: int, refund: bool) -> None:
+        _, lease = self.take(pick)
+        released = self.run(scripts.release_call(self.k, lease.job_id, lease.index,
+                                                 lease.exec_id, refund=refund, reason="x"))
+        assert released == int(self.current(lease))
+        if released:
+            del self.owner[lease.index]
+
+    @precondition(lambda self: any(self.held.values()))
+    @rule(pick=st.integers(0, 20))
+    def fail(self, pick: int) -> None:
+        _, lease = self.take(pick)
+        failed = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                            reason="bad task", worker="w"))
+        assert failed == int(self.current(lease))
+        if failed:
+            self.settle(lease.index, self.failed)
+
+    @precondition(lambda self: self.owner)
+    @rule(pick=st.integers(0, N - 1))
+    def expire(self, pick: int) -> None:
+        """A lease's deadline passes (its consumer stalled or died)."""
+        idx = sorted(self.owner)[pick % len(self.owner)]
+        self.r.zadd(self.k.leases, {self.k.job_id(idx): 0}, xx=True)
+        assert self.r.zscore(self.k.leases, self.k.job_id(idx)) == 0
+
+    @rule()
+    def reap(self) -> None:
+        expired = {i for i in self.owner if self.r.zscore(self.k.leases, self.k.job_id(i)) == 0}
+        reaped = {int(j.decode().rsplit("-", 1)[1]) for j in self.run(scripts.reap_call(self.k))}
+        # Exactly the expired leases go back to the queue; live ones (deadline from Redis TIME,
+        # a minute ahead) are never touched.
+        assert reaped == expired
+        for idx in reaped:
+            del self.owner[idx]  # back in the queue; its old token is now stale
+
+    @rule(consumer=st.sampled_from(CONSUMERS))
+    def crash(self, consumer: str) -> None:
+        """The consumer dies: its leases stay until they expire and are reaped."""
+        self.held[consumer] = []
+
+    @rule()
+    def rq_info(self) -> None:
+        """`rq info` sweeps rq's started registry with the host clock; it must move nothing."""
+        StartedJobRegistry(self.k.queue_name, connection=self.r).cleanup()
+
+    def settle(self, idx: int, into: set[int]) -> None:
+        del self.owner[idx]
+        into.add(idx)
+
+    # --- invariants ----------------------------------------------------------------------
+    @invariant()
+    def each_index_in_exactly_one_state(self) -> None:
+        if not hasattr(self, "r"):
+            return
+        k, r = self.k, self.r
+        pipe = r.pipeline(transaction=True)
+        pipe.lrange(k.rq_queue, 0, -1)
+        pipe.zrange(k.leases, 0, -1)
+        pipe.hkeys(k.lease_owner)
+        for key in (k.done, k.failed, k.pending):
+            pipe.get(key)
+        queue, leased, owned, done, failed, pending = pipe.execute()
+        queued = Counter(int(j.decode().rsplit("-", 1)[1]) for j in queue)
+        leased = {int(j.decode().rsplit("-", 1)[1]) for j in leased}
+        assert leased == {int(j.decode().rsplit("-", 1)[1]) for j in owned}
+        done, failed, pending = (bitset(x) for x in (done, failed, pending))
+        for i in range(N):
+            states = [queued[i], i in leased, i in done, i in failed]
+            assert sum(map(int, states)) == 1, (i, states)
+            assert (i in pending) == bool(queued[i] or i in leased)
+        assert leased == set(self.owner) and done == self.done and failed == self.failed
+
+    @invariant()
+    def done_counted_once(self) -> None:
+        if not hasattr(self, "r"):
+            return
+        counters = {f.decode(): int(v) for f, v in self.r.hgetall(self.k.counters).items()}
+        finishes = sum(v for f, v in counters.items() if f.startswith("finish:"))
+        hist = sum(int(c) for c in self.r.hvals(self.k.length_hist))
+        assert finishes == hist == len(self.done) == self.r.bitcount(self.k.done)
+
+    @invariant()
+    def attempts_never_decrease(self) -> None:
+        if not hasattr(self, "r"):
+            return
+        raw = self.r.get(self.k.claims) or b""
+        now = [raw[i] if i < len(raw) else 0 for i in range(N)]
+        assert now == self.attempts  # the model's count only ever rises (asserted at claim)
+
+
+def bitset(raw: bytes | None) -> set[int]:
+    raw = raw or b""
+    return {i for i in range(len(raw) * 8) if raw[i // 8] & (0x80 >> (i % 8))}
+
+
+@pytest.mark.timeout(120)
+def test_queue_invariants_hold_in_any_order(redis_server):
+    QueueMachine.url = redis_server.url
+    run_state_machine_as_test(QueueMachine, settings=settings(
+        max_examples=150, stateful_step_count=50, deadline=None,
+        suppress_health_check=[HealthCheck.too_slow]))
