@@ -27,6 +27,7 @@ from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
+from consumer import presence
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
 from consumer.sglang import SGLang
 
@@ -108,14 +109,8 @@ class Consumer:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            worker = self.k.rq_worker(self.s.name)
-            pipe = self.r.pipeline(transaction=False)
-            pipe.zrem(self.k.consumers, self.s.name)
-            pipe.delete(self.k.consumer(self.s.name), worker)
-            pipe.srem(self.k.rq_workers, worker)
-            pipe.srem(self.k.rq_workers_of_queue, worker)
             try:
-                await pipe.execute()
+                await presence.withdraw(self.r, self.k, self.s.name)
             except REDIS_ERRORS as e:  # the heartbeat keys expire on their own
                 logger.warning("deregister_failed", error=str(e))
 
@@ -342,17 +337,5 @@ class Consumer:
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
                 "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at}
-        pipe = self.r.pipeline(transaction=False)
-        pipe.set(self.k.consumer(self.s.name), orjson.dumps(beat), ex=15)
-        pipe.zadd(self.k.consumers, {self.s.name: now})
-        # Also an RQ worker entry, so `rq info` and rq-dashboard list the consumer.
-        worker = self.k.rq_worker(self.s.name)
-        pipe.hset(worker, mapping={
-            "birth": self.birth, "last_heartbeat": iso_now(), "queues": self.k.queue_name,
-            "pid": os.getpid(), "hostname": socket.gethostname(),
-            "state": "busy" if self.held else "idle", "successful_job_count": self.acked,
-            "current_job": next(iter(self.held), "")})
-        pipe.expire(worker, 30)
-        pipe.sadd(self.k.rq_workers, worker)
-        pipe.sadd(self.k.rq_workers_of_queue, worker)
-        await pipe.execute()
+        await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
+                                held=list(self.held))

@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,25 +18,9 @@ import redis
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from common.cli import DEFAULT_REDIS_URL
+from common.net import free_port, wait_port
 
 TOPICS = ["a parser", "a web server", "a sorting routine", "a CLI tool", "a cache", "a scheduler"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise SystemExit(f"genq demo: error: nothing came up on port {port}")
 
 
 def write_dataset(path: Path, n: int) -> None:
@@ -79,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen] = []
     try:
         return run_demo(a, workdir, procs)
+    except TimeoutError as e:
+        print(f"genq demo: error: a service did not come up: {e}", file=sys.stderr)
+        return 1
     finally:
         for proc in reversed(procs):
             if proc.poll() is None:

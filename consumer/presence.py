@@ -1,0 +1,47 @@
+"""How a consumer shows itself while it runs: a genq heartbeat (status, the monitor and the
+producer's window read it) and an RQ worker entry (`rq info`, rq-dashboard), both expiring on
+their own if the consumer dies."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from common.keys import RunKeys
+from common.scripts import iso_now
+
+HEARTBEAT_TTL_S = 15
+RQ_WORKER_TTL_S = 30
+
+
+async def announce(r: aioredis.Redis, k: RunKeys, name: str, now: int, beat: dict[str, Any],
+                   *, birth: str, held: list[str]) -> None:
+    """Refresh both entries in one round trip."""
+    worker = k.rq_worker(name)
+    pipe = r.pipeline(transaction=False)
+    pipe.set(k.consumer(name), orjson.dumps(beat), ex=HEARTBEAT_TTL_S)
+    pipe.zadd(k.consumers, {name: now})
+    pipe.hset(worker, mapping={
+        "birth": birth, "last_heartbeat": iso_now(), "queues": k.queue_name,
+        "pid": os.getpid(), "hostname": socket.gethostname(),
+        "state": "busy" if held else "idle", "successful_job_count": beat.get("acked", 0),
+        # rq reads one job id here; a consumer holds many, so it shows the first.
+        "current_job": held[0] if held else ""})
+    pipe.expire(worker, RQ_WORKER_TTL_S)
+    pipe.sadd(k.rq_workers, worker)
+    pipe.sadd(k.rq_workers_of_queue, worker)
+    await pipe.execute()
+
+
+async def withdraw(r: aioredis.Redis, k: RunKeys, name: str) -> None:
+    worker = k.rq_worker(name)
+    pipe = r.pipeline(transaction=False)
+    pipe.zrem(k.consumers, name)
+    pipe.delete(k.consumer(name), worker)
+    pipe.srem(k.rq_workers, worker)
+    pipe.srem(k.rq_workers_of_queue, worker)
+    await pipe.execute()
