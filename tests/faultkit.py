@@ -26,7 +26,10 @@ from common.status import read_status
 
 # Short leases keep the suite fast; every bound below is stated in terms of them.
 VT = 2.0
-BASE_FLAGS = ("--burst", "--poll", "0.05", "--grace", "2", "--server-wait", "15")
+# Simulated requests take under a second; a 30 s read timeout bounds any request that never
+# comes back, so a lost request shows as a retry in the log rather than a stuck test.
+BASE_FLAGS = ("--burst", "--poll", "0.05", "--grace", "2", "--server-wait", "15",
+              "--request-timeout", "30")
 
 
 def sim_kwargs(request_s: float, **extra: object) -> dict[str, object]:
