@@ -1,6 +1,6 @@
 """The queue scripts in any order, against a real Redis: claims, renewals, acks (current and
-stale), releases, failures, expiries and reaps, consumer crashes and `rq info` sweeps, with the
-queue's invariants checked after every step:
+stale), releases, failures, expiries and reaps, consumer crashes, `rq info` sweeps and redos
+(`genq requeue --redo`), with the queue's invariants checked after every step:
 
 - every index is in exactly one of queued, leased, done, failed (and `pending` says which);
 - done counts an index at most once: the counters and the length histogram agree with the
@@ -62,6 +62,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.failed: set[int] = set()
         self.attempts = [0] * N
         self.acks = 0
+        self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
 
     def teardown(self) -> None:
         if hasattr(self, "r"):
@@ -120,6 +121,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert accepted == int(self.current(lease))
         if accepted:
             self.acks += 1
+            self.finish[lease.index] = finish
             self.settle(lease.index, self.done)
 
     @precondition(lambda self: any(self.held.values()))
@@ -169,6 +171,25 @@ class QueueMachine(RuleBasedStateMachine):
     def rq_info(self) -> None:
         """`rq info` sweeps rq's started registry with the host clock; it must move nothing."""
         StartedJobRegistry(self.k.queue_name, connection=self.r).cleanup()
+
+    @rule(what=st.sampled_from(["truncated", "done", "failed"]), limit=st.integers(1, 4))
+    def redo(self, what: str, limit: int) -> None:
+        """`genq requeue --redo`: settled indices become runnable again, in bounded calls,
+        and the consumers' top-up queues them."""
+        if what == "failed":
+            expected, source = set(self.failed), self.failed
+        else:
+            expected = {i for i in self.done if what == "done" or self.finish[i] == "length"}
+            source = self.done
+        below = int(self.r.get(self.k.params_version) or 1) + 1
+        count, pos = 0, 0
+        while pos < N:
+            got, pos = self.run(scripts.redo_call(self.k, what, pos, N, below, limit))
+            assert got <= limit
+            count += got
+        assert count == len(expected)
+        source -= expected
+        assert feed.enqueue(self.r, self.k, sorted(expected), self.run) == len(expected)
 
     def settle(self, idx: int, into: set[int]) -> None:
         del self.owner[idx]
