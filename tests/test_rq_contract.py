@@ -28,10 +28,11 @@ def dashboard(redis_url, monkeypatch):
 @pytest.mark.timeout(120)
 def test_rq_tools_see_the_run_mid_run_and_after(tmp_path, redis_url, r, run_name,
                                                 sim_factory, dashboard):
-    n = 150
+    n = 24
     data = write_dataset(tmp_path / "d.jsonl", n, no_fields=(5,))
-    # About 0.3 s a request: work stays in flight and queued while the tools look.
-    sim = sim_factory(time_scale=10, max_running_requests=6, length_dist="fixed:200")
+    # About 3.5 s a request: the first six stay in flight, unchanged, while the tools look
+    # (they are claimed together, and the looking takes a second or two).
+    sim = sim_factory(time_scale=10, max_running_requests=6, length_dist="fixed:3000")
     genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
     k = RunKeys(run_name)
     q = Queue(k.queue_name, connection=r)
