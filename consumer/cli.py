@@ -21,8 +21,9 @@ from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
 from consumer import faults
+from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
-from consumer.worker import Consumer, ConsumeSettings
+from consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
 

@@ -12,9 +12,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 import redis
@@ -28,32 +27,12 @@ from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
 from consumer import presence
+from consumer.backoff import ClaimPause, redis_retry
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
+from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
 logger = structlog.get_logger("consumer")
-T = TypeVar("T")
-REDIS_ERRORS = REDIS_TROUBLE
-# Longest pause of claiming while trouble lasts: a dead server costs one round of claims and
-# releases per pause, and a server that comes back is used again within this.
-MAX_BACKOFF_S = 10.0
-
-
-@dataclass(frozen=True, kw_only=True)
-class ConsumeSettings:
-    redis_url: str
-    run: str
-    server: str
-    concurrency: int | None
-    visibility_timeout: float
-    out: str
-    burst: bool
-    max_attempts: int
-    request_timeout: float
-    grace: float
-    name: str
-    poll: float
-    server_wait: float
 
 
 @dataclass
@@ -88,8 +67,7 @@ class Consumer:
         self.stop = asyncio.Event()
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
-        self.trouble_until = 0.0
-        self.backoff = 1.0
+        self.pause = ClaimPause()
         self.load: dict[str, int] | None = None
         self.acked = 0
         self.started_at = 0
@@ -97,7 +75,7 @@ class Consumer:
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
-        await self.redis_retry(self.q.preload)
+        await redis_retry(self.q.preload)
         background = [asyncio.create_task(self.keep_leases()),
                       asyncio.create_task(self.housekeeping())]
         try:
@@ -111,7 +89,7 @@ class Consumer:
             await asyncio.gather(*background, return_exceptions=True)
             try:
                 await presence.withdraw(self.r, self.k, self.s.name)
-            except REDIS_ERRORS as e:  # the heartbeat keys expire on their own
+            except REDIS_TROUBLE as e:  # the heartbeat keys expire on their own
                 logger.warning("deregister_failed", error=str(e))
 
     def request_stop(self) -> None:
@@ -143,14 +121,14 @@ class Consumer:
     # --- slots -------------------------------------------------------------------------
     async def slot(self, n: int) -> None:
         while not self.stop.is_set():
-            if self.trouble_until > time.monotonic():
-                await asyncio.sleep(min(0.5, self.trouble_until - time.monotonic()))
+            if self.pause.remaining():
+                await asyncio.sleep(min(0.5, self.pause.remaining()))
                 continue
-            leases = await self.redis_retry(lambda: self.q.claim(1))
+            leases = await redis_retry(lambda: self.q.claim(1))
             if leases is None:
                 continue
             if not leases:
-                if self.s.burst and not self.held and await self.redis_retry(self.settled):
+                if self.s.burst and not self.held and await redis_retry(self.settled):
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
                     self.stop.set()
@@ -162,9 +140,9 @@ class Consumer:
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
-            last = await self.redis_retry(lambda: self.q.last_error(lease.index))
+            last = await redis_retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            await self.redis_retry(lambda: self.q.fail(lease, reason))
+            await redis_retry(lambda: self.q.fail(lease, reason))
             logger.warning("task_failed", reason=reason)
             return
         inflight = Inflight(lease)
@@ -197,21 +175,21 @@ class Consumer:
             verdict = classify(e)
             if verdict is BadTask:
                 reason = e.reason if isinstance(e, BadTask) else str(e)
-                await self.redis_retry(lambda: self.q.fail(lease, reason))
+                await redis_retry(lambda: self.q.fail(lease, reason))
                 logger.warning("task_failed", reason=reason)
                 return
             if verdict is not Retryable:
                 raise
             error = str(e) or type(e).__name__
-            await self.redis_retry(lambda: self.q.release(lease, refund=True, reason=error))
-            self.trouble(error)
+            await redis_retry(lambda: self.q.release(lease, refund=True, reason=error))
+            self.pause.trouble(error)
             return
-        outcome = await self.redis_retry(lambda: self.q.ack(
+        outcome = await redis_retry(lambda: self.q.ack(
             lease, completion_tokens=completion.completion_tokens,
             prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
         if outcome == ACCEPTED:
             self.acked += 1
-            self.recovered()
+            self.pause.recovered()
             logger.debug("task_acked", finish_reason=completion.finish_reason,
                          completion_tokens=completion.completion_tokens)
         elif outcome == SUPERSEDED:
@@ -226,7 +204,7 @@ class Consumer:
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
         reason = f"aborted: {inflight.abort}"
-        await self.redis_retry(lambda: self.q.release(lease, refund=True, reason=reason))
+        await redis_retry(lambda: self.q.release(lease, refund=True, reason=reason))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:
@@ -244,35 +222,6 @@ class Consumer:
         done, failed, leased, queued = await pipe.execute()
         return done + failed >= self.total and not leased and not queued
 
-    # --- trouble -----------------------------------------------------------------------
-    def trouble(self, error: str) -> None:
-        """Infrastructure trouble: pause claiming with jittered exponential backoff. Requests
-        already in flight that fail during a pause do not lengthen it; only a failed try after
-        it does, so a server that comes back is used again within MAX_BACKOFF_S."""
-        now = time.monotonic()
-        if self.trouble_until > now:
-            return
-        pause = self.backoff * (0.5 + random.random())
-        logger.warning("claiming_paused", error=error, pause_s=round(pause, 2))
-        self.trouble_until = now + pause
-        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
-
-    def recovered(self) -> None:
-        if self.backoff > 1.0:
-            logger.info("claiming_resumed")
-            self.backoff = 1.0
-
-    async def redis_retry(self, op: Callable[[], Awaitable[T]]) -> T | None:
-        """Run a Redis operation, riding through outages; None only if stopping meanwhile."""
-        delay = 0.2
-        while True:
-            try:
-                return await op()
-            except REDIS_ERRORS as e:
-                logger.warning("redis_unavailable", error=str(e), retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-
     # --- background --------------------------------------------------------------------
     async def keep_leases(self) -> None:
         """Renew every held lease each third of the visibility timeout; drop the lost ones."""
@@ -282,7 +231,7 @@ class Consumer:
             held = list(self.held.values())
             try:
                 lost = await self.q.renew([i.lease for i in held])
-            except REDIS_ERRORS as e:
+            except REDIS_TROUBLE as e:
                 logger.warning("renew_failed", error=str(e))
                 continue
             for inflight in held:
@@ -301,7 +250,7 @@ class Consumer:
                     await self.top_up()
                 if tick % 5 == 0:
                     self.load = await self.server.load()
-            except REDIS_ERRORS as e:
+            except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
             tick += 1
             await asyncio.sleep(0.5)

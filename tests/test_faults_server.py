@@ -25,7 +25,7 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from common.keys import RunKeys
-from consumer.worker import MAX_BACKOFF_S
+from consumer.backoff import MAX_BACKOFF_S
 
 
 def sim_faults(sim, **body) -> None:

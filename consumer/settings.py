@@ -1,0 +1,22 @@
+"""The consumer's settings, parsed once from flags and environment by consumer/cli.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConsumeSettings:
+    redis_url: str
+    run: str
+    server: str
+    concurrency: int | None
+    visibility_timeout: float
+    out: str
+    burst: bool
+    max_attempts: int
+    request_timeout: float
+    grace: float
+    name: str
+    poll: float
+    server_wait: float
