@@ -10,7 +10,8 @@ from rich.console import Console
 from common.errors import UsageError
 from common.keys import RATE_BUCKET_S as B
 from common.keys import RunKeys
-from common.status import human_duration, read_status, render_table
+from common.status import read_status
+from common.status_table import human_duration, render_table
 
 A, Bsrv = "http://gpu0:30000", "http://gpu1:30000"
 

@@ -1,0 +1,112 @@
+"""How `genq status` shows a status dict: a readable rich table, for people, not scripts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def human_duration(seconds: float | None) -> str:
+    """96100 -> '1d 2h 41m'; what a person reads at a glance."""
+    if seconds is None:
+        return "—"
+    s = int(round(seconds))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    if d:
+        return f"{d}d {h}h {m}m"
+    if h:
+        return f"{h}h {m}m"
+    return f"{m}m {s}s" if m else f"{s}s"
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    filled = int(round(max(0.0, min(1.0, fraction)) * width))
+    return "█" * filled + "░" * (width - filled)
+
+
+def _server_table(status: dict) -> Any:
+    from rich.table import Table
+
+    table = Table(title="servers", title_justify="left", expand=False)
+    # The URL is what a person acts on: fold it rather than cut it off on a narrow terminal.
+    table.add_column("server", overflow="fold")
+    for col in ("req/s", "tok/s", "in flight/cap", "server run/wait", "seen"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for s in status["servers"]:
+        load = s.get("load") or {}
+        run_wait = (
+            f"{load.get('num_reqs', '?')}/{load.get('num_waiting_reqs', '?')}" if load else "—"
+        )
+        seen = s.get("last_seen_s")
+        table.add_row(
+            s["server"],
+            f"{s['req_per_s']:.2f}",
+            f"{s['tok_per_s']:,.0f}",
+            f"{s['inflight']}/{s['capacity'] or '?'}",
+            run_wait,
+            f"{seen:.0f}s ago" if seen is not None else "gone",
+        )
+    return table
+
+
+def history_lines(status: dict) -> list[str]:
+    """One line per parameter version: what changed, the redo asked for, when (UTC)."""
+    out = []
+    for h in status.get("params_history") or []:
+        changes = h.get("changes") or {}
+        # Version 1 records its values; later versions record [old, new] pairs.
+        what = " ".join(
+            f"{key} {value[0]}->{value[1]}" if isinstance(value, list) and len(value) == 2
+            else f"{key}={value}" for key, value in changes.items())
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("at", 0)))
+        extra = f" (redo {h['redo']}, {h['inflight']} in-flight)" if h.get("version", 1) > 1 else ""
+        out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
+    return out
+
+
+def render_table(status: dict) -> Any:
+    """A rich renderable for `genq status`: progress, rates, finish mix, lengths, servers."""
+    from rich.console import Group
+    from rich.text import Text
+
+    total, done = status["total"], status["done"]
+    frac = done / total if total else 0.0
+    rate, tok = status["rate"]["req_per_s"], status["rate"]["tok_per_s"]
+    lines = [
+        Text(f"run {status['run']}  params v{status['params_version']}", style="bold"),
+        Text(f"{_bar(frac)} {frac:6.2%}  {done:,} / {total:,} done"),
+        Text(
+            f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
+            f"failed {status['failed']:,}  remaining {status['remaining']:,}"
+        ),
+        Text(
+            f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
+            f"ETA {human_duration(status['eta_s'])}"
+        ),
+    ]
+    mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
+    lines.append(
+        Text(
+            f"finish {mix}  truncated {status['truncation_rate']:.1%} "
+            f"(last 5 min {status['recent_truncation_rate']:.1%})"
+        )
+    )
+    o = status["output_tokens"]
+    if o["max"] is not None:
+        lines.append(
+            Text(
+                f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
+                f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
+            )
+        )
+    lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
+    parts: list[Any] = [*lines]
+    if status["servers"]:
+        parts.append(_server_table(status))
+    for alert in status["alerts"]:
+        parts.append(Text(f"! {alert['message']}", style="bold red"))
+        if alert.get("command"):
+            parts.append(Text(f"  {alert['command']}", style="bold"))
+    return Group(*parts)
