@@ -44,6 +44,23 @@ def connect(url: str, socket_timeout: float | None = None) -> redis.Redis:
     return client
 
 
+def risky_redis_settings(r: redis.Redis) -> list[str]:
+    """What in this Redis's configuration can lose a run's state (DESIGN.md: appendonly yes,
+    maxmemory-policy noeviction). Empty when CONFIG is not allowed (managed Redis)."""
+    try:
+        config = r.config_get("appendonly")
+        config.update(r.config_get("maxmemory-policy"))
+    except redis.ResponseError:
+        return []
+    risks = []
+    if config.get("appendonly") != "yes":
+        risks.append("appendonly is not yes: a Redis restart forgets acknowledged results")
+    policy = config.get("maxmemory-policy", "noeviction")
+    if policy != "noeviction":
+        risks.append(f"maxmemory-policy is {policy}: Redis may evict leases, jobs or bitmaps")
+    return risks
+
+
 def guarded(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
     """Wrap a command's main: GenqError and Redis trouble become one line and an exit code."""
 

@@ -16,7 +16,14 @@ import structlog
 
 from common import log
 from common import run as runs
-from common.cli import SERVICE_SOCKET_TIMEOUT_S, add_common, connect, guarded, run_keys
+from common.cli import (
+    SERVICE_SOCKET_TIMEOUT_S,
+    add_common,
+    connect,
+    guarded,
+    risky_redis_settings,
+    run_keys,
+)
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
@@ -92,6 +99,8 @@ async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
     sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
     info = runs.load(sync, k)
+    for risk in risky_redis_settings(sync):
+        logger.warning("redis_settings", risk=risk)
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
     for path, cut in repair_shards(s.out, s.run):

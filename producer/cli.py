@@ -16,7 +16,14 @@ import structlog
 
 from common import feed, log, params
 from common import run as runs
-from common.cli import SERVICE_SOCKET_TIMEOUT_S, add_common, connect, guarded, run_keys
+from common.cli import (
+    SERVICE_SOCKET_TIMEOUT_S,
+    add_common,
+    connect,
+    guarded,
+    risky_redis_settings,
+    run_keys,
+)
 from common.dataset import open_dataset
 from common.errors import REDIS_TROUBLE
 from common.keys import RunKeys
@@ -77,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ds = open_dataset(s.dataset)
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
+    for risk in risky_redis_settings(r):
+        logger.warning("redis_settings", risk=risk)
     ds.close()
     for notice in s.notices:
         logger.warning("unknown_parameter", notice=notice)
