@@ -96,9 +96,10 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
     paths = shard_paths(dirs, k.run)
     torn = [0]
     chosen = choose_records(locate(paths, torn), accepted)
-    wanted = sorted(i for i in chosen if is_done(i))
-    done = sum(1 for i in range(total) if is_done(i))
-    missing = [i for i in range(total) if is_done(i) and i not in chosen]
+    done_indices = [i for i in range(total) if is_done(i)]
+    wanted = [i for i in done_indices if i in chosen]
+    missing = [i for i in done_indices if i not in chosen]
+    done = len(done_indices)
     tmp = f"{out}.tmp-{os.getpid()}"
     handles: dict[int, Any] = {}
     try:

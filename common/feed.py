@@ -3,6 +3,7 @@ consumers so a run can top itself up."""
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 
@@ -51,9 +52,5 @@ def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner
 
 def top_up(r: redis.Redis, k: RunKeys, total: int, want: int, runner: ScriptRunner) -> int:
     """Bring up to `want` more unfinished indices into the queue; returns how many."""
-    picked: list[int] = []
-    for index in free_indices(r, k, total):
-        picked.append(index)
-        if len(picked) >= want:
-            break
+    picked = list(itertools.islice(free_indices(r, k, total), want))
     return enqueue(r, k, picked, runner) if picked else 0

@@ -125,8 +125,6 @@ class Consumer:
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
                 continue
             leases = await redis_retry(lambda: self.q.claim(1))
-            if leases is None:
-                continue
             if not leases:
                 if self.s.burst and not self.held and await redis_retry(self.settled):
                     if not self.stop.is_set():

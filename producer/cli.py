@@ -98,17 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     runner = ScriptRunner(r)
     logger.info("run_registered", run=s.run, dataset=info.dataset, total=info.total)
     if s.once:
-        added = enqueue_all(r, k, info.total, runner)
+        added = feed.top_up(r, k, info.total, info.total, runner)
         logger.info("enqueued", run=s.run, jobs=added)
         print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
         return 0
     keep_window(r, k, s, info.total, runner)
     return 0
-
-
-def enqueue_all(r: redis.Redis, k: RunKeys, total: int, runner: ScriptRunner) -> int:
-    free = list(feed.free_indices(r, k, total))
-    return feed.enqueue(r, k, free, runner)
 
 
 def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
