@@ -4,8 +4,11 @@
     ├── UsageError                 # bad flag / bad --set value / unknown run (CLI exits 2)
     ├── DatasetError               # missing/unreadable data set, fingerprint mismatch
     ├── BadTask                    # this task can never succeed: malformed row, HTTP 400
+    ├── TryAgain                   # no usable answer this time: run it again, spending an attempt
     └── Retryable                  # infrastructure trouble: release without spending an attempt
         ├── ServerUnavailable      # 5xx, connect refused/reset, timeouts
+        │   ├── ServerAborted      # the server ended the generation itself (finish "abort")
+        │   └── ServerStalled      # the answer went silent for --stall-timeout
         └── OutputUnavailable      # disk full / output dir unwritable
 
 Classify once, where the failure is first understood; callers then only ask "BadTask or
@@ -45,12 +48,27 @@ class BadTask(GenqError):
         return (type(self), (self.index, self.reason))
 
 
+class TryAgain(GenqError):
+    """The server answered, but with no finished result (finish_reason missing or unknown), or
+    the prompt alone is longer than this server's context. Neither says the prompt is bad (a
+    context-length refusal never does), so the task runs again, spending an attempt: one that
+    never works ends failed with this reason, and `--redo failed` can bring it back."""
+
+
 class Retryable(GenqError):
     """Infrastructure trouble: give the task back without spending an attempt."""
 
 
 class ServerUnavailable(Retryable):
     """The LLM server answered 5xx, refused or reset the connection, or timed out."""
+
+
+class ServerAborted(ServerUnavailable):
+    """The server aborted the generation itself (finish_reason "abort"): not the task's fault."""
+
+
+class ServerStalled(ServerUnavailable):
+    """The streamed answer went silent for longer than --stall-timeout (a hung server)."""
 
 
 class OutputUnavailable(Retryable):
@@ -68,11 +86,14 @@ REDIS_TROUBLE: tuple[type[Exception], ...] = (
 )
 
 
-def classify(exc: BaseException) -> type[BadTask] | type[Retryable] | None:
-    """The one verdict on a failed task: BadTask (fail it now, with its message), Retryable
-    (give it back without spending an attempt and back off), or None (a bug: let it crash)."""
+def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:
+    """The one verdict on a failed task: BadTask (fail it now, with its message), TryAgain (give
+    it back, spending an attempt), Retryable (give it back without spending an attempt and back
+    off), or None (a bug: let it crash)."""
     if isinstance(exc, BadTask):
         return BadTask
+    if isinstance(exc, TryAgain):
+        return TryAgain
     if isinstance(exc, (GenqError, *REDIS_TROUBLE)):
         return Retryable
     return None

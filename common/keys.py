@@ -223,6 +223,11 @@ class RunKeys:
         return f"{self.prefix}consumer:{name}"
 
     @property
+    def servers(self) -> str:
+        """Hash: server URL -> JSON {context_length, capacity, at} as its consumer last read it."""
+        return self.prefix + "servers"
+
+    @property
     def outdirs(self) -> str:
         """Set of output directories consumers wrote shards to (export reads them)."""
         return self.prefix + "outdirs"

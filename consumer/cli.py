@@ -33,6 +33,9 @@ from consumer.sglang import SGLang
 from consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
+# Redis connections of one consumer: its calls are short Lua scripts, so a few dozen keep up
+# with thousands of slots.
+REDIS_CONNECTIONS = 64
 
 
 def parse(argv: list[str] | None) -> ConsumeSettings:
@@ -48,7 +51,10 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     p.add_argument("--max-attempts", type=int, default=3,
                    help="attempts before a task goes to the failed registry (default 3)")
     p.add_argument("--request-timeout", type=float, default=3600.0,
-                   help="read timeout of one generation in seconds (default 3600)")
+                   help="longest one generation may take, in seconds (default 3600)")
+    p.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds a streamed answer may stay silent before the server is "
+                        "taken as hung and the task given back (default 60)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default 10)")
     p.add_argument("--server-wait", type=float, default=10.0,
@@ -59,6 +65,8 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
         p.error("--concurrency must be >= 1")
+    if a.stall_timeout <= 0 or a.request_timeout <= 0:
+        p.error("--stall-timeout and --request-timeout must be > 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
     if not re.match(r"^https?://", a.server):
@@ -68,7 +76,8 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         redis_url=a.redis_url, run=a.run, server=a.server.rstrip("/"),
         concurrency=a.concurrency, visibility_timeout=a.visibility_timeout, out=a.out,
         burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
-        grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait)
+        grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
+        stall_timeout=a.stall_timeout)
 
 
 @guarded
@@ -79,15 +88,17 @@ def main(argv: list[str] | None = None) -> int:
     return asyncio.run(serve(s))
 
 
-async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str]:
+async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str, int | None]:
+    """Wait (up to --server-wait) until the server is warm, then read what it is."""
     deadline = time.monotonic() + s.server_wait
     while True:
         try:
+            await server.health()
             capacity = s.concurrency or await server.capacity()
             if not capacity:
-                raise GenqError(f"{s.server} does not report max_running_requests; "
-                                "pass --concurrency")
-            return capacity, await server.model()
+                raise GenqError(f"{s.server} reports no max_running_requests in /v1/loads or "
+                                "/get_server_info; pass --concurrency")
+            return capacity, await server.model(), await server.context_length()
         except ServerUnavailable as e:
             if time.monotonic() >= deadline:
                 raise GenqError(f"cannot reach SGLang server {s.server}: {e}") from None
@@ -108,17 +119,24 @@ async def serve(s: ConsumeSettings) -> int:
     sink = faults.wrap(ShardWriter(s.out, s.run, s.name), os.environ.get("GENQ_FAULT"))
     sync.sadd(k.outdirs, os.path.abspath(s.out))
     server = SGLang(s.server, request_timeout=s.request_timeout,
-                    connections=s.concurrency or 1024)
-    client = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
-                                     socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+                    stall_timeout=s.stall_timeout)
+    # A blocking pool: slots wait for a free connection. redis-py's default pool raises "Too
+    # many connections" past 100, and a server without --max-running-requests can ask for
+    # thousands of slots.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        s.redis_url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
+        socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    client = aioredis.Redis(connection_pool=pool)
     try:
-        capacity, model = await wait_for_server(server, s)
+        capacity, model, context = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
                             server=server, capacity=capacity, model=model)
+        consumer.context_length = context
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.request_stop)
-        logger.info("consumer_started", capacity=capacity, model=model, shard=str(sink.path))
+        logger.info("consumer_started", capacity=capacity, model=model, context_length=context,
+                    shard=str(sink.path))
         await consumer.run()
         logger.info("consumer_stopped", acked=consumer.acked)
     finally:

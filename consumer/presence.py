@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import orjson
@@ -45,3 +46,11 @@ async def withdraw(r: aioredis.Redis, k: RunKeys, name: str) -> None:
     pipe.srem(k.rq_workers, worker)
     pipe.srem(k.rq_workers_of_queue, worker)
     await pipe.execute()
+
+
+async def record_server(r: aioredis.Redis, k: RunKeys, server: str, context_length: int | None,
+                        capacity: int) -> None:
+    """What a server said about itself, kept after its consumers are gone: `genq requeue`
+    refuses a max_tokens that cannot fit the smallest context among them."""
+    entry = {"context_length": context_length, "capacity": capacity, "at": int(time.time())}
+    await r.hset(k.servers, server, orjson.dumps(entry))

@@ -20,3 +20,4 @@ class ConsumeSettings:
     name: str
     poll: float
     server_wait: float
+    stall_timeout: float = 60.0

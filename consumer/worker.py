@@ -21,13 +21,14 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import feed
-from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify
+from common.errors import REDIS_TROUBLE, BadTask, Retryable, TryAgain, classify
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
 from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
+from consumer.follow import follow_server, resize
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -61,6 +62,10 @@ class Consumer:
         self.sync, self.sync_scripts = sync, ScriptRunner(sync)
         self.dataset, self.sink, self.server = dataset, sink, server
         self.capacity, self.model = capacity, model
+        self.context_length: int | None = None
+        self.server_recorded = False
+        self.slots: set[int] = set()
+        self.tg: asyncio.TaskGroup | None = None
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}
@@ -80,8 +85,8 @@ class Consumer:
                       asyncio.create_task(self.housekeeping())]
         try:
             async with asyncio.TaskGroup() as tg:
-                for n in range(self.capacity):
-                    tg.create_task(self.slot(n))
+                self.tg = tg
+                resize(self)
                 tg.create_task(self.drain_on_stop())
         finally:
             for task in background:
@@ -119,8 +124,8 @@ class Consumer:
             inflight.request.cancel()
 
     # --- slots -------------------------------------------------------------------------
-    async def slot(self, n: int) -> None:
-        while not self.stop.is_set():
+    async def slot_loop(self, n: int) -> None:
+        while not self.stop.is_set() and n < self.capacity:
             if self.pause.remaining():
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
                 continue
@@ -131,7 +136,9 @@ class Consumer:
                         logger.info("run_settled", acked=self.acked)
                     self.stop.set()
                     return
-                await asyncio.sleep(self.s.poll * (0.5 + random.random()))
+                # Thousands of slots (a server without --max-running-requests) poll slower.
+                spread = max(1.0, self.capacity / 64)
+                await asyncio.sleep(self.s.poll * (0.5 + random.random()) * spread)
                 continue
             with structlog.contextvars.bound_contextvars(index=leases[0].index):
                 await self.process(leases[0])
@@ -175,6 +182,11 @@ class Consumer:
                 reason = e.reason if isinstance(e, BadTask) else str(e)
                 await redis_retry(lambda: self.q.fail(lease, reason))
                 logger.warning("task_failed", reason=reason)
+                return
+            if verdict is TryAgain:  # run it again, spending an attempt
+                why = str(e)
+                await redis_retry(lambda: self.q.release(lease, refund=False, reason=why))
+                logger.info("task_retried", reason=why)
                 return
             if verdict is not Retryable:
                 raise
@@ -248,6 +260,7 @@ class Consumer:
                     await self.top_up()
                 if tick % 5 == 0:
                     self.load = await self.server.load()
+                    await follow_server(self)
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
             tick += 1
@@ -283,6 +296,7 @@ class Consumer:
         self.started_at = self.started_at or now
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
                 "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
-                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at}
+                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
+                "context_length": self.context_length}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
                                 held=list(self.held))
