@@ -54,9 +54,24 @@ def parse_length_dist(spec: str) -> LengthDist:
 class Settings:
     """Everything the simulator is told at start; rates may later be changed at runtime."""
 
+    @property
+    def running_limit(self) -> int:
+        return self.max_running_requests or self.effective_max_running
+
     host: str = "127.0.0.1"
     port: int = 30000
-    max_running_requests: int = 40
+    # None: launched without --max-running-requests, as most SGLang servers are; it then
+    # reports null in /get_server_info and runs `effective_max_running` at once.
+    max_running_requests: int | None = None
+    effective_max_running: int = 40
+    # Prompt + completion tokens one request may use (max_model_len in /v1/models).
+    context_length: int = 32768
+    # Seconds /health answers 503 after start, as SGLang does while it warms up.
+    warmup: float = 0.0
+    # None: thinking stays in `content` (SGLang without --reasoning-parser); "qwen3": split.
+    reasoning_parser: str | None = None
+    # Also serve /get_load, which SGLang before 0.5 had and 0.5.x answers with 404.
+    legacy_get_load: bool = False
     decode_tps: float = 87.5
     ttft: float = 0.5
     time_scale: float = 1.0

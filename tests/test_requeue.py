@@ -44,8 +44,9 @@ class LoadSampler(threading.Thread):
     def run(self) -> None:
         with httpx.Client(timeout=2) as client:
             while not self.stop.is_set():
-                self.samples.append(tuple(client.get(u + "/get_load").json()[0]["num_reqs"]
-                                          for u in self.urls))
+                self.samples.append(tuple(
+                    client.get(u + "/v1/loads").json()["loads"][0]["num_running_reqs"]
+                    for u in self.urls))
                 time.sleep(0.01)
 
 
