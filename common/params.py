@@ -118,6 +118,28 @@ def init_version_one(r: redis.Redis, k: RunKeys, params: dict[str, Any]) -> bool
     return True
 
 
+def smallest_context(r: redis.Redis, k: RunKeys) -> tuple[str, int] | None:
+    """(server, context length) of the smallest context any consumer of the run has read."""
+    known = {}
+    for server, raw in r.hgetall(k.servers).items():
+        context = orjson.loads(raw).get("context_length")
+        if context:
+            known[server.decode()] = int(context)
+    return min(known.items(), key=lambda item: item[1]) if known else None
+
+
+def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
+    """Refuse a max_tokens that cannot fit the model's context even with an empty prompt:
+    every request would be refused, and a redo would have undone good results for nothing."""
+    smallest = smallest_context(r, k)
+    if smallest and max_tokens >= smallest[1]:
+        server, context = smallest
+        raise UsageError(
+            f"max_tokens {max_tokens} cannot fit: the model's context on {server} is {context} "
+            f"tokens for prompt and completion together; use a max_tokens below {context} "
+            "(nothing was changed)")
+
+
 def request_body(messages: list[dict], params: dict[str, Any], model: str) -> dict[str, Any]:
     """The /v1/chat/completions body: the limit is always explicit, thinking on by default."""
     body = {k: v for k, v in params.items() if k != "enable_thinking"}

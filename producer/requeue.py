@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     info = runs.load(r, k)
     for notice in notices:
         print(f"genq: note: {notice}", file=sys.stderr)
+    if "max_tokens" in changes or a.redo != "none":
+        # Checked before anything changes, so a refused requeue undoes no result.
+        limit = changes.get("max_tokens", params.current(r, k)[1].get("max_tokens"))
+        params.check_fits(r, k, int(limit or params.DEFAULTS["max_tokens"]))
     if changes:
         version, diff = params.bump(r, k, changes, redo=a.redo, inflight=a.inflight)
         described = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in diff.items())
