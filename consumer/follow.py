@@ -37,6 +37,7 @@ async def slot(self: Consumer, n: int) -> None:
 async def follow_server(self: Consumer) -> None:
     """Pick up a capacity or context length that changed (server restarted with other
     flags), and record them where `genq requeue` checks max_tokens."""
+    self.load = await self.server.load()
     try:
         capacity = (self.load or {}).get("max_running_requests")
         if not capacity and not self.s.concurrency and not self.load:

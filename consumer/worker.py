@@ -1,6 +1,6 @@
-"""The consumer loop: a fixed set of slots, each holding one leased task at a time, plus lease
-renewal and housekeeping, in one asyncio.TaskGroup. A slot that finishes claims the next task
-at once, so the server stays exactly full while work remains."""
+"""The consumer loop: one slot per request the server runs at once (follow.py resizes them),
+each holding one leased task at a time, plus lease renewal and housekeeping, in one TaskGroup.
+A slot that finishes claims the next task at once, so the server stays exactly full."""
 
 from __future__ import annotations
 
@@ -62,9 +62,8 @@ class Consumer:
         self.sync, self.sync_scripts = sync, ScriptRunner(sync)
         self.dataset, self.sink, self.server = dataset, sink, server
         self.capacity, self.model = capacity, model
-        self.context_length: int | None = None
-        self.server_recorded = False
-        self.slots: set[int] = set()
+        self.context_length: int | None = None  # the server's, as last read (follow.py)
+        self.server_recorded, self.slots = False, set[int]()
         self.tg: asyncio.TaskGroup | None = None
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
@@ -89,9 +88,11 @@ class Consumer:
                 resize(self)
                 tg.create_task(self.drain_on_stop())
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            # Cancel until done: redis-py 8 can swallow a cancel landing inside a command.
+            while not all(task.done() for task in background):
+                for task in background:
+                    task.cancel()
+                await asyncio.wait(background, timeout=1.0)
             try:
                 await presence.withdraw(self.r, self.k, self.s.name)
             except REDIS_TROUBLE as e:  # the heartbeat keys expire on their own
@@ -136,8 +137,7 @@ class Consumer:
                         logger.info("run_settled", acked=self.acked)
                     self.stop.set()
                     return
-                # Thousands of slots (a server without --max-running-requests) poll slower.
-                spread = max(1.0, self.capacity / 64)
+                spread = max(1.0, self.capacity / 64)  # thousands of idle slots poll slower
                 await asyncio.sleep(self.s.poll * (0.5 + random.random()) * spread)
                 continue
             with structlog.contextvars.bound_contextvars(index=leases[0].index):
@@ -183,16 +183,15 @@ class Consumer:
                 await redis_retry(lambda: self.q.fail(lease, reason))
                 logger.warning("task_failed", reason=reason)
                 return
-            if verdict is TryAgain:  # run it again, spending an attempt
-                why = str(e)
-                await redis_retry(lambda: self.q.release(lease, refund=False, reason=why))
-                logger.info("task_retried", reason=why)
-                return
-            if verdict is not Retryable:
+            if verdict is not Retryable and verdict is not TryAgain:
                 raise
-            error = str(e) or type(e).__name__
-            await redis_retry(lambda: self.q.release(lease, refund=True, reason=error))
-            self.pause.trouble(error)
+            # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
+            error, refund = str(e) or type(e).__name__, verdict is Retryable
+            await redis_retry(lambda: self.q.release(lease, refund=refund, reason=error))
+            if refund:
+                self.pause.trouble(error)
+            else:
+                logger.info("task_retried", reason=error)
             return
         outcome = await redis_retry(lambda: self.q.ack(
             lease, completion_tokens=completion.completion_tokens,
@@ -259,8 +258,7 @@ class Consumer:
                     await self.heartbeat()
                     await self.top_up()
                 if tick % 5 == 0:
-                    self.load = await self.server.load()
-                    await follow_server(self)
+                    await follow_server(self)  # the server's load, capacity and context
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
             tick += 1

@@ -108,7 +108,17 @@ class App:
         return _json(self.engine.faults.view())
 
 
-_FAULT_KEYS = {"status", "hang", "reset", "for_s", "error_rate", "hang_rate", "reset_rate", "clear"}
+_FAULT_KEYS = {
+    "status",
+    "hang",
+    "reset",
+    "finish",
+    "for_s",
+    "error_rate",
+    "hang_rate",
+    "reset_rate",
+    "clear",
+}
 
 
 def _check_faults(data: dict[str, Any]) -> None:
@@ -121,6 +131,8 @@ def _check_faults(data: dict[str, Any]) -> None:
     status = data.get("status")
     if status is not None and (type(status) is not int or not 400 <= status <= 599):
         raise ApiError(400, "status must be an HTTP error status (400-599) or null")
+    if data.get("finish") not in (None, "abort", "missing"):
+        raise ApiError(400, 'finish must be "abort", "missing" or null')
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data and (not _is_number(data[key]) or not 0 <= data[key] <= 1):
             raise ApiError(400, f"{key} must be between 0 and 1")
@@ -150,6 +162,9 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         faults.hang_until = until if data["hang"] else 0.0
     if "reset" in data:
         faults.reset_until = until if data["reset"] else 0.0
+    if "finish" in data:
+        faults.finish = data["finish"] or ""
+        faults.finish_until = until if data["finish"] else 0.0
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data:
             setattr(faults, key, float(data[key]))

@@ -98,6 +98,8 @@ class Faults:
     status_until: float = 0.0
     hang_until: float = 0.0
     reset_until: float = 0.0
+    finish: str = ""
+    finish_until: float = 0.0
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def pick(self) -> str | int | None:
@@ -118,6 +120,10 @@ class Faults:
             return "reset"
         return None
 
+    def forced_finish(self) -> str:
+        """The finish reason answers are given while the `finish` fault lasts, else ""."""
+        return self.finish if time.monotonic() < self.finish_until else ""
+
     def view(self) -> dict:
         now = time.monotonic()
         left = {k: max(0.0, getattr(self, k + "_until") - now) for k in ("status", "hang", "reset")}
@@ -129,6 +135,7 @@ class Faults:
             "status_left_s": left["status"],
             "hang_left_s": left["hang"],
             "reset_left_s": left["reset"],
+            "finish": self.forced_finish() or None,
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -120,6 +121,7 @@ async def chat(engine: Engine, body: bytes) -> Any:
         max_tokens,
         thinking,
     )
+    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None

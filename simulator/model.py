@@ -40,9 +40,13 @@ class Completion:
     tokens: int
     reasoning_tokens: int
     thinking: bool
+    # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
+    forced_finish: str = ""
 
     @property
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> str | None:
+        if self.forced_finish:
+            return None if self.forced_finish == "missing" else self.forced_finish
         return "length" if self.natural > self.tokens else "stop"
 
     @property
