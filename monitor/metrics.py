@@ -90,12 +90,12 @@ SERVER_METRICS = [
     ),
     (
         "genq_server_running",
-        "Requests running on the server (its /get_load).",
+        "Requests running on the server (its /v1/loads, or /get_load before SGLang 0.5).",
         lambda v: (v.get("load") or {}).get("num_reqs"),
     ),
     (
         "genq_server_waiting",
-        "Requests queued inside the server (its /get_load).",
+        "Requests queued inside the server (its /v1/loads, or /get_load before SGLang 0.5).",
         lambda v: (v.get("load") or {}).get("num_waiting_reqs"),
     ),
 ]

@@ -42,8 +42,9 @@ class App:
             ("GET", "/_sim/faults"): self.sim_faults_get,
             ("POST", "/_sim/faults"): self.sim_faults_set,
         }
-        if settings.legacy_get_load:
+        if settings.legacy_get_load:  # a server before 0.5: /get_load, no /v1/loads
             self.routes[("GET", "/get_load")] = self.info(info.get_load)
+            del self.routes[("GET", "/v1/loads")]
         self._paths = {path for _, path in self.routes}
 
     async def __call__(self, request: Request) -> Response:

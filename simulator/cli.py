@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--legacy-get-load",
         action="store_true",
-        help="also serve /get_load like SGLang before 0.5 (0.5.x answers it with 404)",
+        help="serve /get_load instead of /v1/loads, like SGLang before 0.5",
     )
     p.add_argument(
         "--decode-tps",

@@ -70,7 +70,7 @@ class Settings:
     warmup: float = 0.0
     # None: thinking stays in `content` (SGLang without --reasoning-parser); "qwen3": split.
     reasoning_parser: str | None = None
-    # Also serve /get_load, which SGLang before 0.5 had and 0.5.x answers with 404.
+    # Serve /get_load instead of /v1/loads, as SGLang before 0.5 did (0.5.x: 404).
     legacy_get_load: bool = False
     decode_tps: float = 87.5
     ttft: float = 0.5

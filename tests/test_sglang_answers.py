@@ -4,16 +4,19 @@ without spending an attempt, one with no finish reason spends an attempt each ti
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import httpx
 import orjson
 import pytest
 from faultkit import Consumer, check_truth, produce_once
-from pipeline import wait_for, write_dataset
+from pipeline import ConsumerProcess, wait_for, write_dataset
+from sim_fixtures import SimProcess, sim_flags
 
 from common.errors import BadTask, Retryable, ServerAborted, ServerUnavailable, TryAgain, classify
 from common.keys import RunKeys
+from common.status import read_status
 from consumer.sglang_stream import (
     Answer,
     ContextExceeded,
@@ -134,3 +137,31 @@ def test_answers_without_a_finish_reason_spend_attempts_and_fail_with_the_reason
     reasons = {v.decode() for v in r.hvals(k.errors)}
     assert all("gave up after 2 attempts" in x and "finish_reason None" in x for x in reasons)
     assert httpx.get(sim.url + "/_sim/stats").json()["completed"] == 2 * n
+
+
+def test_a_warming_server_is_waited_for_and_an_older_ones_load_read_from_get_load(
+        tmp_path, redis_url, r, run_name):
+    n = 6
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = SimProcess(*sim_flags(legacy_get_load=True, max_running_requests=4, warmup=4,
+                                time_scale=20, length_dist="fixed:30"))
+    with pytest.raises(TimeoutError):  # /health says 503 for the first 4 s
+        sim.start(timeout=1)
+    c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--server-wait", "60",
+                        "--poll", "0.05", "--grace", "2")
+    try:
+        k = RunKeys(run_name)
+        wait_for(lambda: r.bitcount(k.done) == n, timeout=60, what="all done")
+        rows = wait_for(lambda: [s for s in read_status(r, run_name)["servers"]
+                                 if s.get("load")], timeout=30, what="the server's load")
+        c.signal(signal.SIGTERM)
+        assert c.wait(30) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+        sim.cleanup()
+    waits = [e for e in events if e.get("event") == "waiting_for_server"]
+    assert waits and "HTTP 503" in waits[0]["error"]
+    assert [e["endpoint"] for e in events if e.get("event") == "server_load_source"] == \
+        ["/get_load"]
+    assert rows[0]["load"]["endpoint"] == "/get_load" and rows[0]["capacity"] == 4

@@ -44,6 +44,7 @@ def test_capacity_is_null_in_server_info_unless_given_and_loads_tell_it(sim_fact
     legacy = sim_factory(max_running_requests=3, legacy_get_load=True, **FAST)
     assert httpx.get(legacy.url + "/get_server_info").json()["max_running_requests"] == 3
     assert httpx.get(legacy.url + "/get_load").json()[0]["num_reqs"] == 0
+    assert httpx.get(legacy.url + "/v1/loads").status_code == 404
 
 
 def test_context_length_refusals_are_sglangs(sim_factory):
