@@ -40,7 +40,7 @@ async def follow_server(self: Consumer) -> None:
     self.load = await self.server.load()
     try:
         capacity = (self.load or {}).get("max_running_requests")
-        if not capacity and not self.s.concurrency and not self.load:
+        if not capacity and not self.s.concurrency:  # a server without /v1/loads
             capacity = await self.server.capacity()
         context = await self.server.context_length()
     except ServerUnavailable:
