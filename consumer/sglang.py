@@ -40,7 +40,7 @@ class Progress:
 
 
 class SGLang:
-    def __init__(self, url: str, *, request_timeout: float, stall_timeout: float,
+    def __init__(self, url: str, *, request_timeout: float, stall_timeout: float = 60.0,
                  connections: int | None = None) -> None:
         self.url = url.rstrip("/")
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
