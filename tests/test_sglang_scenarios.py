@@ -13,7 +13,7 @@ import signal
 import httpx
 import pytest
 from conftest import genq
-from faultkit import check_truth
+from faultkit import check_truth, record_figures
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from sglang_servers import CONTEXT, KINDS, SIM_PLAIN_CAPACITY, TUNED_CAPACITY, start_server
 
@@ -81,8 +81,14 @@ def test_pipeline_to_the_end_with_token_sums_equal_to_the_servers(
     prompt_after, generated_after = tuned.token_counters()
     check_truth(r, redis_url, run_name, n, tmp_path)
     records = read_jsonl(tmp_path / f"export-{run_name}.jsonl")
-    assert sum(rec["completion_tokens"] for rec in records) == generated_after - generated_before
-    assert sum(rec["prompt_tokens"] for rec in records) == prompt_after - prompt_before
+    completion = sum(rec["completion_tokens"] for rec in records)
+    prompt = sum(rec["prompt_tokens"] for rec in records)
+    record_figures(f"sglang_pipeline_{tuned.kind}", prompts=n, done=len(records),
+                   completion_tokens=completion, server_generation_tokens=generated_after -
+                   generated_before, prompt_tokens=prompt,
+                   server_prompt_tokens=prompt_after - prompt_before)
+    assert completion == generated_after - generated_before
+    assert prompt == prompt_after - prompt_before
     assert event(events, "consumer_started")["capacity"] == TUNED_CAPACITY
     assert event(events, "server_load_source")["endpoint"] == "/v1/loads"
     assert all(rec["finish_reason"] in ("stop", "length") for rec in records)
@@ -107,6 +113,8 @@ def test_capacity_and_load_of_a_server_launched_without_max_running_requests(
     reported = httpx.get(plain.url + "/v1/loads", timeout=10).json()["loads"][0]
     capacity = event(events, "consumer_started")["capacity"]
     assert capacity == reported["max_running_requests"]
+    record_figures(f"sglang_plain_capacity_{plain.kind}", capacity=capacity,
+                   load_endpoint=rows[0]["load"]["endpoint"])
     if plain.kind == "sim":
         assert capacity == SIM_PLAIN_CAPACITY
     assert rows[0]["capacity"] == capacity
@@ -179,6 +187,9 @@ def test_server_killed_and_restarted_with_other_flags_mid_run(
     finally:
         c.cleanup()
     changed = event(events, "server_capacity_changed")
+    record_figures(f"sglang_kill_restart_{plain.kind}", prompts=n, capacity_before=changed["old"],
+                   capacity_after=changed["new"],
+                   retried=sum(e.get("event") == "claiming_paused" for e in events))
     assert changed["new"] == TUNED_CAPACITY and changed["old"] != TUNED_CAPACITY
     # Requests cut by the crash came back without spending an attempt (--max-attempts 1).
     check_truth(r, redis_url, run_name, n, tmp_path)
