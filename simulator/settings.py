@@ -54,10 +54,6 @@ def parse_length_dist(spec: str) -> LengthDist:
 class Settings:
     """Everything the simulator is told at start; rates may later be changed at runtime."""
 
-    @property
-    def running_limit(self) -> int:
-        return self.max_running_requests or self.effective_max_running
-
     host: str = "127.0.0.1"
     port: int = 30000
     # None: launched without --max-running-requests, as most SGLang servers are; it then
@@ -83,3 +79,8 @@ class Settings:
     hang_rate: float = 0.0
     reset_rate: float = 0.0
     bad_marker: str = "__GENQ_BAD__"
+
+    @property
+    def running_limit(self) -> int:
+        """Requests run at once: as launched, else what the server sizes for itself."""
+        return self.max_running_requests or self.effective_max_running

@@ -52,3 +52,23 @@ def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
     record_figures("server_hangs_3s_stream_silence", hung=hung, redone=len(redone),
                    noticed_after_s=noticed_s,
                    stall_timeout_s=STALL_S, request_timeout_s=3600, **figures)
+
+
+def test_requests_queued_inside_the_server_are_not_taken_for_a_hang(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # One slot on the server and three requests in flight: two wait silently in the server's
+    # queue for longer than --stall-timeout, which the server's load explains.
+    n = 6
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(max_running_requests=1, time_scale=2, length_dist="fixed:100")
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--stall-timeout", "0.5", concurrency=3)
+    try:
+        assert c.wait(120) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+    assert not [e for e in events if "answer silent for" in str(e.get("error", ""))]
+    assert httpx.get(sim.url + "/_sim/stats").json()["max_running_seen"] == 1
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and claims(r, run_name, n) == [1] * n
