@@ -20,3 +20,8 @@ class ConsumeSettings:
     name: str
     poll: float
     server_wait: float
+    # The servers this consumer may drive (consumer/servers.py leases one); `server` is the
+    # leased one once serving.
+    servers: tuple[str, ...] = ()
+    server_lease: float = 15.0
+    share_server: bool = False
