@@ -107,7 +107,7 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                 url, owners = await try_take(r, list(s.servers), token, s.server_lease)
             except REDIS_TROUBLE as e:
                 logger.warning("server_lease_redis_trouble", error=str(e))
-        logger.info("server_leased", lease_s=s.server_lease, took_over=bool(last))
+        logger.info("server_leased", leased=url, lease_s=s.server_lease, took_over=bool(last))
         return url
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
