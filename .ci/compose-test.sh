@@ -39,13 +39,16 @@ wait_until() {  # wait_until SECONDS WHAT COMMAND...
     sleep 1
   done
 }
-redis_get() { "${DC[@]}" exec -T redis redis-cli --raw get "$1" | tr -d '\r'; }
+# docker exec, not docker-compose exec: the polls below must be quick to be accurate.
+redis_get() { docker exec "$(cat "$REDIS_CID")" redis-cli --raw get "$1" | tr -d '\r'; }
+REDIS_CID=$(mktemp)
 
 engine_was_up=0
 /usr/bin/docker info >/dev/null 2>&1 && engine_was_up=1
 cleanup() {
   local rc=$?
   "${DC[@]}" down -v --remove-orphans >/dev/null 2>&1 || true
+  rm -f "$REDIS_CID"
   if [ "$engine_was_up" = 0 ]; then bash .ci/docker-engine.sh stop || rc=1; fi
   exit $rc
 }
@@ -65,6 +68,7 @@ T[image_build]=$(since "$s")
 # ------------------------------------------------------------------ 3. the pipeline, 2 consumers
 s=$(now)
 "${DC[@]}" up -d --scale consumer=2
+"${DC[@]}" ps -q redis >"$REDIS_CID"
 settled() {
   "${DC[@]}" exec -T producer genq status --json | python3 -c '
 import json, sys
@@ -106,15 +110,20 @@ lease=genq:server:http://sim0:30000
 victim=$(redis_get "$lease"); victim=${victim%%|*}
 [ -n "$victim" ] || fail "nobody leases sim0"
 # A consumer's name is <container hostname>-<pid>; the hostname is the container id.
+killed_at=$(date -u +%s.%N)
 docker kill "${victim%-*}" >/dev/null
-s=$(now)
 taken_over() { o=$(redis_get "$lease"); [ -n "$o" ] && [ "${o%%|*}" != "$victim" ]; }
 wait_until 60 "takeover of sim0" taken_over
-T[takeover]=$(since "$s")
 heir=$(redis_get "$lease"); heir=${heir%%|*}
 docker logs "${heir%-*}" 2>&1 | grep -q '"event":"spare_waiting"' \
   || fail "sim0 went to $heir, which was not the spare"
-echo "sim0: $victim killed, taken over by the spare $heir in ${T[takeover]}s (lease ${GENQ_SERVER_LEASE}s)"
+# Takeover time from the heir's own log line, not from this loop's polling.
+T[takeover]=$(docker logs "${heir%-*}" 2>&1 | grep '"event":"server_leased"' | tail -1 \
+  | python3 -c '
+import datetime, json, sys
+at = json.loads(sys.stdin.read())["timestamp"].replace("Z", "+00:00")
+print(f"{datetime.datetime.fromisoformat(at).timestamp() - float(sys.argv[1]):.1f}")' "$killed_at")
+echo "sim0: $victim killed ($(docker inspect -f "{{.State.Status}}, restarts {{.RestartCount}}" "${victim%-*}")), taken over by the spare $heir in ${T[takeover]}s (lease ${GENQ_SERVER_LEASE}s)"
 
 # ------------------------------------------------------------------ 7. down
 s=$(now)
