@@ -24,13 +24,19 @@ DOCKERD_LOG=${DOCKERD_LOG:-/var/log/genq-dockerd.log}
 STARTED_MARK=/run/genq-dockerd.started
 # The Debian 20.10 client: the v28 CLI that may sit first on PATH has no buildx/compose plugins.
 DOCKER=/usr/bin/docker
+[ -x "$DOCKER" ] || DOCKER=docker
 
 die() { echo "docker-engine: error: $*" >&2; exit 1; }
 
 install_packages() {
+  # Only what is missing: a machine with Docker CE and compose v2 keeps its own.
   local need=()
-  [ -x /usr/sbin/dockerd ] || need+=(docker.io)
-  command -v docker-compose >/dev/null || need+=(docker-compose)
+  if ! "$DOCKER" info >/dev/null 2>&1 && ! command -v dockerd >/dev/null \
+      && [ ! -x /usr/sbin/dockerd ]; then
+    need+=(docker.io)
+  fi
+  command -v docker-compose >/dev/null || docker compose version >/dev/null 2>&1 \
+    || need+=(docker-compose)
   command -v debootstrap >/dev/null || need+=(debootstrap)
   [ ${#need[@]} -eq 0 ] && return
   export DEBIAN_FRONTEND=noninteractive
@@ -43,7 +49,7 @@ start_engine() {
   # The package's postinst does not start it (no systemd); start it by hand, in the background.
   # Remember the host's forwarding setting so `stop` restores it rather than guessing.
   cat /proc/sys/net/ipv4/ip_forward >"$STARTED_MARK.ip_forward"
-  nohup /usr/sbin/dockerd >"$DOCKERD_LOG" 2>&1 &
+  nohup "$(command -v dockerd || echo /usr/sbin/dockerd)" >"$DOCKERD_LOG" 2>&1 &
   echo $! >"$STARTED_MARK"
   for _ in $(seq 1 60); do "$DOCKER" info >/dev/null 2>&1 && return; sleep 1; done
   tail -20 "$DOCKERD_LOG" >&2 || true
