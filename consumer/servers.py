@@ -96,14 +96,14 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                 event = "server_busy" if len(owners) == 1 else "spare_waiting"
                 logger.warning(event, driven_by=owners, lease_s=s.server_lease)
                 last = owners
-            if s.burst and await settled(r, RunKeys(s.run)):
-                logger.info("run_settled", spare=True)
-                return None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=min(1.0, s.server_lease / 3))
             if stop.is_set():
                 return None
             try:
+                if s.burst and await settled(r, RunKeys(s.run)):
+                    logger.info("run_settled", spare=True)
+                    return None
                 url, owners = await try_take(r, list(s.servers), token, s.server_lease)
             except REDIS_TROUBLE as e:
                 logger.warning("server_lease_redis_trouble", error=str(e))

@@ -150,7 +150,7 @@ def test_a_lost_lease_stops_the_consumer(tmp_path, redis_url, r, run_name, sim_f
                  what="the frozen consumer's lease expiring")
         r.set(server_lease(sim.url), "other|x|1", px=60_000)
         c.signal(signal.SIGCONT)
-        assert c.wait(30) == 3, c.log()[-3000:]
+        assert c.wait(60) == 3, c.log()[-3000:]
         assert c.said("server_lease_lost")
         assert r.get(server_lease(sim.url)) == b"other|x|1"
     finally:
