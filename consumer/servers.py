@@ -57,8 +57,8 @@ def owner_of(token: bytes | str | None) -> str:
     """The readable part of a lease token: consumer name and run."""
     if token is None:
         return "nobody"
-    name, run, _ = (token.decode() if isinstance(token, bytes) else token).split("|", 2)
-    return f"{name} (run {run})"
+    parts = (token.decode() if isinstance(token, bytes) else token).split("|")
+    return f"{parts[0]} (run {parts[1]})" if len(parts) > 1 else parts[0]
 
 
 async def try_take(r: aioredis.Redis, urls: list[str], token: str,
