@@ -19,7 +19,8 @@ from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from common.keys import RunKeys, server_lease
 
-LEASE_S = 2.0
+# Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
+LEASE_S = 3.0
 
 
 class Replica(ConsumerProcess):
