@@ -77,6 +77,10 @@ sys.exit(0 if st["done"] + st["failed"] == st["total"] > 0 else 1)'
 }
 wait_until 600 "settled run" settled
 T[pipeline]=$(since "$s")
+# What the consumers went through (restarts, lost leases, retries), for the record.
+echo "consumer events:"; "${DC[@]}" logs --no-color consumer \
+  | grep -o '"event":"[a-z_]*"' | sort | uniq -c | grep -v '"task_acked"' || true
+docker ps -a --filter "label=com.docker.compose.service=consumer" --format '{{.Names}} {{.Status}}'
 
 # ------------------------------------------------------------------ 4. export
 "${DC[@]}" run --rm --no-deps -T consumer genq export --out /out/results.jsonl
@@ -126,8 +130,15 @@ print(f"{datetime.datetime.fromisoformat(at).timestamp() - float(sys.argv[1]):.1
 echo "sim0: $victim killed ($(docker inspect -f "{{.State.Status}}, restarts {{.RestartCount}}" "${victim%-*}")), taken over by the spare $heir in ${T[takeover]}s (lease ${GENQ_SERVER_LEASE}s)"
 
 # ------------------------------------------------------------------ 7. down
+# Service by service, dependents first (as `down` does), so a slow one shows by name.
 s=$(now)
+for svc in consumer monitor rq-dashboard producer sim0 sim1 redis; do
+  t=$(now); "${DC[@]}" stop "$svc" >/dev/null 2>&1; T[stop_$svc]=$(since "$t")
+done
 "${DC[@]}" down -v --remove-orphans
 T[down]=$(since "$s")
 for k in engine_and_base image_build pipeline takeover down; do echo "time[$k]=${T[$k]}s"; done
+for svc in consumer monitor rq-dashboard producer sim0 sim1 redis; do
+  echo -n "stop[$svc]=${T[stop_$svc]}s "
+done; echo
 echo "COMPOSE E2E: OK ($GENQ_DEMO_PROMPTS prompts, 2 servers, 3 consumers)"
