@@ -4,6 +4,8 @@ one consumer per server, the monitor, a live progress bar, then the export."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import json
 import os
 import shlex
@@ -20,6 +22,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from common.net import free_port, wait_port
 
+# How long consumers get to exit once every prompt is settled (--burst exits within seconds).
+SETTLE_WAIT_S = 30.0
+PR_SET_PDEATHSIG = 1
 TOPICS = ["a parser", "a web server", "a sorting routine", "a CLI tool", "a cache", "a scheduler"]
 
 
@@ -29,6 +34,14 @@ def write_dataset(path: Path, n: int) -> None:
             text = f"Write {TOPICS[i % len(TOPICS)]} in Python, variant {i}."
             f.write(json.dumps({"id": f"demo-{i}", "messages": [
                 {"role": "user", "content": text}]}) + "\n")
+
+
+def die_with_parent() -> None:
+    """Run in each child before exec: the kernel kills it if the demo dies, even by SIGKILL
+    (a test's timeout), so nothing the demo started outlives it. Linux only; elsewhere the
+    demo's own cleanup is all there is."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def redis_url(procs: list[subprocess.Popen], workdir: Path) -> tuple[str, bool]:
@@ -49,7 +62,7 @@ def redis_url(procs: list[subprocess.Popen], workdir: Path) -> tuple[str, bool]:
     procs.append(subprocess.Popen(
         ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
          "--appendonly", "yes", "--save", "", "--maxmemory-policy", "noeviction"],
-        stdout=subprocess.DEVNULL))
+        stdout=subprocess.DEVNULL, preexec_fn=die_with_parent))
     wait_port(port)
     return f"redis://127.0.0.1:{port}/0", True
 
@@ -118,7 +131,7 @@ def run_demo(a: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]
 
     def spawn(*args: str) -> subprocess.Popen:
         proc = subprocess.Popen([sys.executable, "-m", "genq", *args], env=env,
-                                stdout=logs, stderr=logs)
+                                stdout=logs, stderr=logs, preexec_fn=die_with_parent)
         procs.append(proc)
         return proc
 
@@ -188,8 +201,14 @@ def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen
     start = time.monotonic()
     with Progress(*columns) as bar:
         task = bar.add_task("run", total=total, rate=0.0)
+        settled_at = None
         while any(c.poll() is None for c in consumers):
             done = int(r.bitcount(k.done)) + int(r.bitcount(k.failed))
             bar.update(task, completed=done, rate=done / max(time.monotonic() - start, 1e-6))
+            # Every prompt is settled; a consumer that has not exited SETTLE_WAIT_S later is
+            # stuck, and waiting on it would keep the demo (and what it started) alive.
+            settled_at = settled_at or (time.monotonic() if done >= total else None)
+            if settled_at and time.monotonic() - settled_at > SETTLE_WAIT_S:
+                break
             time.sleep(0.5)
         bar.update(task, completed=int(r.bitcount(k.done)) + int(r.bitcount(k.failed)))

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,41 @@ def test_write_dataset_keeps_an_existing_file(tmp_path):
     path.write_text('{"prompt": "mine"}\n')
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
     assert path.read_text() == '{"prompt": "mine"}\n'
+
+
+def children(pid: int) -> set[int]:
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out |= {int(c) for c in (task / "children").read_text().split()}
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
+def test_a_killed_demo_leaves_no_process_behind(tmp_path):
+    env = {k: v for k, v in genq_env("unused", "unused").items() if k != "REDIS_URL"}
+    env["TMPDIR"] = str(tmp_path)
+    # Slow enough that it is mid-run when killed.
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "genq", "demo", "--prompts", "5000", "--time-scale", "5"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert demo.stdout.readline().startswith("run "), "the demo did not start"
+        started = children(demo.pid)
+        # redis-server, 2 simulators, 2 consumers, the monitor.
+        assert len(started) == 6, started
+    finally:
+        demo.kill()
+        demo.wait(timeout=10)
+        demo.stdout.close()
+    deadline = time.monotonic() + 20
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in started if alive(p)]
