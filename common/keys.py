@@ -234,3 +234,9 @@ class RunKeys:
 
 
 RUNS = "genq:runs"
+
+
+def server_lease(url: str) -> str:
+    """String: "<consumer>|<run>|<nonce>" of the one consumer driving this SGLang server, any
+    run; expires unless renewed (consumer/servers.py)."""
+    return f"genq:server:{url}"

@@ -27,7 +27,8 @@ from common.cli import (
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
-from consumer import faults
+from consumer import faults, servers
+from consumer.servers import parse_servers
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 from consumer.worker import Consumer
@@ -40,7 +41,13 @@ REDIS_CONNECTIONS = 64
 
 def parse(argv: list[str] | None) -> ConsumeSettings:
     p = argparse.ArgumentParser(prog="genq consume", description=__doc__)
-    p.add_argument("--server", required=True, help="SGLang base URL, e.g. http://gpu0:30000")
+    p.add_argument("--server", action="append", default=[],
+                   help="SGLang base URL, e.g. http://gpu0:30000; repeatable: the consumer "
+                        "leases one that no other consumer drives (env GENQ_SERVERS, a list)")
+    p.add_argument("--server-lease", type=float, default=15.0,
+                   help="seconds a dead consumer keeps its server from spares (default 15)")
+    p.add_argument("--share-server", action="store_true",
+                   help="drive the first server even if another consumer already does")
     p.add_argument("--concurrency", type=int,
                    help="requests kept in flight (default: the server's max_running_requests)")
     p.add_argument("--visibility-timeout", type=float, default=60.0,
@@ -69,23 +76,31 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         p.error("--stall-timeout and --request-timeout must be > 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
-    if not re.match(r"^https?://", a.server):
-        p.error(f"--server {a.server!r} must be an http:// or https:// URL")
+    urls = [u.rstrip("/") for u in a.server] or parse_servers(os.environ.get("GENQ_SERVERS"))
+    if not urls:
+        p.error("--server URL (or GENQ_SERVERS) is required")
+    for url in urls:
+        if not re.match(r"^https?://", url):
+            p.error(f"--server {url!r} must be an http:// or https:// URL")
+    if a.server_lease <= 0:
+        p.error("--server-lease must be > 0")
     name = a.name or f"{socket.gethostname()}-{os.getpid()}"
     return ConsumeSettings(
-        redis_url=a.redis_url, run=a.run, server=a.server.rstrip("/"),
+        redis_url=a.redis_url, run=a.run, server=urls[0],
         concurrency=a.concurrency, visibility_timeout=a.visibility_timeout, out=a.out,
         burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
         grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
-        stall_timeout=a.stall_timeout)
+        stall_timeout=a.stall_timeout,
+        servers=tuple(urls), server_lease=a.server_lease, share_server=a.share_server)
 
 
 @guarded
 def main(argv: list[str] | None = None) -> int:
     s = parse(argv)
     log.setup()
-    structlog.contextvars.bind_contextvars(run=s.run, server=s.server)
-    return asyncio.run(serve(s))
+    structlog.contextvars.bind_contextvars(run=s.run)
+    # One free server of the list, leased for as long as serve() runs (consumer/servers.py).
+    return asyncio.run(servers.drive(s, serve))
 
 
 async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str, int | None]:

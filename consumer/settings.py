@@ -21,3 +21,8 @@ class ConsumeSettings:
     poll: float
     server_wait: float
     stall_timeout: float = 60.0
+    # The servers this consumer may drive (consumer/servers.py leases one); `server` is the
+    # leased one once serving.
+    servers: tuple[str, ...] = ()
+    server_lease: float = 15.0
+    share_server: bool = False

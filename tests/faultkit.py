@@ -54,7 +54,7 @@ class Consumer(ConsumerProcess):
         self.log_path = Path(tempfile.mkstemp(prefix="genq-consumer-", suffix=".log")[1])
         args = [*prefix, sys.executable, "-m", "genq", "consume", "--server", server,
                 "--out", str(out), "--visibility-timeout", str(vt),
-                "--concurrency", str(concurrency), *BASE_FLAGS, *flags]
+                "--concurrency", str(concurrency), "--share-server", *BASE_FLAGS, *flags]
         if name:
             args += ["--name", name]
         # PYTHONFAULTHANDLER: a consumer that hangs is sent SIGABRT and its stacks go to the log.

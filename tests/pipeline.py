@@ -41,8 +41,9 @@ class ConsumerProcess:
 
     def __init__(self, redis_url: str, run: str, server: str, out: Path, *flags: str) -> None:
         self.log_path = Path(tempfile.mkstemp(prefix="genq-consumer-", suffix=".log")[1])
-        args = [sys.executable, "-m", "genq", "consume", "--server", server, "--out", str(out),
-                *flags]
+        # --share-server: tests put several consumers on one simulator on purpose.
+        args = [sys.executable, "-m", "genq", "consume", "--server", server, "--share-server",
+                "--out", str(out), *flags]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, env=genq_env(redis_url, run),
                                          stdout=log, stderr=subprocess.STDOUT)
