@@ -47,7 +47,7 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
     done_raw, version_raw, attempt_raw = pipe.execute()
     done = done_raw or b""
     version = _bitfield_reader(version_raw, 2)
-    attempt = _bitfield_reader(attempt_raw, 1)
+    attempt = _bitfield_reader(attempt_raw, 2)
 
     def is_done(index: int) -> bool:
         byte = index // 8

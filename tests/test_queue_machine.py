@@ -1,6 +1,8 @@
 """The queue scripts in any order, against a real Redis: claims, renewals, acks (current and
-stale), releases, failures, expiries and reaps, consumer crashes, `rq info` sweeps and redos
-(`genq requeue --redo`), with the queue's invariants checked after every step:
+stale), releases, failures, expiries and reaps, consumer crashes, `rq info` sweeps, redos
+(`genq requeue --redo`), parameter changes (`genq requeue --set`, finishing or aborting old
+work) and what RQ's own tools do to jobs (requeue a failed job, delete or cancel a job, empty
+the queue), with the queue's invariants checked after every step:
 
 - every index is in exactly one of queued, leased, done, failed (and `pending` says which);
 - done counts an index at most once: the counters and the length histogram agree with the
@@ -26,9 +28,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from rq.registry import StartedJobRegistry
+from rq import Queue
+from rq.job import Job
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegistry
 
-from common import feed, scripts
+from common import feed, params, scripts
 from common.keys import RunKeys
 
 N = 6
@@ -63,6 +67,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.attempts = [0] * N
         self.acks = 0
         self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
+        self.floor = 0  # results of a parameter version below this are superseded
 
     def teardown(self) -> None:
         if hasattr(self, "r"):
@@ -117,9 +122,15 @@ class QueueMachine(RuleBasedStateMachine):
             self.k, lease.job_id, lease.index, lease.exec_id, completion_tokens=tokens,
             prompt_tokens=3, finish_reason=finish, version=lease.version,
             attempt=lease.attempt, server=f"http://{consumer}"))
-        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused.
-        assert accepted == int(self.current(lease))
-        if accepted:
+        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused;
+        # a current one under parameters an abort superseded sends the task round again.
+        if not self.current(lease):
+            assert accepted == 0
+        elif lease.version < self.floor:
+            assert accepted == 2
+            del self.owner[lease.index]
+        else:
+            assert accepted == 1
             self.acks += 1
             self.finish[lease.index] = finish
             self.settle(lease.index, self.done)
@@ -161,6 +172,57 @@ class QueueMachine(RuleBasedStateMachine):
         assert reaped == expired
         for idx in reaped:
             del self.owner[idx]  # back in the queue; its old token is now stale
+
+    @rule(abort=st.booleans())
+    def bump_params(self, abort: bool) -> None:
+        """`genq requeue --set temperature=...`, letting old work finish or aborting it."""
+        version, _ = params.bump(self.r, self.k, {"temperature": 0.5}, redo="none",
+                                 inflight="abort" if abort else "finish")
+        if abort:
+            self.floor = version
+
+    def unsettled(self) -> list[int]:
+        return [i for i in range(N) if i not in self.done | self.failed]
+
+    @precondition(lambda self: self.unsettled())
+    @rule(pick=st.integers(0, N - 1), action=st.sampled_from(["delete", "cancel"]))
+    def rq_remove(self, pick: int, action: str) -> None:
+        """rq-dashboard's Delete, or Job.cancel, on a queued or running job; then the next
+        reaper tick. genq follows: the index is failed with the reason, its lease dropped."""
+        live = self.unsettled()
+        idx = live[pick % len(live)]
+        job = Job.fetch(self.k.job_id(idx), connection=self.r)
+        job.delete() if action == "delete" else job.cancel()
+        self.reap()
+        self.owner.pop(idx, None)
+        self.failed.add(idx)
+        assert b"through RQ" in self.r.hget(self.k.errors, str(idx))
+
+    @rule()
+    def rq_empty(self) -> None:
+        """rq-dashboard's Empty on the queue (Queue.empty deletes every queued job)."""
+        queued = {i for i in self.unsettled() if i not in self.owner}
+        Queue(self.k.queue_name, connection=self.r).empty()
+        self.reap()
+        self.failed |= queued
+
+    @precondition(lambda self: self.failed)
+    @rule(pick=st.integers(0, N - 1))
+    def rq_requeue(self, pick: int) -> None:
+        """rq-dashboard's Requeue (FailedJobRegistry.requeue), or CanceledJobRegistry's for a
+        cancelled one; then the next reaper tick. The index runs again with fresh attempts."""
+        idx = sorted(self.failed)[pick % len(self.failed)]
+        jid = self.k.job_id(idx)
+        for registry in (FailedJobRegistry, CanceledJobRegistry):
+            reg = registry(self.k.queue_name, connection=self.r)
+            if jid in reg.get_job_ids(cleanup=False):
+                reg.requeue(jid)
+                break
+        else:
+            return  # deleted through RQ: RQ has nothing left to requeue
+        self.reap()
+        self.failed.discard(idx)
+        assert self.r.bitfield(self.k.spent).get("u8", f"#{idx}").execute() == [0]
 
     @rule(consumer=st.sampled_from(CONSUMERS))
     def crash(self, consumer: str) -> None:
@@ -231,8 +293,8 @@ class QueueMachine(RuleBasedStateMachine):
     def attempts_never_decrease(self) -> None:
         if not hasattr(self, "r"):
             return
-        raw = self.r.get(self.k.claims) or b""
-        now = [raw[i] if i < len(raw) else 0 for i in range(N)]
+        raw = (self.r.get(self.k.claims) or b"").ljust(2 * N, b"\0")
+        now = [int.from_bytes(raw[2 * i:2 * i + 2], "big") for i in range(N)]  # u16 each
         assert now == self.attempts  # the model's count only ever rises (asserted at claim)
 
 
@@ -241,9 +303,9 @@ def bitset(raw: bytes | None) -> set[int]:
     return {i for i in range(len(raw) * 8) if raw[i // 8] & (0x80 >> (i % 8))}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_queue_invariants_hold_in_any_order(redis_server):
     QueueMachine.url = redis_server.url
     run_state_machine_as_test(QueueMachine, settings=settings(
-        max_examples=150, stateful_step_count=50, deadline=None,
+        max_examples=100, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))
