@@ -25,8 +25,9 @@ SOURCES = {name: resources.files("common.lua").joinpath(f"{name}.lua").read_text
 WIP_MARGIN_S = 24 * 3600
 # Finished jobs stay visible to rq's tools by number, not for a time: the last FINISHED_KEEP
 # (ack.lua trims the registry and deletes the oldest hashes), so Redis holds no hash per task
-# after a long run. Their TTL is only a backstop.
-FINISHED_KEEP = 500
+# after a long run. 100 keeps rq's finished registry a small listpack (zsets up to 128
+# members) and costs ~60 KB; their TTL is only a backstop.
+FINISHED_KEEP = 100
 RESULT_TTL_S = 30 * 24 * 3600
 FAILURE_TTL_S = 365 * 24 * 3600
 # Indices the reaper's sweep looks at per bitmap per call, for what RQ's tools did.
