@@ -1,13 +1,9 @@
 """The queue scripts in any order, against a real Redis: claims, renewals, acks (current and
-stale), releases, failures, expiries and reaps, consumer crashes, `rq info` sweeps, redos
-(`genq requeue --redo`), parameter changes (`genq requeue --set`, finishing or aborting old
-work) and what RQ's own tools do to jobs (requeue a failed job, delete or cancel a job, empty
-the queue), with the queue's invariants checked after every step:
-
-- every index is in exactly one of queued, leased, done, failed (and `pending` says which);
-- done counts an index at most once: the counters and the length histogram agree with the
-  done bitmap;
-- an index's attempt count never decreases.
+stale), releases, failures, expiries, reaps, consumer crashes, `rq info` sweeps, redos,
+parameter changes (finishing or aborting old work) and RQ's own requeue, delete, cancel and
+empty, with the invariants checked after every step: each index in exactly one of queued,
+leased, done, failed (`pending` says which); done counted once (counters and histogram agree
+with the bitmap); attempts never decrease.
 """
 
 from __future__ import annotations
@@ -65,7 +61,6 @@ class QueueMachine(RuleBasedStateMachine):
         self.done: set[int] = set()
         self.failed: set[int] = set()
         self.attempts = [0] * N
-        self.acks = 0
         self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
         self.floor = 0  # results of a parameter version below this are superseded
 
@@ -131,7 +126,6 @@ class QueueMachine(RuleBasedStateMachine):
             del self.owner[lease.index]
         else:
             assert accepted == 1
-            self.acks += 1
             self.finish[lease.index] = finish
             self.settle(lease.index, self.done)
 
@@ -157,8 +151,7 @@ class QueueMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.owner)
     @rule(pick=st.integers(0, N - 1))
-    def expire(self, pick: int) -> None:
-        """A lease's deadline passes (its consumer stalled or died)."""
+    def expire(self, pick: int) -> None:  # a deadline passes: its consumer stalled or died
         idx = sorted(self.owner)[pick % len(self.owner)]
         self.r.zadd(self.k.leases, {self.k.job_id(idx): 0}, xx=True)
         assert self.r.zscore(self.k.leases, self.k.job_id(idx)) == 0
@@ -187,8 +180,7 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.unsettled())
     @rule(pick=st.integers(0, N - 1), action=st.sampled_from(["delete", "cancel"]))
     def rq_remove(self, pick: int, action: str) -> None:
-        """rq-dashboard's Delete, or Job.cancel, on a queued or running job; then the next
-        reaper tick. genq follows: the index is failed with the reason, its lease dropped."""
+        """rq-dashboard's Delete or Job.cancel, then a reaper tick: failed, lease dropped."""
         live = self.unsettled()
         idx = live[pick % len(live)]
         job = Job.fetch(self.k.job_id(idx), connection=self.r)
@@ -209,8 +201,7 @@ class QueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.failed)
     @rule(pick=st.integers(0, N - 1))
     def rq_requeue(self, pick: int) -> None:
-        """rq-dashboard's Requeue (FailedJobRegistry.requeue), or CanceledJobRegistry's for a
-        cancelled one; then the next reaper tick. The index runs again with fresh attempts."""
+        """rq-dashboard's Requeue (or the cancelled registry's), then a reaper tick."""
         idx = sorted(self.failed)[pick % len(self.failed)]
         jid = self.k.job_id(idx)
         for registry in (FailedJobRegistry, CanceledJobRegistry):
@@ -225,19 +216,16 @@ class QueueMachine(RuleBasedStateMachine):
         assert self.r.bitfield(self.k.spent).get("u8", f"#{idx}").execute() == [0]
 
     @rule(consumer=st.sampled_from(CONSUMERS))
-    def crash(self, consumer: str) -> None:
-        """The consumer dies: its leases stay until they expire and are reaped."""
+    def crash(self, consumer: str) -> None:  # its leases stay until they expire and are reaped
         self.held[consumer] = []
 
     @rule()
-    def rq_info(self) -> None:
-        """`rq info` sweeps rq's started registry with the host clock; it must move nothing."""
+    def rq_info(self) -> None:  # `rq info` sweeps with the host clock: it must move nothing
         StartedJobRegistry(self.k.queue_name, connection=self.r).cleanup()
 
     @rule(what=st.sampled_from(["truncated", "done", "failed"]), limit=st.integers(1, 4))
     def redo(self, what: str, limit: int) -> None:
-        """`genq requeue --redo`: settled indices become runnable again, in bounded calls,
-        and the consumers' top-up queues them."""
+        """`genq requeue --redo` in bounded calls; the consumers' top-up queues them."""
         if what == "failed":
             expected, source = set(self.failed), self.failed
         else:
@@ -299,7 +287,7 @@ class QueueMachine(RuleBasedStateMachine):
 
 
 def bitset(raw: bytes | None) -> set[int]:
-    raw = raw or b""
+    raw = raw or b""  # bit 0 is the MSB of byte 0, as Redis numbers them
     return {i for i in range(len(raw) * 8) if raw[i // 8] & (0x80 >> (i % 8))}
 
 
