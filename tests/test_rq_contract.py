@@ -150,6 +150,14 @@ def test_rq_delete_cancel_and_empty_settle_as_failed_with_the_reason(
     assert r.hget(k.errors, "2").startswith(b"job deleted through RQ")
     assert r.hget(k.errors, "5").startswith(b"job canceled through RQ")
     assert _status(redis_url, emptied)["failed"] == 4
+    redo_hint = "through RQ; `genq requeue --redo failed` runs it again"
+    assert sorted((x["reason"], x["count"]) for x in st["failure_reasons"]) == [
+        (f"job canceled {redo_hint}", 1), (f"job deleted {redo_hint}", 1)]
+    # One record per prompt when asked: the failed ones carry their reason.
+    out = tmp_path / "with-failed.jsonl"
+    genq("export", "--out", str(out), "--include-failed", redis_url=redis_url, run=run_name)
+    failed = [rec for rec in read_jsonl(out) if rec.get("status") == "failed"]
+    assert len(read_jsonl(out)) == n and [rec["index"] for rec in failed] == [2, 5]
     # Nothing is lost: a redo runs them, and the export has every prompt once.
     genq("requeue", "--redo", "failed", redis_url=redis_url, run=run_name)
     _burst(redis_url, run_name, sim, tmp_path / "o")
