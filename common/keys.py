@@ -23,6 +23,14 @@ FINISH_OTHER = 4
 FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "other"}
 
 
+# Each per-index bitmap and bitfield, by RunKeys property, with its width in bits. A new run
+# creates them at their final size: Redis grows a string by doubling it, so a run that let
+# them grow would keep up to twice the bytes it needs.
+PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
+                  "spent": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
+                  "acc_ptoks": 32, "acc_finish": 8}
+
+
 def finish_code(reason: str | None) -> int:
     return FINISH_CODES.get(reason or "", FINISH_OTHER)
 
@@ -59,6 +67,10 @@ class RunKeys:
     @property
     def rq_failed(self) -> str:
         return f"rq:failed:{self.queue_name}"
+
+    @property
+    def rq_canceled(self) -> str:
+        return f"rq:canceled:{self.queue_name}"
 
     rq_workers = "rq:workers"
 
@@ -133,7 +145,7 @@ class RunKeys:
 
     @property
     def claims(self) -> str:
-        """BITFIELD u8 per index: claims so far, monotonic; the record's ``attempt``."""
+        """BITFIELD u16 per index: claims so far, monotonic; the record's ``attempt``."""
         return self.prefix + "claims"
 
     @property
@@ -143,7 +155,7 @@ class RunKeys:
 
     @property
     def acc_attempt(self) -> str:
-        """BITFIELD u8 per index: the attempt whose result was accepted."""
+        """BITFIELD u16 per index: the attempt whose result was accepted."""
         return self.prefix + "acc_attempt"
 
     @property
@@ -226,6 +238,10 @@ class RunKeys:
     def servers(self) -> str:
         """Hash: server URL -> JSON {context_length, capacity, at} as its consumer last read it."""
         return self.prefix + "servers"
+
+    def sweep(self) -> str:
+        """Hash: where the reaper's sweep for RQ-side changes resumes (pending, failed)."""
+        return self.prefix + "sweep"
 
     @property
     def outdirs(self) -> str:

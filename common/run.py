@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import redis
 
 from common.errors import DatasetError, UsageError
-from common.keys import RUNS, RunKeys
+from common.keys import PER_INDEX_BITS, RUNS, RunKeys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,6 +29,7 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         r.hset(k.meta, mapping=fields)
         r.sadd(RUNS, k.run)
+        preallocate(r, k, total)
     info = load(r, k)
     if info.fingerprint != fingerprint:
         raise DatasetError(
@@ -36,6 +37,14 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
             f"{info.fingerprint[:16]}); {path} differs: use another --run for a new data set"
         )
     return info
+
+
+def preallocate(r: redis.Redis, k: RunKeys, total: int) -> None:
+    """Create the per-index bitmaps and bitfields at their final size (see PER_INDEX_BITS)."""
+    pipe = r.pipeline(transaction=False)
+    for name, bits in PER_INDEX_BITS.items():
+        pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
+    pipe.execute()
 
 
 def load(r: redis.Redis, k: RunKeys) -> RunInfo:

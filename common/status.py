@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import stats
+from common import failures, stats
 from common.errors import UsageError
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
@@ -154,7 +154,11 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     now_bucket = int(now // RATE_BUCKET_S)
     consumers = [_s(name) for name, _ in raw["consumers"]]
     buckets, beats = _read_buckets(r, k, now_bucket, consumers)
-    return _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    found = failures.top_reasons(r, k, raw["failed"])
+    status["failure_reasons"] = found["reasons"]
+    status["failure_reasons_counted"] = found["counted"]
+    return status
 
 
 def _params(raw: dict) -> tuple[int, dict]:

@@ -101,6 +101,9 @@ def render_table(status: dict) -> Any:
                 f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
             )
         )
+    for row in status.get("failure_reasons", []):
+        lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
+                          f"(e.g. index {row['example_index']})", style="yellow"))
     lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
     parts: list[Any] = [*lines]
     if status["servers"]:

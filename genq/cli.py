@@ -47,6 +47,8 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
+    p.add_argument("--include-failed", action="store_true",
+                   help="also write one record per failed prompt with its reason")
     add_common(p)
     a = p.parse_args(argv)
     k = run_keys(a.run)
@@ -54,12 +56,16 @@ def export_main(argv: list[str] | None = None) -> int:
     info = runs.load(r, k)
     dirs = a.shards or sorted(d.decode() for d in r.smembers(k.outdirs))
     dirs = [d for d in dirs if os.path.isdir(d)]
-    result = export.export(r, k, info.total, dirs, a.out)
-    print(f"exported {result.written} records ({result.done} done of {info.total}) "
+    result = export.export(r, k, info.total, dirs, a.out, include_failed=a.include_failed)
+    failed = f" and {result.failed_written} failed" if a.include_failed else ""
+    print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "
           f"from {result.shards} shards to {a.out}")
+    if result.not_accepted_count:
+        print(f"genq: warning: {result.not_accepted_count} records are not the accepted result "
+              f"(its line is missing from the shards; the newest line was written instead; "
+              f"first: {result.not_accepted[:5]})", file=sys.stderr)
     if result.missing:
         print(f"genq: warning: {result.done - result.written} done prompts have no record in "
               f"{dirs} (first: {result.missing[:5]}); are all shard directories given?",
               file=sys.stderr)
-        return 1
-    return 0
+    return 1 if result.missing or result.not_accepted_count else 0

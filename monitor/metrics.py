@@ -139,6 +139,13 @@ def render(status: dict) -> str:
         lines.append(
             f"genq_finish_reason_total{_labels(run=status['run'], reason=reason)} {_value(count)}"
         )
+    lines += [
+        "# HELP genq_failed_by_reason Failed prompts by reason (the most common few).",
+        "# TYPE genq_failed_by_reason gauge",
+    ]
+    for row in status.get("failure_reasons", []):
+        lines.append(f"genq_failed_by_reason{_labels(run=status['run'], reason=row['reason'])} "
+                     f"{_value(row['count'])}")
     # A "quantile" label is reserved for summaries; these are exact, so a plain gauge family.
     lines += [
         "# HELP genq_output_tokens_percentile Exact output-length percentiles of done results.",

@@ -143,8 +143,8 @@ def owners(r: redis.Redis, run: str) -> dict[str, str]:
 
 def claims(r: redis.Redis, run: str, total: int) -> list[int]:
     """Every index's claim count (the record's `attempt`), from the claims bitfield."""
-    raw = r.get(RunKeys(run).claims) or b""
-    return [raw[i] if i < len(raw) else 0 for i in range(total)]
+    raw = (r.get(RunKeys(run).claims) or b"").ljust(2 * total, b"\0")  # u16 per index
+    return [int.from_bytes(raw[2 * i:2 * i + 2], "big") for i in range(total)]
 
 
 def shard_lines(r: redis.Redis, run: str) -> tuple[Counter, int]:

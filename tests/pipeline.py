@@ -97,3 +97,25 @@ def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str =
 
 def read_jsonl(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def take_leases(r: redis.Redis, run: str, indices: list[int], server: str) -> None:
+    """Lease these indices to `server` the real way (enqueue.lua, then claim.lua), so a test's
+    hand-set run holds leases exactly as consumers write them."""
+    from common import feed, scripts
+    from common.keys import RunKeys
+
+    k, runner = RunKeys(run), scripts.ScriptRunner(r)
+    assert r.llen(k.rq_queue) == 0, "take leases before queueing other jobs"
+    assert feed.enqueue(r, k, indices, runner) == len(indices)
+    _, *rows = runner(scripts.claim_call(k, len(indices), 60.0, server, "w", "populate"))
+    assert sorted(int(row[1]) for row in rows) == sorted(indices)
+
+
+def queue_jobs(r: redis.Redis, run: str, indices: list[int]) -> None:
+    """Queue these indices as the producer does (enqueue.lua)."""
+    from common import feed, scripts
+    from common.keys import RunKeys
+
+    k = RunKeys(run)
+    assert feed.enqueue(r, k, indices, scripts.ScriptRunner(r)) == len(indices)

@@ -197,6 +197,10 @@ def test_requeue_unknown_run_and_unknown_key(tmp_path, redis_url, r, run_name):
          redis_url=redis_url, run=run_name)
     proc = genq("requeue", "--set", "repetition_window=64", redis_url=redis_url, run=run_name)
     assert "passed to the server as-is" in proc.stderr
-    version, params = 2, orjson.loads(r.hget(RunKeys(run_name).params, "2"))
-    assert params["repetition_window"] == 64 and r.get(RunKeys(run_name).params_version) == b"2"
-    assert version == 2
+    assert "parameters version 2" in proc.stdout
+    st = status(redis_url, run_name)
+    assert st["params_version"] == 2 and st["params"]["repetition_window"] == 64
+    assert st["params_history"][-1]["changes"] == {"repetition_window": [None, 64]}
+    # Unknown keys ride along with the old ones, which stay as they were.
+    assert {k: v for k, v in st["params"].items() if k != "repetition_window"} == \
+        orjson.loads(r.hget(RunKeys(run_name).params, "1"))

@@ -1,6 +1,6 @@
 -- enqueue: create RQ jobs for indices that are not done, failed or already pending, so
 -- running the producer twice enqueues nothing twice.
--- KEYS: 1 queue, 2 done, 3 failed, 4 pending, 5 rq:queues
+-- KEYS: 1 queue, 2 done, 3 failed, 4 pending, 5 rq:queues, 6 rq canceled registry
 -- ARGV: 1 job key prefix, 2 run name, 3 queue key, 4 origin, 5 now iso, 6 result ttl,
 --       7 failure ttl, then (index, data, description) triples
 -- Returns the number of jobs enqueued.
@@ -18,6 +18,8 @@ for i = 8, #ARGV, 3 do
       'started_at', '', 'ended_at', '', 'last_heartbeat', '', 'worker_name', '',
       'group_id', '', 'success_callback_name', '', 'failure_callback_name', '',
       'stopped_callback_name', '')
+    -- A job cancelled through RQ and revived by a redo is no longer rq's cancelled job.
+    redis.call('ZREM', KEYS[6], jid)
     redis.call('RPUSH', KEYS[1], jid)
     count = count + 1
   end
