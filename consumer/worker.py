@@ -72,7 +72,7 @@ class Consumer:
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
         self.pause = ClaimPause()
-        self.load: dict[str, int] | None = None
+        self.load: dict[str, Any] | None = None
         self.acked = 0
         self.started_at = 0
         self.birth = iso_now()

@@ -172,12 +172,17 @@ def test_context_limit_requeue_refuses_and_long_prompts_are_lowered_not_failed(
 
 def test_server_killed_and_restarted_with_other_flags_mid_run(
         plain, tmp_path, redis_url, r, run_name):
-    n = produce(tmp_path, redis_url, run_name, 30 if plain.kind == "real" else 300)
+    # A server without --max-running-requests takes every prompt at once: longer answers keep
+    # some of them running when the first ones are done.
+    n = produce(tmp_path, redis_url, run_name, 60 if plain.kind == "real" else 300,
+                max_tokens=96)
     c = consume(redis_url, run_name, plain, tmp_path / "out", "--max-attempts", "1")
     k = RunKeys(run_name)
     try:
-        wait_for(lambda: r.bitcount(k.done) >= 3, timeout=600, what="first results")
+        wait_for(lambda: r.bitcount(k.done) >= 3, timeout=600, interval=0.01,
+                 what="first results")
         plain.kill()
+        done_at_kill = r.bitcount(k.done)
         plain.restart("tuned")  # the same URL, now with --max-running-requests 16
         wait_for(lambda: r.bitcount(k.done) == n, timeout=600, what="all done")
         wait_for(lambda: "server_capacity_changed" in c.log(), timeout=30,
@@ -187,9 +192,11 @@ def test_server_killed_and_restarted_with_other_flags_mid_run(
     finally:
         c.cleanup()
     changed = event(events, "server_capacity_changed")
-    record_figures(f"sglang_kill_restart_{plain.kind}", prompts=n, capacity_before=changed["old"],
-                   capacity_after=changed["new"],
-                   retried=sum(e.get("event") == "claiming_paused" for e in events))
+    paused = sum(e.get("event") == "claiming_paused" for e in events)
+    record_figures(f"sglang_kill_restart_{plain.kind}", prompts=n, done_at_kill=done_at_kill,
+                   capacity_before=changed["old"], capacity_after=changed["new"],
+                   claiming_paused=paused)
+    assert done_at_kill < n and paused >= 1  # requests were cut by the crash
     assert changed["new"] == TUNED_CAPACITY and changed["old"] != TUNED_CAPACITY
     # Requests cut by the crash came back without spending an attempt (--max-attempts 1).
     check_truth(r, redis_url, run_name, n, tmp_path)
