@@ -239,6 +239,7 @@ class RunKeys:
         """Hash: server URL -> JSON {context_length, capacity, at} as its consumer last read it."""
         return self.prefix + "servers"
 
+    @property
     def sweep(self) -> str:
         """Hash: where the reaper's sweep for RQ-side changes resumes (pending, failed)."""
         return self.prefix + "sweep"
