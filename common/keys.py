@@ -98,7 +98,8 @@ class RunKeys:
 
     @property
     def meta(self) -> str:
-        """Hash: data set path, fingerprint, total, queue, created_at."""
+        """Hash: data set path, fingerprint, total, queue, created_at, epoch (the run's identity:
+        a run registered again under the same name gets a new one)."""
         return self.prefix + "meta"
 
     @property
@@ -221,6 +222,18 @@ class RunKeys:
     def consumer(self, name: str) -> str:
         """JSON heartbeat of one consumer: server, capacity, inflight, load; expires."""
         return f"{self.prefix}consumer:{name}"
+
+    @property
+    def kept(self) -> str:
+        """Bitmap: the index's acc_* fields hold a result a redo set aside; it stands again if
+        the new attempt fails for good (then the index is done and stays in this bitmap)."""
+        return self.prefix + "kept"
+
+    @property
+    def redo_marks(self) -> str:
+        """Hash, at most 2 fields: redo scope ("truncated", "done") -> the version it was issued
+        with; a result of an older version accepted later still falls under it."""
+        return self.prefix + "redo_marks"
 
     @property
     def outdirs(self) -> str:

@@ -93,10 +93,11 @@ def reap_call(k: RunKeys, limit: int = 500) -> Call:
     return Call("reap", keys, [limit, *_prefixes(k), k.run])
 
 
-def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]]) -> Call:
-    keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues]
+def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
+    """With an epoch the jobs are only queued while the run in Redis is still that one."""
+    keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues, k.meta]
     args: list[Any] = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(),
-                       RESULT_TTL_S, FAILURE_TTL_S]
+                       RESULT_TTL_S, FAILURE_TTL_S, epoch]
     for index, data, description in jobs:
         args += [index, data, description]
     return Call("enqueue", keys, args)

@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import feed
-from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify
+from common.errors import REDIS_TROUBLE, BadTask, Retryable, RunStateLost, classify
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
@@ -29,6 +29,7 @@ from common.scripts import ScriptRunner, iso_now
 from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
+from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
@@ -55,12 +56,13 @@ def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Any, sink: Any, server: SGLang,
-                 capacity: int, model: str) -> None:
+                 capacity: int, model: str, runstate: RunState) -> None:
         self.s, self.r, self.k, self.total = s, client, keys, total
         # The producer's top-up code is synchronous; it runs on its own client in a thread.
         self.sync, self.sync_scripts = sync, ScriptRunner(sync)
         self.dataset, self.sink, self.server = dataset, sink, server
         self.capacity, self.model = capacity, model
+        self.runstate = runstate
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}
@@ -123,6 +125,9 @@ class Consumer:
         while not self.stop.is_set():
             if self.pause.remaining():
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
+                continue
+            if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
+                await asyncio.sleep(0.5)
                 continue
             leases = await redis_retry(lambda: self.q.claim(1))
             if not leases:
@@ -227,6 +232,10 @@ class Consumer:
         while True:
             await asyncio.sleep(period)
             held = list(self.held.values())
+            if self.runstate.paused:
+                # Redis forgot these leases with the run; let the requests finish and their
+                # results reach the shard (recovery reads them) rather than aborting them.
+                continue
             try:
                 lost = await self.q.renew([i.lease for i in held])
             except REDIS_TROUBLE as e:
@@ -241,6 +250,10 @@ class Consumer:
         tick = 0
         while True:
             try:
+                if await self.check_run() != OK:
+                    await self.heartbeat()
+                    await asyncio.sleep(0.5)
+                    continue
                 await self.watch_version()
                 if tick % 2 == 0:
                     await self.q.reap()
@@ -253,13 +266,27 @@ class Consumer:
             tick += 1
             await asyncio.sleep(0.5)
 
+    async def check_run(self) -> str:
+        was = self.runstate.state
+        state = await self.runstate.check(self.r)
+        if state == REPLACED:
+            self.stop.set()  # cached parameters and data set are another run's: stop
+        elif state == OK and was != OK:
+            self.params.clear()  # versions may have been renumbered by a later requeue
+            self.version = 0
+        return state
+
     async def top_up(self) -> None:
         """Queue more unfinished prompts when the queue runs low, so the server stays full
         after a redo or when no producer is running; the enqueue script prevents doubles."""
         if await self.r.llen(self.k.rq_queue) >= self.capacity:
             return
-        added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
-                                        2 * self.capacity, self.sync_scripts)
+        try:
+            added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
+                                            2 * self.capacity, self.sync_scripts,
+                                            epoch=self.runstate.epoch)
+        except RunStateLost:
+            return  # the run vanished since this tick's check; the next check says so
         if added:
             logger.debug("topped_up", jobs=added)
 
@@ -268,6 +295,7 @@ class Consumer:
         if version <= self.version:
             return
         previous, self.version = self.version, version
+        await self.runstate.keep_manifest(self.sync)
         if not previous:
             return
         last = await self.r.lindex(self.k.params_history, -1)
@@ -283,6 +311,7 @@ class Consumer:
         self.started_at = self.started_at or now
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
                 "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
-                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at}
+                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
+                "out": os.path.abspath(self.s.out), "run_state": self.runstate.state}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
                                 held=list(self.held))

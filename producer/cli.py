@@ -25,7 +25,7 @@ from common.cli import (
     run_keys,
 )
 from common.dataset import open_dataset
-from common.errors import REDIS_TROUBLE
+from common.errors import REDIS_TROUBLE, RunStateLost
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, reap_call
 
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("enqueued", run=s.run, jobs=added)
         print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
         return 0
-    keep_window(r, k, s, info.total, runner)
-    return 0
+    return keep_window(r, k, s, info, runner)
 
 
 def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
@@ -116,19 +115,20 @@ def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
     return max(MIN_WINDOW, 2 * capacity)
 
 
-def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, total: int,
-                runner: ScriptRunner) -> None:
+def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+                runner: ScriptRunner) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     logger.info("producer_started", run=s.run, window=s.window or "auto")
-    backoff = 0.0
+    backoff, state = 0.0, "ok"
     while not stop.is_set():
         try:
-            runner(reap_call(k))
-            want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
-            if want > 0 and feed.top_up(r, k, total, want, runner):
-                logger.debug("topped_up", queued=r.llen(k.rq_queue))
+            state = watch_run(r, k, info, state)
+            if state == "replaced":
+                return 1
+            if state == "ok":
+                top_up_window(r, k, s, info, runner)
             if backoff:
                 logger.info("producer_resumed", run=s.run)
                 backoff = 0.0
@@ -147,3 +147,33 @@ def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, total: int,
             stop.wait(pause)
         stop.wait(s.interval)
     logger.info("producer_stopped", run=s.run)
+    return 0
+
+
+def top_up_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+                  runner: ScriptRunner) -> None:
+    runner(reap_call(k))
+    want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
+    try:
+        if want > 0 and feed.top_up(r, k, info.total, want, runner, epoch=info.epoch):
+            logger.debug("topped_up", queued=r.llen(k.rq_queue))
+    except RunStateLost:
+        pass  # gone since this round's check; the next round says so
+
+
+def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:
+    """Queue nothing while Redis does not hold the run this producer registered: after a loss
+    every index looks unfinished, and a re-created run is not this producer's to feed."""
+    state = runs.state_of(r, k, info.epoch)
+    if state == was:
+        return state
+    if state == "lost":
+        logger.error("run_state_lost", run=k.run, epoch=info.epoch,
+                     reason="the run is no longer in Redis; queueing stopped until it is back",
+                     command=f"genq recover --shards DIR… --run {k.run} (the consumers' --out)")
+    elif state == "replaced":
+        logger.error("run_replaced", run=k.run, epoch=info.epoch,
+                     reason="a run of the same name was registered again; this producer stops")
+    else:
+        logger.info("run_state_back", run=k.run, epoch=info.epoch)
+    return state

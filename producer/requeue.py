@@ -9,6 +9,7 @@ import sys
 import redis
 from rich.progress import Progress
 
+from common import manifest as manifests
 from common import params
 from common import run as runs
 from common.cli import add_common, connect, guarded, run_keys
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.redo != "none":
         results, failed = redo(r, k, info.total, a.redo, version)
         print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")
+    # The manifest beside the shards must know this version before Redis could lose it.
+    manifests.upkeep(r, k, sorted(d.decode() for d in r.smembers(k.outdirs)), info.epoch)
     return 0
 
 
