@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import stats
+from common import runhealth, stats
 from common.errors import UsageError
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
@@ -75,6 +75,7 @@ def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
         "params": (p.hgetall, k.params),
         "history": (p.lrange, k.params_history, -HISTORY_LIMIT, -1),
         "consumers": (partial(p.zrange, withscores=True), k.consumers, 0, -1),
+        "outdirs": (p.smembers, k.outdirs),
     }
     for call, *args in reads.values():
         call(*args)
@@ -146,15 +147,16 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
         raise UsageError(str(e)) from None
     raw = _read(r, k)
     if not raw["meta"]:
-        raise UsageError(
-            f"unknown run {run!r}: no genq:{run}:meta in Redis "
-            "(start it with `genq produce DATASET`, or pick --run/GENQ_RUN)"
-        )
+        raise UsageError(runhealth.missing_run_message(r, k))
     now = raw["time"][0] + raw["time"][1] / 1e6
     now_bucket = int(now // RATE_BUCKET_S)
     consumers = [_s(name) for name, _ in raw["consumers"]]
     buckets, beats = _read_buckets(r, k, now_bucket, consumers)
-    return _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    alert = runhealth.persistence_alert(r, k, sorted(_s(d) for d in raw["outdirs"]))
+    if alert:
+        status["alerts"].append(alert)
+    return status
 
 
 def _params(raw: dict) -> tuple[int, dict]:
@@ -210,6 +212,8 @@ def _assemble(
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),
         "dataset": meta.get("dataset"),
         "created_at": _timestamp(meta.get("created_at")),
+        "epoch": meta.get("epoch"),
+        "recovered_at": _timestamp(meta.get("recovered_at")),
         "alerts": alerts,
         "time": round(now, 3),
     }

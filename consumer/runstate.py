@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import manifest as manifests
+from common import runhealth
 from common.errors import GenqError
 from common.keys import RunKeys
 
@@ -27,8 +28,7 @@ OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 
 def recover_command(run: str, out_dirs: list[str]) -> str:
-    dirs = " ".join(os.path.abspath(d) for d in out_dirs) or "DIR…"
-    return f"genq recover --shards {dirs}" + ("" if run == "default" else f" --run {run}")
+    return runhealth.recover_command(run, [os.path.abspath(d) for d in out_dirs])
 
 
 def check_outdir(sync: redis.Redis, k: RunKeys, out_dir: str, epoch: str) -> None:

@@ -128,3 +128,79 @@ def test_manifest_is_written_beside_the_shards_and_follows_requeues(
     assert m["params"]["2"]["temperature"] == 0.2
     assert not list((tmp_path / "o").glob("*.manifest.json.*"))  # no temp file left behind
     assert orjson.loads((tmp_path / "o" / f"{run_name}.manifest.json").read_bytes())["format"] == 1
+
+
+def _manifest(history: list[dict], total: int = 10) -> dict:
+    return {"format": 1, "run": "x", "dataset": "/d.jsonl", "fingerprint": "f", "total": total,
+            "epoch": "e1", "created_at": 1.0, "params": {"1": {"max_tokens": 300}},
+            "params_version": max(h["version"] for h in history), "params_floor": 0,
+            "history": history}
+
+
+def _line(index: int, version: int, attempt: int, finish: str = "stop", tokens: int = 10,
+          at: float = 100.0) -> bytes:
+    return orjson.dumps({"index": index, "params_version": version, "attempt": attempt,
+                         "finish_reason": finish, "completion_tokens": tokens,
+                         "prompt_tokens": 3, "created_at": at}) + b"\n"
+
+
+def test_rebuild_applies_the_acceptance_rules_redis_applied():
+    from common.recovery import LENGTH, rebuild
+    history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0},
+               {"version": 2, "redo": "truncated", "inflight": "abort", "at": 50.0}]
+    shard_a = [
+        _line(0, 1, 1, "stop", at=10),            # accepted before the switch: stands
+        _line(1, 1, 1, "length", 300, at=10),     # truncated, then redone under v2 ...
+        _line(1, 2, 2, "stop", 350, at=60),       # ... and this one stands
+        _line(2, 1, 1, "length", 300, at=10),     # truncated, redo pending: kept aside
+        _line(3, 1, 1, "stop", at=70),            # v1 written after the abort switch: refused
+        _line(4, 2, 1, "stop", at=60),
+        _line(4, 2, 3, "stop", 11, at=61),        # a later attempt of the same version wins
+        _line(5, 2, 1, "length", 400, at=60)[:-9],  # torn: never acknowledged
+        _line(99, 2, 1, at=60),                   # outside the data set
+    ]
+    shard_b = [_line(4, 2, 2, "stop", at=62), b"garbage\n"]
+    rec = rebuild(_manifest(history), [iter(shard_a), iter(shard_b)])
+    assert set(rec.standing) == {0, 1, 4}
+    assert rec.standing[1][:2] == (2, 2) and rec.standing[4][:2] == (2, 3)
+    assert rec.standing[4][3] == 11
+    assert set(rec.kept) == {2} and rec.kept[2][2] == LENGTH
+    assert rec.refused == 1 and rec.skipped == 3
+    assert rec.claims == {0: 1, 1: 2, 2: 1, 3: 1, 4: 3}
+
+
+def test_a_redo_covers_results_accepted_after_it_was_issued():
+    """--redo truncated --inflight finish: an old request that ends truncated after the redo
+    is set aside too (issue: 4 such results survived in the export)."""
+    from common.recovery import rebuild
+    history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0},
+               {"version": 2, "redo": "truncated", "inflight": "finish", "at": 50.0}]
+    rec = rebuild(_manifest(history), [[_line(0, 1, 1, "length", 300, at=80),
+                                        _line(1, 1, 1, "stop", at=80)]])
+    assert set(rec.standing) == {1} and set(rec.kept) == {0}
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("none", "no run manifest"),
+    ("bad_json", "is not valid JSON"),
+    ("missing_field", "lacks epoch"),
+    ("two_runs", "2 different runs"),
+])
+def test_recover_bad_input_is_one_clear_line(tmp_path, redis_url, run_name, setup, message):
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    for d in dirs:
+        d.mkdir()
+    good = _manifest([{"version": 1, "redo": "none", "inflight": "finish", "at": 0}])
+    good["run"] = run_name
+    if setup == "bad_json":
+        manifests.path(dirs[0], run_name).write_text("{nope")
+    elif setup == "missing_field":
+        manifests.path(dirs[0], run_name).write_bytes(orjson.dumps(
+            {k: v for k, v in good.items() if k != "epoch"}))
+    elif setup == "two_runs":
+        manifests.write(dirs[0], good)
+        manifests.write(dirs[1], {**good, "epoch": "e2"})
+    proc = genq("recover", "--shards", *map(str, dirs), redis_url=redis_url, run=run_name,
+                check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
