@@ -204,6 +204,8 @@ def _assemble(
         "rates": rates,
         "recent_truncation_rate": recent,
         "truncated": raw["truncated"],
+        # Done with a redo's set-aside result: the new attempt failed for good.
+        "kept": counters.get("kept", 0),
         "output_tokens_total": counters.get("ctok_sum", 0),
         "prompt_tokens_total": counters.get("ptok_sum", 0),
         "params": params,

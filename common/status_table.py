@@ -80,6 +80,8 @@ def render_table(status: dict) -> Any:
         Text(
             f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
             f"failed {status['failed']:,}  remaining {status['remaining']:,}"
+            + (f"  kept {status['kept']:,} (redo failed, previous result stands)"
+               if status.get("kept") else "")
         ),
         Text(
             f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "

@@ -28,7 +28,7 @@ from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
 from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
-from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
+from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
 from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -145,8 +145,8 @@ class Consumer:
         if lease.spent > self.s.max_attempts:
             last = await redis_retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            await redis_retry(lambda: self.q.fail(lease, reason))
-            logger.warning("task_failed", reason=reason)
+            outcome = await redis_retry(lambda: self.q.fail(lease, reason))
+            logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
             return
         inflight = Inflight(lease)
         self.held[lease.job_id] = inflight
@@ -178,8 +178,9 @@ class Consumer:
             verdict = classify(e)
             if verdict is BadTask:
                 reason = e.reason if isinstance(e, BadTask) else str(e)
-                await redis_retry(lambda: self.q.fail(lease, reason))
-                logger.warning("task_failed", reason=reason)
+                outcome = await redis_retry(lambda: self.q.fail(lease, reason))
+                logger.warning("task_failed", reason=reason,
+                               previous_result_kept=outcome == KEPT)
                 return
             if verdict is not Retryable:
                 raise
@@ -195,6 +196,9 @@ class Consumer:
             self.pause.recovered()
             logger.debug("task_acked", finish_reason=completion.finish_reason,
                          completion_tokens=completion.completion_tokens)
+        elif outcome == SET_ASIDE:
+            logger.info("result_set_aside", version=lease.version,
+                        reason="a redo issued since covers it; kept until a new one is accepted")
         elif outcome == SUPERSEDED:
             logger.info("result_superseded", version=lease.version,
                         reason="parameters changed; the task runs again under the new ones")

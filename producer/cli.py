@@ -41,7 +41,6 @@ class ProduceSettings:
     run: str
     dataset: str
     params: dict[str, Any]
-    notices: tuple[str, ...]
     window: int
     once: bool
     interval: float
@@ -54,7 +53,10 @@ def parse(argv: list[str] | None) -> ProduceSettings:
     p.add_argument("--temperature", type=float, help="sampling temperature (default 0.6)")
     p.add_argument("--model", help="model name sent to the server (default: the server's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other generation parameter; repeatable")
+                   help="any other known generation parameter; repeatable")
+    p.add_argument("--raw", action="append", default=[], metavar="KEY=VALUE",
+                   help="a server-specific parameter genq does not know, sent as-is "
+                        "(value parsed as JSON where it parses); repeatable")
     p.add_argument("--window", type=int, default=0,
                    help="jobs kept queued (default: twice the live consumers' capacity, "
                         f"at least {MIN_WINDOW})")
@@ -68,11 +70,11 @@ def parse(argv: list[str] | None) -> ProduceSettings:
                       (a.model, "model")):
         if flag is not None:
             sets.append(f"{key}={flag}")
-    changes, notices = params.parse_sets(sets)
+    changes = params.parse_sets(sets, a.raw)
     if a.window < 0:
         p.error("--window must be >= 0")
     return ProduceSettings(redis_url=a.redis_url, run=a.run, dataset=a.dataset,
-                           params={**params.DEFAULTS, **changes}, notices=tuple(notices),
+                           params={**params.DEFAULTS, **changes},
                            window=a.window, once=a.once, interval=a.interval)
 
 
@@ -87,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()
-    for notice in s.notices:
-        logger.warning("unknown_parameter", notice=notice)
     if not params.init_version_one(r, k, s.params):
         version, current = params.current(r, k)
         if any(current.get(key) != value for key, value in s.params.items()):

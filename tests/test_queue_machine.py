@@ -63,6 +63,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.attempts = [0] * N
         self.acks = 0
         self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
+        self.kept: set[int] = set()  # redone indices whose previous result a redo set aside
 
     def teardown(self) -> None:
         if hasattr(self, "r"):
@@ -87,9 +88,7 @@ class QueueMachine(RuleBasedStateMachine):
             lease = Held(jid.decode(), idx, ex.decode(), int(attempt), int(version))
             self.owner[idx] = lease.exec_id
             if int(spent) > MAX_ATTEMPTS:  # what the consumer does with an exhausted task
-                assert self.run(scripts.fail_call(self.k, lease.job_id, idx, lease.exec_id,
-                                                  reason="gave up", worker="w"))
-                self.settle(idx, self.failed)
+                self.fail_current(lease, "gave up")
             else:
                 self.held[consumer].append(lease)
 
@@ -122,6 +121,7 @@ class QueueMachine(RuleBasedStateMachine):
         if accepted:
             self.acks += 1
             self.finish[lease.index] = finish
+            self.kept.discard(lease.index)  # the new result replaces the one set aside
             self.settle(lease.index, self.done)
 
     @precondition(lambda self: any(self.held.values()))
@@ -138,11 +138,19 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 20))
     def fail(self, pick: int) -> None:
         _, lease = self.take(pick)
-        failed = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
-                                            reason="bad task", worker="w"))
-        assert failed == int(self.current(lease))
-        if failed:
-            self.settle(lease.index, self.failed)
+        if self.current(lease):
+            self.fail_current(lease, "bad task")
+        else:
+            assert self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                              reason="bad task", worker="w")) == 0
+
+    def fail_current(self, lease: Held, reason: str) -> None:
+        """A task failed for good: failed, unless a redo set a result aside for it, which
+        then stands again (a redo never loses a result)."""
+        got = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                         reason=reason, worker="w"))
+        assert got == (2 if lease.index in self.kept else 1)
+        self.settle(lease.index, self.done if lease.index in self.kept else self.failed)
 
     @precondition(lambda self: self.owner)
     @rule(pick=st.integers(0, N - 1))
@@ -189,6 +197,8 @@ class QueueMachine(RuleBasedStateMachine):
             count += got
         assert count == len(expected)
         source -= expected
+        if what != "failed":
+            self.kept |= expected
         assert feed.enqueue(self.r, self.k, sorted(expected), self.run) == len(expected)
 
     def settle(self, idx: int, into: set[int]) -> None:
