@@ -179,7 +179,8 @@ class RunKeys:
 
     @property
     def rate_prefix(self) -> str:
-        """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>."""
+        """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>,
+        vreq|<params version>, vlen|<params version> (results, and those truncated)."""
         return self.prefix + "rate:"
 
     def rate_bucket(self, bucket: int) -> str:

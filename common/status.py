@@ -180,7 +180,10 @@ def _assemble(
     recent, samples = stats.recent_truncation(buckets, now, since=since)
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
-    alert = stats.truncation_alert(recent, samples, params.get("max_tokens"), run, threshold)
+    # Judged on the current parameters' results only: right after raising max_tokens the old
+    # limit's hits must not read as hits at the new one (and advise doubling it again).
+    current, current_n = stats.recent_truncation(buckets, now, since=since, version=version)
+    alert = stats.truncation_alert(current, current_n, params.get("max_tokens"), run, threshold)
     alerts = ([alert] if alert else []) + stats.stall_alerts(
         {s["server"]: s.pop("_recent") for s in servers},
         {s["server"]: s.pop("_known_s") for s in servers},
