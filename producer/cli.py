@@ -98,21 +98,36 @@ def main(argv: list[str] | None = None) -> int:
     runner = ScriptRunner(r)
     logger.info("run_registered", run=s.run, dataset=info.dataset, total=info.total)
     if s.once:
-        added = feed.top_up(r, k, info.total, info.total, runner)
-        logger.info("enqueued", run=s.run, jobs=added)
-        print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
-        return 0
+        return enqueue_once(r, k, s, info, runner)
     return keep_window(r, k, s, info, runner)
+
+
+def enqueue_once(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+                 runner: ScriptRunner) -> int:
+    """Every unfinished index, unless consumers are working the run: then only a window, so
+    a large data set is not dumped into Redis at once (a million RQ jobs is gigabytes);
+    the consumers' own top-up and the windowed producer queue the rest as it drains."""
+    live = live_capacity(r, k) > 0 or int(r.zcard(k.leases)) > 0
+    want = max(0, window_size(r, k, s.window) - int(r.llen(k.rq_queue))) if live else info.total
+    added = feed.top_up(r, k, info.total, want, runner, epoch=info.epoch) if want else 0
+    logger.info("enqueued", run=s.run, jobs=added, live=live)
+    print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
+    if live:
+        print(f"the run is live: only a window was queued; consumers top the queue up "
+              f"themselves, and `genq produce {s.dataset}` (without --once) keeps it full")
+    return 0
 
 
 def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
     """Enough queued jobs that every live consumer can refill all its slots at once, twice."""
-    if fixed:
-        return fixed
+    return fixed or max(MIN_WINDOW, 2 * live_capacity(r, k))
+
+
+def live_capacity(r: redis.Redis, k: RunKeys) -> int:
+    """Requests the consumers with a live heartbeat keep in flight, together."""
     names = r.zrange(k.consumers, 0, -1)
     raws = r.mget([k.consumer(n.decode()) for n in names]) if names else []
-    capacity = sum(orjson.loads(raw).get("capacity", 0) for raw in raws if raw)
-    return max(MIN_WINDOW, 2 * capacity)
+    return sum(orjson.loads(raw).get("capacity", 0) for raw in raws if raw)
 
 
 def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
