@@ -62,6 +62,7 @@ def test_redis_lost_without_aof_after_a_parameter_change_recovers_and_finishes(
         url, r = redis_srv.url, redis_srv.client()
         producer = Background(url, run_name, "produce", str(data), "--max-tokens", "300",
                               "--window", "8", "--interval", "0.1")
+        wait_for(lambda: r.exists(k.meta), what="the producer registered the run")
         consumers = [Consumer(url, run_name, sim.url, d) for d in dirs]
         try:
             wait_for(lambda: r.bitcount(k.done) >= 15, timeout=60, what="15 done")
@@ -106,7 +107,8 @@ def test_redis_lost_without_aof_after_a_parameter_change_recovers_and_finishes(
     assert after and all(rec["params_version"] == 2 for rec in after)
     assert all(rec["completion_tokens"] <= 400 for rec in after)
     record_figures("redis_lost_all_state", recover_s=recover_s, lost=figures["lost"],
-                   done=figures["done"], records_after_loss=len(after))
+                   done=figures["done"], records_after_loss=len(after),
+                   duplicate_lines=figures["duplicate_lines"])
 
 
 def test_manifest_is_written_beside_the_shards_and_follows_requeues(
