@@ -236,10 +236,6 @@ class Consumer:
         while True:
             await asyncio.sleep(period)
             held = list(self.held.values())
-            if self.runstate.paused:
-                # Redis forgot these leases with the run; let the requests finish and their
-                # results reach the shard (recovery reads them) rather than aborting them.
-                continue
             try:
                 lost = await self.q.renew([i.lease for i in held])
             except REDIS_TROUBLE as e:
@@ -273,6 +269,10 @@ class Consumer:
     async def check_run(self) -> str:
         was = self.runstate.state
         state = await self.runstate.check(self.r)
+        if state != OK and was == OK:
+            # Redis forgot these leases with the run: free the server now. A result written
+            # after `genq recover` would share its attempt number with the index's next claim.
+            self.abort_all("lost")
         if state == REPLACED:
             self.stop.set()  # cached parameters and data set are another run's: stop
         elif state == OK and was != OK:
