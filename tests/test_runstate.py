@@ -98,3 +98,22 @@ def test_status_warns_when_redis_runs_without_persistence(tmp_path, run_name):
         srv.client().config_set("appendonly", "yes")
         st = orjson.loads(genq("status", "--json", redis_url=srv.url, run=run_name).stdout)
         assert not [a for a in st["alerts"] if a["kind"] == "redis_no_persistence"]
+
+
+def test_monitor_says_when_the_run_is_lost_or_recreated(tmp_path, redis_url, r, run_name):
+    from common import run as runs
+    from monitor.service import StatusSource
+
+    data = write_dataset(tmp_path / "d.jsonl", 4)
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    source = StatusSource(r, run_name, url=redis_url, truncation_threshold=0.05)
+    status, error = source.read()
+    assert error is None and not [a for a in status["alerts"] if a["kind"] == "run_replaced"]
+    k = RunKeys(run_name)
+    forget_run(r, k)
+    status, error = source.read()
+    assert status is None and "genq recover --shards" in error
+    runs.register(r, k, str(data), "4r-fp", 4)  # registered again: a new epoch
+    status, error = source.read()
+    [alert] = [a for a in status["alerts"] if a["kind"] == "run_replaced"]
+    assert "registered again" in alert["message"] and "--replace" in alert["message"]
