@@ -66,3 +66,14 @@ def test_every_requeue_prints_the_summary_after_acting(live_run, redis_url, r, r
     assert "queued again: 12 finished results (all), 0 failed prompts" in out
     assert r.bitcount(k.done) == 0 and r.zcard(k.leases) == 3
     assert r.get(k.params_version) == b"2"
+
+
+def test_render_turns_tokens_into_time_at_the_current_rate():
+    from producer.requeue_plan import Plan, render
+    plan = Plan(run="r", version=1, new_version=2, diff={"max_tokens": [4096, 8192]},
+                new_params={}, redo="truncated", inflight="finish", results=1710, failed=0,
+                aborted=0, tokens=(7_004_160, 14_008_320), tok_per_s=24310.0)
+    lines = render(plan)
+    assert lines[0] == "run 'r': parameters version 2: max_tokens 4096 -> 8192"
+    assert lines[-1] == ("cost: about 7.0M–14.0M extra output tokens, 4m 48s–9m 36s at the "
+                         "current 24,310 tok/s")
