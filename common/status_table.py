@@ -104,6 +104,10 @@ def render_table(status: dict) -> Any:
             )
         )
     lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
+    if status.get("recovered_at"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status["recovered_at"]))
+        lines.append(Text(f"  rebuilt from its output by genq recover at {when}Z "
+                          "(Redis had lost it)", style="dim"))
     parts: list[Any] = [*lines]
     if status["servers"]:
         parts.append(_server_table(status))

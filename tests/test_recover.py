@@ -85,6 +85,7 @@ def test_redis_lost_without_aof_after_a_parameter_change_recovers_and_finishes(
             assert "recovered run" in out.stdout and "parameters v2" in out.stdout
             again = genq("recover", "--shards", *map(str, dirs), redis_url=url, run=run_name)
             assert "nothing to recover" in again.stdout
+            assert "rebuilt from its output" in genq("status", redis_url=url, run=run_name).stdout
             for c in consumers:
                 assert c.wait(120) == 0, c.log()[-4000:]
             assert producer.proc.poll() is None, producer.log()[-3000:]
