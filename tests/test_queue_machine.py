@@ -64,6 +64,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.acks = 0
         self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
         self.kept: set[int] = set()  # redone indices whose previous result a redo set aside
+        self.marks: dict[str, int] = {}  # redo scope -> the version it was issued with
 
     def teardown(self) -> None:
         if hasattr(self, "r"):
@@ -116,9 +117,15 @@ class QueueMachine(RuleBasedStateMachine):
             self.k, lease.job_id, lease.index, lease.exec_id, completion_tokens=tokens,
             prompt_tokens=3, finish_reason=finish, version=lease.version,
             attempt=lease.attempt, server=f"http://{consumer}"))
-        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused.
-        assert accepted == int(self.current(lease))
-        if accepted:
+        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused;
+        # a current one under a version a later redo covers is set aside and queued again.
+        covered = lease.version < self.marks.get("done", 0) or (
+            finish == "length" and lease.version < self.marks.get("truncated", 0))
+        assert accepted == (0 if not self.current(lease) else 3 if covered else 1)
+        if accepted == 3:
+            del self.owner[lease.index]
+            self.kept.add(lease.index)
+        elif accepted:
             self.acks += 1
             self.finish[lease.index] = finish
             self.kept.discard(lease.index)  # the new result replaces the one set aside
@@ -190,6 +197,11 @@ class QueueMachine(RuleBasedStateMachine):
             expected = {i for i in self.done if what == "done" or self.finish[i] == "length"}
             source = self.done
         below = int(self.r.get(self.k.params_version) or 1) + 1
+        # What params.bump does with a redo: a new version, and the scope recorded with it.
+        self.r.set(self.k.params_version, below)
+        if what != "failed":
+            self.marks[what] = below
+            self.r.hset(self.k.redo_marks, what, below)
         count, pos = 0, 0
         while pos < N:
             got, pos = self.run(scripts.redo_call(self.k, what, pos, N, below, limit))
