@@ -3,6 +3,7 @@
     GenqError                      # base; str(e) is one clear line for the user
     ├── UsageError                 # bad flag / bad --set value / unknown run (CLI exits 2)
     ├── DatasetError               # missing/unreadable data set, fingerprint mismatch
+    ├── RunStateLost               # Redis no longer holds the run (or holds a re-created one)
     ├── BadTask                    # this task can never succeed: malformed row, HTTP 400
     ├── TryAgain                   # no usable answer this time: run it again, spending an attempt
     └── Retryable                  # infrastructure trouble: release without spending an attempt
@@ -32,6 +33,11 @@ class UsageError(GenqError):
 
 class DatasetError(GenqError):
     """The data set is missing, unreadable, or not the one the run was registered with."""
+
+
+class RunStateLost(GenqError):
+    """Redis forgot the run (restarted without persistence, flushed) or holds a different run
+    of the same name; services wait for `genq recover` rather than act on cached state."""
 
 
 class BadTask(GenqError):

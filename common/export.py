@@ -79,6 +79,18 @@ def _failed_line(run: str, index: int, reason: str) -> bytes:
     return orjson.dumps({"index": index, "run": run, "status": "failed", "error": reason}) + b"\n"
 
 
+def kept_lookup(r: redis.Redis, k: RunKeys):
+    """index -> whether its result is one a redo set aside that stands again because the
+    new attempt failed for good (only asked of done indices)."""
+    raw = r.get(k.kept) or b""
+    return lambda i: i // 8 < len(raw) and bool(raw[i // 8] & (0x80 >> (i % 8)))
+
+
+def mark_kept(line: bytes) -> bytes:
+    """Say so in the record: it is the previous result, kept when its redo failed."""
+    return orjson.dumps({**orjson.loads(line), "kept": True}) + b"\n"
+
+
 def shard_paths(dirs: list[str], run: str) -> list[Path]:
     paths: list[Path] = []
     for directory in dirs:
@@ -117,6 +129,7 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
     torn = [0]
     chosen = choose_records(locate(paths, torn), accepted)
     done_indices = [i for i in range(total) if is_done(i)]
+    kept = kept_lookup(r, k)
     wanted = [i for i in done_indices if i in chosen]
     missing = [i for i in done_indices if i not in chosen]
     fallback = [i for i in wanted
@@ -137,7 +150,7 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
                     handles[file_no] = open(paths[file_no], "rb")
                 src = handles[file_no]
                 src.seek(start)
-                dst.write(src.read(length))
+                dst.write(mark_kept(src.read(length)) if kept(index) else src.read(length))
                 if progress is not None and n % 1000 == 0:
                     progress(n, len(order))
             dst.flush()

@@ -110,7 +110,8 @@ class RunKeys:
 
     @property
     def meta(self) -> str:
-        """Hash: data set path, fingerprint, total, queue, created_at."""
+        """Hash: data set path, fingerprint, total, queue, created_at, epoch (the run's identity:
+        a run registered again under the same name gets a new one)."""
         return self.prefix + "meta"
 
     @property
@@ -190,7 +191,8 @@ class RunKeys:
 
     @property
     def rate_prefix(self) -> str:
-        """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>."""
+        """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>,
+        vreq|<params version>, vlen|<params version> (results, and those truncated)."""
         return self.prefix + "rate:"
 
     def rate_bucket(self, bucket: int) -> str:
@@ -243,6 +245,18 @@ class RunKeys:
     def sweep(self) -> str:
         """Hash: where the reaper's sweep for RQ-side changes resumes (pending, failed)."""
         return self.prefix + "sweep"
+
+    @property
+    def kept(self) -> str:
+        """Bitmap: the index's acc_* fields hold a result a redo set aside; it stands again if
+        the new attempt fails for good (then the index is done and stays in this bitmap)."""
+        return self.prefix + "kept"
+
+    @property
+    def redo_marks(self) -> str:
+        """Hash, at most 2 fields: redo scope ("truncated", "done") -> the version it was issued
+        with; a result of an older version accepted later still falls under it."""
+        return self.prefix + "redo_marks"
 
     @property
     def outdirs(self) -> str:

@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import log
+from common import manifest as manifests
 from common import run as runs
 from common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
@@ -27,7 +28,7 @@ from common.cli import (
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
-from consumer import faults, servers
+from consumer import faults, runstate, servers
 from consumer.servers import parse_servers
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -129,6 +130,8 @@ async def serve(s: ConsumeSettings) -> int:
         logger.warning("redis_settings", risk=risk)
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
+    runstate.check_outdir(sync, k, s.out, info.epoch)
+    manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
     sink = faults.wrap(ShardWriter(s.out, s.run, s.name), os.environ.get("GENQ_FAULT"))
@@ -145,7 +148,8 @@ async def serve(s: ConsumeSettings) -> int:
     try:
         capacity, model, context = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
-                            server=server, capacity=capacity, model=model)
+                            server=server, capacity=capacity, model=model,
+                            runstate=runstate.RunState(k, info.epoch, s.out))
         consumer.context_length = context
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -154,6 +158,8 @@ async def serve(s: ConsumeSettings) -> int:
                     shard=str(sink.path))
         await consumer.run()
         logger.info("consumer_stopped", acked=consumer.acked)
+        if consumer.runstate.failure:
+            raise GenqError(consumer.runstate.failure)
     finally:
         await server.close()
         await client.aclose()

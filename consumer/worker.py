@@ -21,7 +21,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import feed
-from common.errors import REDIS_TROUBLE, BadTask, Retryable, TryAgain, classify
+from common.errors import REDIS_TROUBLE, BadTask, Retryable, RunStateLost, TryAgain, classify
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
@@ -29,7 +29,8 @@ from common.scripts import ScriptRunner, iso_now
 from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
 from consumer.follow import follow_server, resize
-from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
+from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
+from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
@@ -56,7 +57,7 @@ def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Any, sink: Any, server: SGLang,
-                 capacity: int, model: str) -> None:
+                 capacity: int, model: str, runstate: RunState) -> None:
         self.s, self.r, self.k, self.total = s, client, keys, total
         # The producer's top-up code is synchronous; it runs on its own client in a thread.
         self.sync, self.sync_scripts = sync, ScriptRunner(sync)
@@ -65,6 +66,7 @@ class Consumer:
         self.context_length: int | None = None  # the server's, as last read (follow.py)
         self.server_recorded, self.slots = False, set[int]()
         self.tg: asyncio.TaskGroup | None = None
+        self.runstate = runstate
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}
@@ -130,6 +132,9 @@ class Consumer:
             if self.pause.remaining():
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
                 continue
+            if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
+                await asyncio.sleep(0.5)
+                continue
             leases = await redis_retry(lambda: self.q.claim(1))
             if not leases:
                 if self.s.burst and not self.held and await redis_retry(self.settled):
@@ -147,8 +152,8 @@ class Consumer:
         if lease.spent > self.s.max_attempts:
             last = await redis_retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            await redis_retry(lambda: self.q.fail(lease, reason))
-            logger.warning("task_failed", reason=reason)
+            outcome = await redis_retry(lambda: self.q.fail(lease, reason))
+            logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
             return
         inflight = Inflight(lease)
         self.held[lease.job_id] = inflight
@@ -180,8 +185,9 @@ class Consumer:
             verdict = classify(e)
             if verdict is BadTask:
                 reason = e.reason if isinstance(e, BadTask) else str(e)
-                await redis_retry(lambda: self.q.fail(lease, reason))
-                logger.warning("task_failed", reason=reason)
+                outcome = await redis_retry(lambda: self.q.fail(lease, reason))
+                logger.warning("task_failed", reason=reason,
+                               previous_result_kept=outcome == KEPT)
                 return
             if verdict is not Retryable and verdict is not TryAgain:
                 raise
@@ -201,6 +207,9 @@ class Consumer:
             self.pause.recovered()
             logger.debug("task_acked", finish_reason=completion.finish_reason,
                          completion_tokens=completion.completion_tokens)
+        elif outcome == SET_ASIDE:
+            logger.info("result_set_aside", version=lease.version,
+                        reason="a redo issued since covers it; kept until a new one is accepted")
         elif outcome == SUPERSEDED:
             logger.info("result_superseded", version=lease.version,
                         reason="parameters changed; the task runs again under the new ones")
@@ -252,6 +261,10 @@ class Consumer:
         tick = 0
         while True:
             try:
+                if await self.check_run() != OK:
+                    await self.heartbeat()
+                    await asyncio.sleep(0.5)
+                    continue
                 await self.watch_version()
                 if tick % 2 == 0:
                     await self.q.reap()
@@ -264,13 +277,31 @@ class Consumer:
             tick += 1
             await asyncio.sleep(0.5)
 
+    async def check_run(self) -> str:
+        was = self.runstate.state
+        state = await self.runstate.check(self.r)
+        if state != OK and was == OK:
+            # Redis forgot these leases with the run: free the server now. A result written
+            # after `genq recover` would share its attempt number with the index's next claim.
+            self.abort_all("lost")
+        if state == REPLACED:
+            self.stop.set()  # cached parameters and data set are another run's: stop
+        elif state == OK and was != OK:
+            self.params.clear()  # versions may have been renumbered by a later requeue
+            self.version = 0
+        return state
+
     async def top_up(self) -> None:
         """Queue more unfinished prompts when the queue runs low, so the server stays full
         after a redo or when no producer is running; the enqueue script prevents doubles."""
         if await self.r.llen(self.k.rq_queue) >= self.capacity:
             return
-        added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
-                                        2 * self.capacity, self.sync_scripts)
+        try:
+            added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
+                                            2 * self.capacity, self.sync_scripts,
+                                            epoch=self.runstate.epoch)
+        except RunStateLost:
+            return  # the run vanished since this tick's check; the next check says so
         if added:
             logger.debug("topped_up", jobs=added)
 
@@ -279,6 +310,7 @@ class Consumer:
         if version <= self.version:
             return
         previous, self.version = self.version, version
+        await self.runstate.keep_manifest(self.sync)
         if not previous:
             return
         last = await self.r.lindex(self.k.params_history, -1)
@@ -295,6 +327,7 @@ class Consumer:
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
                 "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
-                "context_length": self.context_length}
+                "context_length": self.context_length, "out": os.path.abspath(self.s.out),
+                "run_state": self.runstate.state}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
                                 held=list(self.held))

@@ -16,6 +16,7 @@ COMMANDS = {
     "status": ("monitor.status_cli", "status_main", "where the run stands"),
     "requeue": ("producer.requeue", "main", "new parameters for a live run"),
     "export": ("genq.cli", "export_main", "one record per prompt, to a file"),
+    "recover": ("producer.recover", "main", "rebuild a run Redis lost, from its output"),
     "monitor": ("monitor.cli", "main", "web page, /api/status, /metrics, progress.json"),
     "demo": ("genq.demo", "main", "the whole pipeline on one machine with the simulator"),
 }

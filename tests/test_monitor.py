@@ -62,6 +62,8 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
                 f"tok|{SERVER}": 40_000,
                 "fin|length": length_per_bucket,
                 "fin|stop": 20 - length_per_bucket,
+                "vreq|3": 20,  # all under the current version 3
+                "vlen|3": length_per_bucket,
             },
         )
     r.zadd(k.consumers, {"c0": now})

@@ -176,21 +176,21 @@ def test_status_during_run_is_readable(tmp_path, redis_url, run_name, sim_factor
     assert run_name in outputs[0]
 
 
-def test_risky_redis_settings_are_named_at_start(tmp_path, redis_server, run_name):
-    """The test Redis runs without AOF: the producer says what that risks, once, and goes on."""
-    proc = genq("produce", str(write_dataset(tmp_path / "d.jsonl", 3)), "--once",
-                redis_url=redis_server.url, run=run_name)
-    risks = settings_risks(proc.stderr)
-    assert len(risks) == 1 and risks[0].startswith("appendonly is not yes")
-    client = redis_server.client()
-    try:
+def test_risky_redis_settings_are_named_at_start(tmp_path, run_name):
+    """A Redis without AOF: the producer says what that risks, once, and goes on."""
+    from faultkit import private_redis
+
+    with private_redis() as srv:
+        proc = genq("produce", str(write_dataset(tmp_path / "d.jsonl", 3)), "--once",
+                    redis_url=srv.url, run=run_name)
+        risks = settings_risks(proc.stderr)
+        assert len(risks) == 1 and risks[0].startswith("appendonly is not yes")
+        client = srv.client()
         client.config_set("appendonly", "yes")
-        proc = genq("produce", str(tmp_path / "d.jsonl"), "--once",
-                    redis_url=redis_server.url, run=run_name)
-        assert settings_risks(proc.stderr) == []
-    finally:
-        client.config_set("appendonly", "no")
         client.close()
+        proc = genq("produce", str(tmp_path / "d.jsonl"), "--once", redis_url=srv.url,
+                    run=run_name)
+        assert settings_risks(proc.stderr) == []
 
 
 def settings_risks(log: str) -> list[str]:

@@ -63,6 +63,8 @@ class QueueMachine(RuleBasedStateMachine):
         self.attempts = [0] * N
         self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
         self.floor = 0  # results of a parameter version below this are superseded
+        self.kept: set[int] = set()  # redone indices whose previous result a redo set aside
+        self.marks: dict[str, int] = {}  # redo scope -> the version it was issued with
 
     def teardown(self) -> None:
         if hasattr(self, "r"):
@@ -87,9 +89,7 @@ class QueueMachine(RuleBasedStateMachine):
             lease = Held(jid.decode(), idx, ex.decode(), int(attempt), int(version))
             self.owner[idx] = lease.exec_id
             if int(spent) > MAX_ATTEMPTS:  # what the consumer does with an exhausted task
-                assert self.run(scripts.fail_call(self.k, lease.job_id, idx, lease.exec_id,
-                                                  reason="gave up", worker="w"))
-                self.settle(idx, self.failed)
+                self.fail_current(lease, "gave up")
             else:
                 self.held[consumer].append(lease)
 
@@ -118,15 +118,23 @@ class QueueMachine(RuleBasedStateMachine):
             prompt_tokens=3, finish_reason=finish, version=lease.version,
             attempt=lease.attempt, server=f"http://{consumer}"))
         # A stale ack (the lease expired and was reaped, or is someone else's now) is refused;
-        # a current one under parameters an abort superseded sends the task round again.
+        # a current one under parameters an abort superseded sends the task round again; one
+        # under a version a later redo covers is set aside and queued again.
+        covered = lease.version < self.marks.get("done", 0) or (
+            finish == "length" and lease.version < self.marks.get("truncated", 0))
         if not self.current(lease):
             assert accepted == 0
         elif lease.version < self.floor:
             assert accepted == 2
             del self.owner[lease.index]
+        elif covered:
+            assert accepted == 3
+            del self.owner[lease.index]
+            self.kept.add(lease.index)
         else:
             assert accepted == 1
             self.finish[lease.index] = finish
+            self.kept.discard(lease.index)  # the new result replaces the one set aside
             self.settle(lease.index, self.done)
 
     @precondition(lambda self: any(self.held.values()))
@@ -143,11 +151,19 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 20))
     def fail(self, pick: int) -> None:
         _, lease = self.take(pick)
-        failed = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
-                                            reason="bad task", worker="w"))
-        assert failed == int(self.current(lease))
-        if failed:
-            self.settle(lease.index, self.failed)
+        if self.current(lease):
+            self.fail_current(lease, "bad task")
+        else:
+            assert self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                              reason="bad task", worker="w")) == 0
+
+    def fail_current(self, lease: Held, reason: str) -> None:
+        """A task failed for good: failed, unless a redo set a result aside for it, which
+        then stands again (a redo never loses a result)."""
+        got = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                         reason=reason, worker="w"))
+        assert got == (2 if lease.index in self.kept else 1)
+        self.settle(lease.index, self.done if lease.index in self.kept else self.failed)
 
     @precondition(lambda self: self.owner)
     @rule(pick=st.integers(0, N - 1))
@@ -232,6 +248,11 @@ class QueueMachine(RuleBasedStateMachine):
             expected = {i for i in self.done if what == "done" or self.finish[i] == "length"}
             source = self.done
         below = int(self.r.get(self.k.params_version) or 1) + 1
+        # What params.bump does with a redo: a new version, and the scope recorded with it.
+        self.r.set(self.k.params_version, below)
+        if what != "failed":
+            self.marks[what] = below
+            self.r.hset(self.k.redo_marks, what, below)
         count, pos = 0, 0
         while pos < N:
             got, pos = self.run(scripts.redo_call(self.k, what, pos, N, below, limit))
@@ -239,6 +260,8 @@ class QueueMachine(RuleBasedStateMachine):
             count += got
         assert count == len(expected)
         source -= expected
+        if what != "failed":
+            self.kept |= expected
         assert feed.enqueue(self.r, self.k, sorted(expected), self.run) == len(expected)
 
     def settle(self, idx: int, into: set[int]) -> None:

@@ -103,6 +103,9 @@ def populate(
                 f"tok|{Bsrv}": req_per_bucket * 25,
                 "fin|stop": req_per_bucket - length_per_bucket,
                 "fin|length": length_per_bucket,
+                # All under the current version 2 (the alert judges only those).
+                "vreq|2": req_per_bucket,
+                "vlen|2": length_per_bucket,
             },
         )
     r.zadd(k.consumers, {"c-a": now - 2, "c-b": now - 4})
