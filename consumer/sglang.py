@@ -6,13 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
+from httpx_aiohttp import AiohttpTransport
 
 from common.errors import BadTask, ServerUnavailable
 
 # Statuses that say "try again later", not "this request is wrong".
 RETRYABLE_STATUS = {408, 425, 429}
+# The aiohttp transport maps aiohttp's connection and timeout errors to httpx's; anything else
+# aiohttp raises (a malformed response head, say) is still the server's trouble, not the task's.
+TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +37,10 @@ class SGLang:
         timeout = httpx.Timeout(connect=10.0, read=request_timeout, write=60.0, pool=None)
         limits = httpx.Limits(max_connections=connections + 8,
                               max_keepalive_connections=connections + 8)
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        # httpx's API on aiohttp's connection pool: a fifth of the client CPU per request of
+        # httpx's own transport at 64 in flight (bench/http_transport.py, bench/README.md).
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits,
+                                      transport=AiohttpTransport(limits=limits))
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -40,7 +48,7 @@ class SGLang:
     async def _get_json(self, path: str) -> Any:
         try:
             response = await self.http.get(path, timeout=10.0)
-        except httpx.TransportError as e:
+        except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
         if response.status_code != 200:
             raise ServerUnavailable(f"{self.url}{path}: HTTP {response.status_code}")
@@ -69,7 +77,7 @@ class SGLang:
         try:
             response = await self.http.post("/v1/chat/completions", content=orjson.dumps(body),
                                              headers={"content-type": "application/json"})
-        except httpx.TransportError as e:
+        except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
                 from None
         return parse_completion(response, index, self.url)
