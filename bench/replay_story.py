@@ -67,6 +67,7 @@ class Fleet:
     def __init__(self, a: argparse.Namespace, rs: RedisServer, sims: list[Simulator],
                  work: Path, tag: str) -> None:
         self.procs = []
+        self.logs = [work / f"{tag}-consumer{i}.log" for i in range(len(sims))]
         for i, sim in enumerate(sims):
             log = open(work / f"{tag}-consumer{i}.log", "wb")
             self.procs.append(subprocess.Popen(
@@ -84,10 +85,15 @@ class Fleet:
 
     def wait(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        for proc, log in zip(self.procs, self.logs, strict=True):
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                rc = "nothing (killed after the timeout)"
             if rc != 0:
-                raise RuntimeError(f"consumer exited {rc}")
+                raise RuntimeError(f"consumer exited {rc}; its log ends:\n"
+                                   + log.read_text(errors="replace")[-3000:])
 
 
 def wait_done(r, target: int, timeout: float) -> None:
@@ -110,7 +116,7 @@ def one_way(a: argparse.Namespace, way: str, dataset: Path, work: Path) -> dict:
             with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
                 t0 = time.monotonic()
                 fleet = Fleet(a, rs, sims, work, way)
-                wait_done(r, a.prompts // 3, timeout=1800)
+                wait_done(r, a.prompts // 3, timeout=a.timeout)
                 t_pivot = time.monotonic() - sampler.t0
                 if way == "genq":
                     pivot_s = pivot(rs.url)
@@ -119,7 +125,7 @@ def one_way(a: argparse.Namespace, way: str, dataset: Path, work: Path) -> dict:
                     time.sleep(a.hand_delay)
                     pivot_s = pivot(rs.url)
                     fleet = Fleet(a, rs, sims, work, way + "-relaunched")
-                fleet.wait(timeout=1800)
+                fleet.wait(timeout=a.timeout)
                 wall = time.monotonic() - t0
             kept = export_tokens(rs, work / f"{way}.jsonl", a.prompts)
             r.close()
@@ -214,6 +220,8 @@ def main() -> int:
     p.add_argument("--around", type=float, default=10.0,
                    help="seconds after the pivot counted as around it (half of it before)")
     p.add_argument("--sample", type=float, default=0.1, help="load sampling period, s")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="give up on a way after this many seconds (default 1800)")
     p.add_argument("--json", help="also write the raw figures here")
     a = p.parse_args()
     a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())

@@ -3,6 +3,8 @@ request is classified as a bad task (fail it) or infrastructure trouble (give it
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +45,10 @@ class SGLang:
                                       transport=AiohttpTransport(limits=limits))
 
     async def close(self) -> None:
-        await self.http.aclose()
+        # aiohttp's close waits for every connection to report closed; a connection that
+        # never does must not keep a finished consumer from exiting.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.http.aclose(), timeout=5.0)
 
     async def _get_json(self, path: str) -> Any:
         try:
