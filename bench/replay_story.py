@@ -92,8 +92,12 @@ class Fleet:
                 self.kill()
                 rc = "nothing (killed after the timeout)"
             if rc != 0:
-                raise RuntimeError(f"consumer exited {rc}; its log ends:\n"
-                                   + log.read_text(errors="replace")[-3000:])
+                text = log.read_text(errors="replace")
+                events = [x for x in text.splitlines()
+                          if x.startswith("{") and "task_acked" not in x]
+                stacks = text.partition('"shutdown_stuck"')[2].partition("Thread 0x")[0]
+                raise RuntimeError(f"consumer exited {rc}; its last events:\n"
+                                   + "\n".join(events[-25:]) + stacks[:4000])
 
 
 def wait_done(r, target: int, timeout: float) -> None:
