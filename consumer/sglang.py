@@ -6,13 +6,16 @@ trouble. What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 import structlog
+from httpx_aiohttp import AiohttpTransport
 
 from common.errors import ServerStalled, ServerUnavailable
 from consumer.sglang_stream import (
@@ -29,6 +32,9 @@ logger = structlog.get_logger("consumer")
 
 # Newest first: /get_load is gone in 0.5.x (404); older servers have only it.
 LOAD_PATHS = ("/v1/loads", "/get_load")
+# The aiohttp transport maps aiohttp's connection and timeout errors to httpx's; anything else
+# aiohttp raises (a malformed response head, say) is still the server's trouble, not the task's.
+TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
 
 
 @dataclass
@@ -49,18 +55,24 @@ class SGLang:
         # One connection per request in flight: a pool smaller than the server's capacity
         # would queue requests here, where the stall watchdog would take them for a hang.
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=1024)
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        # httpx's API on aiohttp's connection pool: a fifth of the client CPU per request of
+        # httpx's own transport at 64 in flight (bench/http_transport.py, bench/README.md).
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits,
+                                      transport=AiohttpTransport(limits=limits))
         self.load_path: str | None = None  # the load endpoint this server has, once known
         self._load_unknown_said = False
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        # aiohttp's close waits for every connection to report closed; a connection that
+        # never does must not keep a finished consumer from exiting.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.http.aclose(), timeout=5.0)
 
     async def _get(self, path: str) -> httpx.Response:
         try:
             return await self.http.get(path, timeout=10.0)
-        except httpx.TransportError as e:
+        except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
 
     async def _get_json(self, path: str) -> Any:
@@ -192,7 +204,7 @@ class SGLang:
                     progress.chunks += 1
                     if answer.feed(line, index, self.url):
                         break
-        except httpx.TransportError as e:
+        except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
                 from None
         return answer.completion(self.url, thinking=thinking_on(body))

@@ -45,6 +45,15 @@ class Inflight:
     started: float = field(default_factory=time.monotonic)
 
 
+def raise_if_cancelled() -> None:
+    """A background loop must end once it is cancelled, even when a library it awaited caught
+    the CancelledError (as an error it handles, or silently): otherwise the loop runs on and the
+    consumer never exits (seen: `shutdown_stuck` with housekeeping 'cancelling' in its sleep)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
     """Shutdown is taking far longer than its grace: log where every task and thread is, so a
     hang in the field can be diagnosed from the log alone."""
@@ -255,6 +264,7 @@ class Consumer:
             for inflight in held:
                 if inflight.lease.job_id in lost:
                     self.abort(inflight, "lost")
+            raise_if_cancelled()
 
     async def housekeeping(self) -> None:
         """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
@@ -274,6 +284,7 @@ class Consumer:
                     await follow_server(self)  # the server's load, capacity and context
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
+            raise_if_cancelled()
             tick += 1
             await asyncio.sleep(0.5)
 

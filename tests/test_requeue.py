@@ -157,7 +157,9 @@ def test_inflight_finish_lets_old_requests_complete(tmp_path, redis_url, r, run_
 def test_inflight_abort_requeues_without_spending_attempts(tmp_path, redis_url, r, run_name,
                                                            sim_factory):
     data = write_dataset(tmp_path / "d.jsonl", 8)
-    sim = sim_factory(time_scale=5, max_running_requests=4, length_dist="fixed:400")
+    # ~9 s requests: the requeue (a 1-2 s subprocess) lands while the first four are in flight,
+    # not at a batch boundary where nothing is left to abort.
+    sim = sim_factory(time_scale=5, max_running_requests=4, length_dist="fixed:4000")
     genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
     k = RunKeys(run_name)
     c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "o", "--burst",
