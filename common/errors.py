@@ -16,6 +16,8 @@ maxmemory with noeviction) is infrastructure trouble too: wait and retry, never 
 
 from __future__ import annotations
 
+import re
+
 import redis
 
 
@@ -76,3 +78,13 @@ def classify(exc: BaseException) -> type[BadTask] | type[Retryable] | None:
     if isinstance(exc, (GenqError, *REDIS_TROUBLE)):
         return Retryable
     return None
+
+
+# scheme://user:password@host: the password (everything up to the last "@" of the authority).
+_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s:/@]*):[^\s/]*@")
+
+
+def mask_secrets(text: str) -> str:
+    """`redis://:secret@host` -> `redis://:***@host`, wherever a URL appears in the text: every
+    error, log line, status field and page goes through this before anyone sees it."""
+    return _CREDENTIALS.sub(r"\1\2:***@", text)

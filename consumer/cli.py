@@ -13,6 +13,8 @@ import time
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
 from common import log
 from common import run as runs
@@ -97,7 +99,7 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str]
 
 async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
-    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True)
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):
         logger.warning("redis_settings", risk=risk)
@@ -110,7 +112,8 @@ async def serve(s: ConsumeSettings) -> int:
     server = SGLang(s.server, request_timeout=s.request_timeout,
                     connections=s.concurrency or 1024)
     client = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
-                                     socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+                                     socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
+                                     retry=AsyncRetry(NoBackoff(), 1))  # see service_retry
     try:
         capacity, model = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
@@ -120,11 +123,11 @@ async def serve(s: ConsumeSettings) -> int:
             loop.add_signal_handler(sig, consumer.request_stop)
         logger.info("consumer_started", capacity=capacity, model=model, shard=str(sink.path))
         await consumer.run()
-        logger.info("consumer_stopped", acked=consumer.acked)
+        logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
     finally:
         await server.close()
         await client.aclose()
         sync.close()
         sink.close()
         dataset.close()
-    return 0
+    return 1 if consumer.crashed else 0

@@ -5,15 +5,13 @@ at once, so the server stays exactly full while work remains."""
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import os
 import random
 import socket
-import sys
-import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis
@@ -26,13 +24,14 @@ from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
-from consumer import presence
-from consumer.backoff import ClaimPause, redis_retry
+from consumer import presence, shutdown
+from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
 logger = structlog.get_logger("consumer")
+T = TypeVar("T")
 
 
 @dataclass
@@ -41,15 +40,6 @@ class Inflight:
     request: asyncio.Task | None = None
     abort: str = ""
     started: float = field(default_factory=time.monotonic)
-
-
-def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
-    """Shutdown is taking far longer than its grace: log where every task and thread is, so a
-    hang in the field can be diagnosed from the log alone."""
-    logger.error("shutdown_stuck", tasks=len(asyncio.all_tasks(loop)))
-    for task in asyncio.all_tasks(loop):
-        task.print_stack(file=sys.stderr)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 class Consumer:
@@ -72,61 +62,70 @@ class Consumer:
         self.acked = 0
         self.started_at = 0
         self.birth = iso_now()
+        self.crashed = ""  # the background task that died, if one did
+        self.slots: list[asyncio.Task] = []
+        self.deadline: float | None = None  # end of the shutdown grace, once stopping
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
         await redis_retry(self.q.preload)
-        background = [asyncio.create_task(self.keep_leases()),
-                      asyncio.create_task(self.housekeeping())]
+        background = [asyncio.create_task(shutdown.supervise(self, body))
+                      for body in (self.keep_leases, self.housekeeping)]
         try:
             async with asyncio.TaskGroup() as tg:
-                for n in range(self.capacity):
-                    tg.create_task(self.slot(n))
-                tg.create_task(self.drain_on_stop())
+                self.slots = [tg.create_task(self.slot(n)) for n in range(self.capacity)]
+                tg.create_task(shutdown.drain(self))
         finally:
             for task in background:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
-            try:
-                await presence.withdraw(self.r, self.k, self.s.name)
-            except REDIS_TROUBLE as e:  # the heartbeat keys expire on their own
-                logger.warning("deregister_failed", error=str(e))
+            await shutdown.withdraw(lambda: presence.withdraw(self.r, self.k, self.s.name))
+
+    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        """A Redis operation retried through outages, except past the shutdown grace."""
+        return redis_retry(op, self.past_grace)
+
+    def past_grace(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def request_stop(self) -> None:
-        """First SIGTERM: stop claiming and drain; a second one gives everything back now."""
-        if self.stop.is_set():
+        """First SIGTERM: stop claiming and drain; a second one gives everything back now.
+        The flag is set before anything is logged: stopping never depends on logging."""
+        again = self.stop.is_set()
+        self.stop.set()
+        if again:
+            self.deadline = time.monotonic()
             self.abort_all("shutdown")
         logger.info("stopping", inflight=len(self.held), grace_s=self.s.grace)
-        self.stop.set()
-
-    async def drain_on_stop(self) -> None:
-        await self.stop.wait()
-        watchdog = threading.Timer(self.s.grace + 30, dump_stuck, [asyncio.get_running_loop()])
-        watchdog.daemon = True  # never keeps a finished process alive
-        watchdog.start()
-        deadline = time.monotonic() + self.s.grace
-        while self.held and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self.abort_all("shutdown")
 
     def abort_all(self, reason: str) -> None:
         for inflight in list(self.held.values()):
             self.abort(inflight, reason)
 
     def abort(self, inflight: Inflight, reason: str) -> None:
-        if inflight.request is not None and not inflight.request.done():
+        """Cancel the task's request; one not sent yet is not sent (generate_and_ack checks)."""
+        if inflight.request is None:
+            inflight.abort = inflight.abort or reason
+        elif not inflight.request.done():
             inflight.abort = reason
             inflight.request.cancel()
 
     # --- slots -------------------------------------------------------------------------
     async def slot(self, n: int) -> None:
+        try:
+            await self.claim_and_process()
+        except ShuttingDown as e:
+            logger.warning("stopped_without_redis", error=str(e),
+                           consequence="held leases expire and return to the queue")
+
+    async def claim_and_process(self) -> None:
         while not self.stop.is_set():
             if self.pause.remaining():
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
                 continue
-            leases = await redis_retry(lambda: self.q.claim(1))
+            leases = await redis_retry(lambda: self.q.claim(1), self.stop.is_set)
             if not leases:
-                if self.s.burst and not self.held and await redis_retry(self.settled):
+                if self.s.burst and not self.held and await self.settled():
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
                     self.stop.set()
@@ -138,9 +137,9 @@ class Consumer:
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
-            last = await redis_retry(lambda: self.q.last_error(lease.index))
+            last = await self.retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            await redis_retry(lambda: self.q.fail(lease, reason))
+            await self.retry(lambda: self.q.fail(lease, reason))
             logger.warning("task_failed", reason=reason)
             return
         inflight = Inflight(lease)
@@ -156,6 +155,12 @@ class Consumer:
             prompt = self.dataset.prompt(lease.index)
             params = await self.params_for(lease.version)
             body = request_body(prompt.messages, params, self.model)
+            if inflight.abort or self.stop.is_set():
+                # Claimed while the stop came (or aborted before its request existed): a
+                # request started now would outlive the grace by a whole generation.
+                inflight.abort = inflight.abort or "shutdown"
+                await self.after_abort(inflight)
+                return
             inflight.request = asyncio.create_task(self.server.chat(body, lease.index))
             completion = await inflight.request
             record = build_record(
@@ -173,16 +178,16 @@ class Consumer:
             verdict = classify(e)
             if verdict is BadTask:
                 reason = e.reason if isinstance(e, BadTask) else str(e)
-                await redis_retry(lambda: self.q.fail(lease, reason))
+                await self.retry(lambda: self.q.fail(lease, reason))
                 logger.warning("task_failed", reason=reason)
                 return
             if verdict is not Retryable:
                 raise
             error = str(e) or type(e).__name__
-            await redis_retry(lambda: self.q.release(lease, refund=True, reason=error))
+            await self.retry(lambda: self.q.release(lease, refund=True, reason=error))
             self.pause.trouble(error)
             return
-        outcome = await redis_retry(lambda: self.q.ack(
+        outcome = await self.retry(lambda: self.q.ack(
             lease, completion_tokens=completion.completion_tokens,
             prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
         if outcome == ACCEPTED:
@@ -202,7 +207,7 @@ class Consumer:
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
         reason = f"aborted: {inflight.abort}"
-        await redis_retry(lambda: self.q.release(lease, refund=True, reason=reason))
+        await self.retry(lambda: self.q.release(lease, refund=True, reason=reason))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:
@@ -212,6 +217,9 @@ class Consumer:
         return self.params[version]
 
     async def settled(self) -> bool:
+        return await redis_retry(self.count_settled, self.stop.is_set)
+
+    async def count_settled(self) -> bool:
         pipe = self.r.pipeline(transaction=False)
         pipe.bitcount(self.k.done)
         pipe.bitcount(self.k.failed)

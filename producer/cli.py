@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setup()
     k = run_keys(s.run)
     ds = open_dataset(s.dataset)
-    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True)
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
