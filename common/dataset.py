@@ -7,6 +7,11 @@ removed or edited near either end (a same-size edit in the middle goes unnoticed
 JSONL row offsets are indexed once per file version into ``PATH.genq-idx`` (or, when the data
 set's directory is not writable, ``~/.cache/genq/<hash>.genq-idx``; ``index_dir=`` or
 ``GENQ_INDEX_DIR`` choose the directory explicitly).
+
+Parquet is decoded a row group at a time into an Arrow table (kept for the two most recent
+groups) and converted to Python in batches of 1,024 rows, so one read costs milliseconds even
+when a file is one row group of millions of rows. Reads may block (disk, decoding): callers on
+an event loop run them in a thread.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from common.errors import BadTask, DatasetError
 _EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
 _CHUNK = 16 << 20  # read size while indexing: big reads keep the pass I/O-bound
 _MAGIC = b"GENQIDX1"
-_ROW_GROUPS_CACHED = 2
+_ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)
+_BATCH_ROWS = 1024  # rows converted to Python at once
+_BATCHES_CACHED = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,30 +248,49 @@ class ParquetDataset(Dataset):
         )
         names = set(self._file.schema_arrow.names)
         self._columns = [c for c in ("messages", "prompt", "id") if c in names]
-        self._cache: OrderedDict[int, dict[str, list[Any]]] = OrderedDict()
+        self._tables: OrderedDict[int, Any] = OrderedDict()
+        self._batches: OrderedDict[tuple[int, int], dict[str, list[Any]]] = OrderedDict()
         self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
 
-    def _group(self, group: int) -> dict[str, list[Any]]:
+    def _table(self, group: int) -> Any:
+        """One row group as an Arrow table (decoded in C++, GIL released); the two most recent
+        are kept. Callers hold the lock."""
+        table = self._tables.get(group)
+        if table is None:
+            try:
+                table = self._file.read_row_group(group, columns=self._columns)
+            except Exception as e:  # pyarrow's own error types; the file is at fault
+                raise DatasetError(f"data set {self.path}: {e}") from e
+            self._tables[group] = table
+            if len(self._tables) > _ROW_GROUPS_CACHED:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(group)
+        return table
+
+    def _batch(self, group: int, first: int) -> dict[str, list[Any]]:
+        """Rows first..first+_BATCH_ROWS of a row group as Python values. Converting a whole
+        row group (200k rows of messages: seconds) at once would stall the caller; a batch
+        costs milliseconds, however large the row group is."""
         with self._lock:
-            cached = self._cache.get(group)
-            if cached is None:
-                try:
-                    table = self._file.read_row_group(group, columns=self._columns)
-                except Exception as e:  # pyarrow's own error types; the file is at fault
-                    raise DatasetError(f"data set {self.path}: {e}") from e
-                cached = {c: table.column(c).to_pylist() for c in self._columns}
-                self._cache[group] = cached
-                if len(self._cache) > _ROW_GROUPS_CACHED:
-                    self._cache.popitem(last=False)
+            key = (group, first)
+            batch = self._batches.get(key)
+            if batch is None:
+                rows = self._table(group).slice(first, _BATCH_ROWS)
+                batch = {c: rows.column(c).to_pylist() for c in self._columns}
+                self._batches[key] = batch
+                if len(self._batches) > _BATCHES_CACHED:
+                    self._batches.popitem(last=False)
             else:
-                self._cache.move_to_end(group)
-            return cached
+                self._batches.move_to_end(key)
+            return batch
 
     def _row(self, index: int) -> Any:
         group = bisect.bisect_right(self._starts, index) - 1
-        columns = self._group(group)
         offset = index - self._starts[group]
-        return {c: v[offset] for c, v in columns.items() if v[offset] is not None}
+        first = offset - offset % _BATCH_ROWS
+        columns = self._batch(group, first)
+        return {c: v[offset - first] for c, v in columns.items() if v[offset - first] is not None}
 
     def close(self) -> None:
         self._file.close()

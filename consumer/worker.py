@@ -152,7 +152,8 @@ class Consumer:
     async def generate_and_ack(self, inflight: Inflight) -> None:
         lease = inflight.lease
         try:
-            prompt = self.dataset.prompt(lease.index)
+            # Off the loop: a data set read (a Parquet row group) must never stall renewals.
+            prompt = await asyncio.to_thread(self.dataset.prompt, lease.index)
             params = await self.params_for(lease.version)
             body = request_body(prompt.messages, params, self.model)
             if inflight.abort or self.stop.is_set():
