@@ -88,3 +88,15 @@ def mask_secrets(text: str) -> str:
     """`redis://:secret@host` -> `redis://:***@host`, wherever a URL appears in the text: every
     error, log line, status field and page goes through this before anyone sees it."""
     return _CREDENTIALS.sub(r"\1\2:***@", text)
+
+
+def mask_tree(value: object) -> object:
+    """mask_secrets over every string (and key) of a JSON-like value: the status that `genq
+    status`, the monitor's page, API, metrics and progress file show."""
+    if isinstance(value, str):
+        return mask_secrets(value) if "@" in value else value
+    if isinstance(value, dict):
+        return {mask_tree(k): mask_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_tree(v) for v in value]
+    return value

@@ -11,7 +11,7 @@ import orjson
 import redis
 
 from common import stats
-from common.errors import UsageError
+from common.errors import UsageError, mask_tree
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
 
@@ -154,7 +154,7 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     now_bucket = int(now // RATE_BUCKET_S)
     consumers = [_s(name) for name, _ in raw["consumers"]]
     buckets, beats = _read_buckets(r, k, now_bucket, consumers)
-    return _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    return mask_tree(_assemble(run, raw, buckets, beats, now, truncation_threshold))  # no secrets
 
 
 def _params(raw: dict) -> tuple[int, dict]:
