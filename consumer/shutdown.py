@@ -20,7 +20,7 @@ from common.errors import REDIS_TROUBLE
 logger = structlog.get_logger("consumer")
 
 FORCE_AFTER_S = 5.0  # after the grace: slots still running then are cancelled
-WATCHDOG_AFTER_S = 30.0  # after the grace: dump every stack (something is badly stuck)
+WATCHDOG_AFTER_S = 15.0  # after the grace: dump every stack (FORCE_AFTER_S has long passed)
 WITHDRAW_TIMEOUT_S = 5.0  # the last goodbye to Redis; the heartbeat keys expire anyway
 
 
