@@ -25,14 +25,15 @@ def export_records(redis_url: str, run: str, out: Path) -> list[dict]:
 
 
 def superseded(records: list[dict], requeues: list[dict]) -> list[int]:
-    """Indices whose accepted result ran under parameters a requeue had replaced: one created
-    after a requeue that aborts older work, under an older version; or a truncated result older
-    than a `--redo truncated`."""
+    """Indices whose accepted result ran under parameters a requeue had replaced: one written
+    after a requeue that aborts older work (its `at` is the switch, from the run's history, on
+    this host's clock), under an older version; or a truncated result older than a
+    `--redo truncated`."""
     bad = set()
     for q in requeues:
         for rec in records:
             older = rec["params_version"] < q["version"]
-            if older and rec["created_at"] > q["at"] + 1.0:  # 1 s: host clock vs. the bump
+            if older and rec["created_at"] > q["at"] + 0.01:  # created_at is rounded to 1 ms
                 bad.add(rec["index"])
             if older and q["redo"] == "truncated" and rec["finish_reason"] == "length":
                 bad.add(rec["index"])
@@ -62,6 +63,9 @@ def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: 
     finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()
                      else "other" for rec in records)
     lines = shard_lines(out_dirs, run)
+    switched = {h["version"]: h["at"] for h in map(orjson.loads, r.lrange(k.params_history, 0, -1))}
+    for q in requeues:  # the moment Redis switched, not when the command was started
+        q["at"] = switched.get(q["version"], q["at"])
     stale = superseded(records, requeues)
     checks = {
         "nothing_lost": len(done | failed) == total and not done & failed,

@@ -6,11 +6,12 @@ watchdog logs every stack if shutdown still has not finished long after that."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -27,13 +28,22 @@ WITHDRAW_TIMEOUT_S = 5.0  # the last goodbye to Redis; the heartbeat keys expire
 def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
     """Shutdown is taking far longer than its grace: log where every task and thread is, so a
     hang in the field can be diagnosed from the log alone."""
-    logger.error("shutdown_stuck", tasks=len(asyncio.all_tasks(loop)))
-    try:
-        for task in asyncio.all_tasks(loop):
-            task.print_stack(file=sys.stderr)
+    tasks = asyncio.all_tasks(loop)
+    logger.error("shutdown_stuck", tasks=len(tasks), where=[where(t) for t in tasks])
+    with contextlib.suppress(OSError, ValueError):  # stderr gone (a dead pipe): say no more
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-    except (OSError, ValueError):  # stderr gone (a dead pipe): nothing more to say
-        pass
+
+
+def where(task: asyncio.Task) -> list[str]:
+    """The whole chain of awaits a task is suspended in, innermost last (print_stack shows
+    only the outermost coroutine)."""
+    chain, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            chain.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain
 
 
 def arm_watchdog(grace: float) -> None:
@@ -52,8 +62,23 @@ async def bounded(slots: Sequence[asyncio.Task]) -> None:
         logger.warning("shutdown_forced", slots=len(pending),
                        reason="still waiting on Redis after the grace; their leases expire "
                               "and the tasks return to the queue")
+        await cancel_and_wait(pending)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
+    """Cancel the tasks until they are done, for at most `bound` seconds. One cancel() is not
+    enough: redis-py's asyncio client (8.x) can swallow a cancellation, the command returning as
+    if none had come, and a loop around it then runs on (the shutdown hang found by the chaos
+    soak: a consumer waiting forever for its cancelled housekeeping task)."""
+    pending = {t for t in tasks if not t.done()}
+    deadline = time.monotonic() + bound
+    while pending and time.monotonic() < deadline:
         for task in pending:
             task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+    if pending:
+        logger.error("shutdown_forced", tasks=[where(t) for t in pending],
+                     reason="tasks that would not end; the process exits without them")
 
 
 async def withdraw(body: Callable[[], Awaitable[None]]) -> None:

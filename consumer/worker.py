@@ -65,6 +65,7 @@ class Consumer:
         self.crashed = ""  # the background task that died, if one did
         self.slots: list[asyncio.Task] = []
         self.deadline: float | None = None  # end of the shutdown grace, once stopping
+        self.finished = False  # the slots are done: background loops end (see cancel_and_wait)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
@@ -76,9 +77,8 @@ class Consumer:
                 self.slots = [tg.create_task(self.slot(n)) for n in range(self.capacity)]
                 tg.create_task(shutdown.drain(self))
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
+            self.finished = True
+            await shutdown.cancel_and_wait(background)
             await shutdown.withdraw(lambda: presence.withdraw(self.r, self.k, self.s.name))
 
     def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]:
@@ -233,7 +233,7 @@ class Consumer:
     async def keep_leases(self) -> None:
         """Renew every held lease each third of the visibility timeout; drop the lost ones."""
         period = self.s.visibility_timeout / 3
-        while True:
+        while not self.finished:
             await asyncio.sleep(period)
             held = list(self.held.values())
             try:
@@ -248,7 +248,7 @@ class Consumer:
     async def housekeeping(self) -> None:
         """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
         tick = 0
-        while True:
+        while not self.finished:
             try:
                 await self.watch_version()
                 if tick % 2 == 0:
