@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import feed
-from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify
+from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify, mask_secrets
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
@@ -178,13 +178,13 @@ class Consumer:
         except Exception as e:
             verdict = classify(e)
             if verdict is BadTask:
-                reason = e.reason if isinstance(e, BadTask) else str(e)
+                reason = mask_secrets(e.reason if isinstance(e, BadTask) else str(e))
                 await self.retry(lambda: self.q.fail(lease, reason))
                 logger.warning("task_failed", reason=reason)
                 return
             if verdict is not Retryable:
                 raise
-            error = str(e) or type(e).__name__
+            error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
             await self.retry(lambda: self.q.release(lease, refund=True, reason=error))
             self.pause.trouble(error)
             return

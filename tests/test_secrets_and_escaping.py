@@ -17,6 +17,8 @@ from faultkit import Consumer, private_redis, sim_kwargs
 from pipeline import wait_for
 from test_monitor import Monitor
 
+from common.keys import RunKeys
+
 SECRET = "s3cretPW"
 # Each runs a script if it is ever parsed as markup; none contains "/" (a consumer's name is
 # part of its shard's file name).
@@ -92,6 +94,8 @@ def test_monitor_page_shows_untrusted_text_as_text_and_no_secret(
          redis_url=redis_url, run=run_name)
     # The simulator refuses rows with the marker, quoting it: a server message with markup.
     sim = sim_factory(**sim_kwargs(0.5), bad_marker=MARKER)
+    # 503s for the first seconds: tasks given back with the server's URL in their reason.
+    httpx.post(sim.url + "/_sim/faults", json={"status": 503, "for_s": 4}).raise_for_status()
     front = PrefixFront(sim.url)
     port = front.server_address[1]
     server_url = f"http://gpu:{SECRET}@127.0.0.1:{port}/{PATH}"
@@ -105,7 +109,8 @@ def test_monitor_page_shows_untrusted_text_as_text_and_no_secret(
         shown += [monitor.get(p)[1].decode() for p in ("/api/status", "/metrics")]
         shown.append(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
         shown.append(genq("status", redis_url=redis_url, run=run_name).stdout)
-        shown.append(consumer.log())
+        consumer_log = consumer.log()
+        shown.append(consumer_log)
         wait_for(monitor.progress.exists, what="progress file")
         shown.append(monitor.progress.read_text())
     finally:
@@ -122,6 +127,28 @@ def test_monitor_page_shows_untrusted_text_as_text_and_no_secret(
     assert PARAM in page_text  # a parameter value, as text
     status = orjson.loads(shown[2])
     assert status["failed"] == 3
+    # What rq and rq-dashboard show (job results, the failed registry) and the reasons genq
+    # keeps come from Redis: no password there either.
+    stored = b"".join(redis_values(r, "rq:*") + redis_values(r, RunKeys(run_name).errors))
+    assert b"HTTP 503" in stored or b"HTTP 503" in consumer_log.encode()
+    assert SECRET.encode() not in stored
+
+
+def redis_values(r, pattern: str) -> list[bytes]:
+    out = []
+    for key in r.scan_iter(match=pattern):
+        kind = r.type(key)
+        if kind == b"hash":
+            out += [k + v for k, v in r.hgetall(key).items()]
+        elif kind == b"string":
+            out.append(r.get(key) or b"")
+        elif kind == b"list":
+            out += r.lrange(key, 0, -1)
+        elif kind in (b"set", b"zset"):
+            out += list(r.smembers(key)) if kind == b"set" else r.zrange(key, 0, -1)
+        elif kind == b"stream":
+            out += [repr(entry).encode() for entry in r.xrange(key)]
+    return out
 
 
 def read_page(monitor: Monitor) -> tuple[str, str, object, int]:
