@@ -8,15 +8,12 @@ JSONL row offsets are indexed once per file version into ``PATH.genq-idx`` (or, 
 set's directory is not writable, ``~/.cache/genq/<hash>.genq-idx``; ``index_dir=`` or
 ``GENQ_INDEX_DIR`` choose the directory explicitly).
 
-Parquet is decoded a row group at a time into an Arrow table (kept for the two most recent
-groups) and converted to Python in batches of 1,024 rows, so one read costs milliseconds even
-when a file is one row group of millions of rows. Reads may block (disk, decoding): callers on
-an event loop run them in a thread.
+Parquet lives in common/parquet.py. A read that is not ``cached`` may block (disk, decoding):
+callers on an event loop run it in a thread.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import os
@@ -24,7 +21,6 @@ import struct
 import sys
 import threading
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import add
@@ -38,9 +34,6 @@ from common.errors import BadTask, DatasetError
 _EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
 _CHUNK = 16 << 20  # read size while indexing: big reads keep the pass I/O-bound
 _MAGIC = b"GENQIDX1"
-_ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)
-_BATCH_ROWS = 1024  # rows converted to Python at once
-_BATCHES_CACHED = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +91,11 @@ class Dataset:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.total:
             raise BadTask(index, f"row {index}: out of range (data set has {self.total} rows)")
         return _row_to_prompt(index, self._row(index))
+
+    def cached(self, index: int) -> bool:
+        """Whether prompt(index) is quick (no disk read or decoding): a caller on an event loop
+        reads it inline, otherwise in a thread."""
+        return True
 
     def verify(self, expected: str) -> None:
         """Refuse to serve a run registered against another version of the file."""
@@ -227,76 +225,6 @@ def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) ->
                 tmp.unlink()
 
 
-class ParquetDataset(Dataset):
-    def __init__(self, path: Path, fd: int) -> None:
-        import pyarrow.parquet as pq
-
-        self.path = path
-        self._raw = os.fdopen(fd, "rb")  # owns fd from here on
-        try:
-            st = os.fstat(fd)
-            digest = _edge_digest(fd, st.st_size)
-            self._file = pq.ParquetFile(self._raw)
-        except Exception as e:  # pyarrow raises its own types for a corrupt or foreign file
-            self._raw.close()
-            raise DatasetError(f"data set {path}: not a readable Parquet file ({e})") from e
-        meta = self._file.metadata
-        self.total = meta.num_rows
-        self.fingerprint = f"{self.total}r-{st.st_size}b-{digest}"
-        self._starts = list(
-            accumulate((meta.row_group(i).num_rows for i in range(meta.num_row_groups)), initial=0)
-        )
-        names = set(self._file.schema_arrow.names)
-        self._columns = [c for c in ("messages", "prompt", "id") if c in names]
-        self._tables: OrderedDict[int, Any] = OrderedDict()
-        self._batches: OrderedDict[tuple[int, int], dict[str, list[Any]]] = OrderedDict()
-        self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
-
-    def _table(self, group: int) -> Any:
-        """One row group as an Arrow table (decoded in C++, GIL released); the two most recent
-        are kept. Callers hold the lock."""
-        table = self._tables.get(group)
-        if table is None:
-            try:
-                table = self._file.read_row_group(group, columns=self._columns)
-            except Exception as e:  # pyarrow's own error types; the file is at fault
-                raise DatasetError(f"data set {self.path}: {e}") from e
-            self._tables[group] = table
-            if len(self._tables) > _ROW_GROUPS_CACHED:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(group)
-        return table
-
-    def _batch(self, group: int, first: int) -> dict[str, list[Any]]:
-        """Rows first..first+_BATCH_ROWS of a row group as Python values. Converting a whole
-        row group (200k rows of messages: seconds) at once would stall the caller; a batch
-        costs milliseconds, however large the row group is."""
-        with self._lock:
-            key = (group, first)
-            batch = self._batches.get(key)
-            if batch is None:
-                rows = self._table(group).slice(first, _BATCH_ROWS)
-                batch = {c: rows.column(c).to_pylist() for c in self._columns}
-                self._batches[key] = batch
-                if len(self._batches) > _BATCHES_CACHED:
-                    self._batches.popitem(last=False)
-            else:
-                self._batches.move_to_end(key)
-            return batch
-
-    def _row(self, index: int) -> Any:
-        group = bisect.bisect_right(self._starts, index) - 1
-        offset = index - self._starts[group]
-        first = offset - offset % _BATCH_ROWS
-        columns = self._batch(group, first)
-        return {c: v[offset - first] for c, v in columns.items() if v[offset - first] is not None}
-
-    def close(self) -> None:
-        self._file.close()
-        self._raw.close()
-
-
 def open_dataset(
     path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None
 ) -> Dataset:
@@ -312,6 +240,8 @@ def open_dataset(
         raise DatasetError(f"data set {p}: {e.strerror}") from None
     try:
         if p.suffix == ".parquet" or os.pread(fd, 4, 0) == b"PAR1":
+            from common.parquet import ParquetDataset  # pyarrow only when needed
+
             return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
     except OSError as e:  # only the magic-byte read can get here
         os.close(fd)

@@ -152,8 +152,9 @@ class Consumer:
     async def generate_and_ack(self, inflight: Inflight) -> None:
         lease = inflight.lease
         try:
-            # Off the loop: a data set read (a Parquet row group) must never stall renewals.
-            prompt = await asyncio.to_thread(self.dataset.prompt, lease.index)
+            # A read that may block (a Parquet row group) runs off the loop: never stall renewals.
+            prompt = (self.dataset.prompt(lease.index) if self.dataset.cached(lease.index)
+                      else await asyncio.to_thread(self.dataset.prompt, lease.index))
             params = await self.params_for(lease.version)
             body = request_body(prompt.messages, params, self.model)
             if inflight.abort or self.stop.is_set():
