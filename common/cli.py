@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,10 +53,20 @@ def service_retry() -> Retry:
 RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0
 
 
-def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False) -> redis.Redis:
+def stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set: a service told to stop while it waits at start exits
+    cleanly (0) instead of dying of the signal."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
+            stop: threading.Event | None = None) -> redis.Redis | None:
     """A client that has answered PING, or one clear error naming the URL (masked). A service
     (`wait=True`) started before Redis, or while Redis loads its data, waits for it instead:
-    one line when it starts waiting, one when Redis answers."""
+    one line when it starts waiting, one when Redis answers; None if `stop` is set meanwhile."""
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30,
                                       socket_timeout=socket_timeout, retry=service_retry())
@@ -75,7 +87,11 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
                 logger.warning("waiting_for_redis", redis=mask_secrets(url), error=str(e),
                                hint="retrying with backoff until Redis answers")
             waited = True
-            time.sleep(delay)
+            if stop is not None and stop.wait(delay):
+                client.close()
+                return None
+            if stop is None:
+                time.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
     if waited:
         logger.info("redis_available", redis=mask_secrets(url))

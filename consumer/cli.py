@@ -25,6 +25,7 @@ from common.cli import (
     guarded,
     risky_redis_settings,
     run_keys,
+    stop_on_signals,
 )
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
@@ -99,7 +100,12 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str]
 
 async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
-    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True)
+    stopped = stop_on_signals()  # until the loop's own handlers take over, below
+    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
+                   stop=stopped)
+    if sync is None:  # stopped while waiting for Redis; nothing was claimed
+        logger.info("consumer_stopped", acked=0)
+        return 0
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):
         logger.warning("redis_settings", risk=risk)
@@ -121,6 +127,8 @@ async def serve(s: ConsumeSettings) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.request_stop)
+        if stopped.is_set():  # a signal came while starting up
+            consumer.request_stop()
         logger.info("consumer_started", capacity=capacity, model=model, shard=str(sink.path))
         await consumer.run()
         logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
