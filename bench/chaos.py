@@ -10,7 +10,8 @@ It ends with the checks a user cares about and exits 1 if any fails:
     python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
     python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
 
-The same seed gives the same sequence of faults (their timing against the run varies).
+The seed fixes the draws; a draw whose target is busy (down, paused) is drawn again, so the mix
+of faults varies a little with timing.
 """
 
 from __future__ import annotations
