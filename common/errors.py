@@ -20,6 +20,8 @@ maxmemory with noeviction) is infrastructure trouble too: wait and retry, never 
 
 from __future__ import annotations
 
+import re
+
 import redis
 
 
@@ -103,3 +105,25 @@ def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retrya
     if isinstance(exc, (GenqError, *REDIS_TROUBLE)):
         return Retryable
     return None
+
+
+# scheme://user:password@host: the password (everything up to the last "@" of the authority).
+_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s:/@]*):[^\s/]*@")
+
+
+def mask_secrets(text: str) -> str:
+    """`redis://:secret@host` -> `redis://:***@host`, wherever a URL appears in the text: every
+    error, log line, status field and page goes through this before anyone sees it."""
+    return _CREDENTIALS.sub(r"\1\2:***@", text)
+
+
+def mask_tree(value: object) -> object:
+    """mask_secrets over every string (and key) of a JSON-like value: the status that `genq
+    status`, the monitor's page, API, metrics and progress file show."""
+    if isinstance(value, str):
+        return mask_secrets(value) if "@" in value else value
+    if isinstance(value, dict):
+        return {mask_tree(k): mask_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_tree(v) for v in value]
+    return value

@@ -11,7 +11,7 @@ import orjson
 import redis
 
 from common import failures, runhealth, stats
-from common.errors import UsageError
+from common.errors import UsageError, mask_tree
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
 
@@ -159,7 +159,7 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     alert = runhealth.persistence_alert(r, k, sorted(_s(d) for d in raw["outdirs"]))
     if alert:
         status["alerts"].append(alert)
-    return status
+    return mask_tree(status)  # no secrets in any field
 
 
 def _params(raw: dict) -> tuple[int, dict]:

@@ -13,6 +13,8 @@ import time
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
 from common import log
 from common import manifest as manifests
@@ -24,6 +26,7 @@ from common.cli import (
     guarded,
     risky_redis_settings,
     run_keys,
+    stop_on_signals,
 )
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
@@ -100,6 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     s = parse(argv)
     log.setup()
     structlog.contextvars.bind_contextvars(run=s.run)
+    # Started before Redis (compose, restart loops): wait for it here, before the server
+    # lease below needs it; a stop while waiting exits cleanly with nothing claimed.
+    probe = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
+                    stop=stop_on_signals())
+    if probe is None:
+        logger.info("consumer_stopped", acked=0)
+        return 0
+    probe.close()
     # One free server of the list, leased for as long as serve() runs (consumer/servers.py).
     return asyncio.run(servers.drive(s, serve))
 
@@ -124,7 +135,12 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
 
 async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
-    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    stopped = stop_on_signals()  # until the loop's own handlers take over, below
+    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
+                   stop=stopped)
+    if sync is None:  # stopped while waiting for Redis; nothing was claimed
+        logger.info("consumer_stopped", acked=0)
+        return 0
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):
         logger.warning("redis_settings", risk=risk)
@@ -143,7 +159,8 @@ async def serve(s: ConsumeSettings) -> int:
     # thousands of slots.
     pool = aioredis.BlockingConnectionPool.from_url(
         s.redis_url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
-        socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+        socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
+        retry=AsyncRetry(NoBackoff(), 1))  # see service_retry
     client = aioredis.Redis(connection_pool=pool)
     try:
         capacity, model, context = await wait_for_server(server, s)
@@ -154,10 +171,12 @@ async def serve(s: ConsumeSettings) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.request_stop)
+        if stopped.is_set():  # a signal came while starting up
+            consumer.request_stop()
         logger.info("consumer_started", capacity=capacity, model=model, context_length=context,
                     shard=str(sink.path))
         await consumer.run()
-        logger.info("consumer_stopped", acked=consumer.acked)
+        logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
         if consumer.runstate.failure:
             raise GenqError(consumer.runstate.failure)
     finally:
@@ -166,4 +185,4 @@ async def serve(s: ConsumeSettings) -> int:
         sync.close()
         sink.close()
         dataset.close()
-    return 0
+    return 1 if consumer.crashed else 0

@@ -18,20 +18,19 @@ logger = structlog.get_logger("consumer")
 
 def resize(self: Consumer) -> None:
     """One slot per request the server runs at once. Slots above a lowered capacity end after
-    their current task (Consumer.slot_loop checks); a raised one gets new slots here."""
+    their current task (Consumer.claim_and_process checks); a raised one gets new slots here."""
     if self.tg is None or self.stop.is_set():
         return
     for n in range(self.capacity):
         if n not in self.slots:
-            self.slots.add(n)
-            self.tg.create_task(slot(self, n))
+            self.slots[n] = self.tg.create_task(slot(self, n))
 
 
 async def slot(self: Consumer, n: int) -> None:
     try:
-        await self.slot_loop(n)
+        await self.slot(n)
     finally:
-        self.slots.discard(n)
+        self.slots.pop(n, None)
 
 
 async def follow_server(self: Consumer) -> None:
@@ -48,7 +47,7 @@ async def follow_server(self: Consumer) -> None:
     if capacity and not self.s.concurrency and capacity != self.capacity:
         logger.info("server_capacity_changed", old=self.capacity, new=capacity)
         self.capacity = capacity
-        self.resize()
+        resize(self)
     if context != self.context_length or not self.server_recorded:
         if context != self.context_length:
             logger.info("server_context_changed", old=self.context_length, new=context)

@@ -88,10 +88,12 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        url, owners = await try_take(r, list(s.servers), token, s.server_lease)
+        url, owners = None, {}
+        with contextlib.suppress(*REDIS_TROUBLE):  # a blip: the loop below tries again
+            url, owners = await try_take(r, list(s.servers), token, s.server_lease)
         last: dict[str, str] = {}
         while url is None:
-            if owners != last:
+            if owners and owners != last:
                 # Said once per change, not every poll: a spare may wait for days.
                 event = "server_busy" if len(owners) == 1 else "spare_waiting"
                 logger.warning(event, driven_by=owners, lease_s=s.server_lease)

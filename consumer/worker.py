@@ -5,15 +5,13 @@ A slot that finishes claims the next task at once, so the server stays exactly f
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import os
 import random
 import socket
-import sys
-import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis
@@ -21,13 +19,21 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import feed
-from common.errors import REDIS_TROUBLE, BadTask, Retryable, RunStateLost, TryAgain, classify
+from common.errors import (
+    REDIS_TROUBLE,
+    BadTask,
+    Retryable,
+    RunStateLost,
+    TryAgain,
+    classify,
+    mask_secrets,
+)
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
-from consumer import presence
-from consumer.backoff import ClaimPause, redis_retry
+from consumer import presence, shutdown
+from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
 from consumer.follow import follow_server, resize
 from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
 from consumer.runstate import OK, REPLACED, RunState
@@ -35,6 +41,7 @@ from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
 logger = structlog.get_logger("consumer")
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,24 +50,6 @@ class Inflight:
     request: asyncio.Task | None = None
     abort: str = ""
     started: float = field(default_factory=time.monotonic)
-
-
-def raise_if_cancelled() -> None:
-    """A background loop must end once it is cancelled, even when a library it awaited caught
-    the CancelledError (as an error it handles, or silently): otherwise the loop runs on and the
-    consumer never exits (seen: `shutdown_stuck` with housekeeping 'cancelling' in its sleep)."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
-
-
-def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
-    """Shutdown is taking far longer than its grace: log where every task and thread is, so a
-    hang in the field can be diagnosed from the log alone."""
-    logger.error("shutdown_stuck", tasks=len(asyncio.all_tasks(loop)))
-    for task in asyncio.all_tasks(loop):
-        task.print_stack(file=sys.stderr)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
 
 
 class Consumer:
@@ -73,7 +62,7 @@ class Consumer:
         self.dataset, self.sink, self.server = dataset, sink, server
         self.capacity, self.model = capacity, model
         self.context_length: int | None = None  # the server's, as last read (follow.py)
-        self.server_recorded, self.slots = False, set[int]()
+        self.server_recorded = False
         self.tg: asyncio.TaskGroup | None = None
         self.runstate = runstate
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
@@ -87,56 +76,65 @@ class Consumer:
         self.acked = 0
         self.started_at = 0
         self.birth = iso_now()
+        self.crashed = ""  # the background task that died, if one did
+        self.slots: dict[int, asyncio.Task] = {}  # slot number -> its task (follow.resize)
+        self.deadline: float | None = None  # end of the shutdown grace, once stopping
+        self.finished = False  # the slots are done: background loops end (see cancel_and_wait)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
         await redis_retry(self.q.preload)
-        background = [asyncio.create_task(self.keep_leases()),
-                      asyncio.create_task(self.housekeeping())]
+        background = [asyncio.create_task(shutdown.supervise(self, body))
+                      for body in (self.keep_leases, self.housekeeping)]
         try:
             async with asyncio.TaskGroup() as tg:
                 self.tg = tg
                 resize(self)
-                tg.create_task(self.drain_on_stop())
+                tg.create_task(shutdown.drain(self))
         finally:
-            # Cancel until done: redis-py 8 can swallow a cancel landing inside a command.
-            while not all(task.done() for task in background):
-                for task in background:
-                    task.cancel()
-                await asyncio.wait(background, timeout=1.0)
-            try:
-                await presence.withdraw(self.r, self.k, self.s.name)
-            except REDIS_TROUBLE as e:  # the heartbeat keys expire on their own
-                logger.warning("deregister_failed", error=str(e))
+            self.finished = True
+            await shutdown.cancel_and_wait(background)
+            await shutdown.withdraw(lambda: presence.withdraw(self.r, self.k, self.s.name))
+
+    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        """A Redis operation retried through outages, except past the shutdown grace."""
+        return redis_retry(op, self.past_grace)
+
+    def past_grace(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def request_stop(self) -> None:
-        """First SIGTERM: stop claiming and drain; a second one gives everything back now."""
-        if self.stop.is_set():
+        """First SIGTERM: stop claiming and drain; a second one gives everything back now.
+        The flag is set before anything is logged: stopping never depends on logging."""
+        again = self.stop.is_set()
+        self.stop.set()
+        if again:
+            self.deadline = time.monotonic()
             self.abort_all("shutdown")
         logger.info("stopping", inflight=len(self.held), grace_s=self.s.grace)
-        self.stop.set()
-
-    async def drain_on_stop(self) -> None:
-        await self.stop.wait()
-        watchdog = threading.Timer(self.s.grace + 30, dump_stuck, [asyncio.get_running_loop()])
-        watchdog.daemon = True  # never keeps a finished process alive
-        watchdog.start()
-        deadline = time.monotonic() + self.s.grace
-        while self.held and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self.abort_all("shutdown")
 
     def abort_all(self, reason: str) -> None:
         for inflight in list(self.held.values()):
             self.abort(inflight, reason)
 
     def abort(self, inflight: Inflight, reason: str) -> None:
-        if inflight.request is not None and not inflight.request.done():
+        """Cancel the task's request; one not sent yet is not sent (generate_and_ack checks)."""
+        if inflight.request is None:
+            inflight.abort = inflight.abort or reason
+        elif not inflight.request.done():
             inflight.abort = reason
             inflight.request.cancel()
 
     # --- slots -------------------------------------------------------------------------
-    async def slot_loop(self, n: int) -> None:
+    async def slot(self, n: int) -> None:
+        try:
+            await self.claim_and_process(n)
+        except ShuttingDown as e:
+            logger.warning("stopped_without_redis", error=str(e),
+                           consequence="held leases expire and return to the queue")
+
+    async def claim_and_process(self, n: int) -> None:
+        """Slot n claims and runs tasks until the stop, or until the capacity drops below n."""
         while not self.stop.is_set() and n < self.capacity:
             if self.pause.remaining():
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
@@ -144,9 +142,9 @@ class Consumer:
             if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
                 await asyncio.sleep(0.5)
                 continue
-            leases = await redis_retry(lambda: self.q.claim(1))
+            leases = await redis_retry(lambda: self.q.claim(1), self.stop.is_set)
             if not leases:
-                if self.s.burst and not self.held and await redis_retry(self.settled):
+                if self.s.burst and not self.held and await self.settled():
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
                     self.stop.set()
@@ -159,9 +157,9 @@ class Consumer:
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
-            last = await redis_retry(lambda: self.q.last_error(lease.index))
+            last = await self.retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            outcome = await redis_retry(lambda: self.q.fail(lease, reason))
+            outcome = await self.retry(lambda: self.q.fail(lease, reason))
             logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
             return
         inflight = Inflight(lease)
@@ -174,9 +172,17 @@ class Consumer:
     async def generate_and_ack(self, inflight: Inflight) -> None:
         lease = inflight.lease
         try:
-            prompt = self.dataset.prompt(lease.index)
+            # A read that may block (a Parquet row group) runs off the loop: never stall renewals.
+            prompt = (self.dataset.prompt(lease.index) if self.dataset.cached(lease.index)
+                      else await asyncio.to_thread(self.dataset.prompt, lease.index))
             params = await self.params_for(lease.version)
             body = request_body(prompt.messages, params, self.model)
+            if inflight.abort or self.stop.is_set():
+                # Claimed while the stop came (or aborted before its request existed): a
+                # request started now would outlive the grace by a whole generation.
+                inflight.abort = inflight.abort or "shutdown"
+                await self.after_abort(inflight)
+                return
             inflight.request = asyncio.create_task(self.server.chat(body, lease.index))
             completion = await inflight.request
             record = build_record(
@@ -193,22 +199,23 @@ class Consumer:
         except Exception as e:
             verdict = classify(e)
             if verdict is BadTask:
-                reason = e.reason if isinstance(e, BadTask) else str(e)
-                outcome = await redis_retry(lambda: self.q.fail(lease, reason))
+                reason = mask_secrets(e.reason if isinstance(e, BadTask) else str(e))
+                outcome = await self.retry(lambda: self.q.fail(lease, reason))
                 logger.warning("task_failed", reason=reason,
                                previous_result_kept=outcome == KEPT)
                 return
             if verdict is not Retryable and verdict is not TryAgain:
                 raise
             # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
-            error, refund = str(e) or type(e).__name__, verdict is Retryable
-            await redis_retry(lambda: self.q.release(lease, refund=refund, reason=error))
+            error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
+            refund = verdict is Retryable
+            await self.retry(lambda: self.q.release(lease, refund=refund, reason=error))
             if refund:
                 self.pause.trouble(error)
             else:
                 logger.info("task_retried", reason=error)
             return
-        outcome = await redis_retry(lambda: self.q.ack(
+        outcome = await self.retry(lambda: self.q.ack(
             lease, completion_tokens=completion.completion_tokens,
             prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
         if outcome == ACCEPTED:
@@ -231,7 +238,7 @@ class Consumer:
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
         reason = f"aborted: {inflight.abort}"
-        await redis_retry(lambda: self.q.release(lease, refund=True, reason=reason))
+        await self.retry(lambda: self.q.release(lease, refund=True, reason=reason))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:
@@ -241,6 +248,9 @@ class Consumer:
         return self.params[version]
 
     async def settled(self) -> bool:
+        return await redis_retry(self.count_settled, self.stop.is_set)
+
+    async def count_settled(self) -> bool:
         pipe = self.r.pipeline(transaction=False)
         pipe.bitcount(self.k.done)
         pipe.bitcount(self.k.failed)
@@ -253,7 +263,7 @@ class Consumer:
     async def keep_leases(self) -> None:
         """Renew every held lease each third of the visibility timeout; drop the lost ones."""
         period = self.s.visibility_timeout / 3
-        while True:
+        while not self.finished:
             await asyncio.sleep(period)
             held = list(self.held.values())
             try:
@@ -264,12 +274,11 @@ class Consumer:
             for inflight in held:
                 if inflight.lease.job_id in lost:
                     self.abort(inflight, "lost")
-            raise_if_cancelled()
 
     async def housekeeping(self) -> None:
         """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
         tick = 0
-        while True:
+        while not self.finished:
             try:
                 if await self.check_run() != OK:
                     await self.heartbeat()
@@ -284,7 +293,6 @@ class Consumer:
                     await follow_server(self)  # the server's load, capacity and context
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
-            raise_if_cancelled()
             tick += 1
             await asyncio.sleep(0.5)
 

@@ -11,7 +11,7 @@ import orjson
 import redis
 import structlog
 
-from common.errors import GenqError
+from common.errors import GenqError, mask_secrets
 from common.status import read_status
 from monitor import metrics
 
@@ -22,9 +22,7 @@ PAGE = resources.files("monitor").joinpath("page.html").read_bytes()
 
 def redact(url: str) -> str:
     """The Redis URL without its password, fit for logs and pages."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***' + at if at else ''}{host}" if sep else url
+    return mask_secrets(url)
 
 
 class StatusSource:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from common.cli import (
     guarded,
     risky_redis_settings,
     run_keys,
+    stop_on_signals,
 )
 from common.dataset import open_dataset
 from common.errors import REDIS_TROUBLE, RunStateLost
@@ -84,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     log.setup()
     k = run_keys(s.run)
     ds = open_dataset(s.dataset)
-    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    # --once stays interruptible as any command; the windowed producer stops cleanly.
+    stop = threading.Event() if s.once else stop_on_signals()
+    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop)
+    if r is None:  # stopped while waiting for Redis
+        logger.info("producer_stopped", run=s.run)
+        return 0
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("run_registered", run=s.run, dataset=info.dataset, total=info.total)
     if s.once:
         return enqueue_once(r, k, s, info, runner)
-    return keep_window(r, k, s, info, runner)
+    return keep_window(r, k, s, info, runner, stop)
 
 
 def enqueue_once(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
@@ -131,10 +136,7 @@ def live_capacity(r: redis.Redis, k: RunKeys) -> int:
 
 
 def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
-                runner: ScriptRunner) -> int:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+                runner: ScriptRunner, stop: threading.Event) -> int:
     logger.info("producer_started", run=s.run, window=s.window or "auto")
     backoff, state = 0.0, "ok"
     while not stop.is_set():
