@@ -13,19 +13,23 @@ from pipeline import write_dataset
 
 from common.keys import RunKeys
 
-# What a server in trouble may answer on /get_load: a rank with a null count.
-NULL_LOAD = b'[{"dp_rank": 0, "num_reqs": null, "num_waiting_reqs": 0, "num_tokens": 0}]'
+# What a server in trouble may answer on /v1/models once the consumer runs: a context length
+# that is not a number. (A null field in /v1/loads or /get_load, the issue's first example, is
+# now read as "load unknown" by the client itself, so it no longer kills anything.)
+BAD_MODELS = b'{"object": "list", "data": [{"id": "m", "max_model_len": "8k"}]}'
+GOOD_MODEL_ANSWERS = 2  # the consumer's start-up reads /v1/models twice (model, context)
 
 
-class NullLoadFront(ThreadingHTTPServer):
-    """A real HTTP server in front of the simulator: /get_load answers with a null field,
-    everything else is passed through."""
+class BadModelsFront(ThreadingHTTPServer):
+    """A real HTTP server in front of the simulator: after start-up, /v1/models answers with a
+    context length that is not a number; everything else is passed through."""
 
     daemon_threads = True
 
     def __init__(self, upstream: str) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream = httpx.Client(base_url=upstream, timeout=60)
+        self.models_answers = 0
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -39,12 +43,14 @@ class NullLoadFront(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    server: NullLoadFront
+    server: BadModelsFront
     protocol_version = "HTTP/1.1"
 
     def _pass(self) -> None:
-        if self.path == "/get_load":
-            status, body = 200, NULL_LOAD
+        if self.path == "/v1/models":
+            self.server.models_answers += 1
+        if self.path == "/v1/models" and self.server.models_answers > GOOD_MODEL_ANSWERS:
+            status, body = 200, BAD_MODELS
         else:
             length = int(self.headers.get("Content-Length") or 0)
             answer = self.server.upstream.request(
@@ -68,7 +74,7 @@ def test_housekeeping_crash_is_logged_and_stops_the_consumer(
     n = 80
     produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
     sim = sim_factory(**sim_kwargs(0.5))
-    front = NullLoadFront(sim.url)
+    front = BadModelsFront(sim.url)
     consumer = Consumer(redis_url, run_name, front.url, tmp_path / "a")
     try:
         rc = consumer.wait(60)
@@ -79,7 +85,7 @@ def test_housekeeping_crash_is_logged_and_stops_the_consumer(
     crashed = [e for e in events if e.get("event") == "background_task_crashed"]
     assert rc == 1, f"rc {rc}: a dead housekeeping task went unnoticed"
     assert [e["task"] for e in crashed] == ["housekeeping"]
-    assert "TypeError" in crashed[0]["exception"]  # the traceback is in the log line
+    assert "ValueError" in crashed[0]["exception"]  # the traceback is in the log line
     assert "Traceback" in crashed[0]["exception"]
     assert owners(r, run_name) == {}, "the stopped consumer gives its leases back"
     done = r.bitcount(RunKeys(run_name).done)
