@@ -6,7 +6,8 @@
     ├── BadTask                    # this task can never succeed: malformed row, HTTP 400
     └── Retryable                  # infrastructure trouble: release without spending an attempt
         ├── ServerUnavailable      # 5xx, connect refused/reset, timeouts
-        └── OutputUnavailable      # disk full / output dir unwritable
+        ├── OutputUnavailable      # disk full / output dir unwritable
+        └── StoreUnavailable       # S3 unreachable, refusing, or storing other bytes than sent
 
 Classify once, where the failure is first understood; callers then only ask "BadTask or
 Retryable?" (``classify``) to decide between failing the task and giving it back. Redis trouble
@@ -55,6 +56,10 @@ class ServerUnavailable(Retryable):
 
 class OutputUnavailable(Retryable):
     """The output shard cannot be written (disk full, quota, read-only or missing directory)."""
+
+
+class StoreUnavailable(Retryable):
+    """S3 cannot take or give a shard now; the shard stays on disk and is shipped later."""
 
 
 # Redis trouble that passes on its own or once an operator acts; never a reason to fail a task.

@@ -101,6 +101,12 @@ def render_table(status: dict) -> Any:
                 f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
             )
         )
+    ship = status.get("shipping")
+    if ship:
+        lines.append(Text(
+            f"S3 shipped {ship['shards_shipped']:,} shards ({ship['bytes_shipped']:,} B)  "
+            f"pending {ship['shards_pending']:,} ({ship['bytes_pending']:,} B)"
+            + (f"  last error: {ship['last_error']}" if ship["last_error"] else "")))
     lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
     parts: list[Any] = [*lines]
     if status["servers"]:

@@ -27,7 +27,7 @@ from common.cli import (
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
-from consumer import faults
+from consumer import faults, shipping
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 from consumer.worker import Consumer
@@ -55,6 +55,7 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
                    help="seconds to wait for the server to answer at start (default 10)")
     p.add_argument("--name", help="consumer name shown in status (default host-pid)")
     p.add_argument("--poll", type=float, default=0.2, help="idle poll period, seconds")
+    shipping.add_flags(p)
     add_common(p)
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
@@ -68,7 +69,8 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         redis_url=a.redis_url, run=a.run, server=a.server.rstrip("/"),
         concurrency=a.concurrency, visibility_timeout=a.visibility_timeout, out=a.out,
         burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
-        grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait)
+        grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
+        **shipping.settings(p, a))
 
 
 @guarded
@@ -105,12 +107,15 @@ async def serve(s: ConsumeSettings) -> int:
     dataset.verify(info.fingerprint)
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
-    sink = faults.wrap(ShardWriter(s.out, s.run, s.name), os.environ.get("GENQ_FAULT"))
+    writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
+    sink = faults.wrap(writer, os.environ.get("GENQ_FAULT"))
     sync.sadd(k.outdirs, os.path.abspath(s.out))
     server = SGLang(s.server, request_timeout=s.request_timeout,
                     connections=s.concurrency or 1024)
     client = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
                                      socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    ship = shipping.Shipping.start(s, k, writer, client)
+    rc = 0
     try:
         capacity, model = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
@@ -121,10 +126,15 @@ async def serve(s: ConsumeSettings) -> int:
         logger.info("consumer_started", capacity=capacity, model=model, shard=str(sink.path))
         await consumer.run()
         logger.info("consumer_stopped", acked=consumer.acked)
+        if ship is not None:
+            sink.close()  # the last shard joins the backlog
+            rc = await ship.finish(s.ship_wait if s.burst else min(s.ship_wait, s.grace))
     finally:
+        if ship is not None:
+            await ship.cancel()
         await server.close()
         await client.aclose()
         sync.close()
         sink.close()
         dataset.close()
-    return 0
+    return rc

@@ -20,3 +20,9 @@ class ConsumeSettings:
     name: str
     poll: float
     server_wait: float
+    # Shipping to S3 (common/ship.py): off without an s3:// URI.
+    s3_uri: str | None = None
+    shard_records: int = 500
+    shard_minutes: float = 10.0
+    keep_local: bool = True
+    ship_wait: float = 600.0
