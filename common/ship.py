@@ -190,6 +190,7 @@ class Shipper:
     async def finish(self, timeout: float) -> list[Path]:
         """Wait until the queue is empty or ``timeout`` passes; what is still unshipped."""
         deadline = time.monotonic() + timeout
+        await asyncio.sleep(0)  # let shards closed just now (call_soon_threadsafe) join
         while self.queue and time.monotonic() < deadline:
             self.wake.set()
             await asyncio.sleep(0.05)
