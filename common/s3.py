@@ -29,6 +29,7 @@ except ImportError:  # pragma: no cover - exercised only where zstandard is miss
     zstandard = None
 
 SUFFIX = ".jsonl.zst" if zstandard is not None else ".jsonl.gz"
+MANIFEST = "manifest.json"  # <prefix>/<run>/manifest.json: the run manifest, as shipped
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SHARD_KEY = re.compile(r"/([^/]+)/shard-([^/]+)\.jsonl\.(zst|gz)$")
 
@@ -151,7 +152,8 @@ def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]
 
 def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None) -> list[Path]:
     """Download and decompress every shard of ``run`` into ``dest`` as
-    ``{run}.{consumer}.{shard id}.jsonl``: the layout of a local output directory."""
+    ``{run}.{consumer}.{shard id}.jsonl``, and the run manifest as ``{run}.manifest.json``:
+    the layout of a consumer's output directory, which export and recover read."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3 or client()
@@ -164,6 +166,10 @@ def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None
             with open(path, "wb") as f:
                 shutil.copyfileobj(stream, f, 1 << 20)
             paths.append(path)
+        if head(s3, uri, uri.key(run, MANIFEST)) is not None:  # the run's, for genq recover
+            stream = open_object(s3, uri, uri.key(run, MANIFEST))
+            with stream, open(dest / f"{run}.manifest.json", "wb") as f:
+                shutil.copyfileobj(stream, f)
     except (BotoCoreError, ClientError) as e:
         raise store_error(e, f"reading {uri}/{run}") from None
     return paths

@@ -39,6 +39,7 @@ class Item:
     key: str
     shard: bool  # shards are compressed and counted; other files go as they are
     size: int
+    version: tuple[int, int] = (0, 0)  # (mtime_ns, size) of a watched file when queued
 
 
 def _prepare(item: Item) -> tuple[bytes, dict[str, str]]:
@@ -64,6 +65,8 @@ class Shipper:
         self.shipped = self.bytes = 0
         self.last_error: str | None = None
         self.failures = 0
+        self.watched: dict[Path, str] = {}
+        self.sent: dict[Path, tuple[int, int]] = {}
 
     # --- what to ship --------------------------------------------------------------------
     def closed(self, path: Path) -> None:
@@ -76,11 +79,21 @@ class Shipper:
             self.queue[path] = Item(path, store.shard_key(self.uri, path), True, size)
         self.wake.set()
 
-    def add_file(self, path: Path, name: str) -> None:
-        """Ship any run file (the manifest) as ``<prefix>/<run>/<name>``, replaced each time."""
-        self.queue[path] = Item(path, self.uri.key(self.k.run, name), False,
-                                path.stat().st_size)
-        self.wake.set()
+    def watch(self, path: Path, name: str) -> None:
+        """Ship ``path`` (the run manifest) as ``<prefix>/<run>/<name>`` whenever it changes."""
+        self.watched[path] = name
+
+    def check_watched(self) -> None:
+        for path, name in self.watched.items():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            version = (st.st_mtime_ns, st.st_size)
+            queued = self.queue.get(path)
+            if self.sent.get(path) != version and (queued is None or queued.version != version):
+                key = self.uri.key(self.k.run, name)
+                self.queue[path] = Item(path, key, False, st.st_size, version)
 
     def scan(self) -> int:
         """Queue every finished shard of the run in the output directory (left unshipped by
@@ -98,6 +111,7 @@ class Shipper:
         while True:
             if sink is not None and max_age_s:
                 await asyncio.to_thread(sink.rotate_if_older, max_age_s)
+            self.check_watched()
             if not self.queue:
                 self.wake.clear()
                 with contextlib.suppress(TimeoutError):  # the age rotation needs a tick
@@ -109,7 +123,9 @@ class Shipper:
             except (StoreUnavailable, *REDIS_TROUBLE) as e:
                 await self.failed(item, e)
                 continue
-            del self.queue[item.path]
+            if self.queue.get(item.path) is item:  # not replaced by a newer version meanwhile
+                del self.queue[item.path]
+            self.sent[item.path] = item.version
             self.failures = 0
             await self.report()
 
@@ -191,6 +207,7 @@ class Shipper:
         """Wait until the queue is empty or ``timeout`` passes; what is still unshipped."""
         deadline = time.monotonic() + timeout
         await asyncio.sleep(0)  # let shards closed just now (call_soon_threadsafe) join
+        self.check_watched()
         while self.queue and time.monotonic() < deadline:
             self.wake.set()
             await asyncio.sleep(0.05)

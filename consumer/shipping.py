@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -62,6 +63,8 @@ class Shipping:
         shipper = Shipper(store.parse_uri(s.s3_uri), k, writer.name, s.out, client,
                           keep_local=s.keep_local)
         writer.on_close = shipper.closed
+        # The run manifest `genq recover` needs (written beside the shards) goes along.
+        shipper.watch(Path(s.out) / f"{s.run}.manifest.json", store.MANIFEST)
         found = shipper.scan()
         if found:
             logger.info("unshipped_shards_found", shards=found, out=s.out)

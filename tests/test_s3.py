@@ -69,6 +69,9 @@ def test_clean_run_ships_every_index_once_and_exports_agree(
     n = 120
     start_run(tmp_path, redis_url, run_name, n)
     sim = sim_factory(time_scale=400, max_running_requests=8)
+    manifest = tmp_path / "out" / f"{run_name}.manifest.json"
+    manifest.parent.mkdir()
+    manifest.write_text('{"run": "as written beside the shards"}')
     c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "25")
     try:
         assert c.wait(90) == 0, c.log()[-3000:]
@@ -77,6 +80,8 @@ def test_clean_run_ships_every_index_once_and_exports_agree(
     keys = store.shard_keys(client, store.parse_uri(URI), run_name)
     assert len(keys) == 5 and all(k.startswith(f"{PREFIX}/{run_name}/") for k in keys)
     assert keys[0].endswith("/shard-000001.jsonl.zst")
+    shipped = client.get_object(Bucket=BUCKET, Key=f"{PREFIX}/{run_name}/manifest.json")
+    assert shipped["Body"].read() == manifest.read_bytes()  # the manifest goes along
     indices = Counter(rec["index"] for rec in bucket_records(client, run_name))
     assert indices == Counter(range(n))  # every index, exactly once
     status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
