@@ -30,7 +30,7 @@ from common.shards import closed_shards
 logger = structlog.get_logger("shipper")
 
 BACKOFF_FIRST_S = 0.5
-BACKOFF_MAX_S = 30.0
+BACKOFF_MAX_S = 10.0  # one cheap retry per 10 s at worst: a backlog drains soon after S3 is back
 
 
 @dataclass
