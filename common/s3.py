@@ -60,10 +60,14 @@ def client() -> Any:
     """One boto3 S3 client; thread-safe, so every upload thread shares it."""
     import boto3
     from botocore.config import Config
+    from botocore.exceptions import BotoCoreError
 
     config = Config(connect_timeout=5, read_timeout=30,
                     retries={"max_attempts": 2, "mode": "standard"})
-    return boto3.session.Session().client("s3", config=config)
+    try:
+        return boto3.session.Session().client("s3", config=config)
+    except (BotoCoreError, ValueError) as e:  # e.g. AWS_ENDPOINT_URL that is not a URL
+        raise UsageError(f"cannot set up the S3 client: {e}") from None
 
 
 def shard_key(uri: S3Uri, path: Path) -> str:

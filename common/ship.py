@@ -107,7 +107,8 @@ class Shipper:
     # --- the loop ------------------------------------------------------------------------
     async def run(self, sink: Any = None, max_age_s: float | None = None) -> None:
         """Ship until cancelled; close ``sink``'s shard when it is older than ``max_age_s``."""
-        await self.report()
+        with contextlib.suppress(*REDIS_TROUBLE):  # reported again after the first upload
+            await self.report()
         while True:
             if sink is not None and max_age_s:
                 await asyncio.to_thread(sink.rotate_if_older, max_age_s)

@@ -188,7 +188,7 @@ def test_killed_consumer_ships_its_backlog_after_restart(
     assert [rec["index"] for rec in read_jsonl(remote)] == list(range(n))
 
 
-def test_bad_uri_is_one_clear_line(tmp_path, redis_url, run_name):
+def test_bad_uri_or_endpoint_is_one_clear_line(tmp_path, redis_url, run_name, monkeypatch):
     proc = genq("export", "--from-s3", "s3://A/x", "--out", str(tmp_path / "o"),
                 redis_url=redis_url, run=run_name, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
@@ -196,3 +196,9 @@ def test_bad_uri_is_one_clear_line(tmp_path, redis_url, run_name):
     proc = genq("consume", "--server", "http://127.0.0.1:1", "--s3-uri", "bucket/x",
                 redis_url=redis_url, run=run_name, check=False)
     assert proc.returncode == 2 and "must look like s3://bucket/prefix" in proc.stderr
+    start_run(tmp_path, redis_url, run_name, 3)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "not a url")
+    proc = genq("export", "--from-s3", URI, "--out", str(tmp_path / "o"), redis_url=redis_url,
+                run=run_name, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert "cannot set up the S3 client: Invalid endpoint: not a url" in proc.stderr
