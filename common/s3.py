@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import gzip
 import hashlib
+import io
 import os
 import re
 import shutil
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import StoreUnavailable, UsageError
+from common.errors import GenqError, StoreUnavailable, UsageError
 from common.shards import shard_parts
 
 try:  # zstd when the package is there (it is a dependency); gzip keeps working without it
@@ -28,6 +29,8 @@ try:  # zstd when the package is there (it is a dependency); gzip keeps working 
 except ImportError:  # pragma: no cover - exercised only where zstandard is missing
     zstandard = None
 
+_DECODE_ERRORS: tuple[type[Exception], ...] = (gzip.BadGzipFile,) + (
+    (zstandard.ZstdError,) if zstandard is not None else ())
 SUFFIX = ".jsonl.zst" if zstandard is not None else ".jsonl.gz"
 MANIFEST = "manifest.json"  # <prefix>/<run>/manifest.json: the run manifest, as shipped
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -135,15 +138,18 @@ def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
     if key.endswith(".zst"):
         if zstandard is None:
             raise UsageError(f"{key} is zstd-compressed: pip install zstandard")
-        return zstandard.ZstdDecompressor().stream_reader(body, closefd=True)
+        # Buffered, so that callers can iterate lines (the bare reader cannot readline).
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(body, closefd=True),
+                                 1 << 20)
     if key.endswith(".gz"):
         return gzip.GzipFile(fileobj=body)
     return body
 
 
 def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]:
-    """(consumer, shard id, decompressed stream) for each shard of the run: the reading
-    interface that export and recover share. Each stream is closed once the next is asked."""
+    """(consumer, shard id, decompressed binary stream; iterating it gives lines) for each
+    shard of the run: the reading interface that export and recover share. Each stream is
+    closed once the next is asked for."""
     for key in shard_keys(s3, uri, run):
         match = _SHARD_KEY.search(key)
         assert match is not None  # shard_keys kept only matching keys
@@ -163,17 +169,20 @@ def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None
     s3 = s3 or client()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    paths = []
+    paths: list[Path] = []
+    path = dest / f"{run}.manifest.json"
     try:
+        if head(s3, uri, uri.key(run, MANIFEST)) is not None:  # the run's, for genq recover
+            stream = open_object(s3, uri, uri.key(run, MANIFEST))
+            with stream, open(path, "wb") as f:
+                shutil.copyfileobj(stream, f)
         for consumer, shard_id, stream in iter_shards(s3, uri, run):
             path = dest / f"{run}.{consumer}.{shard_id}.jsonl"
             with open(path, "wb") as f:
                 shutil.copyfileobj(stream, f, 1 << 20)
             paths.append(path)
-        if head(s3, uri, uri.key(run, MANIFEST)) is not None:  # the run's, for genq recover
-            stream = open_object(s3, uri, uri.key(run, MANIFEST))
-            with stream, open(dest / f"{run}.manifest.json", "wb") as f:
-                shutil.copyfileobj(stream, f)
     except (BotoCoreError, ClientError) as e:
         raise store_error(e, f"reading {uri}/{run}") from None
+    except (OSError, EOFError, *_DECODE_ERRORS) as e:  # a damaged or foreign object
+        raise GenqError(f"reading {uri}/{run}: {path.name}: {e}") from None
     return paths

@@ -45,7 +45,7 @@ def bucket_records(client, run: str) -> list[dict]:
     uri = store.parse_uri(URI)
     records = []
     for _, _, stream in store.iter_shards(client, uri, run):
-        records += [orjson.loads(line) for line in stream.read().splitlines()]
+        records += [orjson.loads(line) for line in stream]  # streams iterate lines
     return records
 
 
@@ -202,3 +202,55 @@ def test_bad_uri_or_endpoint_is_one_clear_line(tmp_path, redis_url, run_name, mo
                 run=run_name, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert "cannot set up the S3 client: Invalid endpoint: not a url" in proc.stderr
+
+
+def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redis_url, r,
+                                                                   run_name, s3):
+    """In-process: an object with the same content is taken as shipped; one with other content
+    (a reused name on a wiped disk) is kept and the shard goes beside it; gzip reads back."""
+    import asyncio
+    import gzip
+
+    import redis.asyncio as aioredis
+
+    from common.shards import ShardWriter
+    from common.ship import Shipper
+
+    client, _ = s3
+    uri = store.parse_uri(URI)
+    w = ShardWriter(tmp_path, run_name, "gpu0", rotate_every=2)
+    for i in range(4):
+        w.write({"index": i, "attempt": 1})
+    w.close()
+    first, second = w.closed_shards
+    k = RunKeys(run_name)
+    client.put_object(Bucket=BUCKET, Key=store.shard_key(uri, first),
+                      Body=store.compress(b'{"index": 99, "note": "an earlier gpu0"}\n'))
+
+    async def ship_all() -> Shipper:
+        aio = aioredis.Redis.from_url(redis_url)
+        shipper = Shipper(uri, k, "gpu0", tmp_path, aio)
+        shipper.scan()
+        for item in list(shipper.queue.values()):
+            await shipper.ship(item)
+        await aio.aclose()
+        return shipper
+
+    asyncio.run(ship_all())
+    keys = store.shard_keys(client, uri, run_name)
+    stamp = first.name.split(".")[2]
+    assert keys == [f"{PREFIX}/{run_name}/gpu0/shard-000001.jsonl.zst",
+                    f"{PREFIX}/{run_name}/gpu0/shard-000002.jsonl.zst",
+                    f"{PREFIX}/{run_name}/gpu0/shard-{stamp}-000001.jsonl.zst"]
+    assert r.hlen(k.shipped) == 2 and ship_state(r, run_name)["records"] == "4"
+    asyncio.run(ship_all())  # a restart: both are recorded as shipped, nothing is redone
+    r.hdel(k.shipped, store.shard_key(uri, second))  # as if it crashed before recording
+    put_before = r.hlen(k.shipped)
+    asyncio.run(ship_all())
+    assert store.shard_keys(client, uri, run_name) == keys  # nothing uploaded twice
+    assert r.hlen(k.shipped) == put_before + 1
+    client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{run_name}/gpu1/shard-000001.jsonl.gz",
+                      Body=gzip.compress(b'{"index": 9}\n'))
+    client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{run_name}/notes.txt", Body=b"not a shard")
+    indices = [rec["index"] for rec in bucket_records(client, run_name) if "index" in rec]
+    assert sorted(indices) == [0, 1, 2, 3, 9, 99]
