@@ -90,6 +90,8 @@ def test_clean_run_ships_every_index_once_and_exports_agree(
     assert ship["shards_pending"] == 0 and ship["last_error"] is None
     sizes = sum(client.head_object(Bucket=BUCKET, Key=k)["ContentLength"] for k in keys)
     assert ship["bytes_shipped"] == sizes
+    table = genq("status", redis_url=redis_url, run=run_name).stdout
+    assert f"S3 shipped 5 shards ({sizes:,} B)  pending 0 (0 B)" in table
     # Export from S3 is byte for byte the export from disk; Parquet holds the same records.
     local, remote = tmp_path / "local.jsonl", tmp_path / "remote.jsonl"
     genq("export", "--out", str(local), redis_url=redis_url, run=run_name)
@@ -254,3 +256,33 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
     client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{run_name}/notes.txt", Body=b"not a shard")
     indices = [rec["index"] for rec in bucket_records(client, run_name) if "index" in rec]
     assert sorted(indices) == [0, 1, 2, 3, 9, 99]
+
+
+def test_a_slow_trickle_still_ships_by_shard_age(tmp_path, redis_url, r, run_name, s3):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from common.shards import ShardWriter
+    from common.ship import Shipper
+
+    client, _ = s3
+    uri = store.parse_uri(URI)
+
+    async def trickle() -> None:
+        aio = aioredis.Redis.from_url(redis_url)
+        shipper = Shipper(uri, RunKeys(run_name), "slow", tmp_path, aio, keep_local=False)
+        w = ShardWriter(tmp_path, run_name, "slow", rotate_every=500, on_close=shipper.closed)
+        task = asyncio.create_task(shipper.run(w, max_age_s=0.5))
+        await asyncio.to_thread(w.write, {"index": 7})  # one record, far from 500
+        for _ in range(200):
+            if r.hget(RunKeys(run_name).ship, "shards"):
+                break
+            await asyncio.sleep(0.05)
+        task.cancel()
+        w.close()
+        await aio.aclose()
+
+    asyncio.run(trickle())
+    assert [rec["index"] for rec in bucket_records(client, run_name)] == [7]
+    assert not list(tmp_path.glob("*.jsonl"))  # shipped, verified, and removed as asked
