@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - exercised only where zstandard is miss
 _DECODE_ERRORS: tuple[type[Exception], ...] = (gzip.BadGzipFile,) + (
     (zstandard.ZstdError,) if zstandard is not None else ())
 SUFFIX = ".jsonl.zst" if zstandard is not None else ".jsonl.gz"
-MANIFEST = "manifest.json"  # <prefix>/<run>/manifest.json: the run manifest, as shipped
+MANIFEST = "manifest.json"  # <prefix>/<run>/<consumer>/manifest.json, one per consumer
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SHARD_KEY = re.compile(r"/([^/]+)/shard-([^/]+)\.jsonl\.(zst|gz)$")
 
@@ -150,32 +150,56 @@ def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]
     """(consumer, shard id, decompressed binary stream; iterating it gives lines) for each
     shard of the run: the reading interface that export and recover share. Each stream is
     closed once the next is asked for."""
-    for key in shard_keys(s3, uri, run):
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        keys = shard_keys(s3, uri, run)
+    except (BotoCoreError, ClientError) as e:
+        raise store_error(e, f"listing {uri}/{run}") from None
+    for key in keys:
         match = _SHARD_KEY.search(key)
         assert match is not None  # shard_keys kept only matching keys
-        stream = open_object(s3, uri, key)
+        try:
+            stream = open_object(s3, uri, key)
+        except (BotoCoreError, ClientError) as e:
+            raise store_error(e, f"reading s3://{uri.bucket}/{key}") from None
         try:
             yield match.group(1), match.group(2), stream
         finally:
             stream.close()
 
 
+def manifest_objects(s3: Any, uri: S3Uri, run: str) -> list[tuple[str, bytes]]:
+    """(key, content) of every consumer's shipped run manifest, for ``genq recover``: each
+    consumer ships its own, so one that missed a requeue never hides a newer one."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    prefix = uri.key(run) + "/"
+    out = []
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket,
+                                                                 Prefix=prefix):
+            for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/" + MANIFEST):
+                    body = s3.get_object(Bucket=uri.bucket, Key=obj["Key"])["Body"].read()
+                    out.append((obj["Key"], body))
+    except (BotoCoreError, ClientError) as e:
+        raise store_error(e, f"reading the manifests under {uri}/{run}") from None
+    return sorted(out)
+
+
 def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None) -> list[Path]:
     """Download and decompress every shard of ``run`` into ``dest`` as
-    ``{run}.{consumer}.{shard id}.jsonl``, and the run manifest as ``{run}.manifest.json``:
-    the layout of a consumer's output directory, which export and recover read."""
+    ``{run}.{consumer}.{shard id}.jsonl``: the layout of a consumer's output directory, which
+    export reads."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = s3 or client()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
-    path = dest / f"{run}.manifest.json"
+    path = dest
     try:
-        if head(s3, uri, uri.key(run, MANIFEST)) is not None:  # the run's, for genq recover
-            stream = open_object(s3, uri, uri.key(run, MANIFEST))
-            with stream, open(path, "wb") as f:
-                shutil.copyfileobj(stream, f)
         for consumer, shard_id, stream in iter_shards(s3, uri, run):
             path = dest / f"{run}.{consumer}.{shard_id}.jsonl"
             with open(path, "wb") as f:

@@ -64,7 +64,7 @@ class Shipping:
                           keep_local=s.keep_local)
         writer.on_close = shipper.closed
         # The run manifest `genq recover` needs (written beside the shards) goes along.
-        shipper.watch(Path(s.out) / f"{s.run}.manifest.json", store.MANIFEST)
+        shipper.watch(Path(s.out) / f"{s.run}.manifest.json", f"{writer.name}/{store.MANIFEST}")
         found = shipper.scan()
         if found:
             logger.info("unshipped_shards_found", shards=found, out=s.out)
