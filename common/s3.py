@@ -3,8 +3,9 @@ verified uploads, and reading a run's shards back into a directory that the loca
 (export, recover) already understand.
 
 Credentials, region and ``AWS_ENDPOINT_URL`` (for S3-compatible stores) come from boto3's own
-resolution (environment, config files, instance roles); genq adds only timeouts, so that an
-unreachable store fails fast and the shipper's own backoff decides when to try again.
+resolution (environment, config files, instance roles); genq adds only timeouts and a single
+attempt per call, so that an unreachable store fails fast and the shipper's own backoff
+decides when to try again.
 """
 
 from __future__ import annotations
@@ -65,8 +66,10 @@ def client() -> Any:
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError
 
-    config = Config(connect_timeout=5, read_timeout=30,
-                    retries={"max_attempts": 2, "mode": "standard"})
+    # One attempt per call: the shipper's own backoff retries, and a partitioned store holds
+    # a call (and a stopping consumer) at most 5 + 20 s.
+    config = Config(connect_timeout=5, read_timeout=20,
+                    retries={"total_max_attempts": 1, "mode": "standard"})
     try:
         return boto3.session.Session().client("s3", config=config)
     except (BotoCoreError, ValueError) as e:  # e.g. AWS_ENDPOINT_URL that is not a URL
