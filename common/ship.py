@@ -128,7 +128,8 @@ class Shipper:
                 del self.queue[item.path]
             self.sent[item.path] = item.version
             self.failures = 0
-            await self.report()
+            with contextlib.suppress(*REDIS_TROUBLE):  # the next report carries it
+                await self.report()
 
     async def ship(self, item: Item) -> None:
         if item.shard and await self.r.hexists(self.k.shipped, item.key):
@@ -178,6 +179,8 @@ class Shipper:
     async def failed(self, item: Item, e: Exception) -> None:
         self.failures += 1
         self.last_error = str(e) or type(e).__name__
+        if self.queue.get(item.path) is item:  # to the back: one bad file must not block all
+            self.queue[item.path] = self.queue.pop(item.path)
         delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(self.failures - 1, 10))
         delay *= 0.5 + random.random() / 2
         logger.warning("ship_failed", shard=item.path.name, error=self.last_error,

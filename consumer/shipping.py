@@ -50,6 +50,12 @@ def settings(p: argparse.ArgumentParser, a: argparse.Namespace) -> dict[str, Any
             "ship_wait": a.ship_wait}
 
 
+def _died(task: asyncio.Task) -> None:
+    """A shipper that stops on its own is a bug: say so at once, not at exit."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("shipper_died", error=repr(task.exception()))
+
+
 class Shipping:
     """The shipper task of one consumer; ``start`` returns None when no URI is given."""
 
@@ -69,6 +75,7 @@ class Shipping:
         if found:
             logger.info("unshipped_shards_found", shards=found, out=s.out)
         task = asyncio.create_task(shipper.run(writer, s.shard_minutes * 60))
+        task.add_done_callback(_died)
         return cls(shipper, task)
 
     async def finish(self, wait: float) -> int:
