@@ -207,6 +207,20 @@ def test_bad_uri_or_endpoint_is_one_clear_line(tmp_path, redis_url, run_name, mo
     assert "cannot set up the S3 client: Invalid endpoint: not a url" in proc.stderr
 
 
+async def ship_all(redis_url: str, uri, k: RunKeys, out) -> None:
+    """One pass of a shipper over every finished shard in ``out``, in this process."""
+    import redis.asyncio as aioredis
+
+    from common.ship import Shipper
+
+    aio = aioredis.Redis.from_url(redis_url)
+    shipper = Shipper(uri, k, "gpu0", out, aio)
+    shipper.scan()
+    for item in list(shipper.queue.values()):
+        await shipper.ship(item)
+    await aio.aclose()
+
+
 def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redis_url, r,
                                                                    run_name, s3):
     """In-process: an object with the same content is taken as shipped; one with other content
@@ -214,10 +228,7 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
     import asyncio
     import gzip
 
-    import redis.asyncio as aioredis
-
     from common.shards import ShardWriter
-    from common.ship import Shipper
 
     client, _ = s3
     uri = store.parse_uri(URI)
@@ -230,26 +241,17 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
     client.put_object(Bucket=BUCKET, Key=store.shard_key(uri, first),
                       Body=store.compress(b'{"index": 99, "note": "an earlier gpu0"}\n'))
 
-    async def ship_all() -> Shipper:
-        aio = aioredis.Redis.from_url(redis_url)
-        shipper = Shipper(uri, k, "gpu0", tmp_path, aio)
-        shipper.scan()
-        for item in list(shipper.queue.values()):
-            await shipper.ship(item)
-        await aio.aclose()
-        return shipper
-
-    asyncio.run(ship_all())
+    asyncio.run(ship_all(redis_url, uri, k, tmp_path))
     keys = store.shard_keys(client, uri, run_name)
     stamp = first.name.split(".")[2]
     assert keys == [f"{PREFIX}/{run_name}/gpu0/shard-000001.jsonl.zst",
                     f"{PREFIX}/{run_name}/gpu0/shard-000002.jsonl.zst",
                     f"{PREFIX}/{run_name}/gpu0/shard-{stamp}-000001.jsonl.zst"]
     assert r.hlen(k.shipped) == 2 and ship_state(r, run_name)["records"] == "4"
-    asyncio.run(ship_all())  # a restart: both are recorded as shipped, nothing is redone
+    asyncio.run(ship_all(redis_url, uri, k, tmp_path))  # a restart: both recorded, none redone
     r.hdel(k.shipped, store.shard_key(uri, second))  # as if it crashed before recording
     put_before = r.hlen(k.shipped)
-    asyncio.run(ship_all())
+    asyncio.run(ship_all(redis_url, uri, k, tmp_path))
     assert store.shard_keys(client, uri, run_name) == keys  # nothing uploaded twice
     assert r.hlen(k.shipped) == put_before + 1
     client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{run_name}/gpu1/shard-000001.jsonl.gz",
