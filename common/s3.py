@@ -17,7 +17,7 @@ import io
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,17 @@ def manifest_objects(s3: Any, uri: S3Uri, run: str) -> list[tuple[str, bytes]]:
     except (BotoCoreError, ClientError) as e:
         raise store_error(e, f"reading the manifests under {uri}/{run}") from None
     return sorted(out)
+
+
+def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
+               ) -> tuple[list[Any], Iterator[Any]]:
+    """What `genq recover --from-s3 URI` reads: every consumer's manifest, parsed and checked
+    by ``parse_manifest(content, where)``, and the run's shards as streams of lines (opened
+    one at a time, as they are read)."""
+    parsed, s3 = parse_uri(uri), client()
+    found = [parse_manifest(body, f"s3://{parsed.bucket}/{key}")
+             for key, body in manifest_objects(s3, parsed, run)]
+    return found, (stream for _, _, stream in iter_shards(s3, parsed, run))
 
 
 def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None) -> list[Path]:

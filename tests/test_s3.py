@@ -80,9 +80,11 @@ def test_clean_run_ships_every_index_once_and_exports_agree(
     keys = store.shard_keys(client, store.parse_uri(URI), run_name)
     assert len(keys) == 5 and all(k.startswith(f"{PREFIX}/{run_name}/") for k in keys)
     assert keys[0].endswith("/shard-000001.jsonl.zst")
-    manifests = store.manifest_objects(client, store.parse_uri(URI), run_name)
-    assert [body for _, body in manifests] == [manifest.read_bytes()]  # the manifest goes along
-    assert manifests[0][0] == keys[0].rsplit("/", 1)[0] + "/manifest.json"
+    # What recover reads: the manifest that went along, and the shards as line streams.
+    found, streams = store.run_source(URI, run_name, lambda body, where: (where, body))
+    assert found == [(f"s3://{BUCKET}/" + keys[0].rsplit("/", 1)[0] + "/manifest.json",
+                      manifest.read_bytes())]
+    assert sorted(orjson.loads(line)["index"] for f in streams for line in f) == list(range(n))
     indices = Counter(rec["index"] for rec in bucket_records(client, run_name))
     assert indices == Counter(range(n))  # every index, exactly once
     status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
