@@ -23,16 +23,16 @@ logger = structlog.get_logger("consumer")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--s3-uri", default=os.environ.get("GENQ_S3_URI") or None,
+    p.add_argument("--s3-uri", metavar="URI", default=os.environ.get("GENQ_S3_URI") or None,
                    help="ship closed shards to s3://bucket/prefix (env GENQ_S3_URI); "
                         "credentials, region and AWS_ENDPOINT_URL as boto3 finds them")
-    p.add_argument("--shard-records", type=int, default=500,
+    p.add_argument("--shard-records", type=int, default=500, metavar="N",
                    help="close a shard after this many records (default 500)")
-    p.add_argument("--shard-minutes", type=float, default=10.0,
+    p.add_argument("--shard-minutes", type=float, default=10.0, metavar="M",
                    help="with --s3-uri, also close a shard this old (default 10)")
     p.add_argument("--delete-shipped", action="store_true",
                    help="remove a shard's local copy once S3 holds it, verified")
-    p.add_argument("--ship-wait", type=float, default=600.0,
+    p.add_argument("--ship-wait", type=float, default=600.0, metavar="S",
                    help="seconds --burst waits at the end for the backlog to ship "
                         "(default 600)")
 

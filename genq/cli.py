@@ -44,7 +44,8 @@ def export_main(argv: list[str] | None = None) -> int:
     from common import run as runs
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
-    p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
+    p.add_argument("--out", required=True,
+                   help="file to write, JSONL or Parquet per --format (replaced atomically)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
     p.add_argument("--from-s3", metavar="URI",
