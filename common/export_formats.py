@@ -90,14 +90,15 @@ def check_uri(uri: str) -> None:
 
 
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
-               from_s3: str | None = None, fmt: str = "jsonl") -> export.ExportResult:
-    """export.export from disk or S3, into JSONL or Parquet."""
+               from_s3: str | None = None, fmt: str = "jsonl",
+               **options: Any) -> export.ExportResult:
+    """export.export from disk or S3, into JSONL or Parquet; ``options`` go to it as they are."""
     with shard_dirs(dirs, from_s3, k.run) as read_dirs:
         if fmt == "jsonl":
-            return export.export(r, k, total, read_dirs, out)
+            return export.export(r, k, total, read_dirs, out, **options)
         with tempfile.TemporaryDirectory(prefix="genq-export-",
                                          dir=os.path.dirname(os.path.abspath(out))) as tmp:
             jsonl = os.path.join(tmp, "export.jsonl")
-            result = export.export(r, k, total, read_dirs, jsonl)
+            result = export.export(r, k, total, read_dirs, jsonl, **options)
             jsonl_to_parquet(jsonl, out)
             return result
