@@ -178,3 +178,59 @@ def table(rows: list[tuple], headers: tuple) -> str:
 def dump_json(path: str | None, data: dict) -> None:
     if path:
         Path(path).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+class LoadSampler:
+    """Polls each server's /get_load every `period` seconds from a thread: (t, running,
+    waiting) per server, t in seconds since start. The simulator counts exactly what a GPU
+    would be doing, so these samples are the GPU-side view of a run."""
+
+    def __init__(self, urls: list[str], period: float = 0.1) -> None:
+        import threading
+        self.urls, self.period = urls, period
+        self.samples: list[list[tuple[float, int, int]]] = [[] for _ in urls]
+        self.t0 = time.monotonic()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LoadSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(timeout=10)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self.stop.is_set():
+                for i, url in enumerate(self.urls):
+                    try:
+                        ranks = client.get(url + "/get_load").json()
+                    except (httpx.HTTPError, ValueError):
+                        continue
+                    t = time.monotonic() - self.t0
+                    self.samples[i].append((t, sum(r["num_reqs"] for r in ranks),
+                                            sum(r["num_waiting_reqs"] for r in ranks)))
+                self.stop.wait(self.period)
+
+
+def slot_seconds(samples: list[tuple[float, int, int]], slots: int, t0: float, t1: float,
+                 ) -> tuple[float, float]:
+    """(idle slot-seconds, waiting request-seconds) between t0 and t1, each sample held until
+    the next one."""
+    idle = waiting = 0.0
+    for (t, running, queued), (t_next, _, _) in zip(samples, samples[1:], strict=False):
+        lo, hi = max(t, t0), min(t_next, t1)
+        if hi > lo:
+            idle += max(0, slots - running) * (hi - lo)
+            waiting += queued * (hi - lo)
+    return idle, waiting
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / CLK_TCK, sum(fields) / CLK_TCK

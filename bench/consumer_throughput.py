@@ -43,8 +43,15 @@ def first_line_written(out: Path) -> bool:
     return any(p.stat().st_size > 0 for p in out.glob("*.jsonl"))
 
 
+def checkout_env(repo: Path, redis_url: str | None = None, run: str | None = None) -> dict:
+    """The environment that runs genq (or the bare client) from `repo`, not this checkout."""
+    e = env(redis_url, run)
+    e["PYTHONPATH"] = str(repo) + os.pathsep + e["PYTHONPATH"]
+    return e
+
+
 def genq_round(rs: RedisServer, sim: Simulator, dataset: Path, n: int, run: str,
-               concurrency: int) -> dict:
+               concurrency: int, repo: Path = REPO) -> dict:
     r = rs.client()
     genq("produce", str(dataset), "--once", redis_url=rs.url, run=run)
     out = Path(tempfile.mkdtemp(prefix="genq-bench-out-"))
@@ -56,7 +63,8 @@ def genq_round(rs: RedisServer, sim: Simulator, dataset: Path, n: int, run: str,
         proc = subprocess.Popen(
             [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
              "--out", str(out), *flags],
-            cwd=REPO, env=env(rs.url, run), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            cwd=repo, env=checkout_env(repo, rs.url, run), stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE)
         # The first line in a shard marks the first result: up to then it is start-up (imports,
         # data set index, server probe). Watching the file keeps the bench's own Redis
         # commands out of the counts.
@@ -89,12 +97,13 @@ def genq_round(rs: RedisServer, sim: Simulator, dataset: Path, n: int, run: str,
         shutil.rmtree(out, ignore_errors=True)
 
 
-def bare_round(sim: Simulator, dataset: Path, n: int, concurrency: int) -> dict:
+def bare_round(sim: Simulator, dataset: Path, n: int, concurrency: int,
+               repo: Path = REPO) -> dict:
     sim0 = sim.cpu_s()
     proc = subprocess.Popen(
-        [sys.executable, str(REPO / "bench" / "_bare_client.py"), "--server", sim.url,
+        [sys.executable, str(repo / "bench" / "_bare_client.py"), "--server", sim.url,
          "--dataset", str(dataset), "--n", str(n), "--concurrency", str(concurrency)],
-        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        cwd=repo, env=checkout_env(repo), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     rc, cpu = wait_rusage(proc, timeout=1800)
     t1 = time.monotonic()
@@ -120,29 +129,66 @@ def main() -> int:
                    help="simulator capacity, which is also the consumer's concurrency")
     p.add_argument("--concurrency", type=int, default=0,
                    help="override both clients' concurrency (default: the server's capacity)")
+    p.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
+                   help="also run genq and the bare client from another checkout (e.g. the "
+                        "commit before a change, from `git worktree add`), rounds interleaved "
+                        "with this one; repeatable")
     p.add_argument("--json", help="also write every round's figures here")
     a = p.parse_args()
     # Other processes on a 2-core machine move these figures; say how busy it was.
     a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    checkouts = {"this": REPO}
+    for spec in a.checkout:
+        label, _, path = spec.partition("=")
+        if not path or not (Path(path) / "consumer" / "worker.py").is_file():
+            p.error(f"--checkout {spec!r}: expected LABEL=DIR with a genq checkout in DIR")
+        checkouts[label] = Path(path).resolve()
 
     work = Path(tempfile.mkdtemp(prefix="genq-bench-"))
     try:
         dataset = write_dataset(work / "prompts.jsonl", a.n)
         with RedisServer() as rs, Simulator(
                 *SIM_FLAGS, "--max-running-requests", str(a.max_running_requests)) as sim:
-            genq_rounds, bare_rounds = [], []
+            got = {label: ([], []) for label in checkouts}
             for i in range(a.rounds):
-                bare_rounds.append(bare_round(sim, dataset, a.n, a.concurrency))
-                genq_rounds.append(genq_round(rs, sim, dataset, a.n, f"bench{i}",
-                                              a.concurrency))
-                g, b = genq_rounds[-1], bare_rounds[-1]
-                print(f"round {i + 1}: genq {a.n / g['steady_wall_s']:.0f} tasks/s, "
-                      f"bare {a.n / b['steady_wall_s']:.0f} tasks/s", file=sys.stderr)
-        report(a, genq_rounds, bare_rounds)
-        dump_json(a.json, {"n": a.n, "genq": genq_rounds, "bare": bare_rounds})
+                for label, repo in checkouts.items():
+                    genq_rounds, bare_rounds = got[label]
+                    bare_rounds.append(bare_round(sim, dataset, a.n, a.concurrency, repo))
+                    genq_rounds.append(genq_round(rs, sim, dataset, a.n, f"b{label}{i}",
+                                                  a.concurrency, repo))
+                    g, b = genq_rounds[-1], bare_rounds[-1]
+                    print(f"round {i + 1} {label}: genq {a.n / g['steady_wall_s']:.0f} tasks/s, "
+                          f"bare {a.n / b['steady_wall_s']:.0f} tasks/s", file=sys.stderr)
+        for label, (genq_rounds, bare_rounds) in got.items():
+            if len(checkouts) > 1:
+                print(f"\n## checkout {label}: {checkouts[label]}")
+            report(a, genq_rounds, bare_rounds)
+        if len(checkouts) > 1:
+            compare(a, got)
+        dump_json(a.json, {"n": a.n, "checkouts": {k: str(v) for k, v in checkouts.items()},
+                           "rounds": {k: {"genq": g, "bare": b} for k, (g, b) in got.items()}})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def compare(a: argparse.Namespace, got: dict[str, tuple[list[dict], list[dict]]]) -> None:
+    """One line per checkout, so a change reads as before/after from the same run."""
+    n, rows = a.n, []
+    first = next(iter(got))
+    for label, (g, b) in got.items():
+        rows.append((label, f"{n / med(g, 'steady_wall_s'):.0f}",
+                     f"{n / med(b, 'steady_wall_s'):.0f}",
+                     f"{med(b, 'steady_wall_s') / med(g, 'steady_wall_s'):.2f}",
+                     f"{1000 * med(g, 'steady_cpu_s') / n:.3f}",
+                     f"{1000 * med(b, 'steady_cpu_s') / n:.3f}",
+                     f"{med(g, 'steady_cpu_s') / med(got[first][0], 'steady_cpu_s'):.2f}",
+                     f"{med(g, 'redis_cmds') / n:.1f}",
+                     f"{1000 * med(g, 'redis_cpu_s') / n:.3f}"))
+    print("\n## side by side (medians, first result to exit)\n")
+    print(table(rows, ("checkout", "genq tasks/s", "bare tasks/s", "genq/bare",
+                       "genq CPU ms/task", "bare CPU ms/task", f"genq CPU / {first}",
+                       "Redis cmds/task", "Redis CPU ms/task")))
 
 
 def report(a: argparse.Namespace, g: list[dict], b: list[dict]) -> None:

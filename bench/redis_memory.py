@@ -1,11 +1,14 @@
 """Redis memory of a 1,000,000-prompt run: (a) `genq produce --once`, every job enqueued up
 front, vs (b) the windowed producer (`genq produce DATA --window 512`) after it has run a few
 seconds; and (c) the per-index bitmaps and bitfields once all prompts are done (SET directly,
-as ack.lua leaves them). Each case on a fresh private redis-server; figures are used_memory
-above the empty server's.
+as ack.lua leaves them); and (d) right after a real run: `--after-run N` prompts produced,
+consumed by real consumers against the simulator, then everything left in Redis, by key
+pattern. Each case on a fresh private redis-server; figures are used_memory above the empty
+server's.
 
-    python bench/redis_memory.py                        # 1M prompts
+    python bench/redis_memory.py                        # 1M prompts, and (d) at 20,000
     python bench/redis_memory.py --total 200000 --window 2048
+    python bench/redis_memory.py --only after-run --after-run 20000
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 from _common import REPO, RedisServer, dump_json, env, genq, table, write_dataset
+from after_run import after_run, after_run_rows
 from redo_scale import build_run
 
 from common.keys import RunKeys
@@ -104,9 +108,21 @@ def main() -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--settle", type=float, default=3.0,
                    help="seconds the windowed producer runs after filling its window")
+    p.add_argument("--after-run", type=int, default=20_000,
+                   help="prompts in the real run of case (d) (0: skip it)")
+    p.add_argument("--consumers", type=int, default=2, help="consumers in case (d)")
+    p.add_argument("--only", choices=("after-run",), help="run only case (d)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="genq-bench-mem-"))
+    if a.only == "after-run":
+        try:
+            run = after_run(work, a.after_run, a.consumers)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        print(after_run_rows(run))
+        dump_json(a.json, {"after_run": run})
+        return 0
     try:
         t = time.monotonic()
         dataset = write_dataset(work / "prompts.jsonl", a.total)
@@ -114,6 +130,7 @@ def main() -> int:
         window = produce_window(dataset, a.window, a.settle)
         once = produce_once(dataset)
         done = finished_state(a.total, a.total * 18 // 100)
+        run = after_run(work, a.after_run, a.consumers) if a.after_run else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -134,7 +151,10 @@ def main() -> int:
     print("\n(c) by key (MEMORY USAGE):")
     print(table([(name, f"{b / 1e3:.0f}") for name, b in
                  sorted(done["per_key"].items(), key=lambda kv: -kv[1])], ("key", "KB")))
-    dump_json(a.json, {"total": a.total, "once": once, "window": window, "done": done})
+    if run:
+        print(after_run_rows(run))
+    dump_json(a.json, {"total": a.total, "once": once, "window": window, "done": done,
+                       "after_run": run})
     return 0
 
 

@@ -72,8 +72,8 @@ def build_run(r: redis.Redis, run: str, total: int, truncated: int, seed: int) -
     pipe.set(k.acc_ptoks, be(ptoks))
     pipe.set(k.acc_finish, bytes(finish))
     pipe.set(k.acc_version, be(array("H", [1]) * total))
-    pipe.set(k.acc_attempt, b"\x01" * total)
-    pipe.set(k.claims, b"\x01" * total)
+    pipe.set(k.acc_attempt, b"\x00\x01" * total)  # u16 each
+    pipe.set(k.claims, b"\x00\x01" * total)
     pipe.set(k.spent, bytes(total))  # ack zeroes the spent attempts
     pipe.hset(k.counters, mapping={"finish:stop": total - truncated, "finish:length": truncated,
                                    "ctok_sum": sum(ctoks), "ptok_sum": sum(ptoks)})

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+import signal
+import threading
+import time
 from collections.abc import Callable
 
 import redis
+import structlog
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
-from common.errors import GenqError, UsageError
+from common.errors import GenqError, UsageError, mask_secrets
 from common.keys import RunKeys
+from common.log import say
+
+logger = structlog.get_logger("genq")
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # Long-running services (producer, consumer) give every Redis reply this long: without a read
@@ -33,14 +41,60 @@ def run_keys(run: str) -> RunKeys:
         raise UsageError(str(e)) from None
 
 
-def connect(url: str, socket_timeout: float | None = None) -> redis.Redis:
-    """A client that has answered PING, or one clear error naming the URL."""
+# redis-py retries a failed command 10 times by itself, with backoff up to 10 s, before the
+# caller hears of it: a minute or more inside one call while Redis is down, deaf to SIGTERM and
+# silent in the log. Services retry with their own backoff (logged, and ended by a stop), so the
+# client makes one immediate retry only: enough to reconnect a connection Redis dropped.
+def service_retry() -> Retry:
+    return Retry(NoBackoff(), 1)
+
+
+# Backoff while Redis is unreachable or loading: the consumer's (consumer/backoff.py) as well.
+RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0
+
+
+def stop_on_signals() -> threading.Event:
+    """An event SIGTERM and SIGINT set: a service told to stop while it waits at start exits
+    cleanly (0) instead of dying of the signal."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
+            stop: threading.Event | None = None) -> redis.Redis | None:
+    """A client that has answered PING, or one clear error naming the URL (masked). A service
+    (`wait=True`) started before Redis, or while Redis loads its data, waits for it instead:
+    one line when it starts waiting, one when Redis answers; None if `stop` is set meanwhile."""
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30,
-                                      socket_timeout=socket_timeout)
-        client.ping()
-    except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
-        raise GenqError(f"cannot reach Redis at {url}: {e}") from None
+                                      socket_timeout=socket_timeout, retry=service_retry())
+    except ValueError as e:
+        raise UsageError(f"bad Redis URL {mask_secrets(url)}: {e}") from None
+    delay, waited = RETRY_FIRST_S, False
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.AuthenticationError as e:  # a wrong password never fixes itself
+            raise GenqError(f"Redis at {mask_secrets(url)} refused the credentials: {e}") \
+                from None
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            if not wait:
+                raise GenqError(f"cannot reach Redis at {mask_secrets(url)}: {e}") from None
+            if not waited:
+                logger.warning("waiting_for_redis", redis=mask_secrets(url), error=str(e),
+                               hint="retrying with backoff until Redis answers")
+            waited = True
+            if stop is not None and stop.wait(delay):
+                client.close()
+                return None
+            if stop is None:
+                time.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)
+    if waited:
+        logger.info("redis_available", redis=mask_secrets(url))
     return client
 
 
@@ -68,21 +122,20 @@ def guarded(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | No
         try:
             return main(argv)
         except UsageError as e:
-            print(f"genq: error: {e}", file=sys.stderr)
+            say(f"genq: error: {e}")
             return 2
         except GenqError as e:
-            print(f"genq: error: {e}", file=sys.stderr)
+            say(f"genq: error: {e}")
             return 1
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            print(f"genq: error: lost Redis: {e}", file=sys.stderr)
+            say(f"genq: error: lost Redis: {e}")
             return 1
         except redis.exceptions.OutOfMemoryError as e:
-            print(f"genq: error: Redis is full (maxmemory reached, noeviction refuses writes): "
-                  f"{e}; free memory or raise maxmemory, then run the command again",
-                  file=sys.stderr)
+            say(f"genq: error: Redis is full (maxmemory reached, noeviction refuses writes): "
+                f"{e}; free memory or raise maxmemory, then run the command again")
             return 1
         except redis.RedisError as e:
-            print(f"genq: error: Redis refused a command: {e}", file=sys.stderr)
+            say(f"genq: error: Redis refused a command: {e}")
             return 1
         except KeyboardInterrupt:
             return 130

@@ -7,11 +7,13 @@ removed or edited near either end (a same-size edit in the middle goes unnoticed
 JSONL row offsets are indexed once per file version into ``PATH.genq-idx`` (or, when the data
 set's directory is not writable, ``~/.cache/genq/<hash>.genq-idx``; ``index_dir=`` or
 ``GENQ_INDEX_DIR`` choose the directory explicitly).
+
+Parquet lives in common/parquet.py. A read that is not ``cached`` may block (disk, decoding):
+callers on an event loop run it in a thread.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import os
@@ -19,7 +21,6 @@ import struct
 import sys
 import threading
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import add
@@ -33,7 +34,6 @@ from common.errors import BadTask, DatasetError
 _EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
 _CHUNK = 16 << 20  # read size while indexing: big reads keep the pass I/O-bound
 _MAGIC = b"GENQIDX1"
-_ROW_GROUPS_CACHED = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +91,11 @@ class Dataset:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.total:
             raise BadTask(index, f"row {index}: out of range (data set has {self.total} rows)")
         return _row_to_prompt(index, self._row(index))
+
+    def cached(self, index: int) -> bool:
+        """Whether prompt(index) is quick (no disk read or decoding): a caller on an event loop
+        reads it inline, otherwise in a thread."""
+        return True
 
     def verify(self, expected: str) -> None:
         """Refuse to serve a run registered against another version of the file."""
@@ -220,57 +225,6 @@ def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) ->
                 tmp.unlink()
 
 
-class ParquetDataset(Dataset):
-    def __init__(self, path: Path, fd: int) -> None:
-        import pyarrow.parquet as pq
-
-        self.path = path
-        self._raw = os.fdopen(fd, "rb")  # owns fd from here on
-        try:
-            st = os.fstat(fd)
-            digest = _edge_digest(fd, st.st_size)
-            self._file = pq.ParquetFile(self._raw)
-        except Exception as e:  # pyarrow raises its own types for a corrupt or foreign file
-            self._raw.close()
-            raise DatasetError(f"data set {path}: not a readable Parquet file ({e})") from e
-        meta = self._file.metadata
-        self.total = meta.num_rows
-        self.fingerprint = f"{self.total}r-{st.st_size}b-{digest}"
-        self._starts = list(
-            accumulate((meta.row_group(i).num_rows for i in range(meta.num_row_groups)), initial=0)
-        )
-        names = set(self._file.schema_arrow.names)
-        self._columns = [c for c in ("messages", "prompt", "id") if c in names]
-        self._cache: OrderedDict[int, dict[str, list[Any]]] = OrderedDict()
-        self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
-
-    def _group(self, group: int) -> dict[str, list[Any]]:
-        with self._lock:
-            cached = self._cache.get(group)
-            if cached is None:
-                try:
-                    table = self._file.read_row_group(group, columns=self._columns)
-                except Exception as e:  # pyarrow's own error types; the file is at fault
-                    raise DatasetError(f"data set {self.path}: {e}") from e
-                cached = {c: table.column(c).to_pylist() for c in self._columns}
-                self._cache[group] = cached
-                if len(self._cache) > _ROW_GROUPS_CACHED:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(group)
-            return cached
-
-    def _row(self, index: int) -> Any:
-        group = bisect.bisect_right(self._starts, index) - 1
-        columns = self._group(group)
-        offset = index - self._starts[group]
-        return {c: v[offset] for c, v in columns.items() if v[offset] is not None}
-
-    def close(self) -> None:
-        self._file.close()
-        self._raw.close()
-
-
 def open_dataset(
     path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None
 ) -> Dataset:
@@ -286,6 +240,8 @@ def open_dataset(
         raise DatasetError(f"data set {p}: {e.strerror}") from None
     try:
         if p.suffix == ".parquet" or os.pread(fd, 4, 0) == b"PAR1":
+            from common.parquet import ParquetDataset  # pyarrow only when needed
+
             return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
     except OSError as e:  # only the magic-byte read can get here
         os.close(fd)

@@ -3,9 +3,13 @@
     GenqError                      # base; str(e) is one clear line for the user
     ├── UsageError                 # bad flag / bad --set value / unknown run (CLI exits 2)
     ├── DatasetError               # missing/unreadable data set, fingerprint mismatch
+    ├── RunStateLost               # Redis no longer holds the run (or holds a re-created one)
     ├── BadTask                    # this task can never succeed: malformed row, HTTP 400
+    ├── TryAgain                   # no usable answer this time: run it again, spending an attempt
     └── Retryable                  # infrastructure trouble: release without spending an attempt
         ├── ServerUnavailable      # 5xx, connect refused/reset, timeouts
+        │   ├── ServerAborted      # the server ended the generation itself (finish "abort")
+        │   └── ServerStalled      # the answer went silent for --stall-timeout
         ├── OutputUnavailable      # disk full / output dir unwritable
         └── StoreUnavailable       # S3 unreachable, refusing, or storing other bytes than sent
 
@@ -16,6 +20,8 @@ maxmemory with noeviction) is infrastructure trouble too: wait and retry, never 
 """
 
 from __future__ import annotations
+
+import re
 
 import redis
 
@@ -32,6 +38,11 @@ class DatasetError(GenqError):
     """The data set is missing, unreadable, or not the one the run was registered with."""
 
 
+class RunStateLost(GenqError):
+    """Redis forgot the run (restarted without persistence, flushed) or holds a different run
+    of the same name; services wait for `genq recover` rather than act on cached state."""
+
+
 class BadTask(GenqError):
     """This task can never succeed, however often it is retried."""
 
@@ -46,12 +57,27 @@ class BadTask(GenqError):
         return (type(self), (self.index, self.reason))
 
 
+class TryAgain(GenqError):
+    """The server answered, but with no finished result (finish_reason missing or unknown), or
+    the prompt alone is longer than this server's context. Neither says the prompt is bad (a
+    context-length refusal never does), so the task runs again, spending an attempt: one that
+    never works ends failed with this reason, and `--redo failed` can bring it back."""
+
+
 class Retryable(GenqError):
     """Infrastructure trouble: give the task back without spending an attempt."""
 
 
 class ServerUnavailable(Retryable):
     """The LLM server answered 5xx, refused or reset the connection, or timed out."""
+
+
+class ServerAborted(ServerUnavailable):
+    """The server aborted the generation itself (finish_reason "abort"): not the task's fault."""
+
+
+class ServerStalled(ServerUnavailable):
+    """The streamed answer went silent for longer than --stall-timeout (a hung server)."""
 
 
 class OutputUnavailable(Retryable):
@@ -73,11 +99,36 @@ REDIS_TROUBLE: tuple[type[Exception], ...] = (
 )
 
 
-def classify(exc: BaseException) -> type[BadTask] | type[Retryable] | None:
-    """The one verdict on a failed task: BadTask (fail it now, with its message), Retryable
-    (give it back without spending an attempt and back off), or None (a bug: let it crash)."""
+def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:
+    """The one verdict on a failed task: BadTask (fail it now, with its message), TryAgain (give
+    it back, spending an attempt), Retryable (give it back without spending an attempt and back
+    off), or None (a bug: let it crash)."""
     if isinstance(exc, BadTask):
         return BadTask
+    if isinstance(exc, TryAgain):
+        return TryAgain
     if isinstance(exc, (GenqError, *REDIS_TROUBLE)):
         return Retryable
     return None
+
+
+# scheme://user:password@host: the password (everything up to the last "@" of the authority).
+_CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s:/@]*):[^\s/]*@")
+
+
+def mask_secrets(text: str) -> str:
+    """`redis://:secret@host` -> `redis://:***@host`, wherever a URL appears in the text: every
+    error, log line, status field and page goes through this before anyone sees it."""
+    return _CREDENTIALS.sub(r"\1\2:***@", text)
+
+
+def mask_tree(value: object) -> object:
+    """mask_secrets over every string (and key) of a JSON-like value: the status that `genq
+    status`, the monitor's page, API, metrics and progress file show."""
+    if isinstance(value, str):
+        return mask_secrets(value) if "@" in value else value
+    if isinstance(value, dict):
+        return {mask_tree(k): mask_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_tree(v) for v in value]
+    return value

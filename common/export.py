@@ -2,7 +2,10 @@
 
 Two passes keep memory small however large the outputs: the first reads only each line's
 index, version and attempt with its location; the second copies the chosen lines in index
-order. Redis says which (version, attempt) was accepted for each done index.
+order. Redis says which (version, attempt) was accepted for each done index. When the accepted
+line is missing from the shards, the newest line for the index is written instead, and that
+is counted and reported (`not_accepted`), never silent. With include_failed, each failed index
+gets a record too: {"index", "run", "status": "failed", "error"}.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ class ExportResult:
     missing: list[int]
     torn_lines: int
     shards: int
+    not_accepted: list[int]  # done indices written from a line that is not the accepted one
+    not_accepted_count: int
+    failed_written: int
 
 
 def _bitfield_reader(raw: bytes | None, width_bytes: int):
@@ -47,7 +53,7 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
     done_raw, version_raw, attempt_raw = pipe.execute()
     done = done_raw or b""
     version = _bitfield_reader(version_raw, 2)
-    attempt = _bitfield_reader(attempt_raw, 1)
+    attempt = _bitfield_reader(attempt_raw, 2)
 
     def is_done(index: int) -> bool:
         byte = index // 8
@@ -57,6 +63,32 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
         return (version(index), attempt(index)) if is_done(index) else None
 
     return accepted, is_done
+
+
+def failed_reasons(r: redis.Redis, k: RunKeys, total: int) -> dict[int, str]:
+    """index -> last error text of every failed index ("" where none was kept)."""
+    raw = r.get(k.failed) or b""
+    failed = [i for i in range(min(total, len(raw) * 8)) if raw[i // 8] & (0x80 >> (i % 8))]
+    if not failed:
+        return {}
+    texts = r.hmget(k.errors, [str(i) for i in failed])
+    return {i: (t or b"").decode(errors="replace") for i, t in zip(failed, texts, strict=True)}
+
+
+def _failed_line(run: str, index: int, reason: str) -> bytes:
+    return orjson.dumps({"index": index, "run": run, "status": "failed", "error": reason}) + b"\n"
+
+
+def kept_lookup(r: redis.Redis, k: RunKeys):
+    """index -> whether its result is one a redo set aside that stands again because the
+    new attempt failed for good (only asked of done indices)."""
+    raw = r.get(k.kept) or b""
+    return lambda i: i // 8 < len(raw) and bool(raw[i // 8] & (0x80 >> (i % 8)))
+
+
+def mark_kept(line: bytes) -> bytes:
+    """Say so in the record: it is the previous result, kept when its redo failed."""
+    return orjson.dumps({**orjson.loads(line), "kept": True}) + b"\n"
 
 
 def shard_paths(dirs: list[str], run: str) -> list[Path]:
@@ -91,28 +123,36 @@ def locate(paths: list[Path], counter: list[int]) -> Iterator[dict[str, Any]]:
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
-           progress: Any = None) -> ExportResult:
+           progress: Any = None, *, include_failed: bool = False) -> ExportResult:
     accepted, is_done = accepted_lookup(r, k)
     paths = shard_paths(dirs, k.run)
     torn = [0]
     chosen = choose_records(locate(paths, torn), accepted)
     done_indices = [i for i in range(total) if is_done(i)]
+    kept = kept_lookup(r, k)
     wanted = [i for i in done_indices if i in chosen]
     missing = [i for i in done_indices if i not in chosen]
+    fallback = [i for i in wanted
+                if (chosen[i]["params_version"], chosen[i]["attempt"]) != accepted(i)]
+    failed = failed_reasons(r, k, total) if include_failed else {}
+    order = sorted(set(wanted) | set(failed))
     done = len(done_indices)
     tmp = f"{out}.tmp-{os.getpid()}"
     handles: dict[int, Any] = {}
     try:
         with open(tmp, "wb") as dst:
-            for n, index in enumerate(wanted):
+            for n, index in enumerate(order):
+                if index in failed:
+                    dst.write(_failed_line(k.run, index, failed[index]))
+                    continue
                 file_no, start, length = chosen[index]["loc"]
                 if file_no not in handles:
                     handles[file_no] = open(paths[file_no], "rb")
                 src = handles[file_no]
                 src.seek(start)
-                dst.write(src.read(length))
+                dst.write(mark_kept(src.read(length)) if kept(index) else src.read(length))
                 if progress is not None and n % 1000 == 0:
-                    progress(n, len(wanted))
+                    progress(n, len(order))
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, out)
@@ -122,4 +162,5 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
         if os.path.exists(tmp):
             os.unlink(tmp)
     return ExportResult(written=len(wanted), done=done, missing=missing[:20],
-                        torn_lines=torn[0], shards=len(paths))
+                        torn_lines=torn[0], shards=len(paths), not_accepted=fallback[:20],
+                        not_accepted_count=len(fallback), failed_written=len(failed))

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import redis
 
+from common.errors import RunStateLost
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, enqueue_call
 from common.tasks import description, job_data
@@ -40,17 +41,23 @@ def free_indices(r: redis.Redis, k: RunKeys, total: int) -> Iterator[int]:
                 yield index
 
 
-def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner) -> int:
-    """Enqueue these indices (skipping any already settled or pending); returns how many."""
+def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner,
+            epoch: str = "") -> int:
+    """Enqueue these indices (skipping any already settled or pending); returns how many.
+    Raises RunStateLost if the run in Redis is not of this epoch (given one)."""
     count = 0
     for start in range(0, len(indices), ENQUEUE_BATCH):
         batch = indices[start:start + ENQUEUE_BATCH]
         jobs = [(i, job_data(i), description(i)) for i in batch]
-        count += int(runner(enqueue_call(k, jobs)))
+        added = int(runner(enqueue_call(k, jobs, epoch)))
+        if added < 0:
+            raise RunStateLost(f"run {k.run!r} is no longer in Redis as epoch {epoch}")
+        count += added
     return count
 
 
-def top_up(r: redis.Redis, k: RunKeys, total: int, want: int, runner: ScriptRunner) -> int:
+def top_up(r: redis.Redis, k: RunKeys, total: int, want: int, runner: ScriptRunner,
+           epoch: str = "") -> int:
     """Bring up to `want` more unfinished indices into the queue; returns how many."""
     picked = list(itertools.islice(free_indices(r, k, total), want))
-    return enqueue(r, k, picked, runner) if picked else 0
+    return enqueue(r, k, picked, runner, epoch) if picked else 0

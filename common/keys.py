@@ -23,6 +23,14 @@ FINISH_OTHER = 4
 FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "other"}
 
 
+# Each per-index bitmap and bitfield, by RunKeys property, with its width in bits. A new run
+# creates them at their final size: Redis grows a string by doubling it, so a run that let
+# them grow would keep up to twice the bytes it needs.
+PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
+                  "spent": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
+                  "acc_ptoks": 32, "acc_finish": 8}
+
+
 def finish_code(reason: str | None) -> int:
     return FINISH_CODES.get(reason or "", FINISH_OTHER)
 
@@ -59,6 +67,10 @@ class RunKeys:
     @property
     def rq_failed(self) -> str:
         return f"rq:failed:{self.queue_name}"
+
+    @property
+    def rq_canceled(self) -> str:
+        return f"rq:canceled:{self.queue_name}"
 
     rq_workers = "rq:workers"
 
@@ -98,7 +110,8 @@ class RunKeys:
 
     @property
     def meta(self) -> str:
-        """Hash: data set path, fingerprint, total, queue, created_at."""
+        """Hash: data set path, fingerprint, total, queue, created_at, epoch (the run's identity:
+        a run registered again under the same name gets a new one)."""
         return self.prefix + "meta"
 
     @property
@@ -133,7 +146,7 @@ class RunKeys:
 
     @property
     def claims(self) -> str:
-        """BITFIELD u8 per index: claims so far, monotonic; the record's ``attempt``."""
+        """BITFIELD u16 per index: claims so far, monotonic; the record's ``attempt``."""
         return self.prefix + "claims"
 
     @property
@@ -143,7 +156,7 @@ class RunKeys:
 
     @property
     def acc_attempt(self) -> str:
-        """BITFIELD u8 per index: the attempt whose result was accepted."""
+        """BITFIELD u16 per index: the attempt whose result was accepted."""
         return self.prefix + "acc_attempt"
 
     @property
@@ -178,7 +191,8 @@ class RunKeys:
 
     @property
     def rate_prefix(self) -> str:
-        """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>."""
+        """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>,
+        vreq|<params version>, vlen|<params version> (results, and those truncated)."""
         return self.prefix + "rate:"
 
     def rate_bucket(self, bucket: int) -> str:
@@ -223,6 +237,28 @@ class RunKeys:
         return f"{self.prefix}consumer:{name}"
 
     @property
+    def servers(self) -> str:
+        """Hash: server URL -> JSON {context_length, capacity, at} as its consumer last read it."""
+        return self.prefix + "servers"
+
+    @property
+    def sweep(self) -> str:
+        """Hash: where the reaper's sweep for RQ-side changes resumes (pending, failed)."""
+        return self.prefix + "sweep"
+
+    @property
+    def kept(self) -> str:
+        """Bitmap: the index's acc_* fields hold a result a redo set aside; it stands again if
+        the new attempt fails for good (then the index is done and stays in this bitmap)."""
+        return self.prefix + "kept"
+
+    @property
+    def redo_marks(self) -> str:
+        """Hash, at most 2 fields: redo scope ("truncated", "done") -> the version it was issued
+        with; a result of an older version accepted later still falls under it."""
+        return self.prefix + "redo_marks"
+
+    @property
     def outdirs(self) -> str:
         """Set of output directories consumers wrote shards to (export reads them)."""
         return self.prefix + "outdirs"
@@ -241,3 +277,9 @@ class RunKeys:
 
 
 RUNS = "genq:runs"
+
+
+def server_lease(url: str) -> str:
+    """String: "<consumer>|<run>|<nonce>" of the one consumer driving this SGLang server, any
+    run; expires unless renewed (consumer/servers.py)."""
+    return f"genq:server:{url}"

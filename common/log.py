@@ -1,12 +1,70 @@
-"""structlog configured once per process: JSON lines (orjson) off a terminal, readable on one."""
+"""structlog configured once per process: JSON lines (orjson) off a terminal, readable on one.
+
+Logging must never stop a service. A consumer run as `genq consume ... | tee log` loses its
+stdout and stderr when `tee` dies (Ctrl-C reaches the whole pipeline): every later write fails
+with EPIPE. A log call that raised there would break whatever called it, the SIGTERM handler
+included, so a consumer could no longer be stopped. Writes that fail are therefore swallowed,
+and the broken descriptor is pointed at /dev/null so that nothing else that writes to it
+later (a traceback, faulthandler, the interpreter's flush at exit) fails either.
+"""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import threading
+from typing import IO, Any
 
 import orjson
 import structlog
+
+from common.errors import mask_secrets
+
+
+class SafeLogger:
+    """Writes one line per call to a text or binary stream; a failed write is dropped."""
+
+    def __init__(self, stream: IO[Any]) -> None:
+        self.stream = stream
+        self.lock = threading.Lock()
+        self.broken = False
+
+    def msg(self, message: str | bytes) -> None:
+        if self.broken:
+            return
+        line = message + (b"\n" if isinstance(message, bytes) else "\n")
+        with self.lock:
+            try:
+                self.stream.write(line)
+                self.stream.flush()
+            except (OSError, ValueError):  # EPIPE, EIO, a closed file
+                self.broken = True
+                silence(self.stream)
+
+    log = debug = info = warn = warning = msg
+    fatal = failure = err = error = critical = exception = msg
+
+
+def silence(stream: IO[Any]) -> None:
+    """Point the stream's descriptor at /dev/null and drop what is still buffered, so the next
+    write (ours or anyone's) succeeds into nothing instead of raising again."""
+    try:
+        fd = stream.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, fd)
+        os.close(null)
+        stream.flush()  # the bytes stuck in the buffer now go to /dev/null
+    except (OSError, ValueError):
+        pass
+
+
+def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+    """No log line carries a password: URLs with credentials are masked wherever they appear."""
+    for key, value in event.items():
+        if isinstance(value, str) and "@" in value:
+            event[key] = mask_secrets(value)
+    return event
 
 
 def setup(level: str = "INFO") -> None:
@@ -16,15 +74,23 @@ def setup(level: str = "INFO") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     if sys.stderr.isatty():
-        processors.append(structlog.dev.ConsoleRenderer())
-        factory = structlog.PrintLoggerFactory(file=sys.stderr)
+        processors += [_mask, structlog.dev.ConsoleRenderer()]
+        logger = SafeLogger(sys.stderr)
     else:
-        processors += [structlog.processors.format_exc_info,
+        processors += [structlog.processors.format_exc_info, _mask,
                        structlog.processors.JSONRenderer(serializer=orjson.dumps)]
-        factory = structlog.BytesLoggerFactory(file=sys.stderr.buffer)
+        logger = SafeLogger(sys.stderr.buffer)
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=factory,
+        logger_factory=lambda *_args: logger,
         cache_logger_on_first_use=True,
     )
+
+
+def say(text: str) -> None:
+    """Print one line for the user on stderr (masked); a closed stderr is not an error."""
+    try:
+        print(mask_secrets(text), file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        silence(sys.stderr)

@@ -68,25 +68,52 @@ KNOWN: dict[str, Callable[[str], Any]] = {
 }
 
 
-def parse_sets(pairs: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
-    """Parse KEY=VALUE pairs into typed values; returns (changes, notices for unknown keys)."""
+def _split(pair: str, flag: str) -> tuple[str, str]:
+    key, sep, raw = pair.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UsageError(f"bad {flag} {pair!r}: expected KEY=VALUE")
+    return key, raw
+
+
+def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]:
+    """Typed values from --set KEY=VALUE (known parameters only: a typo must not make a new
+    version and abort every request in flight) and --raw KEY=VALUE (passed to the server
+    as-is, on purpose; the value is parsed as JSON where it parses)."""
     changes: dict[str, Any] = {}
-    notices: list[str] = []
     for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise UsageError(f"bad --set {pair!r}: expected KEY=VALUE")
+        key, raw = _split(pair, "--set")
+        if key not in KNOWN:
+            raise UsageError(f"unknown parameter {key!r} in --set {pair!r}; known: "
+                             f"{', '.join(sorted(KNOWN))} (pass a server-specific one with "
+                             f"--raw {key}=VALUE)")
+        try:
+            changes[key] = KNOWN[key](raw)
+        except ValueError as e:
+            reason = str(e) if "must" in str(e) else f"not a valid {key} value"
+            raise UsageError(f"bad --set {pair!r}: {key} {reason}") from None
+    for pair in raws:
+        key, raw = _split(pair, "--raw")
         if key in KNOWN:
-            try:
-                changes[key] = KNOWN[key](raw)
-            except ValueError as e:
-                reason = str(e) if "must" in str(e) else f"not a valid {key} value"
-                raise UsageError(f"bad --set {pair!r}: {key} {reason}") from None
-        else:
-            changes[key] = _loose(raw)
-            notices.append(f"{key} is not a parameter genq knows; it is passed to the server as-is")
-    return changes, notices
+            raise UsageError(f"--raw {pair!r}: {key} is a known parameter; use --set so its "
+                             "value is checked")
+        changes[key] = _loose(raw)
+    return changes
+
+
+def apply(old: dict[str, Any], changes: dict[str, Any],
+          unset: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The new parameters and what changed ({key: [old, new]}, None for absent); a change to
+    the value a key already has is no change."""
+    new = {**old, **changes}
+    for key in unset:
+        if key not in old:
+            raise UsageError(f"--unset {key}: the current parameters have no {key} "
+                             f"(they have {', '.join(sorted(old)) or 'none'})")
+        new.pop(key)
+    diff = {key: [old.get(key), new.get(key)] for key in {*changes, *unset}
+            if old.get(key) != new.get(key) or (key in old) != (key in new)}
+    return new, dict(sorted(diff.items()))
 
 
 def _loose(raw: str) -> Any:
@@ -118,6 +145,28 @@ def init_version_one(r: redis.Redis, k: RunKeys, params: dict[str, Any]) -> bool
     return True
 
 
+def smallest_context(r: redis.Redis, k: RunKeys) -> tuple[str, int] | None:
+    """(server, context length) of the smallest context any consumer of the run has read."""
+    known = {}
+    for server, raw in r.hgetall(k.servers).items():
+        context = orjson.loads(raw).get("context_length")
+        if context:
+            known[server.decode()] = int(context)
+    return min(known.items(), key=lambda item: item[1]) if known else None
+
+
+def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
+    """Refuse a max_tokens that cannot fit the model's context even with an empty prompt:
+    every request would be refused, and a redo would have undone good results for nothing."""
+    smallest = smallest_context(r, k)
+    if smallest and max_tokens >= smallest[1]:
+        server, context = smallest
+        raise UsageError(
+            f"max_tokens {max_tokens} cannot fit: the model's context on {server} is {context} "
+            f"tokens for prompt and completion together; use a max_tokens below {context} "
+            "(nothing was changed)")
+
+
 def request_body(messages: list[dict], params: dict[str, Any], model: str) -> dict[str, Any]:
     """The /v1/chat/completions body: the limit is always explicit, thinking on by default."""
     body = {k: v for k, v in params.items() if k != "enable_thinking"}
@@ -131,18 +180,22 @@ def request_body(messages: list[dict], params: dict[str, Any], model: str) -> di
     return body
 
 
-def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str,
-         inflight: str) -> tuple[int, dict[str, Any]]:
+REDO_SCOPES = {"truncated": ("truncated",), "all": ("done",)}
+
+
+def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, inflight: str,
+         unset: Iterable[str] = ()) -> tuple[int, dict[str, list[Any]]]:
     """Make a new current version from the current one plus `changes`; returns (version,
     what changed as {key: [old, new]}). With inflight="abort", acks of older versions are
-    refused from now on, so no old-parameter result is accepted after the switch."""
+    refused from now on, so no old-parameter result is accepted after the switch. A redo's
+    scope is recorded with the version in the same step, so a result of an older version
+    accepted later (still in flight now) falls under it too (ack.lua)."""
     with r.pipeline() as pipe:
         while True:
             try:
                 pipe.watch(k.params_version, k.params)
                 version, old = current(pipe, k)
-                new = {**old, **changes}
-                diff = {key: [old.get(key), value] for key, value in changes.items()}
+                new, diff = apply(old, changes, unset)
                 entry = {"version": version + 1, "changes": diff, "redo": redo,
                          "inflight": inflight, "at": time.time()}
                 pipe.multi()
@@ -151,6 +204,8 @@ def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str,
                 pipe.rpush(k.params_history, orjson.dumps(entry))
                 if inflight == "abort":
                     pipe.set(k.params_floor, version + 1)
+                for scope in REDO_SCOPES.get(redo, ()):
+                    pipe.hset(k.redo_marks, scope, version + 1)
                 pipe.publish(k.events, orjson.dumps(entry))
                 pipe.execute()
                 return version + 1, diff

@@ -25,4 +25,6 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
         latency_s=round(latency_s, 3),
         created_at=round(time.time(), 3),
     )
+    if getattr(completion, "max_tokens", None):  # lowered to fit the model's context
+        record["max_tokens_used"] = completion.max_tokens
     return record

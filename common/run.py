@@ -1,15 +1,17 @@
-"""A run's registration in Redis: its data set, fingerprint and size, checked on every use."""
+"""A run's registration in Redis: its data set, fingerprint, size and identity, checked on
+every use."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from dataclasses import dataclass
 
 import redis
 
 from common.errors import DatasetError, UsageError
-from common.keys import RUNS, RunKeys
+from common.keys import PER_INDEX_BITS, RUNS, RunKeys
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -18,17 +20,26 @@ class RunInfo:
     dataset: str
     fingerprint: str
     total: int
+    # A fresh token per registration: a run re-created under the same name (after Redis lost
+    # its state) has the same name and data set but a different epoch, so services notice.
+    epoch: str = ""
+    created_at: float = 0.0
+
+
+def new_epoch() -> str:
+    return secrets.token_hex(8)
 
 
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: int) -> RunInfo:
     """Create the run, or check that an existing run is on the same data set."""
     path = os.path.abspath(dataset)
     fields = {"dataset": path, "fingerprint": fingerprint, "total": total,
-              "queue": k.queue_name, "created_at": time.time()}
+              "queue": k.queue_name, "created_at": time.time(), "epoch": new_epoch()}
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         r.hset(k.meta, mapping=fields)
         r.sadd(RUNS, k.run)
+        preallocate(r, k, total)
     info = load(r, k)
     if info.fingerprint != fingerprint:
         raise DatasetError(
@@ -38,12 +49,27 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
     return info
 
 
+def preallocate(r: redis.Redis, k: RunKeys, total: int) -> None:
+    """Create the per-index bitmaps and bitfields at their final size (see PER_INDEX_BITS)."""
+    pipe = r.pipeline(transaction=False)
+    for name, bits in PER_INDEX_BITS.items():
+        pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
+    pipe.execute()
+
+
 def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     meta = {key.decode(): value.decode() for key, value in r.hgetall(k.meta).items()}
     if "total" not in meta:
-        raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`")
+        raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
+                         f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
+    if not meta.get("epoch"):
+        # Registered before runs had an epoch: give it one now, once (HSETNX), so every
+        # service agrees on it from here on.
+        r.hsetnx(k.meta, "epoch", new_epoch())
+        meta["epoch"] = (r.hget(k.meta, "epoch") or b"").decode()
     return RunInfo(run=k.run, dataset=meta["dataset"], fingerprint=meta["fingerprint"],
-                   total=int(meta["total"]))
+                   total=int(meta["total"]), epoch=meta["epoch"],
+                   created_at=float(meta.get("created_at") or 0))
 
 
 def settled_count(r: redis.Redis, k: RunKeys) -> tuple[int, int]:
@@ -53,3 +79,12 @@ def settled_count(r: redis.Redis, k: RunKeys) -> tuple[int, int]:
     pipe.bitcount(k.failed)
     done, failed = pipe.execute()
     return int(done), int(failed)
+
+
+def state_of(r: redis.Redis, k: RunKeys, epoch: str) -> str:
+    """"ok" while Redis holds this run, "lost" once it forgot it, "replaced" once a run of the
+    same name but another epoch was registered in its place."""
+    current = r.hget(k.meta, "epoch")
+    if current is None:
+        return "lost"
+    return "ok" if current.decode() == epoch else "replaced"

@@ -23,8 +23,15 @@ SOURCES = {name: resources.files("common.lua").joinpath(f"{name}.lua").read_text
 # rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past
 # its genq deadline in rq:wip so they never mistake it for abandoned work.
 WIP_MARGIN_S = 24 * 3600
-RESULT_TTL_S = 3600
+# Finished jobs stay visible to rq's tools by number, not for a time: the last FINISHED_KEEP
+# (ack.lua trims the registry and deletes the oldest hashes), so Redis holds no hash per task
+# after a long run. 100 keeps rq's finished registry a small listpack (zsets up to 128
+# members) and costs ~60 KB; their TTL is only a backstop.
+FINISHED_KEEP = 100
+RESULT_TTL_S = 30 * 24 * 3600
 FAILURE_TTL_S = 365 * 24 * 3600
+# Indices the reaper's sweep looks at per bitmap per call, for what RQ's tools did.
+SWEEP_BUDGET = 500
 
 
 @dataclass(frozen=True)
@@ -45,8 +52,9 @@ def _prefixes(k: RunKeys) -> list[str]:
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str) -> Call:
     keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
-            k.failed, k.params_version]
-    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run]
+            k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished]
+    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run,
+            RESULT_TTL_S]
     return Call("claim", keys, args)
 
 
@@ -62,12 +70,13 @@ def ack_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, completion_to
              server: str) -> Call:
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
-            k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue]
+            k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
+            k.errors]
     code = finish_code(finish_reason)
     name = finish_reason if finish_reason in ("stop", "length", "abort") else "other"
     args = [job_id, index, exec_id, completion_tokens, prompt_tokens, name, code, version,
             attempt, server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
-            RATE_BUCKET_S, RATE_BUCKET_TTL_S]
+            RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP]
     return Call("ack", keys, args)
 
 
@@ -82,21 +91,26 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
               worker: str) -> Call:
     # rq-dashboard shows a failed job's exc_string; rq stores it as b64(zlib(text)).
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed]
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
+            k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
+            k.acc_finish]
+    names = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
     args = [job_id, index, exec_id, reason, exc_string, worker, FAILURE_TTL_S, iso_now(),
-            *_prefixes(k), k.rq_results_prefix]
+            *_prefixes(k), k.rq_results_prefix, *names]
     return Call("fail", keys, args)
 
 
 def reap_call(k: RunKeys, limit: int = 500) -> Call:
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors]
-    return Call("reap", keys, [limit, *_prefixes(k), k.run])
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors, k.pending, k.failed,
+            k.sweep, k.spent, k.rq_failed]
+    return Call("reap", keys, [limit, *_prefixes(k), k.run, SWEEP_BUDGET])
 
 
-def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]]) -> Call:
-    keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues]
+def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
+    """With an epoch the jobs are only queued while the run in Redis is still that one."""
+    keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues, k.meta, k.rq_canceled]
     args: list[Any] = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(),
-                       RESULT_TTL_S, FAILURE_TTL_S]
+                       RESULT_TTL_S, FAILURE_TTL_S, epoch]
     for index, data, description in jobs:
         args += [index, data, description]
     return Call("enqueue", keys, args)
@@ -107,7 +121,7 @@ def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
     """what: "truncated" or "done" (results to undo) or "failed" (prompts to revive)."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
-            k.pending]
+            k.pending, k.kept]
     names = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
     return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *names])
 

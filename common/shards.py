@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from common.errors import OutputUnavailable
+from common.groupcommit import GroupCommit
 from common.shard_repair import repair_shards  # noqa: F401 (its home before the split)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -66,6 +67,7 @@ class ShardWriter:
         self.on_close = on_close
         self.closed_shards: list[Path] = []
         self._lock = threading.Lock()
+        self._group = GroupCommit(self._write_batch)
         self._fd = -1
         self._path: Path | None = None
         self._size = 0
@@ -118,32 +120,48 @@ class ShardWriter:
             os.close(fd)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record and fdatasync it; on failure the shard is as it was before."""
-        line = orjson.dumps(record) + b"\n"
-        with self._lock:
-            if self._fd < 0:
-                if self._closed:
-                    raise ValueError("ShardWriter is closed")
-                self._open()
+        """Append one record and fdatasync it (one fdatasync for the records that several
+        threads write at the same time); on failure the shard is as it was before."""
+        self._group.submit(orjson.dumps(record) + b"\n")
+
+    def _write_batch(self, lines: list[bytes]) -> tuple[int, Exception | None]:
+        """GroupCommit's flush: each shard's part of the lines as one whole chunk or nothing."""
+        done = 0  # lines durable so far
+        try:
+            while done < len(lines):
+                with self._lock:
+                    if self._fd < 0:
+                        if self._closed:
+                            raise ValueError("ShardWriter is closed")
+                        self._open()
+                    room = len(lines) - done  # up to the next rotation, if any
+                    room = min(room, self.rotate_every - self._count) if self.rotate_every else room
+                    self._write_lines(b"".join(lines[done:done + room]), room)
+                done += room
+        except (OSError, ValueError) as e:
+            return done, e
+        return done, None
+
+    def _write_lines(self, data: bytes, count: int) -> None:
+        """Append whole lines and fdatasync them; on failure cut them off again. Holds _lock."""
+        try:
+            view = memoryview(data)
+            while view:  # a write can be partial when the disk or a quota fills mid-line
+                view = view[os.write(self._fd, view) :]
+            os.fdatasync(self._fd)
+        except OSError as e:
+            # Cut the lines so no reader sees a torn record; the tasks are not acked, run again.
             try:
-                view = memoryview(line)
-                while view:  # a write can be partial when the disk or a quota fills mid-line
-                    view = view[os.write(self._fd, view) :]
-                os.fdatasync(self._fd)
-            except OSError as e:
-                # Cut the partial line so no reader ever sees a torn record; the caller will not
-                # ack, so the task runs again elsewhere.
-                try:
-                    os.ftruncate(self._fd, self._size)
-                except OSError:
-                    # The next line would be glued to the torn one; leave this shard to
-                    # repair_shards and start a fresh one on the next write.
-                    self._close_current()
-                raise _out_error(self.out_dir, e) from e
-            self._size += len(line)
-            self._count += 1
-            if self.rotate_every and self._count >= self.rotate_every:
+                os.ftruncate(self._fd, self._size)
+            except OSError:
+                # The next line would be glued to the torn one; leave this shard to
+                # repair_shards and start a fresh one on the next write.
                 self._close_current()
+            raise _out_error(self.out_dir, e) from e
+        self._size += len(data)
+        self._count += count
+        if self.rotate_every and self._count >= self.rotate_every:
+            self._close_current()
 
     def rotate_if_older(self, max_age_s: float) -> None:
         """Close the current shard if it holds records and was opened max_age_s ago or more."""

@@ -128,11 +128,15 @@ def truncation_rate(length: int, done: int) -> float:
 
 
 def recent_truncation(
-    buckets: Buckets, now: float, window_s: float = RECENT_S, since: float | None = None
+    buckets: Buckets, now: float, window_s: float = RECENT_S, since: float | None = None,
+    version: int | None = None,
 ) -> tuple[float, float]:
-    """(share of recent completions truncated, number of recent completions)."""
-    length, _ = window_sum(buckets, "fin|length", now, window_s, since)
-    req, _ = window_sum(buckets, "req", now, window_s, since)
+    """(share of recent completions truncated, number of recent completions); with a version,
+    of that parameter version's results only."""
+    length_field, req_field = ("fin|length", "req") if version is None else (
+        f"vlen|{version}", f"vreq|{version}")
+    length, _ = window_sum(buckets, length_field, now, window_s, since)
+    req, _ = window_sum(buckets, req_field, now, window_s, since)
     return (round(length / req, 4) if req > 0 else 0.0), req
 
 

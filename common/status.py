@@ -10,8 +10,8 @@ from typing import Any
 import orjson
 import redis
 
-from common import stats
-from common.errors import UsageError
+from common import failures, runhealth, stats
+from common.errors import UsageError, mask_tree
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
 
@@ -75,6 +75,7 @@ def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
         "params": (p.hgetall, k.params),
         "history": (p.lrange, k.params_history, -HISTORY_LIMIT, -1),
         "consumers": (partial(p.zrange, withscores=True), k.consumers, 0, -1),
+        "outdirs": (p.smembers, k.outdirs),
         "ship": (p.hgetall, k.ship),
     }
     for call, *args in reads.values():
@@ -147,15 +148,19 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
         raise UsageError(str(e)) from None
     raw = _read(r, k)
     if not raw["meta"]:
-        raise UsageError(
-            f"unknown run {run!r}: no genq:{run}:meta in Redis "
-            "(start it with `genq produce DATASET`, or pick --run/GENQ_RUN)"
-        )
+        raise UsageError(runhealth.missing_run_message(r, k))
     now = raw["time"][0] + raw["time"][1] / 1e6
     now_bucket = int(now // RATE_BUCKET_S)
     consumers = [_s(name) for name, _ in raw["consumers"]]
     buckets, beats = _read_buckets(r, k, now_bucket, consumers)
-    return _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    found = failures.top_reasons(r, k, raw["failed"])
+    status["failure_reasons"] = found["reasons"]
+    status["failure_reasons_counted"] = found["counted"]
+    alert = runhealth.persistence_alert(r, k, sorted(_s(d) for d in raw["outdirs"]))
+    if alert:
+        status["alerts"].append(alert)
+    return mask_tree(status)  # no secrets in any field
 
 
 def _shipping(raw: dict) -> dict | None:
@@ -199,7 +204,10 @@ def _assemble(
     recent, samples = stats.recent_truncation(buckets, now, since=since)
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
-    alert = stats.truncation_alert(recent, samples, params.get("max_tokens"), run, threshold)
+    # Judged on the current parameters' results only: right after raising max_tokens the old
+    # limit's hits must not read as hits at the new one (and advise doubling it again).
+    current, current_n = stats.recent_truncation(buckets, now, since=since, version=version)
+    alert = stats.truncation_alert(current, current_n, params.get("max_tokens"), run, threshold)
     alerts = ([alert] if alert else []) + stats.stall_alerts(
         {s["server"]: s.pop("_recent") for s in servers},
         {s["server"]: s.pop("_known_s") for s in servers},
@@ -223,6 +231,8 @@ def _assemble(
         "rates": rates,
         "recent_truncation_rate": recent,
         "truncated": raw["truncated"],
+        # Done with a redo's set-aside result: the new attempt failed for good.
+        "kept": counters.get("kept", 0),
         "output_tokens_total": counters.get("ctok_sum", 0),
         "prompt_tokens_total": counters.get("ptok_sum", 0),
         "params": params,
@@ -231,6 +241,8 @@ def _assemble(
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),
         "dataset": meta.get("dataset"),
         "created_at": _timestamp(meta.get("created_at")),
+        "epoch": meta.get("epoch"),
+        "recovered_at": _timestamp(meta.get("recovered_at")),
         "alerts": alerts,
         "shipping": _shipping(raw["ship"]),
         "time": round(now, 3),

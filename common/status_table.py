@@ -80,6 +80,8 @@ def render_table(status: dict) -> Any:
         Text(
             f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
             f"failed {status['failed']:,}  remaining {status['remaining']:,}"
+            + (f"  kept {status['kept']:,} (redo failed, previous result stands)"
+               if status.get("kept") else "")
         ),
         Text(
             f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
@@ -101,6 +103,9 @@ def render_table(status: dict) -> Any:
                 f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
             )
         )
+    for row in status.get("failure_reasons", []):
+        lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
+                          f"(e.g. index {row['example_index']})", style="yellow"))
     ship = status.get("shipping")
     if ship:
         lines.append(Text(
@@ -108,6 +113,10 @@ def render_table(status: dict) -> Any:
             f"pending {ship['shards_pending']:,} ({ship['bytes_pending']:,} B)"
             + (f"  last error: {ship['last_error']}" if ship["last_error"] else "")))
     lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
+    if status.get("recovered_at"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status["recovered_at"]))
+        lines.append(Text(f"  rebuilt from its output by genq recover at {when}Z "
+                          "(Redis had lost it)", style="dim"))
     parts: list[Any] = [*lines]
     if status["servers"]:
         parts.append(_server_table(status))

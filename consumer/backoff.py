@@ -47,13 +47,26 @@ class ClaimPause:
             self.backoff = 1.0
 
 
-async def redis_retry(op: Callable[[], Awaitable[T]]) -> T:
-    """Run a Redis operation, riding through outages (0.2 s to 5 s between tries)."""
+class ShuttingDown(Exception):
+    """Redis stayed unreachable while the consumer was stopping: stop waiting for it. Whatever
+    the consumer still holds comes back through the lease's expiry."""
+
+
+def _never() -> bool:
+    return False
+
+
+async def redis_retry(op: Callable[[], Awaitable[T]], give_up: Callable[[], bool] = _never) -> T:
+    """Run a Redis operation, riding through outages (0.2 s to 5 s between tries), until it
+    succeeds or `give_up()` says the consumer is stopping and must not wait any longer (a
+    consumer told to stop during an outage used to wait for Redis forever)."""
     delay = 0.2
     while True:
         try:
             return await op()
         except REDIS_TROUBLE as e:
+            if give_up():
+                raise ShuttingDown(str(e)) from None
             logger.warning("redis_unavailable", error=str(e), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -13,8 +13,11 @@ import time
 
 import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
 
 from common import log
+from common import manifest as manifests
 from common import run as runs
 from common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
@@ -23,21 +26,32 @@ from common.cli import (
     guarded,
     risky_redis_settings,
     run_keys,
+    stop_on_signals,
 )
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
-from consumer import faults, shipping
+from consumer import faults, runstate, servers, shipping
+from consumer.servers import parse_servers
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 from consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
+# Redis connections of one consumer: its calls are short Lua scripts, so a few dozen keep up
+# with thousands of slots.
+REDIS_CONNECTIONS = 64
 
 
 def parse(argv: list[str] | None) -> ConsumeSettings:
     p = argparse.ArgumentParser(prog="genq consume", description=__doc__)
-    p.add_argument("--server", required=True, help="SGLang base URL, e.g. http://gpu0:30000")
+    p.add_argument("--server", action="append", default=[],
+                   help="SGLang base URL, e.g. http://gpu0:30000; repeatable: the consumer "
+                        "leases one that no other consumer drives (env GENQ_SERVERS, a list)")
+    p.add_argument("--server-lease", type=float, default=15.0,
+                   help="seconds a dead consumer keeps its server from spares (default 15)")
+    p.add_argument("--share-server", action="store_true",
+                   help="drive the first server even if another consumer already does")
     p.add_argument("--concurrency", type=int,
                    help="requests kept in flight (default: the server's max_running_requests)")
     p.add_argument("--visibility-timeout", type=float, default=60.0,
@@ -48,7 +62,10 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     p.add_argument("--max-attempts", type=int, default=3,
                    help="attempts before a task goes to the failed registry (default 3)")
     p.add_argument("--request-timeout", type=float, default=3600.0,
-                   help="read timeout of one generation in seconds (default 3600)")
+                   help="longest one generation may take, in seconds (default 3600)")
+    p.add_argument("--stall-timeout", type=float, default=60.0,
+                   help="seconds a streamed answer may stay silent before the server is "
+                        "taken as hung and the task given back (default 60)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default 10)")
     p.add_argument("--server-wait", type=float, default=10.0,
@@ -60,16 +77,26 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
         p.error("--concurrency must be >= 1")
+    if a.stall_timeout <= 0 or a.request_timeout <= 0:
+        p.error("--stall-timeout and --request-timeout must be > 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
-    if not re.match(r"^https?://", a.server):
-        p.error(f"--server {a.server!r} must be an http:// or https:// URL")
+    urls = [u.rstrip("/") for u in a.server] or parse_servers(os.environ.get("GENQ_SERVERS"))
+    if not urls:
+        p.error("--server URL (or GENQ_SERVERS) is required")
+    for url in urls:
+        if not re.match(r"^https?://", url):
+            p.error(f"--server {url!r} must be an http:// or https:// URL")
+    if a.server_lease <= 0:
+        p.error("--server-lease must be > 0")
     name = a.name or f"{socket.gethostname()}-{os.getpid()}"
     return ConsumeSettings(
-        redis_url=a.redis_url, run=a.run, server=a.server.rstrip("/"),
+        redis_url=a.redis_url, run=a.run, server=urls[0],
         concurrency=a.concurrency, visibility_timeout=a.visibility_timeout, out=a.out,
         burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
         grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
+        stall_timeout=a.stall_timeout,
+        servers=tuple(urls), server_lease=a.server_lease, share_server=a.share_server,
         **shipping.settings(p, a))
 
 
@@ -77,19 +104,30 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
 def main(argv: list[str] | None = None) -> int:
     s = parse(argv)
     log.setup()
-    structlog.contextvars.bind_contextvars(run=s.run, server=s.server)
-    return asyncio.run(serve(s))
+    structlog.contextvars.bind_contextvars(run=s.run)
+    # Started before Redis (compose, restart loops): wait for it here, before the server
+    # lease below needs it; a stop while waiting exits cleanly with nothing claimed.
+    probe = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
+                    stop=stop_on_signals())
+    if probe is None:
+        logger.info("consumer_stopped", acked=0)
+        return 0
+    probe.close()
+    # One free server of the list, leased for as long as serve() runs (consumer/servers.py).
+    return asyncio.run(servers.drive(s, serve))
 
 
-async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str]:
+async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str, int | None]:
+    """Wait (up to --server-wait) until the server is warm, then read what it is."""
     deadline = time.monotonic() + s.server_wait
     while True:
         try:
+            await server.health()
             capacity = s.concurrency or await server.capacity()
             if not capacity:
-                raise GenqError(f"{s.server} does not report max_running_requests; "
-                                "pass --concurrency")
-            return capacity, await server.model()
+                raise GenqError(f"{s.server} reports no max_running_requests in /v1/loads or "
+                                "/get_server_info; pass --concurrency")
+            return capacity, await server.model(), await server.context_length()
         except ServerUnavailable as e:
             if time.monotonic() >= deadline:
                 raise GenqError(f"cannot reach SGLang server {s.server}: {e}") from None
@@ -99,33 +137,53 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str]
 
 async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
-    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    stopped = stop_on_signals()  # until the loop's own handlers take over, below
+    sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
+                   stop=stopped)
+    if sync is None:  # stopped while waiting for Redis; nothing was claimed
+        logger.info("consumer_stopped", acked=0)
+        return 0
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):
         logger.warning("redis_settings", risk=risk)
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
+    runstate.check_outdir(sync, k, s.out, info.epoch)
+    manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
     writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
     sink = faults.wrap(writer, os.environ.get("GENQ_FAULT"))
     sync.sadd(k.outdirs, os.path.abspath(s.out))
     server = SGLang(s.server, request_timeout=s.request_timeout,
-                    connections=s.concurrency or 1024)
-    client = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
-                                     socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+                    stall_timeout=s.stall_timeout)
+    # A blocking pool: slots wait for a free connection. redis-py's default pool raises "Too
+    # many connections" past 100, and a server without --max-running-requests can ask for
+    # thousands of slots.
+    pool = aioredis.BlockingConnectionPool.from_url(
+        s.redis_url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
+        socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
+        retry=AsyncRetry(NoBackoff(), 1))  # see service_retry
+    client = aioredis.Redis(connection_pool=pool)
     ship = shipping.Shipping.start(s, k, writer, client)
     rc = 0
     try:
-        capacity, model = await wait_for_server(server, s)
+        capacity, model, context = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
-                            server=server, capacity=capacity, model=model)
+                            server=server, capacity=capacity, model=model,
+                            runstate=runstate.RunState(k, info.epoch, s.out))
+        consumer.context_length = context
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.request_stop)
-        logger.info("consumer_started", capacity=capacity, model=model, shard=str(sink.path))
+        if stopped.is_set():  # a signal came while starting up
+            consumer.request_stop()
+        logger.info("consumer_started", capacity=capacity, model=model, context_length=context,
+                    shard=str(sink.path))
         await consumer.run()
-        logger.info("consumer_stopped", acked=consumer.acked)
+        logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
+        if consumer.runstate.failure:
+            raise GenqError(consumer.runstate.failure)
         if ship is not None:
             sink.close()  # the last shard joins the backlog
             rc = await ship.finish(s.ship_wait if s.burst else min(s.ship_wait, s.grace))
@@ -137,4 +195,4 @@ async def serve(s: ConsumeSettings) -> int:
         sync.close()
         sink.close()
         dataset.close()
-    return rc
+    return 1 if consumer.crashed else rc

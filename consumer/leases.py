@@ -23,7 +23,9 @@ class Lease:
 
 
 # What ack.lua answers.
-REFUSED, ACCEPTED, SUPERSEDED = 0, 1, 2
+REFUSED, ACCEPTED, SUPERSEDED, SET_ASIDE = 0, 1, 2, 3
+# What fail.lua answers besides 0/1: a redo's set-aside result stands again instead.
+KEPT = 2
 
 
 class TaskQueue:
@@ -59,7 +61,8 @@ class TaskQueue:
 
     async def ack(self, lease: Lease, *, completion_tokens: int, prompt_tokens: int,
                   finish_reason: str) -> int:
-        """ACCEPTED, REFUSED (the lease was lost) or SUPERSEDED (new parameters; requeued)."""
+        """ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters; requeued) or
+        SET_ASIDE (a redo issued since covers it; kept as the previous result, requeued)."""
         call = scripts.ack_call(
             self.k, lease.job_id, lease.index, lease.exec_id,
             completion_tokens=completion_tokens, prompt_tokens=prompt_tokens,
@@ -72,10 +75,11 @@ class TaskQueue:
                                     refund=refund, reason=reason)
         return bool(await self.run_script(call))
 
-    async def fail(self, lease: Lease, reason: str) -> bool:
+    async def fail(self, lease: Lease, reason: str) -> int:
+        """1 failed, 0 the lease was lost, KEPT the previous result stands instead."""
         call = scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
                                  reason=reason, worker=self.worker)
-        return bool(await self.run_script(call))
+        return int(await self.run_script(call))
 
     async def reap(self) -> int:
         return len(await self.run_script(scripts.reap_call(self.k)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import orjson
@@ -16,11 +17,14 @@ from common.scripts import iso_now
 
 HEARTBEAT_TTL_S = 15
 RQ_WORKER_TTL_S = 30
+# A consumer silent this long is dead (killed, host lost): its entries are pruned so the
+# consumers set and rq's worker sets do not grow with every consumer a long run ever had.
+PRUNE_AFTER_S = 4 * RQ_WORKER_TTL_S
 
 
 async def announce(r: aioredis.Redis, k: RunKeys, name: str, now: int, beat: dict[str, Any],
                    *, birth: str, held: list[str]) -> None:
-    """Refresh both entries in one round trip."""
+    """Refresh both entries in one round trip; prune dead consumers' entries when seen."""
     worker = k.rq_worker(name)
     pipe = r.pipeline(transaction=False)
     pipe.set(k.consumer(name), orjson.dumps(beat), ex=HEARTBEAT_TTL_S)
@@ -28,12 +32,27 @@ async def announce(r: aioredis.Redis, k: RunKeys, name: str, now: int, beat: dic
     pipe.hset(worker, mapping={
         "birth": birth, "last_heartbeat": iso_now(), "queues": k.queue_name,
         "pid": os.getpid(), "hostname": socket.gethostname(),
-        "state": "busy" if held else "idle", "successful_job_count": beat.get("acked", 0),
-        # rq reads one job id here; a consumer holds many, so it shows the first.
-        "current_job": held[0] if held else ""})
+        "state": "busy" if held else "idle", "successful_job_count": beat.get("acked", 0)})
+    if held:
+        pipe.hset(worker, "current_job", held[0])  # rq reads one job id; this shows the first
+    else:
+        # rq-dashboard fetches any current_job it finds: "" made its Workers tab answer 500.
+        pipe.hdel(worker, "current_job")
     pipe.expire(worker, RQ_WORKER_TTL_S)
     pipe.sadd(k.rq_workers, worker)
     pipe.sadd(k.rq_workers_of_queue, worker)
+    pipe.zrangebyscore(k.consumers, "-inf", now - PRUNE_AFTER_S)
+    dead = (await pipe.execute())[-1]
+    if dead:
+        await prune(r, k, [d.decode() for d in dead])
+
+
+async def prune(r: aioredis.Redis, k: RunKeys, names: list[str]) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.zrem(k.consumers, *names)
+    workers = [k.rq_worker(name) for name in names]
+    pipe.srem(k.rq_workers, *workers)
+    pipe.srem(k.rq_workers_of_queue, *workers)
     await pipe.execute()
 
 
@@ -45,3 +64,11 @@ async def withdraw(r: aioredis.Redis, k: RunKeys, name: str) -> None:
     pipe.srem(k.rq_workers, worker)
     pipe.srem(k.rq_workers_of_queue, worker)
     await pipe.execute()
+
+
+async def record_server(r: aioredis.Redis, k: RunKeys, server: str, context_length: int | None,
+                        capacity: int) -> None:
+    """What a server said about itself, kept after its consumers are gone: `genq requeue`
+    refuses a max_tokens that cannot fit the smallest context among them."""
+    entry = {"context_length": context_length, "capacity": capacity, "at": int(time.time())}
+    await r.hset(k.servers, server, orjson.dumps(entry))

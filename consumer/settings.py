@@ -20,6 +20,12 @@ class ConsumeSettings:
     name: str
     poll: float
     server_wait: float
+    stall_timeout: float = 60.0
+    # The servers this consumer may drive (consumer/servers.py leases one); `server` is the
+    # leased one once serving.
+    servers: tuple[str, ...] = ()
+    server_lease: float = 15.0
+    share_server: bool = False
     # Shipping to S3 (common/ship.py): off without an s3:// URI.
     s3_uri: str | None = None
     shard_records: int = 500

@@ -1,108 +1,213 @@
-"""The SGLang HTTP client: one shared httpx.AsyncClient, and the one place where a failed
-request is classified as a bad task (fail it) or infrastructure trouble (give it back)."""
+"""The SGLang HTTP client. With consumer/sglang_stream.py it is the only code that knows the
+server's wire format: where capacity, load and context length live in each SGLang version, the
+streamed chat answer, and which failed request is a bad task, a retry, or infrastructure
+trouble. What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
+import structlog
+from httpx_aiohttp import AiohttpTransport
 
-from common.errors import BadTask, ServerUnavailable
+from common.errors import ServerStalled, ServerUnavailable
+from consumer.sglang_stream import (
+    Answer,
+    Completion,
+    ContextExceeded,
+    error_message,
+    parse_load,
+    status_error,
+    thinking_on,
+)
 
-# Statuses that say "try again later", not "this request is wrong".
-RETRYABLE_STATUS = {408, 425, 429}
+logger = structlog.get_logger("consumer")
+
+# Newest first: /get_load is gone in 0.5.x (404); older servers have only it.
+LOAD_PATHS = ("/v1/loads", "/get_load")
+# The aiohttp transport maps aiohttp's connection and timeout errors to httpx's; anything else
+# aiohttp raises (a malformed response head, say) is still the server's trouble, not the task's.
+TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
 
 
-@dataclass(frozen=True, kw_only=True)
-class Completion:
-    finish_reason: str
-    content: str
-    reasoning_content: str | None
-    prompt_tokens: int
-    completion_tokens: int
+@dataclass
+class Progress:
+    """When the streamed answer last showed a sign of life."""
+    started: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)
+    chunks: int = 0
 
 
 class SGLang:
-    def __init__(self, url: str, *, request_timeout: float, connections: int) -> None:
+    def __init__(self, url: str, *, request_timeout: float, stall_timeout: float = 60.0,
+                 connections: int | None = None) -> None:
         self.url = url.rstrip("/")
-        # The read timeout must outlast the longest generation; httpx's default 5 s would
-        # kill every long completion.
+        self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
+        # Silence is policed by chat()'s watchdog, so the socket timeout only backs it up.
         timeout = httpx.Timeout(connect=10.0, read=request_timeout, write=60.0, pool=None)
-        limits = httpx.Limits(max_connections=connections + 8,
-                              max_keepalive_connections=connections + 8)
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits)
+        # One connection per request in flight: a pool smaller than the server's capacity
+        # would queue requests here, where the stall watchdog would take them for a hang.
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=1024)
+        # httpx's API on aiohttp's connection pool: a fifth of the client CPU per request of
+        # httpx's own transport at 64 in flight (bench/http_transport.py, bench/README.md).
+        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits,
+                                      transport=AiohttpTransport(limits=limits))
+        self.load_path: str | None = None  # the load endpoint this server has, once known
+        self._load_unknown_said = False
+        self._load: tuple[float, dict[str, Any] | None] = (0.0, None)
 
     async def close(self) -> None:
-        await self.http.aclose()
+        # aiohttp's close waits for every connection to report closed; a connection that
+        # never does must not keep a finished consumer from exiting.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.http.aclose(), timeout=5.0)
+
+    async def _get(self, path: str) -> httpx.Response:
+        try:
+            return await self.http.get(path, timeout=10.0)
+        except TRANSPORT_ERRORS as e:
+            raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
 
     async def _get_json(self, path: str) -> Any:
-        try:
-            response = await self.http.get(path, timeout=10.0)
-        except httpx.TransportError as e:
-            raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
+        response = await self._get(path)
         if response.status_code != 200:
             raise ServerUnavailable(f"{self.url}{path}: HTTP {response.status_code}")
         return orjson.loads(response.content)
 
+    # --- what the server is ----------------------------------------------------------------
+    async def health(self) -> None:
+        """Returns once /health says 200; SGLang answers 503 until its warm-up is over."""
+        status = (await self._get("/health")).status_code
+        if status != 200:
+            raise ServerUnavailable(f"{self.url}/health: HTTP {status} (still starting?)")
+
     async def capacity(self) -> int | None:
+        """Requests the server runs at once, whatever flags it was launched with: 0.5.x reports
+        null in /get_server_info unless --max-running-requests was given."""
+        load = await self.load()
+        if load and load.get("max_running_requests"):
+            return int(load["max_running_requests"])
         info = await self._get_json("/get_server_info")
-        value = info.get("max_running_requests") if isinstance(info, dict) else None
+        if not isinstance(info, dict):
+            return None
+        if info.get("max_running_requests"):
+            return int(info["max_running_requests"])
+        states = info.get("internal_states") or [{}]
+        per_dp = states[0].get("effective_max_running_requests_per_dp") if states[0] else None
+        return int(per_dp) * int(info.get("dp_size") or 1) if per_dp else None
+
+    async def context_length(self) -> int | None:
+        """Prompt + completion tokens one request may use (max_model_len in /v1/models)."""
+        models = await self._get_json("/v1/models")
+        value = (models.get("data") or [{}])[0].get("max_model_len")
+        if not value:
+            info = await self._get_json("/get_server_info")
+            value = info.get("context_length") if isinstance(info, dict) else None
         return int(value) if value else None
 
     async def model(self) -> str:
         models = await self._get_json("/v1/models")
         return str(models["data"][0]["id"])
 
-    async def load(self) -> dict[str, int] | None:
-        """Running and waiting requests on the server, summed over its DP ranks."""
-        try:
-            data = await self._get_json("/get_load")
-        except ServerUnavailable:
-            return None
-        ranks = data if isinstance(data, list) else [data]
-        return {key: sum(int(rank.get(key, 0)) for rank in ranks)
-                for key in ("num_reqs", "num_waiting_reqs")}
+    async def load(self) -> dict[str, Any] | None:
+        """Running and waiting requests summed over the server's DP ranks, and the capacity
+        in force when the server says it; None when the server cannot tell."""
+        for path in ([self.load_path] if self.load_path else LOAD_PATHS):
+            try:
+                response = await self._get(path)
+                if response.status_code in (404, 405):
+                    continue
+                if response.status_code != 200:
+                    return None
+                load = parse_load(orjson.loads(response.content))
+            except (ServerUnavailable, orjson.JSONDecodeError, TypeError, ValueError,
+                    AttributeError):
+                return None
+            if self.load_path is None:
+                self.load_path = path
+                logger.info("server_load_source", endpoint=path)
+            return {**load, "endpoint": path}
+        if not self._load_unknown_said:
+            self._load_unknown_said = True
+            logger.warning("server_load_unknown", reason="neither /v1/loads nor /get_load")
+        return None
 
+    async def queued(self) -> bool:
+        """Does the server hold waiting requests? (Load read at most once a second.)"""
+        at, load = self._load
+        if time.monotonic() - at > 1.0:
+            load = await self.load()
+            self._load = (time.monotonic(), load)
+        return bool(load and load["num_waiting_reqs"] > 0)
+
+    # --- one generation ------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], index: int) -> Completion:
+        """One streamed chat completion. When prompt + max_tokens exceed the context, run it
+        again with the tokens that fit (what SGLang's --allow-auto-truncate would do)."""
         try:
-            response = await self.http.post("/v1/chat/completions", content=orjson.dumps(body),
-                                             headers={"content-type": "application/json"})
-        except httpx.TransportError as e:
+            return await self._watched(body, index)
+        except ContextExceeded as e:
+            room = e.context - e.input_tokens
+            logger.info("max_tokens_lowered", asked=body.get("max_tokens"), used=room,
+                        context=e.context, prompt_tokens=e.input_tokens)
+            completion = await self._watched({**body, "max_tokens": room}, index)
+            return replace(completion, max_tokens=room)
+
+    async def _watched(self, body: dict[str, Any], index: int) -> Completion:
+        """Stream the answer while a watchdog ends it once it has been silent too long."""
+        progress = Progress()
+        task = asyncio.ensure_future(self._stream(body, index, progress))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=min(1.0, self.stall_timeout / 4))
+                if done:
+                    return task.result()
+                await self._check_alive(progress)
+        finally:
+            if not task.done():
+                task.cancel()  # closes the connection, which aborts the request on the server
+                await asyncio.gather(task, return_exceptions=True)
+
+    async def _check_alive(self, progress: Progress) -> None:
+        now = time.monotonic()
+        if now - progress.started > self.request_timeout:
+            raise ServerUnavailable(f"{self.url}: no whole answer within --request-timeout "
+                                    f"{self.request_timeout:g} s")
+        silent = now - progress.last
+        # Before its first token a request may be waiting in the server's queue: that is
+        # the server at work, not a hang.
+        if silent < self.stall_timeout or (not progress.chunks and await self.queued()):
+            return
+        raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
+                            f"(--stall-timeout {self.stall_timeout:g})")
+
+    async def _stream(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        try:
+            async with self.http.stream("POST", "/v1/chat/completions",
+                                        content=orjson.dumps(body),
+                                        headers={"content-type": "application/json"}) as resp:
+                if resp.status_code != 200:
+                    await resp.aread()
+                    message = error_message(resp.content)
+                    raise status_error(resp.status_code, message, index, self.url)
+                answer = Answer()
+                async for line in resp.aiter_lines():
+                    progress.last = time.monotonic()
+                    progress.chunks += 1
+                    if answer.feed(line, index, self.url):
+                        break
+        except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
                 from None
-        return parse_completion(response, index, self.url)
+        return answer.completion(self.url, thinking=thinking_on(body))
 
 
-def parse_completion(response: httpx.Response, index: int, url: str) -> Completion:
-    status = response.status_code
-    if status >= 500 or status in RETRYABLE_STATUS:
-        raise ServerUnavailable(f"{url}: HTTP {status}: {_message(response)}")
-    if status != 200:
-        raise BadTask(index, f"server refused the request (HTTP {status}): {_message(response)}")
-    try:
-        data = orjson.loads(response.content)
-        choice = data["choices"][0]
-        message = choice.get("message") or {}
-        usage = data.get("usage") or {}
-        return Completion(
-            finish_reason=str(choice.get("finish_reason") or "other"),
-            content=message.get("content") or "",
-            reasoning_content=message.get("reasoning_content"),
-            prompt_tokens=int(usage.get("prompt_tokens") or 0),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-        )
-    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, ValueError) as e:
-        raise ServerUnavailable(f"{url}: malformed completion ({type(e).__name__}: {e})") \
-            from None
-
-
-def _message(response: httpx.Response) -> str:
-    try:
-        data = orjson.loads(response.content)
-        if isinstance(data, dict):
-            return str(data.get("message") or data.get("error") or data)[:500]
-    except orjson.JSONDecodeError:
-        pass
-    return response.text[:500]
+__all__ = ["Completion", "SGLang"]

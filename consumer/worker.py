@@ -1,19 +1,17 @@
-"""The consumer loop: a fixed set of slots, each holding one leased task at a time, plus lease
-renewal and housekeeping, in one asyncio.TaskGroup. A slot that finishes claims the next task
-at once, so the server stays exactly full while work remains."""
+"""The consumer loop: one slot per request the server runs at once (follow.py resizes them),
+each holding one leased task at a time, plus lease renewal and housekeeping, in one TaskGroup.
+A slot that finishes claims the next task at once, so the server stays exactly full."""
 
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import os
 import random
 import socket
-import sys
-import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 import redis
@@ -21,18 +19,29 @@ import redis.asyncio as aioredis
 import structlog
 
 from common import feed
-from common.errors import REDIS_TROUBLE, BadTask, Retryable, classify
+from common.errors import (
+    REDIS_TROUBLE,
+    BadTask,
+    Retryable,
+    RunStateLost,
+    TryAgain,
+    classify,
+    mask_secrets,
+)
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
-from consumer import presence
-from consumer.backoff import ClaimPause, redis_retry
-from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
+from consumer import presence, shutdown
+from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
+from consumer.follow import follow_server, resize
+from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
+from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
 logger = structlog.get_logger("consumer")
+T = TypeVar("T")
 
 
 @dataclass
@@ -43,24 +52,19 @@ class Inflight:
     started: float = field(default_factory=time.monotonic)
 
 
-def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
-    """Shutdown is taking far longer than its grace: log where every task and thread is, so a
-    hang in the field can be diagnosed from the log alone."""
-    logger.error("shutdown_stuck", tasks=len(asyncio.all_tasks(loop)))
-    for task in asyncio.all_tasks(loop):
-        task.print_stack(file=sys.stderr)
-    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-
-
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Any, sink: Any, server: SGLang,
-                 capacity: int, model: str) -> None:
+                 capacity: int, model: str, runstate: RunState) -> None:
         self.s, self.r, self.k, self.total = s, client, keys, total
         # The producer's top-up code is synchronous; it runs on its own client in a thread.
         self.sync, self.sync_scripts = sync, ScriptRunner(sync)
         self.dataset, self.sink, self.server = dataset, sink, server
         self.capacity, self.model = capacity, model
+        self.context_length: int | None = None  # the server's, as last read (follow.py)
+        self.server_recorded = False
+        self.tg: asyncio.TaskGroup | None = None
+        self.runstate = runstate
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}
@@ -68,80 +72,95 @@ class Consumer:
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
         self.pause = ClaimPause()
-        self.load: dict[str, int] | None = None
+        self.load: dict[str, Any] | None = None
         self.acked = 0
         self.started_at = 0
         self.birth = iso_now()
+        self.crashed = ""  # the background task that died, if one did
+        self.slots: dict[int, asyncio.Task] = {}  # slot number -> its task (follow.resize)
+        self.deadline: float | None = None  # end of the shutdown grace, once stopping
+        self.finished = False  # the slots are done: background loops end (see cancel_and_wait)
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
         await redis_retry(self.q.preload)
-        background = [asyncio.create_task(self.keep_leases()),
-                      asyncio.create_task(self.housekeeping())]
+        background = [asyncio.create_task(shutdown.supervise(self, body))
+                      for body in (self.keep_leases, self.housekeeping)]
         try:
             async with asyncio.TaskGroup() as tg:
-                for n in range(self.capacity):
-                    tg.create_task(self.slot(n))
-                tg.create_task(self.drain_on_stop())
+                self.tg = tg
+                resize(self)
+                tg.create_task(shutdown.drain(self))
         finally:
-            for task in background:
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            try:
-                await presence.withdraw(self.r, self.k, self.s.name)
-            except REDIS_TROUBLE as e:  # the heartbeat keys expire on their own
-                logger.warning("deregister_failed", error=str(e))
+            self.finished = True
+            await shutdown.cancel_and_wait(background)
+            await shutdown.withdraw(lambda: presence.withdraw(self.r, self.k, self.s.name))
+
+    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        """A Redis operation retried through outages, except past the shutdown grace."""
+        return redis_retry(op, self.past_grace)
+
+    def past_grace(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def request_stop(self) -> None:
-        """First SIGTERM: stop claiming and drain; a second one gives everything back now."""
-        if self.stop.is_set():
+        """First SIGTERM: stop claiming and drain; a second one gives everything back now.
+        The flag is set before anything is logged: stopping never depends on logging."""
+        again = self.stop.is_set()
+        self.stop.set()
+        if again:
+            self.deadline = time.monotonic()
             self.abort_all("shutdown")
         logger.info("stopping", inflight=len(self.held), grace_s=self.s.grace)
-        self.stop.set()
-
-    async def drain_on_stop(self) -> None:
-        await self.stop.wait()
-        watchdog = threading.Timer(self.s.grace + 30, dump_stuck, [asyncio.get_running_loop()])
-        watchdog.daemon = True  # never keeps a finished process alive
-        watchdog.start()
-        deadline = time.monotonic() + self.s.grace
-        while self.held and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        self.abort_all("shutdown")
 
     def abort_all(self, reason: str) -> None:
         for inflight in list(self.held.values()):
             self.abort(inflight, reason)
 
     def abort(self, inflight: Inflight, reason: str) -> None:
-        if inflight.request is not None and not inflight.request.done():
+        """Cancel the task's request; one not sent yet is not sent (generate_and_ack checks)."""
+        if inflight.request is None:
+            inflight.abort = inflight.abort or reason
+        elif not inflight.request.done():
             inflight.abort = reason
             inflight.request.cancel()
 
     # --- slots -------------------------------------------------------------------------
     async def slot(self, n: int) -> None:
-        while not self.stop.is_set():
+        try:
+            await self.claim_and_process(n)
+        except ShuttingDown as e:
+            logger.warning("stopped_without_redis", error=str(e),
+                           consequence="held leases expire and return to the queue")
+
+    async def claim_and_process(self, n: int) -> None:
+        """Slot n claims and runs tasks until the stop, or until the capacity drops below n."""
+        while not self.stop.is_set() and n < self.capacity:
             if self.pause.remaining():
                 await asyncio.sleep(min(0.5, self.pause.remaining()))
                 continue
-            leases = await redis_retry(lambda: self.q.claim(1))
+            if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
+                await asyncio.sleep(0.5)
+                continue
+            leases = await redis_retry(lambda: self.q.claim(1), self.stop.is_set)
             if not leases:
-                if self.s.burst and not self.held and await redis_retry(self.settled):
+                if self.s.burst and not self.held and await self.settled():
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
                     self.stop.set()
                     return
-                await asyncio.sleep(self.s.poll * (0.5 + random.random()))
+                spread = max(1.0, self.capacity / 64)  # thousands of idle slots poll slower
+                await asyncio.sleep(self.s.poll * (0.5 + random.random()) * spread)
                 continue
             with structlog.contextvars.bound_contextvars(index=leases[0].index):
                 await self.process(leases[0])
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
-            last = await redis_retry(lambda: self.q.last_error(lease.index))
+            last = await self.retry(lambda: self.q.last_error(lease.index))
             reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            await redis_retry(lambda: self.q.fail(lease, reason))
-            logger.warning("task_failed", reason=reason)
+            outcome = await self.retry(lambda: self.q.fail(lease, reason))
+            logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
             return
         inflight = Inflight(lease)
         self.held[lease.job_id] = inflight
@@ -153,9 +172,17 @@ class Consumer:
     async def generate_and_ack(self, inflight: Inflight) -> None:
         lease = inflight.lease
         try:
-            prompt = self.dataset.prompt(lease.index)
+            # A read that may block (a Parquet row group) runs off the loop: never stall renewals.
+            prompt = (self.dataset.prompt(lease.index) if self.dataset.cached(lease.index)
+                      else await asyncio.to_thread(self.dataset.prompt, lease.index))
             params = await self.params_for(lease.version)
             body = request_body(prompt.messages, params, self.model)
+            if inflight.abort or self.stop.is_set():
+                # Claimed while the stop came (or aborted before its request existed): a
+                # request started now would outlive the grace by a whole generation.
+                inflight.abort = inflight.abort or "shutdown"
+                await self.after_abort(inflight)
+                return
             inflight.request = asyncio.create_task(self.server.chat(body, lease.index))
             completion = await inflight.request
             record = build_record(
@@ -172,17 +199,23 @@ class Consumer:
         except Exception as e:
             verdict = classify(e)
             if verdict is BadTask:
-                reason = e.reason if isinstance(e, BadTask) else str(e)
-                await redis_retry(lambda: self.q.fail(lease, reason))
-                logger.warning("task_failed", reason=reason)
+                reason = mask_secrets(e.reason if isinstance(e, BadTask) else str(e))
+                outcome = await self.retry(lambda: self.q.fail(lease, reason))
+                logger.warning("task_failed", reason=reason,
+                               previous_result_kept=outcome == KEPT)
                 return
-            if verdict is not Retryable:
+            if verdict is not Retryable and verdict is not TryAgain:
                 raise
-            error = str(e) or type(e).__name__
-            await redis_retry(lambda: self.q.release(lease, refund=True, reason=error))
-            self.pause.trouble(error)
+            # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
+            error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
+            refund = verdict is Retryable
+            await self.retry(lambda: self.q.release(lease, refund=refund, reason=error))
+            if refund:
+                self.pause.trouble(error)
+            else:
+                logger.info("task_retried", reason=error)
             return
-        outcome = await redis_retry(lambda: self.q.ack(
+        outcome = await self.retry(lambda: self.q.ack(
             lease, completion_tokens=completion.completion_tokens,
             prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
         if outcome == ACCEPTED:
@@ -190,6 +223,9 @@ class Consumer:
             self.pause.recovered()
             logger.debug("task_acked", finish_reason=completion.finish_reason,
                          completion_tokens=completion.completion_tokens)
+        elif outcome == SET_ASIDE:
+            logger.info("result_set_aside", version=lease.version,
+                        reason="a redo issued since covers it; kept until a new one is accepted")
         elif outcome == SUPERSEDED:
             logger.info("result_superseded", version=lease.version,
                         reason="parameters changed; the task runs again under the new ones")
@@ -202,7 +238,7 @@ class Consumer:
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
         reason = f"aborted: {inflight.abort}"
-        await redis_retry(lambda: self.q.release(lease, refund=True, reason=reason))
+        await self.retry(lambda: self.q.release(lease, refund=True, reason=reason))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:
@@ -212,6 +248,9 @@ class Consumer:
         return self.params[version]
 
     async def settled(self) -> bool:
+        return await redis_retry(self.count_settled, self.stop.is_set)
+
+    async def count_settled(self) -> bool:
         pipe = self.r.pipeline(transaction=False)
         pipe.bitcount(self.k.done)
         pipe.bitcount(self.k.failed)
@@ -224,7 +263,7 @@ class Consumer:
     async def keep_leases(self) -> None:
         """Renew every held lease each third of the visibility timeout; drop the lost ones."""
         period = self.s.visibility_timeout / 3
-        while True:
+        while not self.finished:
             await asyncio.sleep(period)
             held = list(self.held.values())
             try:
@@ -239,27 +278,49 @@ class Consumer:
     async def housekeeping(self) -> None:
         """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
         tick = 0
-        while True:
+        while not self.finished:
             try:
+                if await self.check_run() != OK:
+                    await self.heartbeat()
+                    await asyncio.sleep(0.5)
+                    continue
                 await self.watch_version()
                 if tick % 2 == 0:
                     await self.q.reap()
                     await self.heartbeat()
                     await self.top_up()
                 if tick % 5 == 0:
-                    self.load = await self.server.load()
+                    await follow_server(self)  # the server's load, capacity and context
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
             tick += 1
             await asyncio.sleep(0.5)
+
+    async def check_run(self) -> str:
+        was = self.runstate.state
+        state = await self.runstate.check(self.r)
+        if state != OK and was == OK:
+            # Redis forgot these leases with the run: free the server now. A result written
+            # after `genq recover` would share its attempt number with the index's next claim.
+            self.abort_all("lost")
+        if state == REPLACED:
+            self.stop.set()  # cached parameters and data set are another run's: stop
+        elif state == OK and was != OK:
+            self.params.clear()  # versions may have been renumbered by a later requeue
+            self.version = 0
+        return state
 
     async def top_up(self) -> None:
         """Queue more unfinished prompts when the queue runs low, so the server stays full
         after a redo or when no producer is running; the enqueue script prevents doubles."""
         if await self.r.llen(self.k.rq_queue) >= self.capacity:
             return
-        added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
-                                        2 * self.capacity, self.sync_scripts)
+        try:
+            added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
+                                            2 * self.capacity, self.sync_scripts,
+                                            epoch=self.runstate.epoch)
+        except RunStateLost:
+            return  # the run vanished since this tick's check; the next check says so
         if added:
             logger.debug("topped_up", jobs=added)
 
@@ -268,6 +329,7 @@ class Consumer:
         if version <= self.version:
             return
         previous, self.version = self.version, version
+        await self.runstate.keep_manifest(self.sync)
         if not previous:
             return
         last = await self.r.lindex(self.k.params_history, -1)
@@ -283,6 +345,8 @@ class Consumer:
         self.started_at = self.started_at or now
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
                 "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
-                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at}
+                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
+                "context_length": self.context_length, "out": os.path.abspath(self.s.out),
+                "run_state": self.runstate.state}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
                                 held=list(self.held))

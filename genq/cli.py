@@ -16,6 +16,7 @@ COMMANDS = {
     "status": ("monitor.status_cli", "status_main", "where the run stands"),
     "requeue": ("producer.requeue", "main", "new parameters for a live run"),
     "export": ("genq.cli", "export_main", "one record per prompt, to a file"),
+    "recover": ("producer.recover", "main", "rebuild a run Redis lost, from its output"),
     "monitor": ("monitor.cli", "main", "web page, /api/status, /metrics, progress.json"),
     "demo": ("genq.demo", "main", "the whole pipeline on one machine with the simulator"),
 }
@@ -48,6 +49,8 @@ def export_main(argv: list[str] | None = None) -> int:
                    help="file to write, JSONL or Parquet per --format (replaced atomically)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
+    p.add_argument("--include-failed", action="store_true",
+                   help="also write one record per failed prompt with its reason")
     p.add_argument("--from-s3", metavar="URI",
                    help="read the shards from s3://bucket/prefix instead of local directories")
     p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
@@ -64,12 +67,16 @@ def export_main(argv: list[str] | None = None) -> int:
     if a.from_s3:
         dirs = [a.from_s3]
     result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
-                                       fmt=a.format)
-    print(f"exported {result.written} records ({result.done} done of {info.total}) "
+                                       fmt=a.format, include_failed=a.include_failed)
+    failed = f" and {result.failed_written} failed" if a.include_failed else ""
+    print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "
           f"from {result.shards} shards to {a.out}")
+    if result.not_accepted_count:
+        print(f"genq: warning: {result.not_accepted_count} records are not the accepted result "
+              f"(its line is missing from the shards; the newest line was written instead; "
+              f"first: {result.not_accepted[:5]})", file=sys.stderr)
     if result.missing:
         print(f"genq: warning: {result.done - result.written} done prompts have no record in "
               f"{dirs} (first: {result.missing[:5]}); are all shard directories given?",
               file=sys.stderr)
-        return 1
-    return 0
+    return 1 if result.missing or result.not_accepted_count else 0

@@ -102,12 +102,12 @@ SERVER_METRICS = [
     ),
     (
         "genq_server_running",
-        "Requests running on the server (its /get_load).",
+        "Requests running on the server (its /v1/loads, or /get_load before SGLang 0.5).",
         lambda v: (v.get("load") or {}).get("num_reqs"),
     ),
     (
         "genq_server_waiting",
-        "Requests queued inside the server (its /get_load).",
+        "Requests queued inside the server (its /v1/loads, or /get_load before SGLang 0.5).",
         lambda v: (v.get("load") or {}).get("num_waiting_reqs"),
     ),
 ]
@@ -151,6 +151,13 @@ def render(status: dict) -> str:
         lines.append(
             f"genq_finish_reason_total{_labels(run=status['run'], reason=reason)} {_value(count)}"
         )
+    lines += [
+        "# HELP genq_failed_by_reason Failed prompts by reason (the most common few).",
+        "# TYPE genq_failed_by_reason gauge",
+    ]
+    for row in status.get("failure_reasons", []):
+        lines.append(f"genq_failed_by_reason{_labels(run=status['run'], reason=row['reason'])} "
+                     f"{_value(row['count'])}")
     # A "quantile" label is reserved for summaries; these are exact, so a plain gauge family.
     lines += [
         "# HELP genq_output_tokens_percentile Exact output-length percentiles of done results.",

@@ -11,7 +11,7 @@ import orjson
 import redis
 import structlog
 
-from common.errors import GenqError
+from common.errors import GenqError, mask_secrets
 from common.status import read_status
 from monitor import metrics
 
@@ -22,9 +22,7 @@ PAGE = resources.files("monitor").joinpath("page.html").read_bytes()
 
 def redact(url: str) -> str:
     """The Redis URL without its password, fit for logs and pages."""
-    scheme, sep, rest = url.partition("://")
-    creds, at, host = rest.rpartition("@")
-    return f"{scheme}{sep}{'***' + at if at else ''}{host}" if sep else url
+    return mask_secrets(url)
 
 
 class StatusSource:
@@ -37,6 +35,8 @@ class StatusSource:
         self.threshold = truncation_threshold
         self._lock = threading.Lock()
         self._last_error: str | None = ""  # "" = not read yet, None = last read worked
+        self._epoch: str | None = None  # the run's identity when first seen
+        self._replaced: dict | None = None
 
     def read(self) -> tuple[dict | None, str | None]:
         """(status, None) or (None, one-line reason); never raises for Redis or run trouble."""
@@ -49,7 +49,28 @@ class StatusSource:
         except redis.RedisError as e:
             return None, self._note("status_unavailable", f"Redis error at {self.url}: {e}")
         self._note("status_available", None)
+        self._check_identity(status)
         return status, None
+
+    def _check_identity(self, status: dict) -> None:
+        """A run re-created under the same name is another run: say so for as long as this
+        monitor runs, since its figures started again from nothing."""
+        epoch = status.get("epoch")
+        with self._lock:
+            if self._epoch is None:
+                self._epoch = epoch
+            elif epoch != self._epoch and self._replaced is None:
+                self._replaced = {
+                    "kind": "run_replaced",
+                    "message": (f"run {self.run!r} was registered again (epoch {epoch}; this "
+                                f"monitor first saw {self._epoch}): Redis lost the earlier "
+                                "run and its figures restarted; if the earlier run's output "
+                                "should continue, recover it with `genq recover --shards DIR… "
+                                "--replace`"),
+                }
+            replaced = self._replaced
+        if replaced:
+            status["alerts"].append(replaced)
 
     def _note(self, event: str, error: str | None) -> str | None:
         # One log line per change of state, not one per request: a page polls every 2 s.

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +22,10 @@ from common.cli import (
     guarded,
     risky_redis_settings,
     run_keys,
+    stop_on_signals,
 )
 from common.dataset import open_dataset
-from common.errors import REDIS_TROUBLE
+from common.errors import REDIS_TROUBLE, RunStateLost
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, reap_call
 
@@ -41,7 +41,6 @@ class ProduceSettings:
     run: str
     dataset: str
     params: dict[str, Any]
-    notices: tuple[str, ...]
     window: int
     once: bool
     interval: float
@@ -54,7 +53,10 @@ def parse(argv: list[str] | None) -> ProduceSettings:
     p.add_argument("--temperature", type=float, help="sampling temperature (default 0.6)")
     p.add_argument("--model", help="model name sent to the server (default: the server's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other generation parameter; repeatable")
+                   help="any other known generation parameter; repeatable")
+    p.add_argument("--raw", action="append", default=[], metavar="KEY=VALUE",
+                   help="a server-specific parameter genq does not know, sent as-is "
+                        "(value parsed as JSON where it parses); repeatable")
     p.add_argument("--window", type=int, default=0,
                    help="jobs kept queued (default: twice the live consumers' capacity, "
                         f"at least {MIN_WINDOW})")
@@ -68,11 +70,11 @@ def parse(argv: list[str] | None) -> ProduceSettings:
                       (a.model, "model")):
         if flag is not None:
             sets.append(f"{key}={flag}")
-    changes, notices = params.parse_sets(sets)
+    changes = params.parse_sets(sets, a.raw)
     if a.window < 0:
         p.error("--window must be >= 0")
     return ProduceSettings(redis_url=a.redis_url, run=a.run, dataset=a.dataset,
-                           params={**params.DEFAULTS, **changes}, notices=tuple(notices),
+                           params={**params.DEFAULTS, **changes},
                            window=a.window, once=a.once, interval=a.interval)
 
 
@@ -82,13 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     log.setup()
     k = run_keys(s.run)
     ds = open_dataset(s.dataset)
-    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
+    # --once stays interruptible as any command; the windowed producer stops cleanly.
+    stop = threading.Event() if s.once else stop_on_signals()
+    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop)
+    if r is None:  # stopped while waiting for Redis
+        logger.info("producer_stopped", run=s.run)
+        return 0
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()
-    for notice in s.notices:
-        logger.warning("unknown_parameter", notice=notice)
     if not params.init_version_one(r, k, s.params):
         version, current = params.current(r, k)
         if any(current.get(key) != value for key, value in s.params.items()):
@@ -98,37 +103,49 @@ def main(argv: list[str] | None = None) -> int:
     runner = ScriptRunner(r)
     logger.info("run_registered", run=s.run, dataset=info.dataset, total=info.total)
     if s.once:
-        added = feed.top_up(r, k, info.total, info.total, runner)
-        logger.info("enqueued", run=s.run, jobs=added)
-        print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
-        return 0
-    keep_window(r, k, s, info.total, runner)
+        return enqueue_once(r, k, s, info, runner)
+    return keep_window(r, k, s, info, runner, stop)
+
+
+def enqueue_once(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+                 runner: ScriptRunner) -> int:
+    """Every unfinished index, unless consumers are working the run: then only a window, so
+    a large data set is not dumped into Redis at once (a million RQ jobs is gigabytes);
+    the consumers' own top-up and the windowed producer queue the rest as it drains."""
+    live = live_capacity(r, k) > 0 or int(r.zcard(k.leases)) > 0
+    want = max(0, window_size(r, k, s.window) - int(r.llen(k.rq_queue))) if live else info.total
+    added = feed.top_up(r, k, info.total, want, runner, epoch=info.epoch) if want else 0
+    logger.info("enqueued", run=s.run, jobs=added, live=live)
+    print(f"enqueued {added} of {info.total} prompts in run {s.run!r}")
+    if live:
+        print(f"the run is live: only a window was queued; consumers top the queue up "
+              f"themselves, and `genq produce {s.dataset}` (without --once) keeps it full")
     return 0
 
 
 def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
     """Enough queued jobs that every live consumer can refill all its slots at once, twice."""
-    if fixed:
-        return fixed
+    return fixed or max(MIN_WINDOW, 2 * live_capacity(r, k))
+
+
+def live_capacity(r: redis.Redis, k: RunKeys) -> int:
+    """Requests the consumers with a live heartbeat keep in flight, together."""
     names = r.zrange(k.consumers, 0, -1)
     raws = r.mget([k.consumer(n.decode()) for n in names]) if names else []
-    capacity = sum(orjson.loads(raw).get("capacity", 0) for raw in raws if raw)
-    return max(MIN_WINDOW, 2 * capacity)
+    return sum(orjson.loads(raw).get("capacity", 0) for raw in raws if raw)
 
 
-def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, total: int,
-                runner: ScriptRunner) -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+                runner: ScriptRunner, stop: threading.Event) -> int:
     logger.info("producer_started", run=s.run, window=s.window or "auto")
-    backoff = 0.0
+    backoff, state = 0.0, "ok"
     while not stop.is_set():
         try:
-            runner(reap_call(k))
-            want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
-            if want > 0 and feed.top_up(r, k, total, want, runner):
-                logger.debug("topped_up", queued=r.llen(k.rq_queue))
+            state = watch_run(r, k, info, state)
+            if state == "replaced":
+                return 1
+            if state == "ok":
+                top_up_window(r, k, s, info, runner)
             if backoff:
                 logger.info("producer_resumed", run=s.run)
                 backoff = 0.0
@@ -147,3 +164,33 @@ def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, total: int,
             stop.wait(pause)
         stop.wait(s.interval)
     logger.info("producer_stopped", run=s.run)
+    return 0
+
+
+def top_up_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+                  runner: ScriptRunner) -> None:
+    runner(reap_call(k))
+    want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
+    try:
+        if want > 0 and feed.top_up(r, k, info.total, want, runner, epoch=info.epoch):
+            logger.debug("topped_up", queued=r.llen(k.rq_queue))
+    except RunStateLost:
+        pass  # gone since this round's check; the next round says so
+
+
+def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:
+    """Queue nothing while Redis does not hold the run this producer registered: after a loss
+    every index looks unfinished, and a re-created run is not this producer's to feed."""
+    state = runs.state_of(r, k, info.epoch)
+    if state == was:
+        return state
+    if state == "lost":
+        logger.error("run_state_lost", run=k.run, epoch=info.epoch,
+                     reason="the run is no longer in Redis; queueing stopped until it is back",
+                     command=f"genq recover --shards DIR… --run {k.run} (the consumers' --out)")
+    elif state == "replaced":
+        logger.error("run_replaced", run=k.run, epoch=info.epoch,
+                     reason="a run of the same name was registered again; this producer stops")
+    else:
+        logger.info("run_state_back", run=k.run, epoch=info.epoch)
+    return state

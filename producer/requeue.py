@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import redis
 from rich.progress import Progress
 
+from common import manifest as manifests
 from common import params
 from common import run as runs
 from common.cli import add_common, connect, guarded, run_keys
 from common.errors import UsageError
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, redo_call
+from producer import requeue_plan
 
 # Indices made runnable per redo script call: each call is atomic and exact, and at about
 # 9 us an index (bench/redo_scale.py) holds Redis for under 0.1 s, so acks are not held up.
@@ -25,38 +28,59 @@ REDO_PASSES = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="genq requeue", description=__doc__)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="parameter to change (max_tokens, temperature, top_p, model, "
-                        "enable_thinking, ...); repeatable")
+                   help=f"parameter to change ({', '.join(sorted(params.KNOWN))}); repeatable")
+    p.add_argument("--raw", action="append", default=[], metavar="KEY=VALUE",
+                   help="a server-specific parameter genq does not know, sent as-is (value "
+                        "parsed as JSON where it parses); repeatable")
+    p.add_argument("--unset", action="append", default=[], metavar="KEY",
+                   help="remove a parameter (a known one falls back to its default)")
     p.add_argument("--redo", choices=["none", "truncated", "failed", "all"], default="none",
                    help="also run again: results that hit max_tokens, failed prompts, or all")
-    p.add_argument("--inflight", choices=["abort", "finish"], default="abort",
+    p.add_argument("--inflight", choices=["abort", "finish"],
                    help="requests running under older parameters: abort and requeue them "
-                        "(default) or let them finish")
+                        "(default when parameters change) or let them finish (default for "
+                        "a --redo alone)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="say what would change and what it costs, change nothing")
     add_common(p)
     return p.parse_args(argv)
+
+
+def check(r: redis.Redis, k: RunKeys, new_params: dict[str, Any]) -> None:
+    """Refuse parameters that cannot work before any version is made, so a refused requeue
+    undoes no result: max_tokens against the context length the servers reported."""
+    params.check_fits(r, k, int(new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]))
 
 
 @guarded
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    changes, notices = params.parse_sets(a.set)
-    if not changes and a.redo == "none":
-        raise UsageError("nothing to change: give --set KEY=VALUE and/or --redo")
+    changes = params.parse_sets(a.set, a.raw)
+    if not changes and not a.unset and a.redo == "none":
+        raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
-    for notice in notices:
-        print(f"genq: note: {notice}", file=sys.stderr)
-    if changes:
-        version, diff = params.bump(r, k, changes, redo=a.redo, inflight=a.inflight)
-        described = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in diff.items())
-        print(f"run {a.run!r}: parameters version {version}: {described}")
-        if a.inflight == "abort":
-            print("requests running under older parameters are aborted and queued again")
-    else:
-        version = params.current(r, k)[0] + 1  # redo everything from the current version
+    inflight = a.inflight or ("abort" if changes or a.unset else "finish")
+    plan = requeue_plan.make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo,
+                                  inflight=inflight)
+    if not plan.diff and a.redo == "none":
+        raise UsageError("nothing to change: the parameters already have these values")
+    check(r, k, plan.new_params)
+    if a.dry_run:
+        print("dry run, nothing changed:")
+        print("\n".join(requeue_plan.render(plan)))
+        return 0
+    # A redo always makes a version, even without parameter changes: its scope is "results
+    # of versions before this one", which must not include what runs after it.
+    version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
+    results = failed = 0
     if a.redo != "none":
         results, failed = redo(r, k, info.total, a.redo, version)
+    # The manifest beside the shards must know this version before Redis could lose it.
+    manifests.upkeep(r, k, sorted(d.decode() for d in r.smembers(k.outdirs)), info.epoch)
+    print("\n".join(requeue_plan.render(plan)))
+    if a.redo != "none":
         print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")
     return 0
 

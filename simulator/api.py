@@ -8,12 +8,10 @@ from typing import Any
 
 import orjson
 
-from simulator import generation
+from simulator import generation, info
 from simulator.engine import ApiError, Engine
 from simulator.httpserver import Request, Response, error_body
 from simulator.settings import Settings
-
-VERSION = "0.4.9-sim"
 
 Route = Callable[[Request], Awaitable[Response]]
 
@@ -33,23 +31,29 @@ class App:
             ("POST", "/generate"): self.generate,
             ("GET", "/health"): self.health,
             ("GET", "/health_generate"): self.health,
-            ("GET", "/get_model_info"): self.model_info,
-            ("GET", "/get_server_info"): self.server_info,
-            ("GET", "/get_load"): self.load,
-            ("GET", "/v1/models"): self.models,
+            ("GET", "/get_model_info"): self.info(info.model_info),
+            ("GET", "/model_info"): self.info(info.model_info),
+            ("GET", "/get_server_info"): self.info(info.server_info),
+            ("GET", "/server_info"): self.info(info.server_info),
+            ("GET", "/v1/loads"): self.info(info.loads),
+            ("GET", "/v1/models"): self.info(info.models),
             ("GET", "/metrics"): self.metrics,
             ("GET", "/_sim/stats"): self.sim_stats,
             ("GET", "/_sim/faults"): self.sim_faults_get,
             ("POST", "/_sim/faults"): self.sim_faults_set,
         }
+        if settings.legacy_get_load:  # a server before 0.5: /get_load, no /v1/loads
+            self.routes[("GET", "/get_load")] = self.info(info.get_load)
+            del self.routes[("GET", "/v1/loads")]
         self._paths = {path for _, path in self.routes}
 
     async def __call__(self, request: Request) -> Response:
         route = self.routes.get((request.method, request.path))
         if route is None:
+            # FastAPI's own answers, as SGLang gives them for unknown paths and methods.
             if request.path in self._paths:
-                return Response(405, error_body(405, "method not allowed", "BadRequestError"))
-            return Response(404, error_body(404, f"no route {request.path}", "NotFoundError"))
+                return _json({"detail": "Method Not Allowed"}, 405)
+            return _json({"detail": "Not Found"}, 404)
         try:
             return await route(request)
         except ApiError as exc:
@@ -61,123 +65,32 @@ class App:
     async def generate(self, request: Request) -> Response:
         return await self._generation(generation.generate, request)
 
+    def info(self, endpoint: Callable[[Settings, Engine], Any]) -> Route:
+        async def route(request: Request) -> Response:
+            return _json(endpoint(self.settings, self.engine))
+
+        return route
+
     async def _generation(self, endpoint: Callable, request: Request) -> Response:
         self.engine.stats.received += 1
         try:
-            return _json(await endpoint(self.engine, request.body))
+            answer = await endpoint(self.engine, request.body)
+            if isinstance(answer, dict):
+                return _json(answer)
+            return Response(200, content_type="text/event-stream", stream=answer)
         except ApiError as exc:
             if exc.status == 400:
                 self.engine.stats.bad_requests += 1
             raise
 
     async def health(self, request: Request) -> Response:
-        return Response(200, b"", "text/plain")
-
-    async def model_info(self, request: Request) -> Response:
-        m = self.settings.model
-        return _json(
-            {
-                "model_path": m,
-                "tokenizer_path": m,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": "default",
-            }
-        )
-
-    async def server_info(self, request: Request) -> Response:
-        s = self.settings
-        return _json(
-            {
-                "model_path": s.model,
-                "tokenizer_path": s.model,
-                "served_model_name": s.model,
-                "host": s.host,
-                "port": s.port,
-                "max_running_requests": s.max_running_requests,
-                "max_queued_requests": None,
-                "reasoning_parser": "qwen3",
-                "enable_metrics": True,
-                "version": VERSION,
-                "simulator": {
-                    "decode_tps": s.decode_tps,
-                    "ttft": s.ttft,
-                    "time_scale": s.time_scale,
-                    "length_dist": str(s.length_dist),
-                    "seed": s.seed,
-                },
-            }
-        )
-
-    async def load(self, request: Request) -> Response:
-        # One entry per data-parallel rank, as SGLang reports it; the simulator has one rank.
-        slots = self.engine.slots
-        return _json(
-            [
-                {
-                    "dp_rank": 0,
-                    "num_reqs": slots.running,
-                    "num_waiting_reqs": slots.waiting,
-                    "num_tokens": self.engine.tokens_in_use(),
-                }
-            ]
-        )
-
-    async def models(self, request: Request) -> Response:
-        m = self.settings.model
-        return _json(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": m,
-                        "object": "model",
-                        "created": int(self.engine.started),
-                        "owned_by": "sglang",
-                        "root": m,
-                    },
-                ],
-            }
-        )
+        # SGLang answers 503 until its warm-up request has gone through.
+        warm = time.time() - self.engine.started >= self.settings.warmup
+        return Response(200 if warm else 503, b"", "text/plain")
 
     async def metrics(self, request: Request) -> Response:
-        return Response(200, self._metrics_text().encode(), "text/plain; version=0.0.4")
-
-    def _metrics_text(self) -> str:
-        e = self.engine
-        model = self.settings.model.replace('"', "")
-        label = f'{{model_name="{model}"}}'
-        rows = [
-            ("num_running_reqs", "gauge", "The number of running requests.", e.slots.running),
-            (
-                "num_queue_reqs",
-                "gauge",
-                "The number of requests in the waiting queue.",
-                e.slots.waiting,
-            ),
-            ("num_used_tokens", "gauge", "The number of used tokens.", e.tokens_in_use()),
-            (
-                "prompt_tokens_total",
-                "counter",
-                "Number of prefill tokens processed.",
-                e.stats.prompt_tokens,
-            ),
-            (
-                "generation_tokens_total",
-                "counter",
-                "Number of generation tokens processed.",
-                e.stats.output_tokens,
-            ),
-            ("num_requests_total", "counter", "Number of requests processed.", e.stats.completed),
-        ]
-        lines = []
-        for name, kind, help_text, value in rows:
-            lines += [
-                f"# HELP sglang:{name} {help_text}",
-                f"# TYPE sglang:{name} {kind}",
-                f"sglang:{name}{label} {float(value)}",
-            ]
-        return "\n".join(lines) + "\n"
+        text = info.metrics_text(self.settings, self.engine)
+        return Response(200, text.encode(), "text/plain; version=0.0.4")
 
     async def sim_stats(self, request: Request) -> Response:
         return _json(self.engine.stats_view())
@@ -196,7 +109,17 @@ class App:
         return _json(self.engine.faults.view())
 
 
-_FAULT_KEYS = {"status", "hang", "reset", "for_s", "error_rate", "hang_rate", "reset_rate", "clear"}
+_FAULT_KEYS = {
+    "status",
+    "hang",
+    "reset",
+    "finish",
+    "for_s",
+    "error_rate",
+    "hang_rate",
+    "reset_rate",
+    "clear",
+}
 
 
 def _check_faults(data: dict[str, Any]) -> None:
@@ -209,6 +132,8 @@ def _check_faults(data: dict[str, Any]) -> None:
     status = data.get("status")
     if status is not None and (type(status) is not int or not 400 <= status <= 599):
         raise ApiError(400, "status must be an HTTP error status (400-599) or null")
+    if data.get("finish") not in (None, "abort", "missing"):
+        raise ApiError(400, 'finish must be "abort", "missing" or null')
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data and (not _is_number(data[key]) or not 0 <= data[key] <= 1):
             raise ApiError(400, f"{key} must be between 0 and 1")
@@ -238,6 +163,9 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         faults.hang_until = until if data["hang"] else 0.0
     if "reset" in data:
         faults.reset_until = until if data["reset"] else 0.0
+    if "finish" in data:
+        faults.finish = data["finish"] or ""
+        faults.finish_until = until if data["finish"] else 0.0
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data:
             setattr(faults, key, float(data[key]))

@@ -54,7 +54,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=_number(int, lambda v: 0 <= v <= 65535, "a TCP port"), default=30000
     )
-    p.add_argument("--max-running-requests", type=positive_int, default=40)
+    p.add_argument(
+        "--max-running-requests",
+        type=positive_int,
+        default=None,
+        help="requests run at once; without it /get_server_info reports null, as SGLang 0.5 "
+        "does, and --effective-max-running applies",
+    )
+    p.add_argument(
+        "--effective-max-running",
+        type=positive_int,
+        default=40,
+        help="requests run at once when --max-running-requests is not given (SGLang sizes "
+        "this from memory; /v1/loads reports it)",
+    )
+    p.add_argument(
+        "--context-length",
+        type=positive_int,
+        default=32768,
+        help="prompt + max_tokens one request may use; more is refused with SGLang's 400",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_number(float, lambda v: v >= 0, "0 or more"),
+        default=0.0,
+        help="seconds /health answers 503 after start",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek-r1"],
+        default=None,
+        help="put thinking in reasoning_content; without it thinking stays in content",
+    )
+    p.add_argument(
+        "--legacy-get-load",
+        action="store_true",
+        help="serve /get_load instead of /v1/loads, like SGLang before 0.5",
+    )
     p.add_argument(
         "--decode-tps",
         type=positive,
@@ -139,7 +175,7 @@ async def serve(settings: Settings) -> None:
         "sim_listening",
         url=f"http://{settings.host}:{port}",
         model=settings.model,
-        max_running_requests=settings.max_running_requests,
+        max_running_requests=settings.running_limit,
         time_scale=settings.time_scale,
         length_dist=str(settings.length_dist),
     )

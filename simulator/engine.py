@@ -8,11 +8,18 @@ import itertools
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from simulator.httpserver import ResetConnection
 from simulator.model import Completion
 from simulator.settings import Settings
+
+# A streamed answer sends what was decoded about this often (real seconds), like SGLang's
+# per-step chunks but cheap enough for hundreds of streams on two cores.
+STREAM_STEP_S = 0.2
+
+Emit = Callable[[int], None]
 
 
 class ApiError(Exception):
@@ -91,6 +98,8 @@ class Faults:
     status_until: float = 0.0
     hang_until: float = 0.0
     reset_until: float = 0.0
+    finish: str = ""
+    finish_until: float = 0.0
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def pick(self) -> str | int | None:
@@ -111,6 +120,10 @@ class Faults:
             return "reset"
         return None
 
+    def forced_finish(self) -> str:
+        """The finish reason answers are given while the `finish` fault lasts, else ""."""
+        return self.finish if time.monotonic() < self.finish_until else ""
+
     def view(self) -> dict:
         now = time.monotonic()
         left = {k: max(0.0, getattr(self, k + "_until") - now) for k in ("status", "hang", "reset")}
@@ -122,6 +135,7 @@ class Faults:
             "status_left_s": left["status"],
             "hang_left_s": left["hang"],
             "reset_left_s": left["reset"],
+            "finish": self.forced_finish() or None,
         }
 
 
@@ -137,7 +151,7 @@ class Engine:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.slots = Slots(settings.max_running_requests)
+        self.slots = Slots(settings.running_limit)
         self.stats = Stats()
         self.faults = self.initial_faults()
         self._active: dict[int, _Running] = {}
@@ -153,8 +167,11 @@ class Engine:
             rng=random.Random(s.seed),
         )
 
-    async def run(self, prompt_tokens: int, completion: Completion) -> None:
-        """Queue, decode and finish one request; cancellation (client gone) aborts it."""
+    async def run(
+        self, prompt_tokens: int, completion: Completion, emit: Emit | None = None
+    ) -> None:
+        """Queue, decode and finish one request; cancellation (client gone) aborts it.
+        `emit(tokens_so_far)` is called as tokens are decoded (streamed answers)."""
         fault = self.faults.pick()
         if isinstance(fault, int):
             self.stats.fault_errors += 1
@@ -163,7 +180,7 @@ class Engine:
             if fault == "hang":
                 self.stats.hung += 1
                 await asyncio.Event().wait()
-            await self._decode(prompt_tokens, completion)
+            await self._decode(prompt_tokens, completion, emit)
         except asyncio.CancelledError:
             self.stats.aborted += 1
             raise
@@ -174,16 +191,32 @@ class Engine:
             raise ResetConnection
         self.stats.completed += 1
 
-    async def _decode(self, prompt_tokens: int, completion: Completion) -> None:
+    async def _decode(self, prompt_tokens: int, completion: Completion, emit: Emit | None) -> None:
         s = self.settings
         await self.slots.acquire()
         key = next(self._ids)
         try:
             self._active[key] = _Running(prompt_tokens, completion.tokens, time.monotonic())
-            await asyncio.sleep((s.ttft + completion.tokens / s.decode_tps) / s.time_scale)
+            if emit is None:
+                await asyncio.sleep((s.ttft + completion.tokens / s.decode_tps) / s.time_scale)
+            else:
+                await self._decode_steps(completion.tokens, emit)
         finally:
             self._active.pop(key, None)
             self.slots.release()
+
+    async def _decode_steps(self, tokens: int, emit: Emit) -> None:
+        s = self.settings
+        await asyncio.sleep(s.ttft / s.time_scale)
+        per_s = s.decode_tps * s.time_scale
+        step = max(1, round(STREAM_STEP_S * per_s))
+        done = min(1, tokens)  # the first token comes with the prefill, as in SGLang
+        emit(done)
+        while done < tokens:
+            n = min(step, tokens - done)
+            await asyncio.sleep(n / per_s)
+            done += n
+            emit(done)
 
     def tokens_in_use(self) -> int:
         """Prompt plus generated-so-far tokens of the running requests (SGLang's `num_tokens`)."""

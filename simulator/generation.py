@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any
@@ -9,8 +10,19 @@ from typing import Any
 import orjson
 
 from simulator.engine import ApiError, Engine
-from simulator.model import STOP_TOKEN_ID, Completion, complete, count_words, natural_length
+from simulator.model import (
+    STOP_TOKEN_ID,
+    Completion,
+    complete,
+    count_words,
+    natural_length,
+    texts,
+    usage,
+)
+from simulator.streaming import stream_chat
 
+# The error type SGLang gives when its request model (pydantic) rejects the body.
+PYDANTIC = "Bad Request"
 # SGLang's default when a request gives no limit (`max_new_tokens` 128); the chat endpoint
 # falls back to the same here, so a client that forgets the limit sees short, cut answers.
 DEFAULT_MAX_TOKENS = 128
@@ -20,16 +32,39 @@ def _json_object(body: bytes) -> dict[str, Any]:
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"invalid JSON body: {exc}") from None
+        raise ApiError(400, f"invalid JSON body: {exc}", PYDANTIC) from None
     if not isinstance(data, dict):
-        raise ApiError(400, "request body must be a JSON object")
+        raise ApiError(400, "request body must be a JSON object", PYDANTIC)
     return data
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ApiError(400, f"{name} must be a positive integer, got {value!r}")
+def _token_limit(value: Any, name: str) -> int:
+    # SGLang takes 0 (an empty answer, finish "length") and refuses negatives.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"{name} must be an integer, got {value!r}")
+    if value < 0:
+        raise ApiError(400, f"max_new_tokens must be at least 0, got {value}.")
     return value
+
+
+def _check_context(engine: Engine, prompt_tokens: int, max_tokens: int) -> None:
+    """SGLang's two context-length refusals, word for word (its tokenizer manager)."""
+    context = engine.settings.context_length
+    if prompt_tokens >= context:
+        raise ApiError(
+            400,
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+            f"({context} tokens).",
+        )
+    if prompt_tokens + max_tokens > context:
+        raise ApiError(
+            400,
+            "Requested token count exceeds the model's maximum context length of "
+            f"{context} tokens. You requested a total of {prompt_tokens + max_tokens} tokens: "
+            f"{prompt_tokens} tokens from the input messages and {max_tokens} tokens for the "
+            "completion. Please reduce the number of tokens in the input messages or the "
+            "completion to fit within the limit.",
+        )
 
 
 def _check_sampling(params: dict[str, Any]) -> None:
@@ -44,11 +79,11 @@ def _check_sampling(params: dict[str, Any]) -> None:
 
 def _message_text(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages must be a non-empty list")
+        raise ApiError(400, "messages must be a non-empty list", PYDANTIC)
     texts = []
     for message in messages:
         if not isinstance(message, dict) or "role" not in message:
-            raise ApiError(400, "each message must be an object with a role")
+            raise ApiError(400, "each message must be an object with a role", PYDANTIC)
         content = message.get("content")
         if isinstance(content, list):
             # OpenAI content parts: only the text parts count toward the prompt.
@@ -65,35 +100,42 @@ def _check_marker(engine: Engine, text: str) -> None:
 
 def _no_stream(data: dict[str, Any]) -> None:
     if data.get("stream"):
-        raise ApiError(400, "the simulator does not stream; send stream: false")
+        raise ApiError(400, "the simulator streams chat completions only; send stream: false")
 
 
-async def chat(engine: Engine, body: bytes) -> dict[str, Any]:
-    """`POST /v1/chat/completions`, answered in the OpenAI shape SGLang uses."""
+async def chat(engine: Engine, body: bytes) -> Any:
+    """`POST /v1/chat/completions`, answered in the OpenAI shape SGLang uses: one JSON body,
+    or with `stream: true` an async iterator of server-sent events."""
     data = _json_object(body)
-    _no_stream(data)
     text = _message_text(data.get("messages"))
     limit = data.get("max_completion_tokens", data.get("max_tokens"))
-    max_tokens = DEFAULT_MAX_TOKENS if limit is None else _positive_int(limit, "max_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if limit is None else _token_limit(limit, "max_tokens")
     _check_sampling(data)
     _check_marker(engine, text)
     kwargs = data.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True
     prompt_tokens = max(1, count_words(text))
+    _check_context(engine, prompt_tokens, max_tokens)
     done = complete(
         natural_length(text, engine.settings.seed, engine.settings.length_dist),
         max_tokens,
         thinking,
     )
+    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
+    # SGLang echoes the request's model, or says "default" when there is none.
+    model = data.get("model") if isinstance(data.get("model"), str) else "default"
+    parser = engine.settings.reasoning_parser is not None
+    if data.get("stream"):
+        options = data.get("stream_options") or {}
+        usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        return await stream_chat(engine, done, prompt_tokens, model, parser, usage)
     await engine.run(prompt_tokens, done)
-    model = data.get("model")
-    return _chat_body(
-        done, prompt_tokens, model if isinstance(model, str) and model else engine.settings.model
-    )
+    return _chat_body(done, prompt_tokens, model, parser)
 
 
-def _chat_body(done: Completion, prompt_tokens: int, model: str) -> dict[str, Any]:
+def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool) -> dict[str, Any]:
     finish = done.finish_reason
+    reasoning, content = texts(done, parser)
     return {
         "id": uuid.uuid4().hex,
         "object": "chat.completion",
@@ -104,8 +146,8 @@ def _chat_body(done: Completion, prompt_tokens: int, model: str) -> dict[str, An
                 "index": 0,
                 "message": {
                     "role": "assistant",
-                    "content": done.content_text(),
-                    "reasoning_content": done.reasoning_text(),
+                    "content": content,
+                    "reasoning_content": reasoning,
                     "tool_calls": None,
                 },
                 "logprobs": None,
@@ -113,13 +155,7 @@ def _chat_body(done: Completion, prompt_tokens: int, model: str) -> dict[str, An
                 "matched_stop": STOP_TOKEN_ID if finish == "stop" else None,
             }
         ],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": done.tokens,
-            "total_tokens": prompt_tokens + done.tokens,
-            "reasoning_tokens": done.reasoning_tokens,
-            "prompt_tokens_details": None,
-        },
+        "usage": usage(done, prompt_tokens),
     }
 
 
@@ -141,9 +177,10 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise ApiError(400, "sampling_params must be an object")
     limit = params.get("max_new_tokens")
-    max_tokens = DEFAULT_MAX_TOKENS if limit is None else _positive_int(limit, "max_new_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if limit is None else _token_limit(limit, "max_new_tokens")
     _check_sampling(params)
     _check_marker(engine, text)
+    _check_context(engine, prompt_tokens, max_tokens)
     done = complete(
         natural_length(text, engine.settings.seed, engine.settings.length_dist), max_tokens, True
     )

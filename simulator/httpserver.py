@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -40,6 +40,8 @@ class Response:
     status: int
     body: bytes = b""
     content_type: str = "application/json"
+    # A streamed answer: sent with chunked transfer encoding as its pieces come.
+    stream: AsyncIterator[bytes] | None = None
 
 
 class ResetConnection(Exception):
@@ -133,7 +135,9 @@ class _Connection:
             pass
 
     async def _dispatch(self, request: Request) -> bool:
-        task = asyncio.create_task(self.handler(request))
+        # Handling and writing run together, watched for EOF: a client that leaves at any
+        # time, even in the middle of a streamed answer, aborts its request.
+        task = asyncio.create_task(self._respond(request))
         watch = asyncio.create_task(self._watch_eof())
         try:
             await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -147,14 +151,45 @@ class _Connection:
         if task.cancelled():
             return False
         try:
-            response = task.result()
-        except ResetConnection:
-            await self._reset()
+            return task.result()
+        except ResetConnection as exc:
+            await self._reset(torn_head=not exc.args)
             return False
+
+    async def _respond(self, request: Request) -> bool:
+        try:
+            response = await self.handler(request)
+        except ResetConnection:
+            raise
         except Exception:
             log.exception("sim_handler_failed", path=request.path)
             response = Response(500, error_body(500, "internal error", "InternalServerError"))
+        if response.stream is not None:
+            return await self._write_stream(response, _keep_alive(request))
         return await self._write(response, _keep_alive(request))
+
+    async def _write_stream(self, response: Response, keep: bool) -> bool:
+        assert response.stream is not None
+        head = (
+            f"HTTP/1.1 {response.status} {_reason(response.status)}\r\n"
+            f"content-type: {response.content_type}\r\n"
+            "transfer-encoding: chunked\r\n"
+            f"{'' if keep else 'connection: close' + chr(13) + chr(10)}\r\n"
+        )
+        try:
+            self.writer.write(head.encode("latin-1"))
+            async for piece in response.stream:
+                self.writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await self.writer.drain()
+            self.writer.write(b"0\r\n\r\n")
+            await self.writer.drain()
+        except ConnectionError:
+            return False
+        except ResetConnection:
+            raise ResetConnection("mid-stream") from None
+        finally:
+            await response.stream.aclose()  # type: ignore[attr-defined]
+        return keep
 
     async def _write(self, response: Response, keep: bool) -> bool:
         head = (
@@ -170,14 +205,15 @@ class _Connection:
             return False
         return keep
 
-    async def _reset(self) -> None:
+    async def _reset(self, torn_head: bool = True) -> None:
         sock = self.writer.get_extra_info("socket")
         if sock is not None:
             # Linger 0 makes close() send a TCP RST instead of an orderly FIN.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         try:
-            self.writer.write(_PARTIAL)
-            await self.writer.drain()
+            if torn_head:  # a streamed answer is torn by the reset alone
+                self.writer.write(_PARTIAL)
+                await self.writer.drain()
         except ConnectionError:
             pass
         self.writer.transport.abort()

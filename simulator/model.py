@@ -40,9 +40,13 @@ class Completion:
     tokens: int
     reasoning_tokens: int
     thinking: bool
+    # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
+    forced_finish: str = ""
 
     @property
-    def finish_reason(self) -> str:
+    def finish_reason(self) -> str | None:
+        if self.forced_finish:
+            return None if self.forced_finish == "missing" else self.forced_finish
         return "length" if self.natural > self.tokens else "stop"
 
     @property
@@ -68,6 +72,30 @@ class Completion:
         return f"<think>{self.reasoning_text()}</think>\n\n{self.content_text()}"
 
 
+def texts(done: Completion, parser: bool, tokens: int | None = None) -> tuple[str | None, str]:
+    """(reasoning_content, content) after `tokens` decoded tokens (default: all of them).
+
+    With a reasoning parser the thinking goes to reasoning_content, and a completion that never
+    closed its thinking has content "" (as SGLang's qwen3 parser does). Without one,
+    reasoning_content is null and content is the raw text, thinking tags and all. Each prefix
+    is a prefix of the next, so a stream of deltas adds up to the whole answer."""
+    k = done.tokens if tokens is None else tokens
+    if k == 0:
+        return None, ""
+    think = min(k, done.reasoning_tokens)
+    reasoning = (THINK_WORD * think).rstrip()
+    answer = (ANSWER_WORD * (k - think)).rstrip()
+    if not done.thinking:
+        return None, answer
+    if parser:
+        return reasoning, answer
+    if k == done.tokens:
+        return None, done.raw_text()
+    if k > done.reasoning_tokens:
+        return None, f"<think>{reasoning}</think>\n\n{answer}"
+    return None, "<think>" + reasoning
+
+
 def complete(natural: int, max_tokens: int, thinking: bool) -> Completion:
     """Cut a natural completion at `max_tokens`; thinking comes first, then the answer."""
     tokens = min(natural, max_tokens)
@@ -75,3 +103,14 @@ def complete(natural: int, max_tokens: int, thinking: bool) -> Completion:
     return Completion(
         natural=natural, tokens=tokens, reasoning_tokens=min(think, tokens), thinking=thinking
     )
+
+
+def usage(done: Completion, prompt_tokens: int) -> dict:
+    """The `usage` object of a chat answer."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": done.tokens,
+        "total_tokens": prompt_tokens + done.tokens,
+        "reasoning_tokens": done.reasoning_tokens,
+        "prompt_tokens_details": None,
+    }

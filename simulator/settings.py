@@ -56,7 +56,18 @@ class Settings:
 
     host: str = "127.0.0.1"
     port: int = 30000
-    max_running_requests: int = 40
+    # None: launched without --max-running-requests, as most SGLang servers are; it then
+    # reports null in /get_server_info and runs `effective_max_running` at once.
+    max_running_requests: int | None = None
+    effective_max_running: int = 40
+    # Prompt + completion tokens one request may use (max_model_len in /v1/models).
+    context_length: int = 32768
+    # Seconds /health answers 503 after start, as SGLang does while it warms up.
+    warmup: float = 0.0
+    # None: thinking stays in `content` (SGLang without --reasoning-parser); "qwen3": split.
+    reasoning_parser: str | None = None
+    # Serve /get_load instead of /v1/loads, as SGLang before 0.5 did (0.5.x: 404).
+    legacy_get_load: bool = False
     decode_tps: float = 87.5
     ttft: float = 0.5
     time_scale: float = 1.0
@@ -68,3 +79,8 @@ class Settings:
     hang_rate: float = 0.0
     reset_rate: float = 0.0
     bad_marker: str = "__GENQ_BAD__"
+
+    @property
+    def running_limit(self) -> int:
+        """Requests run at once: as launched, else what the server sizes for itself."""
+        return self.max_running_requests or self.effective_max_running

@@ -59,7 +59,9 @@ class RedisServer:
 @pytest.fixture(scope="session")
 def redis_server():
     directory = Path(tempfile.mkdtemp(prefix="genq-redis-"))
-    server = RedisServer(directory)
+    # The shared Redis persists like a production one should (the no-persistence alert is
+    # tested on private servers); fault tests start their own without AOF.
+    server = RedisServer(directory, None, "--appendonly", "yes")
     server.start()
     yield server
     server.stop(kill=True)

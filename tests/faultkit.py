@@ -54,7 +54,7 @@ class Consumer(ConsumerProcess):
         self.log_path = Path(tempfile.mkstemp(prefix="genq-consumer-", suffix=".log")[1])
         args = [*prefix, sys.executable, "-m", "genq", "consume", "--server", server,
                 "--out", str(out), "--visibility-timeout", str(vt),
-                "--concurrency", str(concurrency), *BASE_FLAGS, *flags]
+                "--concurrency", str(concurrency), "--share-server", *BASE_FLAGS, *flags]
         if name:
             args += ["--name", name]
         # PYTHONFAULTHANDLER: a consumer that hangs is sent SIGABRT and its stacks go to the log.
@@ -143,8 +143,8 @@ def owners(r: redis.Redis, run: str) -> dict[str, str]:
 
 def claims(r: redis.Redis, run: str, total: int) -> list[int]:
     """Every index's claim count (the record's `attempt`), from the claims bitfield."""
-    raw = r.get(RunKeys(run).claims) or b""
-    return [raw[i] if i < len(raw) else 0 for i in range(total)]
+    raw = (r.get(RunKeys(run).claims) or b"").ljust(2 * total, b"\0")  # u16 per index
+    return [int.from_bytes(raw[2 * i:2 * i + 2], "big") for i in range(total)]
 
 
 def shard_lines(r: redis.Redis, run: str) -> tuple[Counter, int]:

@@ -41,8 +41,9 @@ class ConsumerProcess:
 
     def __init__(self, redis_url: str, run: str, server: str, out: Path, *flags: str) -> None:
         self.log_path = Path(tempfile.mkstemp(prefix="genq-consumer-", suffix=".log")[1])
-        args = [sys.executable, "-m", "genq", "consume", "--server", server, "--out", str(out),
-                *flags]
+        # --share-server: tests put several consumers on one simulator on purpose.
+        args = [sys.executable, "-m", "genq", "consume", "--server", server, "--share-server",
+                "--out", str(out), *flags]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, env=genq_env(redis_url, run),
                                          stdout=log, stderr=subprocess.STDOUT)
@@ -96,3 +97,25 @@ def wait_for(predicate, timeout: float = 30, interval: float = 0.05, what: str =
 
 def read_jsonl(path: Path) -> list[dict]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+
+
+def take_leases(r: redis.Redis, run: str, indices: list[int], server: str) -> None:
+    """Lease these indices to `server` the real way (enqueue.lua, then claim.lua), so a test's
+    hand-set run holds leases exactly as consumers write them."""
+    from common import feed, scripts
+    from common.keys import RunKeys
+
+    k, runner = RunKeys(run), scripts.ScriptRunner(r)
+    assert r.llen(k.rq_queue) == 0, "take leases before queueing other jobs"
+    assert feed.enqueue(r, k, indices, runner) == len(indices)
+    _, *rows = runner(scripts.claim_call(k, len(indices), 60.0, server, "w", "populate"))
+    assert sorted(int(row[1]) for row in rows) == sorted(indices)
+
+
+def queue_jobs(r: redis.Redis, run: str, indices: list[int]) -> None:
+    """Queue these indices as the producer does (enqueue.lua)."""
+    from common import feed, scripts
+    from common.keys import RunKeys
+
+    k = RunKeys(run)
+    assert feed.enqueue(r, k, indices, scripts.ScriptRunner(r)) == len(indices)

@@ -137,16 +137,18 @@ def test_sigstop_past_the_lease_gets_stale_acks_refused(
     other = Consumer(redis_url, run_name, sim_b.url, tmp_path / "b")
     try:
         wait_for(lambda: len(held_by(r, run_name, sim_a.url)) >= 3, what="zombie mid-request")
-        frozen = held_by(r, run_name, sim_a.url)
         zombie.signal(signal.SIGSTOP)
         stopped_at = time.monotonic()
+        time.sleep(0.3)  # an ack already sent lands; then what it holds is frozen for sure
+        frozen = held_by(r, run_name, sim_a.url)
+        assert frozen
         # The other consumer reaps the frozen leases and finishes everything meanwhile.
         assert other.wait(60) == 0, other.log()[-3000:]
         paused_s = time.monotonic() - stopped_at
         assert frozen <= {f"{run_name}-{i}" for i in done_set(r, run_name, n)}
         # Its leases expired while it was stopped: another claim took them over.
         attempts = claims(r, run_name, n)
-        assert any(attempts[int(job.rsplit("-", 1)[1])] >= 2 for job in frozen)
+        assert all(attempts[int(job.rsplit("-", 1)[1])] >= 2 for job in frozen)
         zombie.signal(signal.SIGCONT)
         assert zombie.wait(60) == 0, zombie.log()[-3000:]
         seen = zombie.event_names()
@@ -154,15 +156,16 @@ def test_sigstop_past_the_lease_gets_stale_acks_refused(
         zombie.cleanup()
         other.cleanup()
     refused = seen["lease_lost"] + seen["ack_refused"]
-    assert refused >= 1, seen
+    assert refused == len(frozen), seen  # every stale result refused, none accepted
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     record_figures("sigstop_past_lease", paused_s=round(paused_s, 1), frozen=len(frozen),
                    stale_refused=refused, **figures)
 
 
-@pytest.mark.skipif(shutil.which("faketime") is None, reason="faketime is not installed")
 def test_consumer_clock_90s_ahead_causes_no_premature_reclaim(
         tmp_path, redis_url, r, run_name, sim_factory):
+    # Never skipped: a missing tool must fail loudly (.ci/run installs it).
+    assert shutil.which("faketime"), "faketime is not installed (apt-get install faketime)"
     n = 16
     produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
     # Requests outlast the lease, so both consumers must renew, and both reap meanwhile.

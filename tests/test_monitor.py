@@ -14,13 +14,14 @@ from pathlib import Path
 import orjson
 import pytest
 from conftest import REPO, free_port, genq_env, wait_port
-from pipeline import wait_for
+from pipeline import queue_jobs, take_leases, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.keys import RATE_BUCKET_S, RunKeys
 from monitor.status_cli import status_main
 
 SERVER = 'http://gpu0:30000/"odd"\\path'  # a label value that needs escaping
+REASON = 'server refused the request (HTTP 400): <img src=x onerror="window.pwned=1"> & co'
 
 
 def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
@@ -40,9 +41,10 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
     )
     r.setrange(k.done, 0, b"\xff" * 12 + b"\xf0")  # indices 0..99
     r.setbit(k.failed, 999, 1)
-    r.rpush(k.rq_queue, *[f"{run}-{i}" for i in range(200, 230)])
-    r.zadd(k.leases, {f"{run}-{i}": now + 60 for i in range(100, 107)})
-    r.hset(k.lease_owner, mapping={f"{run}-{i}": f"e{i}|{SERVER}|3" for i in range(100, 107)})
+    r.hset(k.errors, "999", REASON)
+    r.set(k.params_version, 3)
+    take_leases(r, run, list(range(100, 107)), SERVER)  # as claim.lua writes them
+    queue_jobs(r, run, list(range(200, 230)))
     r.hset(
         k.counters,
         mapping={"finish:stop": 80, "finish:length": 20, "ctok_sum": 160_000, "ptok_sum": 9_000},
@@ -60,6 +62,8 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
                 f"tok|{SERVER}": 40_000,
                 "fin|length": length_per_bucket,
                 "fin|stop": 20 - length_per_bucket,
+                "vreq|3": 20,  # all under the current version 3
+                "vlen|3": length_per_bucket,
             },
         )
     r.zadd(k.consumers, {"c0": now})
@@ -182,6 +186,7 @@ def test_metrics_are_valid_prometheus(monitor, run_name):
     assert samples[("genq_server_inflight", by_server)] == 7
     assert samples[("genq_server_capacity", by_server)] == 40
     assert samples[("genq_server_requests_per_second", by_server)] == pytest.approx(2.0, rel=0.04)
+    assert samples[("genq_failed_by_reason", (("reason", REASON), ("run", run_name)))] == 1
 
 
 def test_progress_file_is_kept_current(monitor):
@@ -292,6 +297,8 @@ def test_page_shows_the_status(monitor):
             page.wait_for_timeout(300)  # let the bar's width transition settle for the picture
             page.screenshot(path=str(artifacts / "monitor.png"), full_page=True)
             alert = page.text_content("#alert-command-0")
+            reasons = page.text_content("#failure-reasons")
+            injected = page.evaluate("window.pwned") or page.query_selector("#failure-reasons img")
             row = page.text_content(
                 f"tr[data-server='{SERVER.replace(chr(92), chr(92) * 2)}']".replace('"', '\\"')
             )
@@ -307,6 +314,9 @@ def test_page_shows_the_status(monitor):
     assert num(shown["len-p50"]) == 1000 and num(shown["len-p90"]) == 4096
     assert alert == s["alerts"][0]["command"]
     assert "7 / 40" in row
+    # The failure reason is shown with its count, as text: its markup is never parsed.
+    assert s["failure_reasons"] == [{"reason": REASON, "count": 1, "example_index": 999}]
+    assert REASON in reasons and reasons.startswith("1") and not injected
 
 
 def test_the_log_says_what_the_page_says(monitor, run_name):

@@ -1,11 +1,9 @@
 """The queue scripts in any order, against a real Redis: claims, renewals, acks (current and
-stale), releases, failures, expiries and reaps, consumer crashes, `rq info` sweeps and redos
-(`genq requeue --redo`), with the queue's invariants checked after every step:
-
-- every index is in exactly one of queued, leased, done, failed (and `pending` says which);
-- done counts an index at most once: the counters and the length histogram agree with the
-  done bitmap;
-- an index's attempt count never decreases.
+stale), releases, failures, expiries, reaps, consumer crashes, `rq info` sweeps, redos,
+parameter changes (finishing or aborting old work) and RQ's own requeue, delete, cancel and
+empty, with the invariants checked after every step: each index in exactly one of queued,
+leased, done, failed (`pending` says which); done counted once (counters and histogram agree
+with the bitmap); attempts never decrease.
 """
 
 from __future__ import annotations
@@ -26,9 +24,11 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from rq.registry import StartedJobRegistry
+from rq import Queue
+from rq.job import Job
+from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegistry
 
-from common import feed, scripts
+from common import feed, params, scripts
 from common.keys import RunKeys
 
 N = 6
@@ -61,8 +61,10 @@ class QueueMachine(RuleBasedStateMachine):
         self.done: set[int] = set()
         self.failed: set[int] = set()
         self.attempts = [0] * N
-        self.acks = 0
         self.finish: dict[int, str] = {}  # index -> finish_reason of its accepted result
+        self.floor = 0  # results of a parameter version below this are superseded
+        self.kept: set[int] = set()  # redone indices whose previous result a redo set aside
+        self.marks: dict[str, int] = {}  # redo scope -> the version it was issued with
 
     def teardown(self) -> None:
         if hasattr(self, "r"):
@@ -87,9 +89,7 @@ class QueueMachine(RuleBasedStateMachine):
             lease = Held(jid.decode(), idx, ex.decode(), int(attempt), int(version))
             self.owner[idx] = lease.exec_id
             if int(spent) > MAX_ATTEMPTS:  # what the consumer does with an exhausted task
-                assert self.run(scripts.fail_call(self.k, lease.job_id, idx, lease.exec_id,
-                                                  reason="gave up", worker="w"))
-                self.settle(idx, self.failed)
+                self.fail_current(lease, "gave up")
             else:
                 self.held[consumer].append(lease)
 
@@ -117,11 +117,24 @@ class QueueMachine(RuleBasedStateMachine):
             self.k, lease.job_id, lease.index, lease.exec_id, completion_tokens=tokens,
             prompt_tokens=3, finish_reason=finish, version=lease.version,
             attempt=lease.attempt, server=f"http://{consumer}"))
-        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused.
-        assert accepted == int(self.current(lease))
-        if accepted:
-            self.acks += 1
+        # A stale ack (the lease expired and was reaped, or is someone else's now) is refused;
+        # a current one under parameters an abort superseded sends the task round again; one
+        # under a version a later redo covers is set aside and queued again.
+        covered = lease.version < self.marks.get("done", 0) or (
+            finish == "length" and lease.version < self.marks.get("truncated", 0))
+        if not self.current(lease):
+            assert accepted == 0
+        elif lease.version < self.floor:
+            assert accepted == 2
+            del self.owner[lease.index]
+        elif covered:
+            assert accepted == 3
+            del self.owner[lease.index]
+            self.kept.add(lease.index)
+        else:
+            assert accepted == 1
             self.finish[lease.index] = finish
+            self.kept.discard(lease.index)  # the new result replaces the one set aside
             self.settle(lease.index, self.done)
 
     @precondition(lambda self: any(self.held.values()))
@@ -138,16 +151,23 @@ class QueueMachine(RuleBasedStateMachine):
     @rule(pick=st.integers(0, 20))
     def fail(self, pick: int) -> None:
         _, lease = self.take(pick)
-        failed = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
-                                            reason="bad task", worker="w"))
-        assert failed == int(self.current(lease))
-        if failed:
-            self.settle(lease.index, self.failed)
+        if self.current(lease):
+            self.fail_current(lease, "bad task")
+        else:
+            assert self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                              reason="bad task", worker="w")) == 0
+
+    def fail_current(self, lease: Held, reason: str) -> None:
+        """A task failed for good: failed, unless a redo set a result aside for it, which
+        then stands again (a redo never loses a result)."""
+        got = self.run(scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
+                                         reason=reason, worker="w"))
+        assert got == (2 if lease.index in self.kept else 1)
+        self.settle(lease.index, self.done if lease.index in self.kept else self.failed)
 
     @precondition(lambda self: self.owner)
     @rule(pick=st.integers(0, N - 1))
-    def expire(self, pick: int) -> None:
-        """A lease's deadline passes (its consumer stalled or died)."""
+    def expire(self, pick: int) -> None:  # a deadline passes: its consumer stalled or died
         idx = sorted(self.owner)[pick % len(self.owner)]
         self.r.zadd(self.k.leases, {self.k.job_id(idx): 0}, xx=True)
         assert self.r.zscore(self.k.leases, self.k.job_id(idx)) == 0
@@ -162,26 +182,77 @@ class QueueMachine(RuleBasedStateMachine):
         for idx in reaped:
             del self.owner[idx]  # back in the queue; its old token is now stale
 
+    @rule(abort=st.booleans())
+    def bump_params(self, abort: bool) -> None:
+        """`genq requeue --set temperature=...`, letting old work finish or aborting it."""
+        version, _ = params.bump(self.r, self.k, {"temperature": 0.5}, redo="none",
+                                 inflight="abort" if abort else "finish")
+        if abort:
+            self.floor = version
+
+    def unsettled(self) -> list[int]:
+        return [i for i in range(N) if i not in self.done | self.failed]
+
+    @precondition(lambda self: self.unsettled())
+    @rule(pick=st.integers(0, N - 1), action=st.sampled_from(["delete", "cancel"]))
+    def rq_remove(self, pick: int, action: str) -> None:
+        """rq-dashboard's Delete or Job.cancel, then a reaper tick: failed, lease dropped."""
+        live = self.unsettled()
+        idx = live[pick % len(live)]
+        job = Job.fetch(self.k.job_id(idx), connection=self.r)
+        job.delete() if action == "delete" else job.cancel()
+        self.reap()
+        self.owner.pop(idx, None)
+        self.failed.add(idx)
+        assert b"through RQ" in self.r.hget(self.k.errors, str(idx))
+
+    @rule()
+    def rq_empty(self) -> None:
+        """rq-dashboard's Empty on the queue (Queue.empty deletes every queued job)."""
+        queued = {i for i in self.unsettled() if i not in self.owner}
+        Queue(self.k.queue_name, connection=self.r).empty()
+        self.reap()
+        self.failed |= queued
+
+    @precondition(lambda self: self.failed)
+    @rule(pick=st.integers(0, N - 1))
+    def rq_requeue(self, pick: int) -> None:
+        """rq-dashboard's Requeue (or the cancelled registry's), then a reaper tick."""
+        idx = sorted(self.failed)[pick % len(self.failed)]
+        jid = self.k.job_id(idx)
+        for registry in (FailedJobRegistry, CanceledJobRegistry):
+            reg = registry(self.k.queue_name, connection=self.r)
+            if jid in reg.get_job_ids(cleanup=False):
+                reg.requeue(jid)
+                break
+        else:
+            return  # deleted through RQ: RQ has nothing left to requeue
+        self.reap()
+        self.failed.discard(idx)
+        assert self.r.bitfield(self.k.spent).get("u8", f"#{idx}").execute() == [0]
+
     @rule(consumer=st.sampled_from(CONSUMERS))
-    def crash(self, consumer: str) -> None:
-        """The consumer dies: its leases stay until they expire and are reaped."""
+    def crash(self, consumer: str) -> None:  # its leases stay until they expire and are reaped
         self.held[consumer] = []
 
     @rule()
-    def rq_info(self) -> None:
-        """`rq info` sweeps rq's started registry with the host clock; it must move nothing."""
+    def rq_info(self) -> None:  # `rq info` sweeps with the host clock: it must move nothing
         StartedJobRegistry(self.k.queue_name, connection=self.r).cleanup()
 
     @rule(what=st.sampled_from(["truncated", "done", "failed"]), limit=st.integers(1, 4))
     def redo(self, what: str, limit: int) -> None:
-        """`genq requeue --redo`: settled indices become runnable again, in bounded calls,
-        and the consumers' top-up queues them."""
+        """`genq requeue --redo` in bounded calls; the consumers' top-up queues them."""
         if what == "failed":
             expected, source = set(self.failed), self.failed
         else:
             expected = {i for i in self.done if what == "done" or self.finish[i] == "length"}
             source = self.done
         below = int(self.r.get(self.k.params_version) or 1) + 1
+        # What params.bump does with a redo: a new version, and the scope recorded with it.
+        self.r.set(self.k.params_version, below)
+        if what != "failed":
+            self.marks[what] = below
+            self.r.hset(self.k.redo_marks, what, below)
         count, pos = 0, 0
         while pos < N:
             got, pos = self.run(scripts.redo_call(self.k, what, pos, N, below, limit))
@@ -189,6 +260,8 @@ class QueueMachine(RuleBasedStateMachine):
             count += got
         assert count == len(expected)
         source -= expected
+        if what != "failed":
+            self.kept |= expected
         assert feed.enqueue(self.r, self.k, sorted(expected), self.run) == len(expected)
 
     def settle(self, idx: int, into: set[int]) -> None:
@@ -231,19 +304,19 @@ class QueueMachine(RuleBasedStateMachine):
     def attempts_never_decrease(self) -> None:
         if not hasattr(self, "r"):
             return
-        raw = self.r.get(self.k.claims) or b""
-        now = [raw[i] if i < len(raw) else 0 for i in range(N)]
+        raw = (self.r.get(self.k.claims) or b"").ljust(2 * N, b"\0")
+        now = [int.from_bytes(raw[2 * i:2 * i + 2], "big") for i in range(N)]  # u16 each
         assert now == self.attempts  # the model's count only ever rises (asserted at claim)
 
 
 def bitset(raw: bytes | None) -> set[int]:
-    raw = raw or b""
+    raw = raw or b""  # bit 0 is the MSB of byte 0, as Redis numbers them
     return {i for i in range(len(raw) * 8) if raw[i // 8] & (0x80 >> (i % 8))}
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_queue_invariants_hold_in_any_order(redis_server):
     QueueMachine.url = redis_server.url
     run_state_machine_as_test(QueueMachine, settings=settings(
-        max_examples=150, stateful_step_count=50, deadline=None,
+        max_examples=100, stateful_step_count=50, deadline=None,
         suppress_health_check=[HealthCheck.too_slow]))

@@ -69,9 +69,7 @@ def test_clean_run_ships_every_index_once_and_exports_agree(
     n = 120
     start_run(tmp_path, redis_url, run_name, n)
     sim = sim_factory(time_scale=400, max_running_requests=8)
-    manifest = tmp_path / "out" / f"{run_name}.manifest.json"
-    manifest.parent.mkdir()
-    manifest.write_text('{"run": "as written beside the shards"}')
+    manifest = tmp_path / "out" / f"{run_name}.manifest.json"  # the consumer writes it
     c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "25")
     try:
         assert c.wait(90) == 0, c.log()[-3000:]
@@ -291,3 +289,44 @@ def test_a_slow_trickle_still_ships_by_shard_age(tmp_path, redis_url, r, run_nam
     asyncio.run(trickle())
     assert [rec["index"] for rec in bucket_records(client, run_name)] == [7]
     assert not list(tmp_path.glob("*.jsonl"))  # shipped, verified, and removed as asked
+
+
+@pytest.mark.timeout(150)
+def test_recover_from_s3_alone_restores_the_run_exactly(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):
+    """The machines and Redis are gone; the bucket (and the data set) are all that is left."""
+    import shutil
+
+    from conftest import RedisServer
+
+    n = 60
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    genq("requeue", "--set", "max_tokens=900", redis_url=redis_url, run=run_name)
+    out = tmp_path / "out"
+    c = consumer(redis_url, run_name, sim, out, "--burst", "--shard-records", "9")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    before = tmp_path / "before.jsonl"
+    genq("export", "--out", str(before), redis_url=redis_url, run=run_name)
+    status_before = orjson.loads(genq("status", "--json", redis_url=redis_url,
+                                      run=run_name).stdout)
+    shutil.rmtree(out)
+    (tmp_path / "fresh").mkdir()
+    fresh = RedisServer(tmp_path / "fresh")
+    fresh.start()
+    try:
+        got = genq("recover", "--from-s3", URI, redis_url=fresh.url, run=run_name)
+        assert "recovered run" in got.stdout and "parameters v2" in got.stdout, got.stdout
+        after = tmp_path / "after.jsonl"
+        genq("export", "--from-s3", URI, "--out", str(after), redis_url=fresh.url, run=run_name)
+        status_after = orjson.loads(genq("status", "--json", redis_url=fresh.url,
+                                         run=run_name).stdout)
+    finally:
+        fresh.stop(kill=True)
+    assert after.read_bytes() == before.read_bytes() and len(read_jsonl(after)) == n
+    for key in ("total", "done", "failed", "params_version", "finish_reasons",
+                "output_tokens", "params"):
+        assert status_after[key] == status_before[key], key

@@ -165,3 +165,62 @@ def test_leases_keep_working_while_redis_is_full(r, run_name):
     finally:
         r.config_set("maxmemory", 0)
     assert r.bitcount(k.done) == 1 and r.llen(k.rq_queue) == 2
+
+
+def test_finished_jobs_are_kept_by_number_and_errors_cleared_on_ack(r, run_name):
+    """Redis must not grow with the run: the finished registry and its job hashes stop at
+    FINISHED_KEEP, and an acked index leaves no errors entry."""
+    n = scripts.FINISHED_KEEP + 5
+    k, runner = setup_run(r, run_name, n)
+    for lease in claim(runner, k, n=n):
+        r.hset(k.errors, str(lease[1]), "HTTP 503 on an earlier attempt")
+        assert ack(runner, k, lease) == 1
+    registry = FinishedJobRegistry(k.queue_name, connection=r)
+    kept = registry.get_job_ids()
+    assert len(kept) == scripts.FINISHED_KEEP
+    assert kept == [k.job_id(i) for i in range(5, n)]  # the newest stay
+    assert [r.exists(k.rq_job(i)) for i in range(6)] == [0] * 5 + [1]
+    assert r.hlen(k.errors) == 0 and r.bitcount(k.done) == n
+
+
+def test_rq_requeue_of_a_failed_job_is_claimed_as_a_new_try(r, run_name):
+    k, runner = setup_run(r, run_name, 2)
+    jid, idx, ex, _ = claim(runner, k)[0]
+    assert runner(scripts.fail_call(k, jid, idx, ex, reason="HTTP 400", worker="w")) == 1
+    FailedJobRegistry(k.queue_name, connection=r).requeue(jid)
+    leases = claim(runner, k, n=2)
+    assert [lease[1] for lease in leases] == [1, 0]  # rq put it at the back
+    assert r.getbit(k.failed, 0) == 0 and r.getbit(k.pending, 0) == 1
+    assert r.hget(k.errors, "0") is None and leases[1][3] == 2
+    assert r.bitfield(k.spent).get("u8", "#0").execute() == [1]  # fresh attempts
+    assert ack(runner, k, leases[1]) == 1 and r.bitcount(k.done) == 1
+
+
+def test_presence_prunes_dead_consumers_and_idle_has_no_current_job(r, run_name):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from consumer import presence
+
+    k = RunKeys(run_name)
+    now = int(r.time()[0])
+    r.zadd(k.consumers, {"dead": now - presence.PRUNE_AFTER_S - 1, "recent": now - 5})
+    r.sadd(k.rq_workers, k.rq_worker("dead"), k.rq_worker("recent"))
+
+    async def beat(held: list[str]) -> None:
+        port = r.connection_pool.connection_kwargs["port"]
+        client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
+        try:
+            await presence.announce(client, k, "alive", now, {"server": "s"}, birth="b",
+                                    held=held)
+        finally:
+            await client.aclose()
+
+    asyncio.run(beat([f"{run_name}-0"]))
+    assert r.hget(k.rq_worker("alive"), "current_job") == f"{run_name}-0".encode()
+    asyncio.run(beat([]))
+    assert r.hget(k.rq_worker("alive"), "current_job") is None  # "" made rq-dashboard 500
+    assert {m.decode() for m in r.zrange(k.consumers, 0, -1)} == {"recent", "alive"}
+    assert not r.sismember(k.rq_workers, k.rq_worker("dead"))
+    assert r.sismember(k.rq_workers, k.rq_worker("recent"))

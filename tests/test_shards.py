@@ -159,6 +159,46 @@ def test_full_disk_leaves_no_torn_line(tmp_path):
     assert 0 < int(written) < 100
 
 
+FULL_DISK_THREADS = textwrap.dedent("""
+    import os, resource, signal, sys, threading
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
+    from common.errors import OutputUnavailable
+    from common.shards import ShardWriter
+    w = ShardWriter(sys.argv[1], "r", "c")
+    written, failed = [], []
+    def worker(k):
+        for i in range(100):
+            try:
+                w.write({"index": k * 1000 + i, "content": "y" * 300})
+            except OutputUnavailable:
+                failed.append(k)
+                return
+            written.append(k * 1000 + i)
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    w.close()
+    print(sorted(written), sorted(failed), sep="|")
+""")
+
+
+def test_full_disk_under_group_commit_keeps_exactly_the_records_reported_written(tmp_path):
+    # Eight threads share fdatasyncs; when a shared write does not fit, every record in it is
+    # reported failed and cut off again: the shard holds exactly the records whose write()
+    # returned, each line whole.
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_THREADS, str(tmp_path)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert proc.returncode == 0, proc.stderr
+    written, failed = (orjson.loads(part) for part in proc.stdout.strip().split("|"))
+    [shard] = tmp_path.glob("r.*.jsonl")
+    assert sorted(r["index"] for r in lines(shard)) == written
+    assert failed == list(range(8)) and 0 < len(written) < 800
+
+
 def write_raw(path: Path, data: bytes) -> Path:
     path.write_bytes(data)
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 import redis
+from pipeline import queue_jobs, take_leases
 from rich.console import Console
 
 from common.errors import UsageError
@@ -51,18 +52,10 @@ def populate(
         r.setbit(k.truncated, i - 100, 1)
     for i in (500, 501, 502):
         r.setbit(k.failed, i, 1)
-    r.rpush(k.rq_queue, *[f"{run}-{i}" for i in range(600, 612)])
-    r.zadd(k.leases, {f"{run}-{i}": now + 60 for i in range(700, 705)})
-    r.hset(
-        k.lease_owner,
-        mapping={
-            f"{run}-700": f"e1|{A}|2",
-            f"{run}-701": f"e2|{A}|2",
-            f"{run}-702": f"e3|{A}|2",
-            f"{run}-703": f"e4|{Bsrv}|2",
-            f"{run}-704": f"e5|{Bsrv}|2",
-        },
-    )
+    r.set(k.params_version, 2)
+    take_leases(r, run, [700, 701, 702], A)  # leases as claim.lua writes them
+    take_leases(r, run, [703, 704], Bsrv)
+    queue_jobs(r, run, list(range(600, 612)))
     r.hset(
         k.counters,
         mapping={
@@ -110,6 +103,9 @@ def populate(
                 f"tok|{Bsrv}": req_per_bucket * 25,
                 "fin|stop": req_per_bucket - length_per_bucket,
                 "fin|length": length_per_bucket,
+                # All under the current version 2 (the alert judges only those).
+                "vreq|2": req_per_bucket,
+                "vlen|2": length_per_bucket,
             },
         )
     r.zadd(k.consumers, {"c-a": now - 2, "c-b": now - 4})
@@ -278,8 +274,11 @@ def test_fresh_run_without_results(r, run_name):
     assert s["output_tokens"]["p50"] is None and s["servers"] == []
     assert s["params_version"] == 1 and s["params"]["max_tokens"] == 4096
     assert s["alerts"] == []
-    orjson.dumps(s)  # JSON-serialisable as is
-    render_table(s)
+    assert s["failure_reasons"] == []
+    assert orjson.loads(orjson.dumps(s)) == s  # JSON-serialisable as is, nothing lost
+    text = rendered(s)
+    assert "0 / 10 done" in text and "failed 0  remaining 10" in text
+    assert "ETA —" in text and "finish —" in text and "output tokens" not in text
 
 
 def test_unknown_run(r, run_name):
@@ -289,12 +288,38 @@ def test_unknown_run(r, run_name):
         read_status(r, "bad name!")
 
 
+def rendered(status: dict) -> str:
+    console = Console(width=120, record=True, color_system=None)
+    console.print(render_table(status))
+    return console.export_text()
+
+
+def test_failure_reasons_top_with_counts(r, run_name):
+    populate(r, run_name)
+    k = RunKeys(run_name)
+    r.hset(k.errors, mapping={
+        "500": "row 500: not valid JSON (unexpected character: line 1 column 2 (char 1))",
+        "501": "row 501: not valid JSON (unexpected character: line 1 column 9 (char 8))",
+        "502": "server refused the request (HTTP 400): [bad] <b>",
+        "700": "HTTP 503",  # in flight again after a retry: not a failure
+    })
+    s = read_status(r, run_name)
+    assert s["failure_reasons"] == [
+        {"reason": "row N: not valid JSON (unexpected character: …)", "count": 2,
+         "example_index": 500},
+        {"reason": "server refused the request (HTTP 400): [bad] <b>", "count": 1,
+         "example_index": 502},
+    ]
+    assert s["failure_reasons_counted"] == 3
+    text = rendered(s)
+    assert "failed 2 x row N: not valid JSON (unexpected character: …) (e.g. index 500)" in text
+    assert "failed 1 x server refused the request (HTTP 400): [bad] <b>" in text
+
+
 def test_render_table_is_readable(r, run_name):
     populate(r, run_name, length_per_bucket=4)
     s = read_status(r, run_name)
-    console = Console(width=120, record=True, color_system=None)
-    console.print(render_table(s))
-    text = console.export_text()
+    text = rendered(s)
     assert "100 / 1,000 done" in text and "10.00%" in text
     assert "stop 83" in text and "length 17" in text and "p90 4,096" in text
     assert A in text and "3/40" in text and "38/1" in text

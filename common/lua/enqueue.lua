@@ -1,11 +1,15 @@
 -- enqueue: create RQ jobs for indices that are not done, failed or already pending, so
 -- running the producer twice enqueues nothing twice.
--- KEYS: 1 queue, 2 done, 3 failed, 4 pending, 5 rq:queues
+-- KEYS: 1 queue, 2 done, 3 failed, 4 pending, 5 rq:queues, 6 meta, 7 rq canceled registry
 -- ARGV: 1 job key prefix, 2 run name, 3 queue key, 4 origin, 5 now iso, 6 result ttl,
---       7 failure ttl, then (index, data, description) triples
--- Returns the number of jobs enqueued.
+--       7 failure ttl, 8 epoch the caller registered or loaded ('' = any), then
+--       (index, data, description) triples
+-- Returns the number of jobs enqueued, or -1 if the run is not (or no longer) that epoch:
+-- after Redis lost the run, every bit reads 0 and a caller with a cached size would queue
+-- the whole data set again, to run under whatever parameters a re-created run has.
+if ARGV[8] ~= '' and redis.call('HGET', KEYS[6], 'epoch') ~= ARGV[8] then return -1 end
 local count = 0
-for i = 8, #ARGV, 3 do
+for i = 9, #ARGV, 3 do
   local idx = tonumber(ARGV[i])
   if redis.call('GETBIT', KEYS[2], idx) == 0 and redis.call('GETBIT', KEYS[3], idx) == 0
       and redis.call('SETBIT', KEYS[4], idx, 1) == 0 then
@@ -18,6 +22,8 @@ for i = 8, #ARGV, 3 do
       'started_at', '', 'ended_at', '', 'last_heartbeat', '', 'worker_name', '',
       'group_id', '', 'success_callback_name', '', 'failure_callback_name', '',
       'stopped_callback_name', '')
+    -- A job cancelled through RQ and revived by a redo is no longer rq's cancelled job.
+    redis.call('ZREM', KEYS[7], jid)
     redis.call('RPUSH', KEYS[1], jid)
     count = count + 1
   end

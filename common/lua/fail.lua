@@ -1,11 +1,14 @@
 #!lua flags=allow-oom
 -- fail: settle a leased job as failed (a bad task, or out of attempts): failed bit, the
 -- reason, and RQ's failed registry with a result rq-dashboard can show.
--- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry
+-- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry,
+--       8 kept, 9 done, 10 truncated, 11 counters, 12 length_hist, 13 acc_tokens,
+--       14 acc_ptoks, 15 acc_finish
 -- ARGV: 1 job id, 2 index, 3 exec id, 4 reason, 5 rq exc_string (b64 zlib), 6 worker name,
 --       7 failure ttl, 8 now iso, 9 job key prefix, 10 execution key prefix,
---       11 executions key prefix, 12 results key prefix
--- Returns 1 if failed, 0 if the lease was no longer ours.
+--       11 executions key prefix, 12 results key prefix, 13.. finish names by code
+-- Returns 1 if failed, 0 if the lease was no longer ours, 2 if a redo had set a result aside
+-- for this index: that result stands again (done, counted, marked kept) instead.
 local jid, idx, exec = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local owner = redis.call('HGET', KEYS[2], jid)
 if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
@@ -15,9 +18,25 @@ redis.call('HDEL', KEYS[2], jid)
 redis.call('ZREM', KEYS[1], jid)
 redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
 redis.call('DEL', ARGV[10] .. jid .. ':' .. exec, ARGV[11] .. jid)
-redis.call('SETBIT', KEYS[4], idx, 1)
 redis.call('SETBIT', KEYS[5], idx, 0)
 redis.call('HSET', KEYS[6], idx, ARGV[4])
+if redis.call('GETBIT', KEYS[8], idx) == 1 then
+  -- A redo never loses a result: the one it set aside is what this index keeps.
+  local at = '#' .. idx
+  local ctoks = redis.call('BITFIELD', KEYS[13], 'GET', 'u32', at)[1]
+  local ptoks = redis.call('BITFIELD', KEYS[14], 'GET', 'u32', at)[1]
+  local code = redis.call('BITFIELD', KEYS[15], 'GET', 'u8', at)[1]
+  redis.call('SETBIT', KEYS[9], idx, 1)
+  redis.call('SETBIT', KEYS[10], idx, code == 2 and 1 or 0)
+  redis.call('HINCRBY', KEYS[11], 'finish:' .. (ARGV[12 + code] or 'other'), 1)
+  redis.call('HINCRBY', KEYS[11], 'ctok_sum', ctoks)
+  redis.call('HINCRBY', KEYS[11], 'ptok_sum', ptoks)
+  redis.call('HINCRBY', KEYS[11], 'kept', 1)
+  redis.call('HINCRBY', KEYS[12], ctoks, 1)
+  redis.call('HSET', ARGV[9] .. jid, 'status', 'finished', 'ended_at', ARGV[8])
+  return 2
+end
+redis.call('SETBIT', KEYS[4], idx, 1)
 local job = ARGV[9] .. jid
 redis.call('HSET', job, 'status', 'failed', 'ended_at', ARGV[8])
 redis.call('PERSIST', job)

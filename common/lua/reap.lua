@@ -1,15 +1,20 @@
 #!lua flags=allow-oom
 -- reap: return every job whose lease deadline (Redis TIME) has passed to the front of the
 -- queue. Any number of consumers and monitors may run it; each expired lease moves once.
--- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors
+-- It also sweeps a bounded slice of the run for what RQ's own tools did out of genq's sight
+-- (a queued or running job deleted, cancelled or emptied away; a failed job requeued), so
+-- genq's bits follow rq's state without waiting for a claim to pop the job.
+-- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors, 6 pending, 7 failed,
+--       8 sweep cursors (hash), 9 spent, 10 rq failed registry
 -- ARGV: 1 limit, 2 job key prefix, 3 execution key prefix, 4 executions key prefix,
---       5 run name
+--       5 run name, 6 sweep budget (indices per bitmap per call)
 -- Returns the job ids returned to the queue.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local skip = #ARGV[5] + 2
-for _, jid in ipairs(expired) do
+
+local function drop_lease(jid)
   local owner = redis.call('HGET', KEYS[2], jid) or ''
   local exec, server = string.match(owner, '^([^|]*)|([^|]*)')
   redis.call('HDEL', KEYS[2], jid)
@@ -19,9 +24,68 @@ for _, jid in ipairs(expired) do
     redis.call('DEL', ARGV[3] .. jid .. ':' .. exec)
   end
   redis.call('DEL', ARGV[4] .. jid)
-  redis.call('HSET', KEYS[5], string.sub(jid, skip),
-    'lease expired on ' .. (server or '?') .. ' (consumer died, stalled or lost Redis)')
-  redis.call('HSET', ARGV[2] .. jid, 'status', 'queued')
-  redis.call('LPUSH', KEYS[4], jid)
+  return server
 end
+
+-- A job RQ's tools deleted or cancelled settles as failed with that reason (its lease, if
+-- any, is dropped so no ack lands), never runs again unasked.
+local function settle_removed(idx, jid, status)
+  drop_lease(jid)
+  redis.call('SETBIT', KEYS[6], idx, 0)
+  redis.call('SETBIT', KEYS[7], idx, 1)
+  redis.call('HSET', KEYS[5], idx, 'job ' .. (status or 'deleted') .. ' through RQ; '
+    .. '`genq requeue --redo failed` runs it again')
+end
+
+for _, jid in ipairs(expired) do
+  local idx = string.sub(jid, skip)
+  local status = redis.call('HGET', ARGV[2] .. jid, 'status')
+  if status ~= 'started' and status ~= 'queued' then
+    settle_removed(tonumber(idx), jid, status)
+  else
+    local server = drop_lease(jid)
+    redis.call('HSET', KEYS[5], idx,
+      'lease expired on ' .. (server or '?') .. ' (consumer died, stalled or lost Redis)')
+    redis.call('HSET', ARGV[2] .. jid, 'status', 'queued')
+    redis.call('LPUSH', KEYS[4], jid)
+  end
+end
+
+-- A pending index whose rq job is gone or no longer queued/started was taken by RQ's tools.
+local function check_pending(idx)
+  local jid = ARGV[5] .. '-' .. idx
+  local status = redis.call('HGET', ARGV[2] .. jid, 'status')
+  if status ~= 'queued' and status ~= 'started' then settle_removed(idx, jid, status) end
+end
+
+-- A failed index whose rq job is queued again was requeued through RQ: it runs again.
+local function check_failed(idx)
+  local jid = ARGV[5] .. '-' .. idx
+  if redis.call('HGET', ARGV[2] .. jid, 'status') ~= 'queued' then return end
+  redis.call('SETBIT', KEYS[7], idx, 0)
+  redis.call('SETBIT', KEYS[6], idx, 1)
+  redis.call('BITFIELD', KEYS[9], 'SET', 'u8', '#' .. idx, 0)
+  redis.call('HDEL', KEYS[5], idx)
+  redis.call('ZREM', KEYS[10], jid)
+end
+
+-- Goes round the bitmap from where the last call stopped, at most once per call.
+local function sweep(bits, field, check)
+  local start = tonumber(redis.call('HGET', KEYS[8], field) or '0')
+  local pos, wrapped = start, start == 0
+  for _ = 1, tonumber(ARGV[6]) do
+    local idx = redis.call('BITPOS', bits, 1, pos, -1, 'BIT')
+    if idx < 0 and not wrapped then
+      wrapped, pos = true, 0
+      idx = redis.call('BITPOS', bits, 1, 0, -1, 'BIT')
+    end
+    if idx < 0 or (wrapped and start > 0 and idx >= start) then pos = 0 break end
+    check(idx)
+    pos = idx + 1
+  end
+  redis.call('HSET', KEYS[8], field, pos)
+end
+
+sweep(KEYS[6], 'pending', check_pending)
+sweep(KEYS[7], 'failed', check_failed)
 return expired

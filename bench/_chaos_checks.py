@@ -1,0 +1,91 @@
+"""The checks a chaos soak ends with, on the run's final state: what a user cares about."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import redis
+from _common import genq
+
+from common.keys import FINISH_NAMES, RunKeys
+from common.status import read_status
+
+
+def bits(raw: bytes | None, total: int) -> set[int]:
+    data = int.from_bytes((raw or b"").ljust((total + 7) // 8, b"\0")[: (total + 7) // 8], "big")
+    width = 8 * ((total + 7) // 8)
+    return {i for i in range(total) if data >> (width - 1 - i) & 1}
+
+
+def export_records(redis_url: str, run: str, out: Path) -> list[dict]:
+    genq("export", "--out", str(out), redis_url=redis_url, run=run)
+    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
+
+
+def superseded(records: list[dict], requeues: list[dict]) -> list[int]:
+    """Indices whose accepted result ran under parameters a requeue had replaced: one written
+    after a requeue that aborts older work (its `at` is the switch, from the run's history, on
+    this host's clock), under an older version; or a truncated result older than a
+    `--redo truncated`."""
+    bad = set()
+    for q in requeues:
+        for rec in records:
+            older = rec["params_version"] < q["version"]
+            if older and rec["created_at"] > q["at"] + 0.01:  # created_at is rounded to 1 ms
+                bad.add(rec["index"])
+            if older and q["redo"] == "truncated" and rec["finish_reason"] == "length":
+                bad.add(rec["index"])
+    return sorted(bad)
+
+
+def shard_lines(out_dirs: list[Path], run: str) -> Counter:
+    lines: Counter = Counter()
+    for d in out_dirs:
+        for path in d.glob(f"{run}.*.jsonl"):
+            for line in path.read_bytes().splitlines():
+                try:
+                    lines[orjson.loads(line)["index"]] += 1
+                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    lines["torn"] += 1
+    return lines
+
+
+def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: Path,
+                 requeues: list[dict], out_dirs: list[Path]) -> tuple[dict, dict]:
+    """(checks: name -> passed, figures)."""
+    k = RunKeys(run)
+    done, failed = bits(r.get(k.done), total), bits(r.get(k.failed), total)
+    records = export_records(redis_url, run, workdir / "export.jsonl")
+    indices = [rec["index"] for rec in records]
+    status = read_status(r, run)
+    finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()
+                     else "other" for rec in records)
+    lines = shard_lines(out_dirs, run)
+    switched = {h["version"]: h["at"] for h in map(orjson.loads, r.lrange(k.params_history, 0, -1))}
+    for q in requeues:  # the moment Redis switched, not when the command was started
+        q["at"] = switched.get(q["version"], q["at"])
+    stale = superseded(records, requeues)
+    checks = {
+        "nothing_lost": len(done | failed) == total and not done & failed,
+        "each_index_once_in_export": indices == sorted(done),
+        "no_result_under_superseded_parameters": not stale,
+        "status_equals_export": (
+            status["done"] == len(records) and status["failed"] == len(failed)
+            and status["finish_reasons"] == dict(finish)
+            and status["output_tokens_total"] == sum(r_["completion_tokens"] for r_ in records)
+            and status["prompt_tokens_total"] == sum(r_["prompt_tokens"] for r_ in records)),
+        "queue_and_leases_empty": r.llen(k.rq_queue) == 0 and r.zcard(k.leases) == 0,
+    }
+    reasons = r.hmget(k.errors, [str(i) for i in sorted(failed)]) if failed else []
+    errors = Counter((v or b"?").decode(errors="replace")[:80] for v in reasons)
+    figures = {
+        "done": len(done), "failed": len(failed), "superseded": stale[:20],
+        "duplicate_shard_lines": sum(c for i, c in lines.items() if i != "torn") - len(
+            [i for i in lines if i != "torn"]),
+        "torn_shard_lines": lines.get("torn", 0),
+        "top_failure_reasons": errors.most_common(5),
+        "params_version": status["params_version"],
+    }
+    return checks, figures

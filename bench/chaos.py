@@ -1,0 +1,289 @@
+"""A seeded chaos soak: a real run (private Redis with AOF, simulators, consumers, the windowed
+producer and the monitor) while random faults hit it: consumers SIGKILLed, stopped with SIGTERM
+and paused; Redis SIGKILLed and restarted from its AOF; servers answering 503, resetting
+connections, hanging, or killed and restarted; parameters changed under it (`genq requeue`).
+It ends with the checks a user cares about and exits 1 if any fails:
+
+  nothing lost (every index done or failed), each index once in the export, no result under
+  superseded parameters, `genq status` equal to the export, every process stopped on SIGTERM.
+
+    python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
+    python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
+
+The seed fixes the draws; a draw whose target is busy (down, paused) is drawn again, so the mix
+of faults varies a little with timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+from _chaos_checks import final_checks
+from _chaos_procs import Proc, Redis, Simulator, genq_proc
+from _common import dump_json, genq
+
+from common.keys import RunKeys
+from common.net import free_port
+
+RUN = "chaos"
+STOP_BOUND_S = 30.0  # a consumer: --grace 2, then at most 5 s for slots stuck on Redis
+FAULTS = {"consumer_kill": 3, "consumer_term": 2, "consumer_pause": 1, "redis_kill": 2,
+          "sim_503": 1, "sim_reset": 1, "sim_hang": 1, "sim_restart": 1, "requeue": 1}
+POISON = "__CHAOS_POISON__"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=20000)
+    p.add_argument("--faults", type=int, default=60)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--servers", type=int, default=3, help="simulators, one consumer each")
+    p.add_argument("--slots", type=int, default=16, help="max_running_requests per server")
+    p.add_argument("--request-s", type=float, default=0.1, help="mean request time, seconds")
+    p.add_argument("--fault-every", type=float, default=3.0, help="seconds between faults")
+    p.add_argument("--poison", type=int, default=5, help="rows every server refuses (HTTP 400)")
+    p.add_argument("--vt", type=float, default=4.0, help="consumer visibility timeout")
+    p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--json", help="write the figures here")
+    p.add_argument("--keep", action="store_true", help="keep the work directory")
+    return p.parse_args(argv)
+
+
+def write_dataset(path: Path, n: int, poison: int, rng: random.Random) -> set[int]:
+    bad = set(rng.sample(range(n), min(poison, n)))
+    with open(path, "w") as f:
+        for i in range(n):
+            text = f"Write program number {i}." + (f" {POISON}" if i in bad else "")
+            f.write(f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "{text}"}}]}}\n')
+    return bad
+
+
+class Soak:
+    def __init__(self, a: argparse.Namespace, workdir: Path) -> None:
+        self.a, self.dir, self.rng = a, workdir, random.Random(a.seed)
+        self.redis = Redis(workdir)
+        self.redis.start()
+        self.r = redis.Redis.from_url(self.redis.url, socket_timeout=5)
+        self.k = RunKeys(RUN)
+        data = workdir / "data.jsonl"
+        self.poison = write_dataset(data, a.prompts, a.poison, self.rng)
+        # ttft 0.5 s + ~200 tokens at 87.5 tok/s = 2.8 simulated seconds per request.
+        flags = ["--time-scale", str(round(2.8 / a.request_s, 3)), "--max-running-requests",
+                 str(a.slots), "--length-dist", "lognormal:200:0.5", "--bad-marker", POISON]
+        self.sims = [Simulator(i, workdir, flags) for i in range(a.servers)]
+        genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=self.redis.url,
+             run=RUN)
+        self.out_dirs = [workdir / f"out{i}" for i in range(a.servers)]
+        self.consumers = [self.service(f"consumer{i}", [
+            "consume", "--server", sim.url, "--out", str(self.out_dirs[i]), "--name", f"c{i}",
+            "--visibility-timeout", str(a.vt), "--grace", "2", "--request-timeout", "10",
+            "--max-attempts", "10"]) for i, sim in enumerate(self.sims)]
+        self.others = [self.service("producer", ["produce", str(data), "--max-tokens", "300"]),
+                       self.service("monitor", [
+                           "monitor", "--host", "127.0.0.1", "--port", str(free_port()),
+                           "--progress-file", str(workdir / "progress.json")])]
+        for proc in [*self.sims, *self.consumers, *self.others]:
+            proc.start()
+        self.later: list[tuple[float, str, object]] = []  # (when, what, target)
+        self.fired: Counter = Counter()
+        self.requeues: list[dict] = []
+        self.term_exits: list[tuple[int | None, float]] = []
+
+    def service(self, name: str, args: list[str]) -> Proc:
+        marker = b'"consumer_started"' if name.startswith("consumer") else b""
+        return genq_proc(name, args, self.dir, self.redis.url, RUN, marker)
+
+    # --- faults --------------------------------------------------------------------------
+    def fire(self) -> None:
+        kinds, weights = zip(*FAULTS.items(), strict=True)
+        for _ in range(20):  # a kind whose target is busy (down, paused) is drawn again
+            kind = self.rng.choices(kinds, weights)[0]
+            if getattr(self, kind)():
+                self.fired[kind] += 1
+                return
+
+    def free(self, procs: list[Proc]) -> Proc | None:
+        busy = {id(target) for _, _, target in self.later}
+        ready = [p for p in procs if p.started and id(p) not in busy]
+        return self.rng.choice(ready) if ready else None
+
+    def restart_later(self, proc: Proc, lo: float, hi: float) -> None:
+        self.later.append((time.monotonic() + self.rng.uniform(lo, hi), "start", proc))
+
+    def consumer_kill(self) -> bool:
+        if c := self.free(self.consumers):
+            c.kill()
+            self.restart_later(c, 0.5, 3)
+        return c is not None
+
+    def consumer_term(self) -> bool:
+        if c := self.free(self.consumers):
+            self.term_exits.append(c.stop(STOP_BOUND_S))
+            self.restart_later(c, 0.5, 2)
+        return c is not None
+
+    def consumer_pause(self) -> bool:
+        if c := self.free(self.consumers):
+            c.signal(signal.SIGSTOP)
+            when = time.monotonic() + self.a.vt + self.rng.uniform(1, 3)
+            self.later.append((when, "cont", c))
+        return c is not None
+
+    def redis_kill(self) -> bool:
+        # Redis (appendfsync everysec) may forget its last second of writes when killed; a
+        # requeue forgotten that way would be Redis's loss, not genq's, so none is that recent.
+        recent = self.requeues and time.time() - self.requeues[-1]["at"] < 2.5
+        if self.redis.up and not recent and not any(t is self.redis for _, _, t in self.later):
+            self.redis.kill()
+            self.restart_later(self.redis, 0.5, 3)
+            return True
+        return False
+
+    def sim_fault(self, body: dict) -> bool:
+        if s := self.free(self.sims):
+            s.fault(body)
+        return s is not None
+
+    def sim_503(self) -> bool:
+        return self.sim_fault({"status": 503, "for_s": self.rng.uniform(1, 4)})
+
+    def sim_reset(self) -> bool:
+        return self.sim_fault({"reset": True, "for_s": self.rng.uniform(1, 3)})
+
+    def sim_hang(self) -> bool:
+        return self.sim_fault({"hang": True, "for_s": self.rng.uniform(1, 3)})
+
+    def sim_restart(self) -> bool:
+        if s := self.free(self.sims):
+            s.kill()
+            self.restart_later(s, 0.5, 2)
+        return s is not None
+
+    def requeue(self) -> bool:
+        if not self.redis.up or any(t is self.redis for _, _, t in self.later):
+            return False
+        if len(self.requeues) % 3 == 2:
+            change, redo = f"max_tokens={self.rng.randint(250, 350)}", "truncated"
+        else:
+            change, redo = f"temperature={round(self.rng.uniform(0.1, 1.0), 2)}", "none"
+        at = time.time()
+        out = genq("requeue", "--set", change, "--redo", redo, redis_url=self.redis.url,
+                   run=RUN, check=False)
+        if out.returncode != 0:
+            return False
+        version = int(out.stdout.split("parameters version ", 1)[1].split(":", 1)[0])
+        self.requeues.append({"version": version, "at": at, "redo": redo, "set": change})
+        return True
+
+    def due(self) -> None:
+        now = time.monotonic()
+        for item in [x for x in self.later if x[0] <= now]:
+            self.later.remove(item)
+            _, what, proc = item
+            proc.signal(signal.SIGCONT) if what == "cont" else proc.start()
+
+    # --- the run -------------------------------------------------------------------------
+    def settled(self) -> bool:
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for key in (self.k.done, self.k.failed):
+                pipe.bitcount(key)
+            pipe.llen(self.k.rq_queue)
+            pipe.zcard(self.k.leases)
+            done, failed, queued, leased = pipe.execute()
+        except redis.RedisError:
+            return False
+        self.done = done
+        return done + failed >= self.a.prompts and not queued and not leased
+
+    def run(self) -> dict:
+        start = time.monotonic()
+        next_fault, last_change, last_done, longest = start + self.a.fault_every, start, -1, 0.0
+        self.done, shown = 0, start
+        while True:
+            now = time.monotonic()
+            self.due()
+            if sum(self.fired.values()) < self.a.faults and now >= next_fault:
+                self.fire()
+                next_fault = now + self.a.fault_every * self.rng.uniform(0.5, 1.5)
+            if self.settled() and not self.later and sum(self.fired.values()) >= self.a.faults:
+                break
+            if self.done != last_done:
+                longest = max(longest, now - last_change)
+                last_change, last_done = now, self.done
+            if now - shown >= 10:
+                shown = now
+                print(f"[{now - start:6.0f} s] done {self.done}/{self.a.prompts}, faults "
+                      f"{sum(self.fired.values())}/{self.a.faults}", file=sys.stderr, flush=True)
+            if now - start > self.a.timeout:
+                raise TimeoutError(f"not settled after {self.a.timeout} s")
+            time.sleep(0.2)
+        return {"duration_s": round(time.monotonic() - start, 1),
+                "longest_stall_s": round(longest, 1)}
+
+    def stop_all(self) -> dict[str, tuple[int | None, float]]:
+        """SIGTERM every process, as an operator would; each must exit 0 within the bound."""
+        for c in self.consumers:
+            c.wait_started(60)
+        return {p.name: p.stop(STOP_BOUND_S) for p in [*self.consumers, *self.others,
+                                                        *self.sims]}
+
+    def close(self) -> None:
+        for p in [*self.consumers, *self.others, *self.sims, self.redis]:
+            p.signal(signal.SIGCONT)
+            p.kill()
+
+
+def report(a: argparse.Namespace, soak: Soak, timing: dict, stops: dict) -> dict:
+    checks, figures = final_checks(soak.r, soak.redis.url, RUN, a.prompts, soak.dir,
+                                   soak.requeues, soak.out_dirs)
+    terms = [*soak.term_exits, *stops.values()]
+    checks["every_process_stopped_on_sigterm"] = all(rc == 0 for rc, _ in terms)
+    checks["poison_prompts_failed"] = all(soak.r.getbit(soak.k.failed, i) for i in soak.poison)
+    return {
+        "settings": {k: v for k, v in vars(a).items() if k not in ("json", "keep")},
+        "checks": checks, **figures, **timing,
+        "prompts_per_s": round(a.prompts / timing["duration_s"], 1),
+        "faults": dict(soak.fired), "faults_total": sum(soak.fired.values()),
+        "requeues": soak.requeues,
+        "restarts": {p.name: p.starts - 1 for p in [*soak.consumers, *soak.sims, soak.redis]},
+        "sigterm_exit_s_max": max((s for _, s in terms), default=0.0),
+        "sigterm_during_run": len(soak.term_exits), "stops": stops,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="genq-chaos-"))
+    soak = None
+    try:
+        soak = Soak(a, workdir)
+        timing = soak.run()
+        stops = soak.stop_all()
+        result = report(a, soak, timing, stops)
+    finally:
+        if soak is not None:
+            soak.close()
+        if not a.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    dump_json(a.json, result)
+    for name, ok in result["checks"].items():
+        print(f"{'PASS' if ok else 'FAIL'}  {name}")
+    print({k: result[k] for k in ("duration_s", "prompts_per_s", "faults_total", "done",
+                                  "failed", "duplicate_shard_lines", "longest_stall_s",
+                                  "sigterm_exit_s_max")})
+    return 0 if all(result["checks"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Many servers from one machine: N simulated servers x S slots, one `genq consume --burst`
+process per server, all on one run, on this machine. Reports per server what its consumer
+costs (CPU share of one core, CPU ms per task), how full it kept its server (slot occupancy
+while work remained, against the server's ideal rate), and the headroom left.
+
+    python bench/many_servers.py                          # 8 servers x 64 slots, ~30 s
+    python bench/many_servers.py --servers 8 --per-server 2000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import (
+    REPO,
+    LoadSampler,
+    RedisServer,
+    Simulator,
+    dump_json,
+    env,
+    genq,
+    machine_cpu,
+    proc_cpu_s,
+    redis_cpu_s,
+    slot_seconds,
+    table,
+    write_dataset,
+)
+
+DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
+
+
+def start_consumers(rs: RedisServer, sims: list[Simulator], work: Path, run: str
+                    ) -> list[subprocess.Popen]:
+    procs = []
+    for i, sim in enumerate(sims):
+        log = open(work / f"consumer{i}.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
+             "--out", str(work / f"out{i}"), "--name", f"c{i}"],
+            cwd=REPO, env=env(rs.url, run), stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], work: Path, t0: float, timeout: float
+             ) -> list[dict]:
+    """Reap every consumer as it exits: its CPU seconds (wait4), when it exited, and when and
+    at what CPU it wrote its first result (start-up ends there)."""
+    got: dict[int, dict] = {}
+    first: dict[int, tuple[float, float]] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < len(procs):
+        for i, proc in enumerate(procs):
+            if i in got:
+                continue
+            shards = (work / f"out{i}").glob("*.jsonl")
+            if i not in first and any(f.stat().st_size for f in shards):
+                first[i] = (time.monotonic() - t0, proc_cpu_s(proc.pid))
+            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                t_first, c_first = first.get(i, (0.0, 0.0))
+                got[i] = {"rc": proc.returncode, "cpu_s": ru.ru_utime + ru.ru_stime,
+                          "wall_s": time.monotonic() - t0, "first_s": t_first,
+                          "first_cpu_s": c_first}
+        if time.monotonic() > deadline:
+            for proc in procs:
+                proc.kill()
+            raise TimeoutError(f"consumers still running after {timeout}s")
+        time.sleep(0.01)
+    return [got[i] for i in range(len(procs))]
+
+
+def steady(samples: list[tuple[float, int, int]], slots: int) -> tuple[float, float]:
+    """The window from the first to the last moment the server was full: start-up and the
+    final drain (when no work is left for its slots) are outside it."""
+    full = [t for t, running, _ in samples if running >= slots]
+    return (full[0], full[-1]) if len(full) > 1 else (0.0, 0.0)
+
+
+def run_bench(a: argparse.Namespace, work: Path) -> dict:
+    n = a.servers * a.per_server
+    dataset = write_dataset(work / "prompts.jsonl", n)
+    flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}",
+             "--max-running-requests", str(a.slots)]
+    sims = []
+    try:
+        for _ in range(a.servers):
+            sims.append(Simulator(*flags))
+        with RedisServer() as rs:
+            genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
+            r = rs.client()
+            rcpu0, (busy0, all0) = redis_cpu_s(r), machine_cpu()
+            sim0 = [s.cpu_s() for s in sims]
+            t0 = time.monotonic()
+            with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+                procs = start_consumers(rs, sims, work, "many")
+                consumers = wait_all(procs, work, t0, timeout=1800)
+            busy1, all1 = machine_cpu()
+            done = int(r.bitcount("genq:many:done"))
+            redis_cpu = redis_cpu_s(r) - rcpu0
+            r.close()
+        for i, c in enumerate(consumers):
+            if c["rc"] != 0:
+                log = (work / f"consumer{i}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"consumer {i} exited {c['rc']}:\n{log}")
+            c["tasks"] = sum(1 for p in (work / f"out{i}").glob("*.jsonl") for _ in open(p, "rb"))
+            c["sim_cpu_s"] = sims[i].cpu_s() - sim0[i]
+            lo, hi = steady(sampler.samples[i], a.slots)
+            idle, waiting = slot_seconds(sampler.samples[i], a.slots, lo, hi)
+            c.update(steady_s=hi - lo, idle_slot_s=idle, waiting_req_s=waiting)
+        if done != n:
+            raise RuntimeError(f"done={done}, expected {n}")
+        return {"consumers": consumers, "redis_cpu_s": redis_cpu,
+                "machine_busy_s": busy1 - busy0, "machine_all_s": all1 - all0,
+                "wall_s": max(c["wall_s"] for c in consumers), "n": n}
+    finally:
+        for sim in sims:
+            sim.close()
+
+
+def report(a: argparse.Namespace, got: dict) -> None:
+    d = (TTFT + a.tokens / DECODE_TPS) / a.time_scale
+    ideal = a.slots / d
+    rows = []
+    for i, c in enumerate(got["consumers"]):
+        # From its first result to its exit: start-up (imports, probes) is left out.
+        wall, cpu = c["wall_s"] - c["first_s"], c["cpu_s"] - c["first_cpu_s"]
+        share = cpu / wall if wall > 0 else 0.0
+        occupancy = (1 - c["idle_slot_s"] / (a.slots * c["steady_s"])) if c["steady_s"] else 0
+        rows.append((i, c["tasks"], f"{c['tasks'] / wall:.1f}", f"{c['tasks'] / wall / ideal:.2f}",
+                     f"{100 * occupancy:.1f}", f"{c['waiting_req_s']:.1f}",
+                     f"{100 * share:.1f}", f"{1000 * cpu / max(1, c['tasks']):.2f}",
+                     f"{1 / share:.1f}" if share else "-",
+                     f"{c['tasks'] / cpu:.0f}" if cpu > 0 else "-"))
+    print(f"\n{a.servers} simulated servers x {a.slots} slots on this machine "
+          f"({os.cpu_count()} cores), {a.per_server} prompts per server on one run, requests "
+          f"of {d:.2f} s (ideal {ideal:.1f} req/s per server); load average before: "
+          f"{a.load_before}\n")
+    print("tasks/s, CPU: from the consumer's first result to its exit (start-up left out)")
+    print(table(rows, ("server", "tasks", "tasks/s", "of ideal", "slots busy % (steady)",
+                       "waiting req-s", "consumer CPU % of a core", "CPU ms/task",
+                       "servers like it per core", "tasks/s a core could take")))
+    cons = sum(c["cpu_s"] for c in got["consumers"])
+    sims = sum(c["sim_cpu_s"] for c in got["consumers"])
+    wall = got["wall_s"]
+    busy = got["machine_busy_s"] / got["machine_all_s"]
+    share = 100 * cons / wall / (os.cpu_count() or 1)
+    print(f"\nwall {wall:.1f} s; CPU seconds: consumers {cons:.1f} ({share:.1f} % of the "
+          f"machine), simulators {sims:.1f}, Redis {got['redis_cpu_s']:.1f}; whole machine busy "
+          f"{100 * busy:.0f} % (other sessions included); load average after: "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--servers", type=int, default=8, help="simulated servers (default 8)")
+    p.add_argument("--slots", type=int, default=64, help="slots per server (default 64)")
+    p.add_argument("--per-server", type=int, default=1000,
+                   help="prompts per server (default 1000)")
+    p.add_argument("--tokens", type=int, default=2000, help="tokens per completion (2000)")
+    p.add_argument("--time-scale", type=float, default=20.0,
+                   help="simulator speed-up (default 20: 1.2 s requests, ~55 req/s/server)")
+    p.add_argument("--sample", type=float, default=0.2, help="load sampling period, s")
+    p.add_argument("--json", help="also write the raw figures here")
+    a = p.parse_args()
+    a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    work = Path(tempfile.mkdtemp(prefix="genq-bench-many-"))
+    try:
+        got = run_bench(a, work)
+        report(a, got)
+        dump_json(a.json, got)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Where one `genq consume --burst` spends its CPU: py-spy samples whichever thread of the
+consumer holds the GIL, against the fast simulator, and this script sums the samples by package
+and by function. Writes a text profile and, with --svg, a flame graph (a second, same run).
+
+    python bench/profile_consumer.py                          # 5000 prompts, text to stdout
+    python bench/profile_consumer.py --svg bench/profile_consumer.svg --out bench/profile.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _common import REPO, RedisServer, Simulator, env, genq, table, write_dataset
+
+SIM_FLAGS = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
+             "--max-running-requests", "64"]
+FRAME = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*):\d+\)$")
+# Where a file's samples are charged: the first of these path parts found, else "other".
+PACKAGES = ("httpx_aiohttp", "httpx", "httpcore", "aiohttp", "yarl", "multidict", "redis",
+            "structlog", "orjson", "uvloop", "asyncio", "concurrent", "threading", "selectors",
+            "consumer", "common", "logging", "json")
+
+
+def package(path: str) -> str:
+    parts = re.split(r"[/\\]", path)
+    for name in PACKAGES:
+        if name in parts or f"{name}.py" in parts:
+            return name
+    return "other: " + (parts[-1] if parts else "?")
+
+
+def profile(rs: RedisServer, sim: Simulator, dataset: Path, run: str, fmt: str, out: Path,
+            rate: int) -> None:
+    genq("produce", str(dataset), "--once", redis_url=rs.url, run=run)
+    shards = Path(tempfile.mkdtemp(prefix="genq-bench-out-"))
+    try:
+        # --gil: only the thread holding the GIL is sampled, so time blocked in fdatasync or in
+        # the event loop's poll (which py-spy cannot tell from work under uvloop) is left out.
+        cmd = ["py-spy", "record", "--gil", "--rate", str(rate), "--format", fmt, "-o", str(out),
+               "--", sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
+               "--out", str(shards)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env(rs.url, run), capture_output=True,
+                              text=True, timeout=1800)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"py-spy run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    finally:
+        shutil.rmtree(shards, ignore_errors=True)
+
+
+def summarise(raw: Path, top: int) -> str:
+    """Self samples by package and function, inclusive samples by function; import-time
+    stacks (start-up) are left out so the figures describe the steady loop."""
+    own_pkg: collections.Counter[str] = collections.Counter()
+    own_fn: collections.Counter[str] = collections.Counter()
+    incl_fn: collections.Counter[str] = collections.Counter()
+    total = startup = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        if "_find_and_load" in stack:
+            startup += n
+            continue
+        total += n
+        frames = [m.groupdict() for f in stack.split(";") if (m := FRAME.match(f))]
+        if not frames:
+            continue
+        leaf = frames[-1]
+        own_pkg[package(leaf["file"])] += n
+        own_fn[f"{leaf['func']} ({Path(leaf['file']).name})"] += n
+        for name in {f"{f['func']} ({Path(f['file']).name})" for f in frames}:
+            incl_fn[name] += n
+    if not total:
+        raise RuntimeError(f"no samples in {raw}")
+
+    def pct(c: collections.Counter[str], k: int) -> list[tuple[str, str, int]]:
+        return [(name, f"{100 * v / total:.1f}", v) for name, v in c.most_common(k)]
+
+    return "\n\n".join([
+        f"{total} samples of the steady loop ({startup} more at import time, left out)",
+        "Self time by package (the leaf frame's file):\n"
+        + table(pct(own_pkg, 40), ("package", "%", "samples")),
+        f"Self time, top {top} functions:\n"
+        + table(pct(own_fn, top), ("function", "%", "samples")),
+        f"Inclusive time, top {top} functions:\n"
+        + table(pct(incl_fn, top), ("function", "%", "samples")),
+    ])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=5000, help="prompts (default 5000)")
+    p.add_argument("--rate", type=int, default=250, help="samples per second (default 250)")
+    p.add_argument("--top", type=int, default=30, help="functions listed (default 30)")
+    p.add_argument("--out", help="write the text profile here as well as to stdout")
+    p.add_argument("--svg", help="also record a flame graph SVG here (a second run)")
+    a = p.parse_args()
+    if not shutil.which("py-spy"):
+        p.error("py-spy is not installed (pip install py-spy)")
+    work = Path(tempfile.mkdtemp(prefix="genq-bench-"))
+    try:
+        dataset = write_dataset(work / "prompts.jsonl", a.n)
+        with RedisServer() as rs, Simulator(*SIM_FLAGS) as sim:
+            profile(rs, sim, dataset, "prof1", "raw", work / "raw.txt", a.rate)
+            text = (f"genq consume --burst, {a.n} prompts, simulator {' '.join(SIM_FLAGS)}, "
+                    f"py-spy --rate {a.rate}\n\n" + summarise(work / "raw.txt", a.top))
+            if a.svg:
+                profile(rs, sim, dataset, "prof2", "flamegraph", Path(a.svg), a.rate)
+        print(text)
+        if a.out:
+            Path(a.out).write_text(text + "\n")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

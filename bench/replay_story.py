@@ -1,0 +1,248 @@
+"""The run genq is built for, replayed time-scaled on the simulator: 7 servers x 40 slots, the
+seed run's length distribution (lognormal:2326:0.62; ~18 % truncated at max_tokens 4096), and
+the pivot to max_tokens 8192 a third of the way in. Two ways of pivoting, one after the other
+on fresh servers and Redis, same prompts:
+
+- genq: one `genq requeue --set max_tokens=8192 --redo truncated` on the live run;
+- by hand: SIGKILL every consumer, a human's pause, the same requeue (the new limit, the
+  truncated prompts made runnable again), relaunch every consumer.
+
+Reports wall time to the finished data set, GPU-idle seconds around the pivot and over the run
+(from the servers' own running counts), and tokens generated and thrown away.
+
+    python bench/replay_story.py                     # 4200 prompts, ~2 x 40 s
+    python bench/replay_story.py --prompts 14000 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+from _common import (
+    REPO,
+    LoadSampler,
+    RedisServer,
+    Simulator,
+    dump_json,
+    env,
+    genq,
+    slot_seconds,
+    table,
+    write_dataset,
+)
+
+DECODE_TPS = 87.5  # the simulator's default; a running slot makes this many tokens/s x scale
+PIVOT = ("requeue", "--set", "max_tokens=8192", "--redo", "truncated")
+
+
+def pivot(redis_url: str) -> float:
+    """`genq requeue ...` run in this process (the CLI's own code, imported beforehand): a
+    subprocess's 1-3 s of interpreter start-up would be minutes of a time-scaled run, during
+    which old-limit results keep coming. Returns how long the command took."""
+    import contextlib
+    import io
+
+    from genq.cli import main as genq_main
+    t0 = time.monotonic()
+    with contextlib.redirect_stdout(io.StringIO()):
+        rc = genq_main([*PIVOT, "--redis-url", redis_url, "--run", "story"])
+    if rc:
+        raise RuntimeError(f"genq requeue exited {rc}")
+    return time.monotonic() - t0
+
+
+class Fleet:
+    """One consumer process per server, all on one run."""
+
+    def __init__(self, a: argparse.Namespace, rs: RedisServer, sims: list[Simulator],
+                 work: Path, tag: str) -> None:
+        self.procs = []
+        self.logs = [work / f"{tag}-consumer{i}.log" for i in range(len(sims))]
+        for i, sim in enumerate(sims):
+            log = open(work / f"{tag}-consumer{i}.log", "wb")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
+                 "--out", str(work / f"{tag}-out{i}"), "--name", f"{tag}{i}",
+                 "--visibility-timeout", str(a.visibility_timeout)],
+                cwd=REPO, env=env(rs.url, "story"), stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            proc.send_signal(signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for proc, log in zip(self.procs, self.logs, strict=True):
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                rc = "nothing (killed after the timeout)"
+            if rc != 0:
+                text = log.read_text(errors="replace")
+                events = [x for x in text.splitlines()
+                          if x.startswith("{") and "task_acked" not in x]
+                stacks = text.partition('"shutdown_stuck"')[2].partition("Thread 0x")[0]
+                raise RuntimeError(f"consumer exited {rc}; its last events:\n"
+                                   + "\n".join(events[-25:]) + stacks[:4000])
+
+
+def wait_done(r, target: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while int(r.bitcount("genq:story:done")) < target:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {target} done after {timeout}s")
+        time.sleep(0.05)
+
+
+def one_way(a: argparse.Namespace, way: str, dataset: Path, work: Path) -> dict:
+    flags = ["--time-scale", str(a.time_scale), "--length-dist", "lognormal:2326:0.62",
+             "--max-running-requests", str(a.slots)]
+    sims = [Simulator(*flags) for _ in range(a.servers)]
+    try:
+        with RedisServer() as rs:
+            genq("produce", str(dataset), "--once", "--max-tokens", "4096",
+                 redis_url=rs.url, run="story")
+            r = rs.client()
+            with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+                t0 = time.monotonic()
+                fleet = Fleet(a, rs, sims, work, way)
+                wait_done(r, a.prompts // 3, timeout=a.timeout)
+                t_pivot = time.monotonic() - sampler.t0
+                if way == "genq":
+                    pivot_s = pivot(rs.url)
+                else:
+                    fleet.kill()
+                    time.sleep(a.hand_delay)
+                    pivot_s = pivot(rs.url)
+                    fleet = Fleet(a, rs, sims, work, way + "-relaunched")
+                fleet.wait(timeout=a.timeout)
+                wall = time.monotonic() - t0
+            kept = export_tokens(rs, work / f"{way}.jsonl", a.prompts)
+            r.close()
+        stats = [httpx.get(s.url + "/_sim/stats").json() for s in sims]
+    finally:
+        for sim in sims:
+            sim.close()
+    return {**figures(a, way, sampler, t_pivot, wall, kept, stats), "pivot_s": pivot_s}
+
+
+def export_tokens(rs: RedisServer, out: Path, n: int) -> dict:
+    genq("export", "--out", str(out), redis_url=rs.url, run="story")
+    records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    if sorted(rec["index"] for rec in records) != list(range(n)):
+        raise RuntimeError(f"export holds {len(records)} records, expected every one of {n}")
+    return {"tokens": sum(rec["completion_tokens"] for rec in records),
+            "v2": sum(rec["params_version"] == 2 for rec in records),
+            "length": sum(rec["finish_reason"] == "length" for rec in records)}
+
+
+def figures(a: argparse.Namespace, way: str, sampler: LoadSampler, t_pivot: float,
+            wall: float, kept: dict, stats: list[dict]) -> dict:
+    lo, hi = t_pivot - a.around / 2, t_pivot + a.around
+    idle_pivot = sum(slot_seconds(s, a.slots, lo, hi)[0] for s in sampler.samples) / a.slots
+    # Over the whole run while work remained: from the first moment all slots of a server were
+    # busy to the last one (the final drain, when no prompt is left, is nobody's fault).
+    idle_run = 0.0
+    for s in sampler.samples:
+        full = [t for t, running, _ in s if running >= a.slots]
+        if len(full) > 1:
+            idle_run += slot_seconds(s, a.slots, full[0], full[-1])[0] / a.slots
+    busy_slot_s = sum(running * (t1 - t0) for s in sampler.samples
+                      for (t0, running, _), (t1, _, _) in zip(s, s[1:], strict=False))
+    completed = sum(x["output_tokens"] for x in stats)
+    return {"way": way, "wall_s": wall, "t_pivot": t_pivot,
+            "gpu_idle_s_around_pivot": idle_pivot, "gpu_idle_s_run": idle_run,
+            "tokens_completed": completed, "tokens_kept": kept["tokens"],
+            "tokens_busy_estimate": busy_slot_s * DECODE_TPS * a.time_scale,
+            "aborted": sum(x["aborted"] for x in stats),
+            "requests": sum(x["received"] for x in stats), **kept}
+
+
+def report(a: argparse.Namespace, g: dict, h: dict) -> None:
+    s = a.time_scale
+
+    def row(label: str, key: str, fmt: str, scale: float = 1.0) -> tuple:
+        gv, hv = g[key] * scale, h[key] * scale
+        return (label, format(gv, fmt), format(hv, fmt), f"{gv / hv:.2f}" if hv else "-")
+
+    thrown_g = g["tokens_busy_estimate"] - g["tokens_kept"]
+    thrown_h = h["tokens_busy_estimate"] - h["tokens_kept"]
+    rows = [
+        row("wall s to the finished data set", "wall_s", ".1f"),
+        row("  same, in real-run hours (x time scale / 3600)", "wall_s", ".2f", s / 3600),
+        row(f"GPU-idle s around the pivot ({a.around / 2:.0f} s before, {a.around:.0f} s "
+            "after), all GPUs", "gpu_idle_s_around_pivot", ".1f"),
+        row("  same, in real-run GPU-minutes (x time scale / 60)", "gpu_idle_s_around_pivot",
+            ".1f", s / 60),
+        row("GPU-idle s over the run while work remained", "gpu_idle_s_run", ".1f"),
+        row("requests sent", "requests", ".0f"),
+        row("requests aborted mid-generation", "aborted", ".0f"),
+        row("tokens in completed requests (simulator counters)", "tokens_completed", ".0f"),
+        row("tokens generated, incl. aborted partials (busy slot-s x rate)",
+            "tokens_busy_estimate", ".0f"),
+        row("tokens kept in the data set", "tokens_kept", ".0f"),
+        ("tokens thrown away (generated - kept)", f"{thrown_g:.0f}", f"{thrown_h:.0f}",
+         f"{thrown_g / thrown_h:.2f}" if thrown_h else "-"),
+        row("results under max_tokens 8192 (version 2)", "v2", ".0f"),
+        row("the requeue command itself, ms", "pivot_s", ".0f", 1000),
+        row("results still truncated (`length`)", "length", ".0f"),
+    ]
+    print(f"\n{a.prompts} prompts, {a.servers} servers x {a.slots} slots, lognormal:2326:0.62, "
+          f"max_tokens 4096 -> 8192 after {a.prompts // 3} done, time scale {s:g}, by-hand "
+          f"pause {a.hand_delay:g} s (= {a.hand_delay * s / 60:.0f} real minutes), lease "
+          f"{a.visibility_timeout:g} s; {os.cpu_count()} cores, load average before: "
+          f"{a.load_before}, after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print(table(rows, ("figure", "genq requeue", "by hand (kill, relaunch)", "genq/by hand")))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", type=int, default=4200, help="prompts (default 4200)")
+    p.add_argument("--servers", type=int, default=7, help="servers (default 7)")
+    p.add_argument("--slots", type=int, default=40, help="slots per server (default 40)")
+    p.add_argument("--time-scale", type=float, default=20.0,
+                   help="simulator speed-up (default 20: a median request takes ~1.4 s)")
+    p.add_argument("--hand-delay", type=float, default=6.0,
+                   help="seconds between killing and relaunching by hand (default 6: two "
+                        "real minutes at time scale 20)")
+    p.add_argument("--visibility-timeout", type=float, default=10.0,
+                   help="consumers' lease length, both ways (default 10)")
+    p.add_argument("--around", type=float, default=10.0,
+                   help="seconds after the pivot counted as around it (half of it before)")
+    p.add_argument("--sample", type=float, default=0.1, help="load sampling period, s")
+    p.add_argument("--timeout", type=float, default=1800,
+                   help="give up on a way after this many seconds (default 1800)")
+    p.add_argument("--json", help="also write the raw figures here")
+    a = p.parse_args()
+    a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    import producer.requeue  # noqa: F401  (imported now, not at the pivot)
+    work = Path(tempfile.mkdtemp(prefix="genq-bench-story-"))
+    try:
+        dataset = write_dataset(work / "prompts.jsonl", a.prompts)
+        g = one_way(a, "genq", dataset, work)
+        print(f"genq: {g['wall_s']:.1f} s", file=sys.stderr)
+        h = one_way(a, "hand", dataset, work)
+        print(f"by hand: {h['wall_s']:.1f} s", file=sys.stderr)
+        report(a, g, h)
+        dump_json(a.json, {"genq": g, "hand": h, "args": vars(a)})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,109 @@
+"""Server takeover: how long a server stays undriven after its consumer is SIGKILLed, when a
+spare replica waits for it, against the lease length (the baseline: a dead consumer's lease has
+to expire before anyone may take its server).
+
+    python bench/server_takeover.py                  # leases 1, 2, 5 s; 3 kills each
+    python bench/server_takeover.py --leases 15 --kills 2 --json out.json
+
+One private Redis, one simulator, two consumers given the same GENQ_SERVERS list (one drives,
+one waits as a spare). Each round kills the driver and times the moment the spare's
+`server_leased` log line says it took over; the killed one is restarted as the next spare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import REPO, RedisServer, Simulator, dump_json, env, genq, table, write_dataset
+
+
+class Replica:
+    def __init__(self, redis_url: str, run: str, server: str, lease: float, out: Path) -> None:
+        self.log = Path(tempfile.mkstemp(prefix="genq-bench-replica-", suffix=".log")[1])
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "genq", "consume", "--out", str(out),
+                 "--server-lease", str(lease), "--concurrency", "4"], cwd=REPO,
+                env={**env(redis_url, run), "GENQ_SERVERS": server},
+                stdout=log, stderr=subprocess.STDOUT)
+
+    def leased_at(self) -> float | None:
+        for line in self.log.read_text(errors="replace").splitlines():
+            if '"server_leased"' in line:
+                stamp = json.loads(line)["timestamp"].replace("Z", "+00:00")
+                return datetime.datetime.fromisoformat(stamp).timestamp()
+        return None
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.log.unlink(missing_ok=True)
+
+
+def wait(predicate, timeout: float) -> object:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing after {timeout}s")
+
+
+def rounds(lease: float, kills: int, tmp: Path) -> list[float]:
+    with RedisServer() as redis_server, Simulator("--time-scale", "5") as sim:
+        run = f"bench{int(lease * 10)}"
+        genq("produce", str(write_dataset(tmp / "d.jsonl", 100000)), "--once",
+             redis_url=redis_server.url, run=run)
+        replicas = [Replica(redis_server.url, run, sim.url, lease, tmp / "out")]
+        try:
+            wait(replicas[0].leased_at, 30)
+            replicas.append(Replica(redis_server.url, run, sim.url, lease, tmp / "out"))
+            time.sleep(2)  # the spare is up and polling
+            figures = []
+            for _ in range(kills):
+                driver, spare = replicas[-2], replicas[-1]
+                os.kill(driver.proc.pid, signal.SIGKILL)
+                killed = time.time()
+                figures.append(wait(spare.leased_at, lease * 5 + 10) - killed)
+                driver.close()
+                replicas.append(Replica(redis_server.url, run, sim.url, lease, tmp / "out"))
+                time.sleep(2)
+            return figures
+        finally:
+            for c in replicas:
+                c.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--leases", type=float, nargs="+", default=[1.0, 2.0, 5.0])
+    p.add_argument("--kills", type=int, default=3)
+    p.add_argument("--json", help="write every round's figures here")
+    a = p.parse_args()
+    rows, raw = [], {}
+    with tempfile.TemporaryDirectory(prefix="genq-bench-takeover-") as tmp:
+        for lease in a.leases:
+            figures = rounds(lease, a.kills, Path(tmp))
+            raw[str(lease)] = figures
+            med = statistics.median(figures)
+            rows.append((f"{lease:g} s", f"{med:.2f} s", f"{min(figures):.2f}-{max(figures):.2f} s",
+                         f"{med / lease:.2f}"))
+    print(table(rows, ("lease", "takeover (median)", "range", "takeover/lease")))
+    dump_json(a.json, {"takeover_s": raw})
+
+
+if __name__ == "__main__":
+    main()

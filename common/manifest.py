@@ -1,0 +1,147 @@
+"""The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
+lost. It lives beside the shards as ``{out_dir}/{run}.manifest.json`` and is rewritten (atomically)
+whenever the run or its parameters change: the data set and fingerprint, the run's identity
+(epoch), every parameter version and the history of requeues with their redo scopes.
+
+A manifest is plain JSON so it can be shipped, read and diffed by people; ``snapshot`` builds
+one from Redis, ``write`` stores it, ``read`` checks one and names what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from common.errors import UsageError
+from common.keys import RunKeys
+
+FORMAT = 1
+REQUIRED = ("run", "dataset", "fingerprint", "total", "epoch", "params", "params_version",
+            "history")
+
+
+def path(out_dir: str | os.PathLike[str], run: str) -> Path:
+    # Not `{run}.*.jsonl`: shard globs (export, repair, shipping) must never pick it up.
+    return Path(out_dir) / f"{run}.manifest.json"
+
+
+def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
+    """The run's manifest as Redis has it now, read in one MULTI; None if the run is absent."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hgetall(k.meta)
+    pipe.hgetall(k.params)
+    pipe.get(k.params_version)
+    pipe.get(k.params_floor)
+    pipe.lrange(k.params_history, 0, -1)
+    meta_raw, params_raw, version, floor, history = pipe.execute()
+    meta = {key.decode(): value.decode() for key, value in meta_raw.items()}
+    if "total" not in meta or not meta.get("epoch"):
+        return None
+    return {
+        "format": FORMAT,
+        "run": k.run,
+        "dataset": meta["dataset"],
+        "fingerprint": meta["fingerprint"],
+        "total": int(meta["total"]),
+        "created_at": float(meta.get("created_at") or 0),
+        "epoch": meta["epoch"],
+        "params": {v.decode(): orjson.loads(p) for v, p in params_raw.items()},
+        "params_version": int(version or 1),
+        "params_floor": int(floor or 0),
+        "history": [orjson.loads(h) for h in history],
+    }
+
+
+def same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
+    """Equal but for when each was written."""
+    strip = lambda m: {key: v for key, v in (m or {}).items() if key != "written_at"}  # noqa: E731
+    return a is not None and b is not None and strip(a) == strip(b)
+
+
+def write(out_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> bool:
+    """Store the manifest atomically and durably; False if the file already says the same."""
+    target = path(out_dir, manifest["run"])
+    try:
+        if same(read(target), manifest):
+            return False
+    except (FileNotFoundError, UsageError):
+        pass  # absent or unreadable: write a good one over it
+    data = orjson.dumps({**manifest, "written_at": round(time.time(), 3)},
+                        option=orjson.OPT_INDENT_2)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself must survive a crash of the machine
+    finally:
+        os.close(dir_fd)
+    return True
+
+
+def parse(data: bytes, where: str) -> dict[str, Any]:
+    """Check a manifest's bytes; one clear error naming the file and the defect."""
+    try:
+        manifest = orjson.loads(data)
+    except orjson.JSONDecodeError as e:
+        raise UsageError(f"manifest {where} is not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise UsageError(f"manifest {where} is not a JSON object")
+    missing = [key for key in REQUIRED if key not in manifest]
+    if missing:
+        raise UsageError(f"manifest {where} lacks {', '.join(missing)}")
+    if manifest.get("format", FORMAT) > FORMAT:
+        raise UsageError(f"manifest {where} has format {manifest['format']}; this genq reads "
+                         f"format {FORMAT}: upgrade genq")
+    return manifest
+
+
+def read(target: str | os.PathLike[str]) -> dict[str, Any]:
+    return parse(Path(target).read_bytes(), str(target))
+
+
+def find(out_dir: str | os.PathLike[str], run: str) -> dict[str, Any] | None:
+    try:
+        return read(path(out_dir, run))
+    except FileNotFoundError:
+        return None
+
+
+def newest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    """The manifest that has seen the most of the run (consumers that were down missed some
+    requeues); all must be of the same run, or recovery would mix two runs' results."""
+    epochs = {m["epoch"] for m in manifests}
+    if len(epochs) > 1:
+        raise UsageError(f"the output directories hold manifests of {len(epochs)} different "
+                         f"runs (epochs {', '.join(sorted(epochs))}); give the directories of "
+                         "one run")
+    return max(manifests, key=lambda m: (m["params_version"], len(m["history"])))
+
+
+def upkeep(r: redis.Redis, k: RunKeys, out_dirs: list[str], epoch: str) -> int:
+    """Rewrite the manifest in every local output directory of the run; returns how many
+    changed. Directories that are not on this machine are left to their consumers. Nothing
+    is written unless Redis still holds the run of this epoch: a re-created run's manifest
+    must never replace the one an earlier run's shards need."""
+    manifest = snapshot(r, k)
+    if manifest is None or manifest["epoch"] != epoch:
+        return 0
+    written = 0
+    for directory in out_dirs:
+        if os.path.isdir(directory):
+            written += write(directory, manifest)
+    return written

@@ -1,0 +1,100 @@
+"""Parquet data sets: random access by row index without stalling the caller.
+
+A row group is decoded into an Arrow table (in C++, the GIL released; the two most recent are
+kept) and converted to Python in batches of 1,024 rows, so one read costs milliseconds even when
+a file is one row group of millions of rows (converting such a group whole took seconds).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from collections import OrderedDict
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from common.dataset import Dataset, _edge_digest
+from common.errors import DatasetError
+
+_ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)
+_BATCH_ROWS = 1024  # rows converted to Python at once
+_BATCHES_CACHED = 64
+
+
+class ParquetDataset(Dataset):
+    def __init__(self, path: Path, fd: int) -> None:
+        import pyarrow.parquet as pq
+
+        self.path = path
+        self._raw = os.fdopen(fd, "rb")  # owns fd from here on
+        try:
+            st = os.fstat(fd)
+            digest = _edge_digest(fd, st.st_size)
+            self._file = pq.ParquetFile(self._raw)
+        except Exception as e:  # pyarrow raises its own types for a corrupt or foreign file
+            self._raw.close()
+            raise DatasetError(f"data set {path}: not a readable Parquet file ({e})") from e
+        meta = self._file.metadata
+        self.total = meta.num_rows
+        self.fingerprint = f"{self.total}r-{st.st_size}b-{digest}"
+        self._starts = list(
+            accumulate((meta.row_group(i).num_rows for i in range(meta.num_row_groups)), initial=0)
+        )
+        names = set(self._file.schema_arrow.names)
+        self._columns = [c for c in ("messages", "prompt", "id") if c in names]
+        self._tables: OrderedDict[int, Any] = OrderedDict()
+        self._batches: OrderedDict[tuple[int, int], dict[str, list[Any]]] = OrderedDict()
+        self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
+
+    def _table(self, group: int) -> Any:
+        """One row group as an Arrow table (decoded in C++, GIL released); the two most recent
+        are kept. Callers hold the lock."""
+        table = self._tables.get(group)
+        if table is None:
+            try:
+                table = self._file.read_row_group(group, columns=self._columns)
+            except Exception as e:  # pyarrow's own error types; the file is at fault
+                raise DatasetError(f"data set {self.path}: {e}") from e
+            self._tables[group] = table
+            if len(self._tables) > _ROW_GROUPS_CACHED:
+                self._tables.popitem(last=False)
+        else:
+            self._tables.move_to_end(group)
+        return table
+
+    def _batch(self, group: int, first: int) -> dict[str, list[Any]]:
+        """Rows first..first+_BATCH_ROWS of a row group as Python values. Converting a whole
+        row group (200k rows of messages: seconds) at once would stall the caller; a batch
+        costs milliseconds, however large the row group is."""
+        with self._lock:
+            key = (group, first)
+            batch = self._batches.get(key)
+            if batch is None:
+                rows = self._table(group).slice(first, _BATCH_ROWS)
+                batch = {c: rows.column(c).to_pylist() for c in self._columns}
+                self._batches[key] = batch
+                if len(self._batches) > _BATCHES_CACHED:
+                    self._batches.popitem(last=False)
+            else:
+                self._batches.move_to_end(key)
+            return batch
+
+    def cached(self, index: int) -> bool:
+        if not 0 <= index < self.total:
+            return True  # prompt() refuses it at once
+        group = bisect.bisect_right(self._starts, index) - 1
+        offset = index - self._starts[group]
+        return (group, offset - offset % _BATCH_ROWS) in self._batches
+
+    def _row(self, index: int) -> Any:
+        group = bisect.bisect_right(self._starts, index) - 1
+        offset = index - self._starts[group]
+        first = offset - offset % _BATCH_ROWS
+        columns = self._batch(group, first)
+        return {c: v[offset - first] for c, v in columns.items() if v[offset - first] is not None}
+
+    def close(self) -> None:
+        self._file.close()
+        self._raw.close()

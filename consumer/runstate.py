@@ -1,0 +1,92 @@
+"""Is the run this consumer started on still in Redis? Redis restarted without persistence (or
+flushed) forgets the run; a producer started afterwards registers a new run under the same
+name. Either way the consumer's cached parameters, data set and size no longer describe what
+Redis holds, so it must not claim, queue or write anything until the run is back.
+
+The run's identity is its epoch (common/run.py): a fresh token at every registration, restored
+as it was by `genq recover`. ``RunState`` checks it every housekeeping tick and keeps the run
+manifest beside the consumer's shards current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import redis
+import redis.asyncio as aioredis
+import structlog
+
+from common import manifest as manifests
+from common import runhealth
+from common.errors import GenqError
+from common.keys import RunKeys
+
+logger = structlog.get_logger("consumer")
+
+OK, LOST, REPLACED = "ok", "lost", "replaced"
+
+
+def recover_command(run: str, out_dirs: list[str]) -> str:
+    return runhealth.recover_command(run, [os.path.abspath(d) for d in out_dirs])
+
+
+def check_outdir(sync: redis.Redis, k: RunKeys, out_dir: str, epoch: str) -> None:
+    """Refuse to write a new run's shards beside an earlier run's of the same name: its manifest
+    would be overwritten and its results mixed into this run's export."""
+    found = manifests.find(out_dir, k.run)
+    if found is None or found["epoch"] == epoch:
+        return
+    raise GenqError(
+        f"{out_dir} holds the output of an earlier run {k.run!r} (epoch {found['epoch']}, "
+        f"parameters v{found['params_version']}) that Redis no longer has; recover it with "
+        f"`{recover_command(k.run, [out_dir])}`, or give this run another --out"
+    )
+
+
+class RunState:
+    """The consumer's view of its run: ok, lost (Redis forgot it) or replaced (re-created)."""
+
+    def __init__(self, keys: RunKeys, epoch: str, out_dir: str) -> None:
+        self.keys, self.epoch, self.out_dir = keys, epoch, out_dir
+        self.state = OK
+        self.failure = ""  # set when the consumer must stop: the run was replaced
+
+    @property
+    def paused(self) -> bool:
+        return self.state != OK
+
+    async def check(self, r: aioredis.Redis) -> str:
+        """Read the run's epoch; log each change of state once, with what fixes it."""
+        epoch = await r.hget(self.keys.meta, "epoch")
+        now = OK if epoch is not None and epoch.decode() == self.epoch else LOST
+        if epoch is not None and now == LOST:
+            now = REPLACED
+        if now != self.state:
+            self._changed(now, epoch.decode() if epoch else None)
+        self.state = now
+        return now
+
+    def _changed(self, now: str, epoch: str | None) -> None:
+        if now == LOST:
+            logger.error("run_state_lost", epoch=self.epoch,
+                         reason="the run is no longer in Redis (restarted without persistence, "
+                                "flushed or evicted); claiming stopped, nothing is written",
+                         command=recover_command(self.keys.run, [self.out_dir]))
+        elif now == REPLACED:
+            fix = recover_command(self.keys.run, [self.out_dir])
+            self.failure = (f"run {self.keys.run!r} was registered again (epoch {epoch}, this "
+                            f"consumer started on {self.epoch}); its output in {self.out_dir} "
+                            f"is of the earlier run: `{fix} --replace` brings that one back, "
+                            "or restart this consumer with another --out for the new one")
+            logger.error("run_replaced", epoch=epoch, was=self.epoch, reason=self.failure)
+        else:
+            logger.info("run_state_back", epoch=self.epoch,
+                        reason="the run is in Redis again; claiming resumes")
+
+    async def keep_manifest(self, sync: redis.Redis) -> None:
+        """Rewrite the manifest beside the shards if the run or its parameters changed."""
+        if self.state == OK and await asyncio.to_thread(
+                manifests.upkeep, sync, self.keys, [self.out_dir], self.epoch):
+            logger.debug("manifest_written", path=str(manifests.path(self.out_dir,
+                                                                     self.keys.run)))

@@ -1,0 +1,153 @@
+"""The SGLang wire format, part two (consumer/sglang.py is part one): the streamed chat answer,
+the load answers of each version, and the verdict on an HTTP error. Pure functions of what the
+server sent, so tests can feed them the real server's answers."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from common.errors import BadTask, ServerAborted, ServerUnavailable, TryAgain
+
+# Statuses that say "try again later", not "this request is wrong".
+RETRYABLE_STATUS = {408, 425, 429}
+# The only finish reasons that make a result; anything else (abort, missing) is run again.
+FINISHED = ("stop", "length")
+# SGLang's two context-length refusals (tokenizer_manager), answered as HTTP 400.
+TOTAL_TOO_LONG = re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input")
+INPUT_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    finish_reason: str
+    content: str
+    reasoning_content: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    # Set only when genq had to lower max_tokens so prompt + completion fit the context.
+    max_tokens: int | None = None
+
+
+class ContextExceeded(TryAgain):
+    """Prompt + max_tokens do not fit the context; SGLang.chat() retries once with what fits."""
+
+    def __init__(self, message: str, context: int, input_tokens: int) -> None:
+        super().__init__(message)
+        self.context, self.input_tokens = context, input_tokens
+
+
+class Answer:
+    """The pieces of a streamed answer (server-sent events, one JSON chunk per `data:` line)."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] | None = None
+        self.finish: str | None = None
+        self.usage: dict[str, Any] = {}
+        self.done = False
+
+    def feed(self, line: str, index: int, url: str) -> bool:
+        """Take one line; True at the end of the stream."""
+        if not line.startswith("data:"):
+            return False
+        data = line[5:].strip()
+        if data == "[DONE]":
+            self.done = True
+            return True
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise ServerUnavailable(f"{url}: malformed stream chunk {data[:200]!r}") from None
+        if isinstance(chunk.get("error"), dict):  # an error after the answer had started
+            error = chunk["error"]
+            code = error.get("code") if isinstance(error.get("code"), int) else 500
+            raise status_error(code, str(error.get("message")), index, url)
+        self.usage = chunk.get("usage") or self.usage
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            if delta.get("reasoning_content") is not None:
+                self.reasoning = (self.reasoning or []) + [delta["reasoning_content"]]
+            self.finish = choice.get("finish_reason") or self.finish
+        return False
+
+    def completion(self, url: str, *, thinking: bool) -> Completion:
+        if not self.done:
+            raise ServerUnavailable(f"{url}: the answer stream ended before [DONE]")
+        if self.finish == "abort":
+            raise ServerAborted(f"{url}: the server aborted the generation (finish_reason abort)")
+        if self.finish not in FINISHED:
+            raise TryAgain(f"{url}: no finished result (finish_reason {self.finish!r})")
+        content = "".join(self.content)
+        reasoning = "".join(self.reasoning) if self.reasoning is not None else None
+        if reasoning is None and thinking:
+            reasoning, content = split_thinking(content)
+        return Completion(
+            finish_reason=self.finish, content=content, reasoning_content=reasoning,
+            prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
+            completion_tokens=int(self.usage.get("completion_tokens") or 0))
+
+
+def split_thinking(text: str) -> tuple[str | None, str]:
+    """A server without --reasoning-parser leaves the thinking in content; split it off the
+    way SGLang's qwen3/deepseek-r1 parsers do, so records look the same either way. Without a
+    `</think>` only an explicit `<think>` start marks (unfinished) thinking."""
+    body = text.lstrip()
+    if "</think>" in text:
+        thought, _, answer = text.partition("</think>")
+        return thought.strip().removeprefix("<think>").strip(), answer.lstrip()
+    if body.startswith("<think>"):
+        return body.removeprefix("<think>").strip(), ""
+    return None, text
+
+
+def parse_load(data: Any) -> dict[str, Any]:
+    """/v1/loads is {"loads": [per rank]}; the older /get_load a list (or one dict) of ranks."""
+    if isinstance(data, dict) and "loads" in data:
+        ranks = data["loads"] or []
+        running_key = "num_running_reqs"
+    else:
+        ranks = data if isinstance(data, list) else [data]
+        running_key = "num_reqs"
+    capacity = sum(int(rank.get("max_running_requests") or 0) for rank in ranks)
+    return {"num_reqs": sum(int(rank.get(running_key) or 0) for rank in ranks),
+            "num_waiting_reqs": sum(int(rank.get("num_waiting_reqs") or 0) for rank in ranks),
+            "max_running_requests": capacity or None}
+
+
+def status_error(status: int, message: str, index: int, url: str) -> Exception:
+    """The verdict on an HTTP error answer to a generation request."""
+    if status >= 500 or status in RETRYABLE_STATUS:
+        return ServerUnavailable(f"{url}: HTTP {status}: {message}")
+    if status == 400 and (m := TOTAL_TOO_LONG.search(message)):
+        context, input_tokens = int(m.group(1)), int(m.group(2))
+        if input_tokens < context:
+            return ContextExceeded(message, context, input_tokens)
+    if status == 400 and INPUT_TOO_LONG.search(message):
+        # Too long for this server's context, not a bad prompt: another server may take it.
+        return TryAgain(f"{url}: {message}")
+    return BadTask(index, f"server refused the request (HTTP {status}): {message}")
+
+
+def thinking_on(body: dict[str, Any]) -> bool:
+    kwargs = body.get("chat_template_kwargs") or {}
+    return bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True
+
+
+def error_message(content: bytes) -> str:
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return content.decode(errors="replace")[:500]
+    if isinstance(data, dict):
+        # SGLang's error object {"message"}, FastAPI's {"detail"}, or {"error": {...}}
+        error = data.get("error")
+        text = data.get("message") or data.get("detail") or (
+            error.get("message") if isinstance(error, dict) else error)
+        return str(text or data)[:500]
+    return str(data)[:500]

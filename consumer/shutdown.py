@@ -1,0 +1,117 @@
+"""Bounds on a consumer's shutdown. A stop drains in-flight work for --grace seconds, gives the
+rest back, and then waits at most FORCE_AFTER_S more for the slots (a release or ack stuck on an
+unreachable Redis) before cancelling them: their leases expire and come back on their own. A
+watchdog logs every stack if shutdown still has not finished long after that."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import faulthandler
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import structlog
+
+from common.errors import REDIS_TROUBLE
+
+logger = structlog.get_logger("consumer")
+
+FORCE_AFTER_S = 5.0  # after the grace: slots still running then are cancelled
+WATCHDOG_AFTER_S = 15.0  # after the grace: dump every stack (FORCE_AFTER_S has long passed)
+WITHDRAW_TIMEOUT_S = 5.0  # the last goodbye to Redis; the heartbeat keys expire anyway
+
+
+def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
+    """Shutdown is taking far longer than its grace: log where every task and thread is, so a
+    hang in the field can be diagnosed from the log alone."""
+    tasks = asyncio.all_tasks(loop)
+    logger.error("shutdown_stuck", tasks=len(tasks), where=[where(t) for t in tasks])
+    with contextlib.suppress(OSError, ValueError):  # stderr gone (a dead pipe): say no more
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+
+
+def where(task: asyncio.Task) -> list[str]:
+    """The whole chain of awaits a task is suspended in, innermost last (print_stack shows
+    only the outermost coroutine)."""
+    chain, coro = [], task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            chain.append(f"{frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return chain
+
+
+def arm_watchdog(grace: float) -> None:
+    watchdog = threading.Timer(grace + WATCHDOG_AFTER_S, dump_stuck,
+                               [asyncio.get_running_loop()])
+    watchdog.daemon = True  # never keeps a finished process alive
+    watchdog.start()
+
+
+async def bounded(slots: Sequence[asyncio.Task]) -> None:
+    """Let the slots finish for FORCE_AFTER_S, then cancel whichever still run."""
+    if not slots:
+        return
+    _, pending = await asyncio.wait(slots, timeout=FORCE_AFTER_S)
+    if pending:
+        logger.warning("shutdown_forced", slots=len(pending),
+                       reason="still waiting on Redis after the grace; their leases expire "
+                              "and the tasks return to the queue")
+        await cancel_and_wait(pending)
+
+
+async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
+    """Cancel the tasks until they are done, for at most `bound` seconds. One cancel() is not
+    enough: redis-py's asyncio client (8.x) can swallow a cancellation, the command returning as
+    if none had come, and a loop around it then runs on (the shutdown hang found by the chaos
+    soak: a consumer waiting forever for its cancelled housekeeping task)."""
+    pending = {t for t in tasks if not t.done()}
+    deadline = time.monotonic() + bound
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+    if pending:
+        logger.error("shutdown_forced", tasks=[where(t) for t in pending],
+                     reason="tasks that would not end; the process exits without them")
+
+
+async def withdraw(body: Callable[[], Awaitable[None]]) -> None:
+    """Run the consumer's deregistration, bounded in time; failure only costs a stale entry
+    that expires by itself."""
+    try:
+        async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
+            await body()
+    except REDIS_TROUBLE as e:  # includes TimeoutError
+        logger.warning("deregister_failed", error=str(e) or type(e).__name__)
+
+
+async def drain(consumer: Any) -> None:
+    """Once the consumer stops: in-flight work gets the grace, then is given back."""
+    await consumer.stop.wait()
+    if consumer.deadline is None:
+        consumer.deadline = time.monotonic() + consumer.s.grace
+    arm_watchdog(consumer.s.grace)
+    while consumer.held and not consumer.past_grace():
+        await asyncio.sleep(0.05)
+    consumer.abort_all("shutdown")
+    await bounded(list(consumer.slots.values()))
+
+
+async def supervise(consumer: Any, body: Callable[[], Awaitable[None]]) -> None:
+    """Lease renewal and housekeeping run beside the slots. One that dies of anything but
+    Redis trouble (which it rides out itself) would leave the consumer acking with no renewals,
+    reaping or parameter watch; so the crash is logged with its traceback and the consumer
+    stops: claiming ends, in-flight work drains, the leases are given back."""
+    try:
+        await body()
+    except Exception:
+        consumer.crashed = body.__name__
+        logger.exception("background_task_crashed", task=body.__name__,
+                         consequence="the consumer stops and gives its tasks back")
+        consumer.request_stop()

@@ -1,0 +1,150 @@
+"""`genq recover --shards DIR…`: rebuild a run that Redis lost (restarted without persistence,
+flushed, replaced) from its output: the run manifest beside the shards and every shard line.
+
+Safe to run twice and while consumers wait: when the run is already in Redis it changes
+nothing, and the run reappears in one MULTI with its identity written last, so a waiting
+consumer resumes on the whole state or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import suppress
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from common import manifest as manifests
+from common import recovery
+from common.cli import add_common, connect, guarded, run_keys
+from common.errors import GenqError, UsageError
+from common.export import shard_paths
+from common.keys import RunKeys
+
+
+@dataclass(frozen=True)
+class Outcome:
+    recovered: bool
+    done: int
+    kept: int
+    message: str
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="genq recover", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shards", action="append", default=[], metavar="DIR", nargs="+",
+                   help="output directories of the run's consumers (their --out); repeatable")
+    p.add_argument("--from-s3", metavar="URI",
+                   help="read the manifest and shards from S3 instead of (or as well as) DIRs")
+    p.add_argument("--replace", action="store_true",
+                   help="the run's name is taken in Redis by a different (re-created) run: "
+                        "delete that one's state and recover this one in its place")
+    add_common(p)
+    a = p.parse_args(argv)
+    a.shards = [d for group in a.shards for d in group]
+    if not a.shards and not a.from_s3:
+        p.error("give the run's output directories with --shards DIR (or --from-s3 URI)")
+    return a
+
+
+def local_manifests(dirs: list[str], run: str) -> list[dict[str, Any]]:
+    found = []
+    for directory in dirs:
+        if not os.path.isdir(directory):
+            raise UsageError(f"--shards {directory}: not a directory")
+        m = manifests.find(directory, run)
+        if m is not None:
+            found.append(m)
+    return found
+
+
+def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
+    for path in shard_paths(dirs, run):
+        with suppress(FileNotFoundError), open(path, "rb") as f:
+            yield f
+
+
+def s3_source(uri: str, run: str) -> tuple[list[dict[str, Any]], Iterable[Iterable[bytes]]]:
+    """Shipped output: every consumer's manifest and the shards as line streams (docs/S3.md)."""
+    from common import s3 as store
+
+    return store.run_source(uri, run, manifests.parse)
+
+
+def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
+    """Why the run must not be rebuilt now (it is there already, or another run holds the
+    name), or None when its state is gone."""
+    meta = {key.decode(): v.decode() for key, v in r.hgetall(k.meta).items()}
+    if "total" not in meta:
+        return None
+    if meta.get("epoch") == epoch:
+        return "present"
+    return (f"run {k.run!r} in Redis is a different run (epoch {meta.get('epoch')}, the "
+            f"output is of epoch {epoch}): it was registered again after the loss. Recovering "
+            "here would mix two runs; pass --replace to delete that one and recover this one")
+
+
+def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
+            streams: Iterable[Iterable[bytes]], out_dirs: list[str], *,
+            replace: bool = False) -> Outcome:
+    """Rebuild the run from a manifest and shard line streams (local or shipped)."""
+    if manifest["run"] != k.run:
+        raise UsageError(f"the manifest is of run {manifest['run']!r}, not {k.run!r}")
+    state = present(r, k, manifest["epoch"])
+    if state == "present":
+        return Outcome(False, int(r.bitcount(k.done)), 0,
+                       f"run {k.run!r} is in Redis already: nothing to recover")
+    if state is not None and not replace:
+        raise GenqError(state)
+    rec = recovery.rebuild(manifest, streams)
+    with r.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(k.meta)  # two recovers at once: the second sees the first's meta
+            if present(pipe, k, manifest["epoch"]) == "present":
+                return Outcome(False, len(rec.standing), 0,
+                               f"run {k.run!r} was recovered meanwhile: nothing to do")
+            pipe.multi()
+            if replace:
+                pipe.delete(k.meta)
+            recovery.restore(pipe, k, manifest, rec, out_dirs)
+            pipe.execute()
+        except redis.WatchError:
+            return Outcome(False, len(rec.standing), 0,
+                           f"run {k.run!r} changed while recovering; run genq recover again")
+    message = (f"recovered run {k.run!r}: {len(rec.standing)} of {manifest['total']} done, "
+               f"{len(rec.kept)} results kept aside by a redo, parameters "
+               f"v{manifest['params_version']}, from {rec.lines} shard lines"
+               + (f" ({rec.skipped} unreadable skipped)" if rec.skipped else ""))
+    return Outcome(True, len(rec.standing), len(rec.kept), message)
+
+
+@guarded
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    k = run_keys(a.run)
+    dirs = [os.path.abspath(d) for d in a.shards]
+    found = local_manifests(dirs, k.run)
+    streams: list[Iterable[Iterable[bytes]]] = [local_streams(dirs, k.run)]
+    if a.from_s3:
+        shipped, s3_streams = s3_source(a.from_s3, k.run)
+        found += shipped
+        streams.append(s3_streams)
+    if not found:
+        raise UsageError(f"no run manifest ({k.run}.manifest.json) in {', '.join(dirs)}: "
+                         "are these the run's output directories, and is --run right?")
+    manifest = manifests.newest(found)
+    r = connect(a.redis_url)
+    started = time.monotonic()
+    outcome = recover(r, k, manifest, (s for group in streams for s in group), dirs,
+                      replace=a.replace)
+    print(f"{outcome.message} in {time.monotonic() - started:.1f} s")
+    if outcome.recovered:
+        print("waiting consumers resume by themselves; start a producer (`genq produce "
+              f"{manifest['dataset']}`) if none is running", file=sys.stderr)
+    return 0

@@ -1,0 +1,141 @@
+"""`stream: true` chat answers as SGLang 0.5 sends them: server-sent events, one
+`chat.completion.chunk` per decode step (here: per STREAM_STEP_S), a chunk with the finish
+reason, a usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`.
+
+Like SGLang, the first chunk is awaited before the HTTP status is sent, so a request refused
+or faulted before its first token still gets a plain HTTP error, and a hung one gets nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from simulator.engine import Engine
+from simulator.model import STOP_TOKEN_ID, Completion, texts, usage
+
+_END = -1
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+class _Chunks:
+    """Shapes the chunks of one answer."""
+
+    def __init__(self, done: Completion, model: str, parser: bool) -> None:
+        self.done, self.model, self.parser = done, model, parser
+        self.id = uuid.uuid4().hex
+        self.created = int(time.time())
+        self.sent: tuple[str, str] = ("", "")
+
+    def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        choice = {
+            "index": 0,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+            "matched_stop": extra.pop("matched_stop", None),
+        }
+        return _event(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                **extra,
+            }
+        )
+
+    def first(self) -> bytes:
+        return self.chunk({"reasoning_content": None, "role": "assistant", "content": ""})
+
+    def upto(self, tokens: int) -> bytes | None:
+        """The text decoded since the last chunk, or None when there is none."""
+        reasoning, content = texts(self.done, self.parser, tokens)
+        reasoning = reasoning or ""
+        delta: dict[str, Any] = {}
+        if len(reasoning) > len(self.sent[0]):
+            delta["reasoning_content"] = reasoning[len(self.sent[0]) :]
+        if len(content) > len(self.sent[1]):
+            delta["content"] = content[len(self.sent[1]) :]
+        self.sent = (reasoning, content)
+        return self.chunk(delta) if delta else None
+
+    def finish(self) -> bytes:
+        reason = self.done.finish_reason
+        matched = STOP_TOKEN_ID if reason == "stop" else None
+        return self.chunk({"reasoning_content": None}, reason, matched_stop=matched)
+
+    def usage(self, prompt_tokens: int) -> bytes:
+        return _event(
+            {
+                "id": self.id,
+                "object": "chat.completion.chunk",
+                "created": self.created,
+                "model": self.model,
+                "choices": [],
+                "usage": usage(self.done, prompt_tokens),
+            }
+        )
+
+
+async def stream_chat(
+    engine: Engine,
+    done: Completion,
+    prompt_tokens: int,
+    model: str,
+    parser: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """Start the request; return once its first token is out (or raise its error)."""
+    progress: asyncio.Queue[int] = asyncio.Queue()
+
+    async def drive() -> None:
+        try:
+            await engine.run(prompt_tokens, done, emit=progress.put_nowait)
+        finally:
+            progress.put_nowait(_END)
+
+    runner = asyncio.create_task(drive())
+    chunks = _Chunks(done, model, parser)
+    try:
+        first = await progress.get()
+    except BaseException:
+        runner.cancel()
+        raise
+    if first == _END:
+        await runner  # raises the request's error (a fault status, say) as a plain answer
+    return _events(runner, progress, chunks, first, prompt_tokens, include_usage)
+
+
+async def _events(
+    runner: asyncio.Task,
+    progress: asyncio.Queue[int],
+    chunks: _Chunks,
+    first: int,
+    prompt_tokens: int,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    try:
+        yield chunks.first()
+        tokens = first
+        while tokens != _END:
+            if (piece := chunks.upto(tokens)) is not None:
+                yield piece
+            tokens = await progress.get()
+        await runner  # a reset fault ends the stream here, torn
+        yield chunks.finish()
+        if include_usage:
+            yield chunks.usage(prompt_tokens)
+        yield b"data: [DONE]\n\n"
+    finally:
+        if not runner.done():
+            runner.cancel()  # the client went away: abort the request, freeing its slot
+            await asyncio.gather(runner, return_exceptions=True)

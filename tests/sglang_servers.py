@@ -1,0 +1,143 @@
+"""SGLang servers for the scenario tests, behind one interface: the simulator, or a REAL
+SGLang 0.5.23 started by scripts/real-sglang.sh (the `real_sglang` tier, run by .ci/run as
+`pytest -m real_sglang`). Two launch modes, as users launch servers:
+
+- "tuned": --max-running-requests 16, --reasoning-parser qwen3, --enable-metrics
+- "plain": only the model (no --max-running-requests, no reasoning parser)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import REPO, free_port
+from sim_fixtures import SimProcess, sim_flags
+
+SCRIPT = REPO / "scripts" / "real-sglang.sh"
+CONTEXT = 8192  # the real tiny model's; the simulator is given the same
+TUNED_CAPACITY = 16
+SIM_PLAIN_CAPACITY = 40
+MODES = {
+    "tuned": {"MAX_RUNNING": str(TUNED_CAPACITY),
+              "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics"},
+    "plain": {"MAX_RUNNING": "", "EXTRA_ARGS": ""},
+}
+
+
+class Server:
+    kind: str
+    url: str
+    mode: str
+
+    def restart(self, mode: str | None = None) -> None:
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        raise NotImplementedError
+
+    def token_counters(self) -> tuple[float, float]:
+        """The server's own (prompt, generation) token totals from /metrics, all labels."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        sums = {"prompt": 0.0, "generation": 0.0}
+        for name in sums:
+            for m in re.finditer(rf"^sglang:{name}_tokens_total(?:{{[^}}]*}})? (\S+)$", text,
+                                 re.M):
+                sums[name] += float(m.group(1))
+        return sums["prompt"], sums["generation"]
+
+    def prompt_tokens(self, text: str) -> int:
+        """What the server counts for this prompt (chat template included)."""
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=120)
+        r.raise_for_status()
+        return int(r.json()["usage"]["prompt_tokens"])
+
+
+class SimServer(Server):
+    kind = "sim"
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.port = free_port()
+        self.sim: SimProcess | None = None
+        self.restart(mode)
+
+    def restart(self, mode: str | None = None) -> None:
+        if self.sim is not None:
+            self.sim.cleanup()
+        self.mode = mode or self.mode
+        tuned = self.mode == "tuned"
+        flags = sim_flags(
+            time_scale=40, length_dist="lognormal:20:0.6", context_length=CONTEXT,
+            max_running_requests=TUNED_CAPACITY if tuned else None,
+            effective_max_running=SIM_PLAIN_CAPACITY,
+            reasoning_parser="qwen3" if tuned else None)
+        self.sim = SimProcess(*flags, port=self.port).start()
+        self.url = self.sim.url
+
+    def kill(self) -> None:
+        assert self.sim is not None
+        self.sim.kill()
+
+    def close(self) -> None:
+        if self.sim is not None:
+            self.sim.cleanup()
+
+
+class RealServer(Server):
+    """A real SGLang 0.5.23 server on a free port; fails the test (never skips) if the
+    script cannot build or start it."""
+    kind = "real"
+
+    def __init__(self, mode: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.mode = mode
+        self.restart(mode)
+
+    def _script(self, action: str, mode: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PORT": str(self.port), **MODES[mode]}
+        return subprocess.run([str(SCRIPT), action], env=env, capture_output=True, text=True,
+                              timeout=900)
+
+    def restart(self, mode: str | None = None) -> None:
+        self.mode = mode or self.mode
+        started = self._script("start", self.mode)
+        if started.returncode != 0:
+            pytest.fail(f"real SGLang did not start ({SCRIPT} start):\n"
+                        f"{started.stdout[-3000:]}\n{started.stderr[-3000:]}")
+
+    def pid_file(self) -> Path:
+        base = os.environ.get("BASE") or Path(
+            os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "genq-real-sglang"
+        return Path(base) / "run" / f"server-{self.port}.pid"
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group, as a crash would end it."""
+        pid = int(self.pid_file().read_text())
+        os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self._script("stop", self.mode)
+
+
+def start_server(kind: str, mode: str) -> Server:
+    return SimServer(mode) if kind == "sim" else RealServer(mode)
+
+
+# Each scenario runs against both; the real ones only in the real-server tier.
+KINDS = [pytest.param("sim"), pytest.param("real", marks=pytest.mark.real_sglang)]

@@ -1,0 +1,89 @@
+"""`genq export` says what it writes: a record that is not the accepted result is counted and
+reported, the claim counter (the record's `attempt`) never saturates, and --include-failed
+writes one record per failed prompt with its reason."""
+
+from __future__ import annotations
+
+import orjson
+from conftest import genq
+from pipeline import read_jsonl
+from test_scripts import ack, claim, setup_run
+
+from common import export, scripts
+
+
+def shard(tmp_path, run: str, records: list[dict]):
+    out = tmp_path / "shards"
+    out.mkdir(exist_ok=True)
+    with open(out / f"{run}.test.jsonl", "ab") as f:
+        for rec in records:
+            f.write(orjson.dumps({"run": run, "content": "x", **rec}) + b"\n")
+    return out
+
+
+def line(index: int, attempt: int, content: str = "x") -> dict:
+    return {"index": index, "params_version": 1, "attempt": attempt, "content": content}
+
+
+def test_claim_counter_counts_past_255(r, run_name):
+    """A u8 counter stuck at 255: a zombie's line and the holder's shared an attempt number."""
+    k, runner = setup_run(r, run_name, 1)
+    for n in range(1, 301):
+        [(jid, idx, ex, attempt)] = claim(runner, k)
+        assert attempt == n
+        assert runner(scripts.release_call(k, jid, idx, ex, refund=True)) == 1
+    final = claim(runner, k)[0]
+    assert final[3] == 301 and ack(runner, k, final) == 1
+    accepted, _ = export.accepted_lookup(r, k)
+    assert accepted(0) == (1, 301)
+
+
+def test_export_reports_a_record_that_is_not_the_accepted_one(tmp_path, redis_url, r,
+                                                               run_name):
+    k, runner = setup_run(r, run_name, 3)
+    leases = claim(runner, k, n=3)
+    # Index 1's first lease expires and is reaped; the second claim's result is accepted.
+    r.zadd(k.leases, {leases[1][0]: 0}, xx=True)
+    runner(scripts.reap_call(k))
+    second = claim(runner, k)[0]
+    for lease in (leases[0], second, leases[2]):
+        assert ack(runner, k, lease) == 1
+    # The accepted line of index 1 (attempt 2) was lost from the shards; the zombie's is there.
+    out_dir = shard(tmp_path, run_name, [line(0, 1), line(1, 1, "zombie"), line(2, 1)])
+    r.sadd(k.outdirs, str(out_dir))
+    out = tmp_path / "export.jsonl"
+    proc = genq("export", "--out", str(out), redis_url=redis_url, run=run_name, check=False)
+    assert proc.returncode == 1
+    assert "1 records are not the accepted result" in proc.stderr and "[1]" in proc.stderr
+    assert [rec["index"] for rec in read_jsonl(out)] == [0, 1, 2]
+    result = export.export(r, k, 3, [str(out_dir)], str(tmp_path / "again.jsonl"))
+    assert (result.not_accepted, result.not_accepted_count) == ([1], 1)
+    # With the accepted line back, the export is clean and picks it over the zombie's.
+    shard(tmp_path, run_name, [line(1, 2, "accepted")])
+    proc = genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
+    assert proc.returncode == 0 and "warning" not in proc.stderr
+    assert [rec["content"] for rec in read_jsonl(out)] == ["x", "accepted", "x"]
+
+
+def test_export_include_failed_writes_each_failed_prompt_with_its_reason(
+        tmp_path, redis_url, r, run_name):
+    k, runner = setup_run(r, run_name, 4)
+    leases = claim(runner, k, n=4)
+    for lease in (leases[0], leases[2]):
+        assert ack(runner, k, lease) == 1
+    for lease, reason in ((leases[1], "row 1: not valid JSON"), (leases[3], "HTTP 400: <b>")):
+        jid, idx, ex, _ = lease
+        assert runner(scripts.fail_call(k, jid, idx, ex, reason=reason, worker="w")) == 1
+    r.sadd(k.outdirs, str(shard(tmp_path, run_name, [line(0, 1), line(2, 1)])))
+    out = tmp_path / "export.jsonl"
+    plain = genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
+    assert [rec["index"] for rec in read_jsonl(out)] == [0, 2]
+    assert "exported 2 records (2 done of 4)" in plain.stdout
+    proc = genq("export", "--out", str(out), "--include-failed", redis_url=redis_url,
+                run=run_name)
+    assert "exported 2 records and 2 failed" in proc.stdout
+    records = read_jsonl(out)
+    assert [rec["index"] for rec in records] == [0, 1, 2, 3]  # one record per prompt
+    assert records[1] == {"index": 1, "run": run_name, "status": "failed",
+                          "error": "row 1: not valid JSON"}
+    assert records[3]["error"] == "HTTP 400: <b>" and "status" not in records[0]

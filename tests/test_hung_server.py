@@ -1,0 +1,74 @@
+"""A server that accepts requests and never answers (the simulator's `hang` fault) is noticed
+by the silence of the streamed answer within --stall-timeout, not after --request-timeout
+(an hour by default, which long generations need); the tasks come back without spending an
+attempt (--max-attempts 1 would turn any spent attempt into a failure)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+import httpx
+from faultkit import Consumer, check_truth, claims, produce_once, record_figures, sim_kwargs
+from faultkit import wait_done as wait_done_at_least
+from pipeline import wait_for, write_dataset
+
+from common.keys import RunKeys
+
+STALL_S = 2.0
+
+
+def _ts(event: dict) -> float:
+    return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 60
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.3))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--request-timeout", "3600", "--stall-timeout", str(STALL_S))
+    try:
+        wait_done_at_least(r, run_name, 5)
+        hang_at = time.time()
+        httpx.post(sim.url + "/_sim/faults", json={"hang": True, "for_s": 3},
+                   timeout=5).raise_for_status()
+        wait_for(lambda: httpx.get(sim.url + "/_sim/stats").json()["hung"] >= 1,
+                 what="a request hung")
+        # With an hour's request timeout, only the stall watchdog can finish this run.
+        assert c.wait(90) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+    stalled = [e for e in events if "answer silent for" in str(e.get("error", ""))]
+    assert stalled, "no request was given back for silence"
+    assert not r.bitcount(RunKeys(run_name).failed)
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    redone = [i for i, a in enumerate(claims(r, run_name, n)) if a > 1]
+    assert redone
+    hung = httpx.get(sim.url + "/_sim/stats").json()["hung"]
+    noticed_s = round(_ts(stalled[0]) - hang_at, 2)
+    record_figures("server_hangs_3s_stream_silence", hung=hung, redone=len(redone),
+                   noticed_after_s=noticed_s,
+                   stall_timeout_s=STALL_S, request_timeout_s=3600, **figures)
+
+
+def test_requests_queued_inside_the_server_are_not_taken_for_a_hang(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # One slot on the server and three requests in flight: two wait silently in the server's
+    # queue for longer than --stall-timeout, which the server's load explains.
+    n = 6
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(max_running_requests=1, time_scale=2, length_dist="fixed:100")
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--stall-timeout", "0.5", concurrency=3)
+    try:
+        assert c.wait(120) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+    assert not [e for e in events if "answer silent for" in str(e.get("error", ""))]
+    assert httpx.get(sim.url + "/_sim/stats").json()["max_running_seen"] == 1
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and claims(r, run_name, n) == [1] * n

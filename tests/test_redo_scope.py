@@ -1,0 +1,92 @@
+"""A redo's scope holds for results still in flight when it was issued, and a redo never loses
+a result: the one it set aside stands again (marked kept) if the new attempt fails for good."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import orjson
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+
+from common.keys import RunKeys
+
+
+def status(redis_url: str, run: str) -> dict:
+    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
+
+
+def export(tmp_path, redis_url: str, run: str) -> list[dict]:
+    out = tmp_path / "export.jsonl"
+    genq("export", "--out", str(out), redis_url=redis_url, run=run)
+    return read_jsonl(out)
+
+
+@pytest.mark.timeout(120)
+def test_redo_truncated_covers_results_still_in_flight(tmp_path, redis_url, r, run_name,
+                                                       sim_factory):
+    """The issue's reproduction: 12 prompts, 4 slots, every v1 result truncated; the 4 in
+    flight at `--redo truncated --inflight finish` end truncated after it."""
+    data = write_dataset(tmp_path / "d.jsonl", 12)
+    sim = sim_factory(time_scale=2, max_running_requests=4, length_dist="fixed:400")
+    genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=redis_url,
+         run=run_name)
+    k = RunKeys(run_name)
+    c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "o", "--burst")
+    try:
+        wait_for(lambda: r.zcard(k.leases) == 4, what="4 in flight")
+        genq("requeue", "--set", "max_tokens=500", "--redo", "truncated", "--inflight",
+             "finish", redis_url=redis_url, run=run_name)
+        assert c.wait(90) == 0, c.log()[-3000:]
+        set_aside = c.log().count("result_set_aside")
+    finally:
+        c.cleanup()
+    records = export(tmp_path, redis_url, run_name)
+    assert len(records) == 12
+    assert Counter(rec["finish_reason"] for rec in records) == {"stop": 12}
+    assert {rec["params_version"] for rec in records} == {2}
+    st = status(redis_url, run_name)
+    assert st["finish_reasons"] == {"stop": 12} and st["truncated"] == 0
+    assert st["output_tokens"]["max"] == 400
+    assert set_aside >= 1  # in-flight v1 results really ended after the redo
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_redo_keeps_the_previous_result(tmp_path, redis_url, r, run_name, sim_factory):
+    n, poison = 10, (3, 7)
+    data = write_dataset(tmp_path / "d.jsonl", n, poison=poison)
+    lenient = sim_factory(time_scale=1000, bad_marker="__nothing_matches__")
+    strict = sim_factory(time_scale=1000)  # answers the poison prompts with HTTP 400
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    c = ConsumerProcess(redis_url, run_name, lenient.url, tmp_path / "o", "--burst")
+    assert c.wait(60) == 0
+    c.cleanup()
+    before = {rec["index"]: rec for rec in export(tmp_path, redis_url, run_name)}
+    genq("requeue", "--set", "temperature=0.1", "--redo", "all", redis_url=redis_url,
+         run=run_name)
+    # Set aside, not forgotten: the previous results are still in Redis's accepted fields.
+    assert status(redis_url, run_name)["done"] == 0
+    c = ConsumerProcess(redis_url, run_name, strict.url, tmp_path / "o", "--burst")
+    assert c.wait(60) == 0, c.log()[-3000:]
+    c.cleanup()
+    st = status(redis_url, run_name)
+    assert (st["done"], st["failed"], st["kept"]) == (n, 0, 2)
+    records = export(tmp_path, redis_url, run_name)
+    assert [rec["index"] for rec in records] == list(range(n))
+    for rec in records:
+        if rec["index"] in poison:  # the v1 result, exactly as it was, marked kept
+            assert rec.pop("kept") is True and rec == before[rec["index"]]
+        else:
+            assert "kept" not in rec and rec["params_version"] == 2
+    assert sum(st["finish_reasons"].values()) == n
+    assert st["output_tokens_total"] == sum(rec["completion_tokens"] for rec in records)
+    # A later redo sets the kept results aside again, and a success replaces them.
+    genq("requeue", "--redo", "all", redis_url=redis_url, run=run_name)
+    assert status(redis_url, run_name)["kept"] == 0
+    c = ConsumerProcess(redis_url, run_name, lenient.url, tmp_path / "o", "--burst")
+    assert c.wait(60) == 0
+    c.cleanup()
+    records = export(tmp_path, redis_url, run_name)
+    assert len(records) == n and not any("kept" in rec for rec in records)
+    assert {rec["params_version"] for rec in records} == {3}

@@ -1,0 +1,158 @@
+"""Identical consumer replicas given one list of servers (GENQ_SERVERS) lease one server each;
+an extra replica waits as a spare and takes over the server of a consumer that died; a consumer
+pointed at a server someone already drives says so and waits."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, genq, genq_env
+from faultkit import sim_kwargs
+from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+
+from common.keys import RunKeys, server_lease
+
+# Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
+LEASE_S = 3.0
+
+
+class Replica(ConsumerProcess):
+    """`genq consume` as a compose replica starts it: no --server, only GENQ_SERVERS."""
+
+    def __init__(self, redis_url: str, run: str, servers: list[str], out: Path, name: str,
+                 *flags: str) -> None:
+        self.name = name
+        self.log_path = Path(tempfile.mkstemp(prefix="genq-replica-", suffix=".log")[1])
+        args = [sys.executable, "-m", "genq", "consume", "--out", str(out), "--name", name,
+                "--burst", "--server-lease", str(LEASE_S), "--visibility-timeout", "3",
+                "--poll", "0.05", "--grace", "2", *flags]
+        env = {**genq_env(redis_url, run), "GENQ_SERVERS": ",".join(servers)}
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def driving(self) -> list[str]:
+        """The servers this replica started driving, in order (a replica drives one at most)."""
+        return [e["server"] for e in self.events() if e.get("event") == "consumer_started"]
+
+    def said(self, event: str) -> list[dict]:
+        return [e for e in self.events() if e.get("event") == event]
+
+
+def drivers(replicas: list[Replica]) -> dict[str, list[str]]:
+    """Server -> the replicas driving it now: started on it, alive, lease not yet given back."""
+    out: dict[str, list[str]] = {}
+    for c in list(replicas):
+        if c.alive() and not c.said("server_released"):
+            for url in c.driving():
+                out.setdefault(url, []).append(c.name)
+    return out
+
+
+def no_server_driven_twice(replicas: list[Replica]) -> None:
+    for url, names in drivers(replicas).items():
+        assert len(names) == 1, f"{url} driven by {names} at once"
+
+
+class Watch(threading.Thread):
+    """Looks at who drives what ten times a second for the whole test."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        super().__init__(daemon=True)
+        self.replicas, self.stop, self.seen = replicas, threading.Event(), []
+
+    def run(self) -> None:
+        while not self.stop.wait(0.1):
+            self.seen += [(url, names) for url, names in drivers(self.replicas).items()
+                          if len(names) > 1]
+
+
+@pytest.mark.timeout(150)
+def test_three_replicas_two_servers_one_spare_takes_over(tmp_path, redis_url, r, run_name,
+                                                         sim_factory):
+    n = 400
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", n)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sims = [sim_factory(**sim_kwargs(0.3, max_running_requests=4)) for _ in range(2)]
+    urls = [s.url for s in sims]
+    k = RunKeys(run_name)
+    replicas = [Replica(redis_url, run_name, urls, tmp_path / "out", f"c{i}") for i in range(3)]
+    watch = Watch(replicas)
+    watch.start()
+    try:
+        wait_for(lambda: sum(bool(c.driving()) for c in replicas) == 2
+                 and any(c.said("spare_waiting") for c in replicas), timeout=30,
+                 what="two replicas driving, one waiting as a spare")
+        no_server_driven_twice(replicas)
+        assert sorted(drivers(replicas)) == sorted(urls)
+        spare = next(c for c in replicas if not c.driving())
+        # The spare names who drives each server; Redis holds one lease per server.
+        assert set(spare.said("spare_waiting")[0]["driven_by"]) == set(urls)
+        for url in urls:
+            owner = r.get(server_lease(url)).decode().split("|")[0]
+            assert drivers(replicas)[url] == [owner]
+
+        # A consumer pointed at a driven server by hand says so and does not drive it.
+        intruder = Replica(redis_url, run_name, [urls[1]], tmp_path / "out", "intruder")
+        replicas.append(intruder)
+        wait_for(lambda: intruder.said("server_busy"), timeout=20, what="intruder says busy")
+        assert drivers(replicas)[urls[1]][0] in intruder.said("server_busy")[0]["driven_by"][
+            urls[1]]
+
+        victim = next(c for c in replicas if c.driving() == [urls[0]])
+        done_before = int(r.bitcount(k.done))
+        victim.kill()
+        killed_at = time.monotonic()
+        wait_for(lambda: spare.driving() == [urls[0]], timeout=10 * LEASE_S,
+                 what="the spare taking over the dead consumer's server")
+        takeover_s = time.monotonic() - killed_at
+        no_server_driven_twice(replicas)
+        assert not intruder.driving()
+        assert done_before < n, "the run ended before the kill; make it longer"
+
+        for c in replicas:
+            if c is not victim:
+                assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        watch.stop.set()
+        watch.join()
+        for c in replicas:
+            c.cleanup()
+    assert watch.seen == [], f"servers driven twice at once: {watch.seen[:3]}"
+    assert int(r.bitcount(k.done)) == n
+    # Every lease is given back on a clean exit; the dead consumer's one expired.
+    assert not any(r.exists(server_lease(url)) for url in urls)
+    genq("export", "--out", str(tmp_path / "all.jsonl"), redis_url=redis_url, run=run_name)
+    assert sorted(rec["index"] for rec in read_jsonl(tmp_path / "all.jsonl")) == list(range(n))
+    # A figure, not a bound: the server is idle for at most the lease plus one poll.
+    print(f"takeover_s={takeover_s:.2f} lease_s={LEASE_S}")
+
+
+def test_a_lost_lease_stops_the_consumer(tmp_path, redis_url, r, run_name, sim_factory):
+    """A consumer whose lease another one took (it was frozen past the lease) stops driving."""
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 200)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sim = sim_factory(**sim_kwargs(0.3, max_running_requests=4))
+    c = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "frozen")
+    try:
+        wait_for(lambda: c.driving(), timeout=20, what="the consumer driving")
+        c.signal(signal.SIGSTOP)
+        wait_for(lambda: not r.exists(server_lease(sim.url)), timeout=10 * LEASE_S,
+                 what="the frozen consumer's lease expiring")
+        r.set(server_lease(sim.url), "other|x|1", px=60_000)
+        c.signal(signal.SIGCONT)
+        assert c.wait(60) == 3, c.log()[-3000:]
+        assert c.said("server_lease_lost")
+        assert r.get(server_lease(sim.url)) == b"other|x|1"
+    finally:
+        c.cleanup()

@@ -1,0 +1,167 @@
+"""genq reads what real SGLang 0.5.23 sends (answers kept in tests/data/sglang-0.5.23), and a
+consumer never accepts an answer that is not a finished result: an aborted one is run again
+without spending an attempt, one with no finish reason spends an attempt each time."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+from faultkit import Consumer, check_truth, produce_once
+from pipeline import ConsumerProcess, wait_for, write_dataset
+from sim_fixtures import SimProcess, sim_flags
+
+from common.errors import BadTask, Retryable, ServerAborted, ServerUnavailable, TryAgain, classify
+from common.keys import RunKeys
+from common.status import read_status
+from consumer.sglang_stream import (
+    Answer,
+    ContextExceeded,
+    error_message,
+    parse_load,
+    split_thinking,
+    status_error,
+)
+
+REAL = Path(__file__).parent / "data" / "sglang-0.5.23"
+URL = "http://gpu0:30000"
+
+
+def real(name: str):
+    return orjson.loads((REAL / name).read_bytes())
+
+
+def test_load_and_capacity_from_real_v1_loads_and_the_old_get_load():
+    assert parse_load(real("v1_loads.json")) == {
+        "num_reqs": 0, "num_waiting_reqs": 0, "max_running_requests": 16}
+    old = [{"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 9},
+           {"dp_rank": 1, "num_reqs": 4, "num_waiting_reqs": None, "num_tokens": 1}]
+    assert parse_load(old) == {"num_reqs": 7, "num_waiting_reqs": 2,
+                               "max_running_requests": None}
+    info = real("get_server_info.json")
+    assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == 16
+    assert real("v1_models.json")["data"][0]["max_model_len"] == 8192
+
+
+def test_a_real_streamed_answer_is_read_whole():
+    answer = Answer()
+    lines = (REAL / "stream_parser_thinking.txt").read_text().strip().splitlines()
+    ended = [answer.feed(line, 7, URL) for line in lines]
+    assert ended[-1] and not any(ended[:-1])
+    done = answer.completion(URL, thinking=True)
+    assert done.finish_reason == "length" and done.content == ""
+    assert done.reasoning_content == " sudeltakipFArror\ufffd unt\ufffd\u0015licitiss\ufffd"
+    assert (done.prompt_tokens, done.completion_tokens) == (15, 12)
+
+
+def test_the_real_context_length_400_lowers_max_tokens_and_is_never_a_bad_task():
+    message = error_message((REAL / "context_400.json").read_bytes())
+    error = status_error(400, message, 7, URL)
+    assert isinstance(error, ContextExceeded)
+    assert (error.context, error.input_tokens) == (8192, 15)
+    assert classify(error) is TryAgain
+    too_long = status_error(
+        400, "The input (9000 tokens) is longer than the model's context length (8192 tokens).",
+        7, URL)
+    assert classify(too_long) is TryAgain
+    assert classify(status_error(400, "temperature must be >= 0", 7, URL)) is BadTask
+    assert classify(status_error(503, "", 7, URL)) is Retryable
+    assert error_message(b'{"detail":"Not Found"}') == "Not Found"
+
+
+@pytest.mark.parametrize("finish, verdict", [("abort", ServerAborted), (None, TryAgain),
+                                             ("tool_calls", TryAgain)])
+def test_no_finished_result_is_never_accepted(finish, verdict):
+    answer = Answer()
+    chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": finish}]}
+    answer.feed("data: " + orjson.dumps(chunk).decode(), 0, URL)
+    answer.feed("data: [DONE]", 0, URL)
+    with pytest.raises(verdict):
+        answer.completion(URL, thinking=True)
+    cut = Answer()
+    cut.feed("data: " + orjson.dumps(chunk).decode(), 0, URL)
+    with pytest.raises(ServerUnavailable):  # no [DONE]: the connection broke
+        cut.completion(URL, thinking=True)
+
+
+def test_thinking_is_where_it_belongs_in_all_three_cases():
+    # 1. no --reasoning-parser: the thinking is in content, split off by genq
+    assert split_thinking("<think>\nplan it\n</think>\n\nThe answer.") == (
+        "plan it", "The answer.")
+    assert split_thinking("plan it</think>The answer.") == ("plan it", "The answer.")
+    # 2. never closed: all of it is thinking, the answer is empty (as the qwen3 parser does)
+    assert split_thinking("<think>still thinking") == ("still thinking", "")
+    # 3. no thinking at all (or a server that already split it): content untouched
+    assert split_thinking("Just the answer.") == (None, "Just the answer.")
+
+
+def sim_fault(sim, **body) -> None:
+    httpx.post(sim.url + "/_sim/faults", json=body, timeout=5).raise_for_status()
+
+
+def test_aborted_answers_come_back_without_spending_an_attempt(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 20
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(time_scale=20, length_dist="fixed:50", max_running_requests=4)
+    sim_fault(sim, finish="abort")
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        wait_for(lambda: "finish_reason abort" in c.log(), what="an aborted answer")
+        sim_fault(sim, finish=None)
+        assert c.wait(90) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+    assert any("finish_reason abort" in str(e.get("error", "")) for e in events)
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["failed"] == 0
+
+
+def test_answers_without_a_finish_reason_spend_attempts_and_fail_with_the_reason(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 4
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(time_scale=50, length_dist="fixed:20")
+    sim_fault(sim, finish="missing")
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "2")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    k = RunKeys(run_name)
+    assert r.bitcount(k.failed) == n and not r.bitcount(k.done)
+    reasons = {v.decode() for v in r.hvals(k.errors)}
+    assert all("gave up after 2 attempts" in x and "finish_reason None" in x for x in reasons)
+    assert httpx.get(sim.url + "/_sim/stats").json()["completed"] == 2 * n
+
+
+def test_a_warming_server_is_waited_for_and_an_older_ones_load_read_from_get_load(
+        tmp_path, redis_url, r, run_name):
+    n = 6
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = SimProcess(*sim_flags(legacy_get_load=True, max_running_requests=4, warmup=4,
+                                time_scale=20, length_dist="fixed:30"))
+    with pytest.raises(TimeoutError):  # /health says 503 for the first 4 s
+        sim.start(timeout=1)
+    c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--server-wait", "60",
+                        "--poll", "0.05", "--grace", "2")
+    try:
+        k = RunKeys(run_name)
+        wait_for(lambda: r.bitcount(k.done) == n, timeout=60, what="all done")
+        rows = wait_for(lambda: [s for s in read_status(r, run_name)["servers"]
+                                 if s.get("load")], timeout=30, what="the server's load")
+        c.signal(signal.SIGTERM)
+        assert c.wait(30) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+        sim.cleanup()
+    waits = [e for e in events if e.get("event") == "waiting_for_server"]
+    assert waits and "HTTP 503" in waits[0]["error"]
+    assert [e["endpoint"] for e in events if e.get("event") == "server_load_source"] == \
+        ["/get_load"]
+    assert rows[0]["load"]["endpoint"] == "/get_load" and rows[0]["capacity"] == 4

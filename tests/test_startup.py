@@ -1,0 +1,69 @@
+"""Services started while Redis is down (or still loading) wait for it with backoff and one
+clear line, instead of exiting 1: under compose and restart loops Redis often comes up last."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import orjson
+from conftest import free_port
+from faultkit import Background, Consumer, check_truth, private_redis, produce_once, sim_kwargs
+from pipeline import wait_for, write_dataset
+from test_monitor import Monitor
+
+
+def test_consumer_and_producer_started_before_redis_wait_then_proceed(
+        tmp_path, run_name, sim_factory):
+    n = 40
+    with private_redis("--appendonly", "yes") as server:
+        produce_once(write_dataset(tmp_path / "d.jsonl", n), server.url, run_name)
+        server.stop()  # the run is in the AOF; Redis is gone when the services start
+        sim = sim_factory(**sim_kwargs(0.1))
+        consumer = Consumer(server.url, run_name, sim.url, tmp_path / "out")
+        producer = Background(server.url, run_name, "produce", str(tmp_path / "d.jsonl"),
+                              "--max-tokens", "300")
+        monitor = Monitor(server.url, run_name, tmp_path)
+        try:
+            time.sleep(3)  # all three are up and cannot reach Redis
+            assert consumer.proc.poll() is None, consumer.log()[-2000:]
+            assert producer.proc.poll() is None, producer.log()[-2000:]
+            code, body, _ = monitor.get("/api/status")
+            assert code == 503 and "cannot reach Redis" in orjson.loads(body)["error"]
+            server.start()
+            assert consumer.wait(90) == 0, consumer.log()[-3000:]
+            wait_for(lambda: "run_registered" in [e.get("event") for e in producer.events()],
+                     what="the producer through its backoff")
+            assert producer.stop() == 0, producer.log()[-3000:]
+            consumer_events = consumer.event_names()
+            producer_events = [e.get("event") for e in producer.events()]
+            assert monitor.status()["done"] == n  # the monitor serves the run now
+        finally:
+            consumer.cleanup()
+            producer.cleanup()
+            monitor.stop()
+        r = server.client()
+        check_truth(r, server.url, run_name, n, tmp_path)
+        r.close()
+    # One clear line while waiting (not one per try), one when Redis answers.
+    assert consumer_events["waiting_for_redis"] == 1 and consumer_events["redis_available"] == 1
+    assert producer_events.count("waiting_for_redis") == 1
+    assert "redis_available" in producer_events and "run_registered" in producer_events
+
+
+def test_services_stopped_while_waiting_for_redis_exit_cleanly(tmp_path, run_name):
+    """SIGTERM to a consumer or windowed producer still waiting for Redis: exit 0 at once."""
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    (tmp_path / "d.jsonl").write_text('{"prompt": "hi"}\n')
+    consumer = Consumer(dead, run_name, "http://127.0.0.1:9", tmp_path / "out")
+    producer = Background(dead, run_name, "produce", str(tmp_path / "d.jsonl"))
+    try:
+        for proc in (consumer, producer):
+            wait_for(lambda proc=proc: any(e.get("event") == "waiting_for_redis"
+                                           for e in proc.events()), what="waiting for Redis")
+        consumer.signal(signal.SIGTERM)
+        assert consumer.wait(30) == 0, consumer.log()[-2000:]
+        assert producer.stop() == 0, producer.log()[-2000:]
+    finally:
+        consumer.cleanup()
+        producer.cleanup()
