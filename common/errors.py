@@ -10,7 +10,8 @@
         ├── ServerUnavailable      # 5xx, connect refused/reset, timeouts
         │   ├── ServerAborted      # the server ended the generation itself (finish "abort")
         │   └── ServerStalled      # the answer went silent for --stall-timeout
-        └── OutputUnavailable      # disk full / output dir unwritable
+        ├── OutputUnavailable      # disk full / output dir unwritable
+        └── StoreUnavailable       # S3 unreachable, refusing, or storing other bytes than sent
 
 Classify once, where the failure is first understood; callers then only ask "BadTask or
 Retryable?" (``classify``) to decide between failing the task and giving it back. Redis trouble
@@ -81,6 +82,10 @@ class ServerStalled(ServerUnavailable):
 
 class OutputUnavailable(Retryable):
     """The output shard cannot be written (disk full, quota, read-only or missing directory)."""
+
+
+class StoreUnavailable(Retryable):
+    """S3 cannot take or give a shard now; the shard stays on disk and is shipped later."""
 
 
 # Redis trouble that passes on its own or once an operator acts; never a reason to fail a task.

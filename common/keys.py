@@ -263,6 +263,18 @@ class RunKeys:
         """Set of output directories consumers wrote shards to (export reads them)."""
         return self.prefix + "outdirs"
 
+    @property
+    def shipped(self) -> str:
+        """Hash: S3 key -> JSON {sha256, bytes, records, shard} of every shard shipped (one
+        entry per closed shard of N records, so bounded by the run's size)."""
+        return self.prefix + "shipped"
+
+    @property
+    def ship(self) -> str:
+        """Hash of shipping totals: shards, bytes, records; pending|<consumer>,
+        pending_bytes|<consumer> while a consumer has a backlog; last_error, last_error_at."""
+        return self.prefix + "ship"
+
 
 RUNS = "genq:runs"
 

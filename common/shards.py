@@ -1,8 +1,10 @@
 """Output shards: the consumer's durable JSON-lines sink, their repair, and reading them back.
 
-A shard is ``{out_dir}/{run}.{name}.{start_ts}-{pid}.jsonl``, written by one process that holds
-an exclusive ``flock`` on it for as long as it is open; a shard nobody holds is finished (or was
-left by a dead consumer) and may be repaired, shipped or read.
+A shard is ``{out_dir}/{run}.{name}.{start_ts}-{pid}.{seq:06d}.jsonl``, written by one process
+that holds an exclusive ``flock`` on it for as long as it is open; a shard nobody holds is
+finished (or was left by a dead consumer) and may be repaired, shipped or read. ``seq`` counts
+the shards of one consumer name in one directory (``.{run}.{name}.seq`` keeps the count, so it
+never repeats even after shipped shards are removed); it names the shard's S3 object.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ import orjson
 
 from common.errors import OutputUnavailable
 from common.groupcommit import GroupCommit
+from common.shard_repair import repair_shards  # noqa: F401 (its home before the split)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
-_TAIL_BLOCK = 64 << 10
 
 
 def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
@@ -46,7 +48,8 @@ class ShardWriter:
 
     ``write`` may be called from several threads. With ``rotate_every=N`` a shard is closed
     after N records and the next one is opened on the next write; each closed, non-empty shard
-    is appended to ``closed_shards`` and passed to ``on_close`` (the hook for shipping it).
+    is appended to ``closed_shards`` and passed to ``on_close`` (the hook for shipping it);
+    ``rotate_if_older`` closes a shard by age, so a slow trickle still ships.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class ShardWriter:
         self._path: Path | None = None
         self._size = 0
         self._count = 0
+        self._opened = 0.0
         self._closed = False
         self._open()  # at once, so an unwritable --out fails at start, not at the first result
 
@@ -85,7 +89,7 @@ class ShardWriter:
                 # UTC to the nanosecond: names sort by start time and rarely collide.
                 ts = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now // 10**9))
                 stem = f"{self.run}.{self.name}.{ts}{now % 10**9:09d}Z-{os.getpid()}"
-                path = self.out_dir / f"{stem}.jsonl"
+                path = self.out_dir / f"{stem}.{self._next_seq():06d}.jsonl"
                 try:
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
                     break
@@ -100,6 +104,20 @@ class ShardWriter:
             os.close(fd)
             raise _out_error(self.out_dir, e) from e
         self._fd, self._path, self._size, self._count = fd, path, 0, 0
+        self._opened = time.monotonic()
+
+    def _next_seq(self) -> int:
+        """The next shard number of this name here, kept durably so it never repeats."""
+        fd = os.open(self.out_dir / f".{self.run}.{self.name}.seq", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # two processes given the same --name and --out
+            raw = os.pread(fd, 32, 0).strip()
+            seq = int(raw) + 1 if raw.isdigit() else 1
+            os.pwrite(fd, f"{seq:012d}\n".encode(), 0)  # fixed width: one sector, never torn
+            os.fdatasync(fd)
+            return seq
+        finally:
+            os.close(fd)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record and fdatasync it (one fdatasync for the records that several
@@ -145,6 +163,12 @@ class ShardWriter:
         if self.rotate_every and self._count >= self.rotate_every:
             self._close_current()
 
+    def rotate_if_older(self, max_age_s: float) -> None:
+        """Close the current shard if it holds records and was opened max_age_s ago or more."""
+        with self._lock:
+            if self._count and time.monotonic() - self._opened >= max_age_s:
+                self._close_current()
+
     def _close_current(self) -> None:
         fd, path, count = self._fd, self._path, self._count
         self._fd, self._path = -1, None
@@ -174,59 +198,30 @@ def _shards(out_dir: Path, run: str) -> list[Path]:
     return sorted(out_dir.glob(f"{run}.*.jsonl"))
 
 
-def _valid(line: bytes) -> bool:
-    try:
-        return isinstance(orjson.loads(line), dict)
-    except orjson.JSONDecodeError:
-        return False
-
-
-def _line_start(fd: int, end: int) -> int:
-    """Offset where the line holding byte ``end - 1`` starts (after the previous newline)."""
-    pos = end - 1  # the byte at end-1 is the line's own newline (or its last byte); skip it
-    while pos > 0:
-        lo = max(0, pos - _TAIL_BLOCK)
-        nl = os.pread(fd, pos - lo, lo).rfind(b"\n")
-        if nl >= 0:
-            return lo + nl + 1
-        pos = lo
-    return 0
-
-
-def _good_end(fd: int, size: int) -> int:
-    """End of the last complete line that is a valid JSON object (0 when there is none)."""
-    end = size
-    while end > 0:
-        start = _line_start(fd, end)
-        line = os.pread(fd, end - start, start)
-        if line.endswith(b"\n") and _valid(line):
-            return end
-        end = start  # torn (no newline) or garbage: drop it and look at the line before
-    return 0
-
-
-def repair_shards(out_dir: str | os.PathLike[str], run: str) -> list[tuple[Path, int]]:
-    """Cut torn tails off every shard of ``run`` that no live writer holds; report the cuts."""
-    cuts: list[tuple[Path, int]] = []
+def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
+    """Every non-empty shard of ``run`` in ``out_dir`` that no live writer holds."""
+    out: list[Path] = []
     for path in _shards(Path(out_dir), run):
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            continue  # shipped and removed since we listed the directory
+            continue
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live writer owns it; its tail is not torn, just in progress
-            size = os.fstat(fd).st_size
-            end = _good_end(fd, size)
-            if end < size:
-                os.ftruncate(fd, end)
-                os.fsync(fd)
-                cuts.append((path, size - end))
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if os.fstat(fd).st_size:
+                out.append(path)
+        except BlockingIOError:
+            pass  # being written
         finally:
             os.close(fd)
-    return cuts
+    return out
+
+
+def shard_parts(path: Path) -> tuple[str, str, str]:
+    """(run, consumer name, shard id) from a shard's file name; the id is its zero-padded
+    sequence number, or its start time and pid for shards written before numbering."""
+    parts = path.name.removesuffix(".jsonl").split(".")
+    return parts[0], parts[1], parts[3] if len(parts) > 3 else parts[2]
 
 
 @dataclass

@@ -76,6 +76,7 @@ def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
         "history": (p.lrange, k.params_history, -HISTORY_LIMIT, -1),
         "consumers": (partial(p.zrange, withscores=True), k.consumers, 0, -1),
         "outdirs": (p.smembers, k.outdirs),
+        "ship": (p.hgetall, k.ship),
     }
     for call, *args in reads.values():
         call(*args)
@@ -162,6 +163,26 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     return mask_tree(status)  # no secrets in any field
 
 
+def _shipping(raw: dict) -> dict | None:
+    """Shards in S3 (run totals) and still on disk (each consumer's backlog, kept until it
+    clears), with the newest upload error; None when nothing was ever shipped or tried."""
+    if not raw:
+        return None
+    ship = {_s(f): _s(v) for f, v in raw.items()}
+    errors = sorted((_num(ship.get(f"error_at|{f[6:]}")), f[6:], v)
+                    for f, v in ship.items() if f.startswith("error|"))
+    return {
+        "shards_shipped": int(_num(ship.get("shards"))),
+        "bytes_shipped": int(_num(ship.get("bytes"))),
+        "records_shipped": int(_num(ship.get("records"))),
+        "shards_pending": sum(int(_num(v)) for f, v in ship.items() if f.startswith("pending|")),
+        "bytes_pending": sum(int(_num(v)) for f, v in ship.items()
+                             if f.startswith("pending_bytes|")),
+        "last_error": f"{errors[-1][1]}: {errors[-1][2]}" if errors else None,
+        "last_error_at": errors[-1][0] if errors else None,
+    }
+
+
 def _params(raw: dict) -> tuple[int, dict]:
     """Same fallback as common.params.current: what a consumer would run with right now."""
     version = int(_num(raw["version"], 1)) or 1
@@ -223,5 +244,6 @@ def _assemble(
         "epoch": meta.get("epoch"),
         "recovered_at": _timestamp(meta.get("recovered_at")),
         "alerts": alerts,
+        "shipping": _shipping(raw["ship"]),
         "time": round(now, 3),
     }

@@ -106,6 +106,12 @@ def render_table(status: dict) -> Any:
     for row in status.get("failure_reasons", []):
         lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
                           f"(e.g. index {row['example_index']})", style="yellow"))
+    ship = status.get("shipping")
+    if ship:
+        lines.append(Text(
+            f"S3 shipped {ship['shards_shipped']:,} shards ({ship['bytes_shipped']:,} B)  "
+            f"pending {ship['shards_pending']:,} ({ship['bytes_pending']:,} B)"
+            + (f"  last error: {ship['last_error']}" if ship["last_error"] else "")))
     lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
     if status.get("recovered_at"):
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status["recovered_at"]))

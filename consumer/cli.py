@@ -31,7 +31,7 @@ from common.cli import (
 from common.dataset import open_dataset
 from common.errors import GenqError, ServerUnavailable
 from common.shards import ShardWriter, repair_shards
-from consumer import faults, runstate, servers
+from consumer import faults, runstate, servers, shipping
 from consumer.servers import parse_servers
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -72,6 +72,7 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
                    help="seconds to wait for the server to answer at start (default 10)")
     p.add_argument("--name", help="consumer name shown in status (default host-pid)")
     p.add_argument("--poll", type=float, default=0.2, help="idle poll period, seconds")
+    shipping.add_flags(p)
     add_common(p)
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
@@ -95,7 +96,8 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
         grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
         stall_timeout=a.stall_timeout,
-        servers=tuple(urls), server_lease=a.server_lease, share_server=a.share_server)
+        servers=tuple(urls), server_lease=a.server_lease, share_server=a.share_server,
+        **shipping.settings(p, a))
 
 
 @guarded
@@ -150,7 +152,8 @@ async def serve(s: ConsumeSettings) -> int:
     manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
-    sink = faults.wrap(ShardWriter(s.out, s.run, s.name), os.environ.get("GENQ_FAULT"))
+    writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
+    sink = faults.wrap(writer, os.environ.get("GENQ_FAULT"))
     sync.sadd(k.outdirs, os.path.abspath(s.out))
     server = SGLang(s.server, request_timeout=s.request_timeout,
                     stall_timeout=s.stall_timeout)
@@ -162,6 +165,8 @@ async def serve(s: ConsumeSettings) -> int:
         socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
         retry=AsyncRetry(NoBackoff(), 1))  # see service_retry
     client = aioredis.Redis(connection_pool=pool)
+    ship = shipping.Shipping.start(s, k, writer, client)
+    rc = 0
     try:
         capacity, model, context = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
@@ -179,10 +184,15 @@ async def serve(s: ConsumeSettings) -> int:
         logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
         if consumer.runstate.failure:
             raise GenqError(consumer.runstate.failure)
+        if ship is not None:
+            sink.close()  # the last shard joins the backlog
+            rc = await ship.finish(s.ship_wait if s.burst else min(s.ship_wait, s.grace))
     finally:
+        if ship is not None:
+            await ship.cancel()
         await server.close()
         await client.aclose()
         sync.close()
         sink.close()
         dataset.close()
-    return 1 if consumer.crashed else 0
+    return 1 if consumer.crashed else rc

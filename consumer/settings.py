@@ -26,3 +26,9 @@ class ConsumeSettings:
     servers: tuple[str, ...] = ()
     server_lease: float = 15.0
     share_server: bool = False
+    # Shipping to S3 (common/ship.py): off without an s3:// URI.
+    s3_uri: str | None = None
+    shard_records: int = 500
+    shard_minutes: float = 10.0
+    keep_local: bool = True
+    ship_wait: float = 600.0

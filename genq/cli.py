@@ -41,23 +41,33 @@ def main(argv: list[str] | None = None) -> int:
 @guarded
 def export_main(argv: list[str] | None = None) -> int:
     """Write the run's results, one record per done prompt index, newest version winning."""
-    from common import export
+    from common import export_formats
     from common import run as runs
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
-    p.add_argument("--out", required=True, help="JSONL file to write (replaced atomically)")
+    p.add_argument("--out", required=True,
+                   help="file to write, JSONL or Parquet per --format (replaced atomically)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
     p.add_argument("--include-failed", action="store_true",
                    help="also write one record per failed prompt with its reason")
+    p.add_argument("--from-s3", metavar="URI",
+                   help="read the shards from s3://bucket/prefix instead of local directories")
+    p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
+                   help="jsonl (default) or parquet (typed columns, bounded row groups)")
     add_common(p)
     a = p.parse_args(argv)
+    if a.from_s3:
+        export_formats.check_uri(a.from_s3)  # before Redis: the flag's own error first
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
     dirs = a.shards or sorted(d.decode() for d in r.smembers(k.outdirs))
     dirs = [d for d in dirs if os.path.isdir(d)]
-    result = export.export(r, k, info.total, dirs, a.out, include_failed=a.include_failed)
+    if a.from_s3:
+        dirs = [a.from_s3]
+    result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
+                                       fmt=a.format, include_failed=a.include_failed)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""
     print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "
           f"from {result.shards} shards to {a.out}")

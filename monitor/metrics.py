@@ -27,6 +27,18 @@ RUN_METRICS = [
         "Completion tokens over done results.",
         lambda s: s.get("output_tokens_total", 0),
     ),
+    (
+        "genq_shards_shipped_total",
+        "counter",
+        "Output shards shipped to S3 and verified.",
+        lambda s: (s.get("shipping") or {}).get("shards_shipped", 0),
+    ),
+    (
+        "genq_shards_pending",
+        "gauge",
+        "Closed output shards still waiting to be shipped to S3.",
+        lambda s: (s.get("shipping") or {}).get("shards_pending", 0),
+    ),
     # Not genq_total: promtool rejects a _total suffix on anything but a counter.
     ("genq_prompts", "gauge", "Prompts in the data set.", lambda s: s["total"]),
     ("genq_remaining", "gauge", "Prompts neither done nor failed.", lambda s: s["remaining"]),

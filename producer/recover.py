@@ -71,8 +71,10 @@ def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
 
 
 def s3_source(uri: str, run: str) -> tuple[list[dict[str, Any]], Iterable[Iterable[bytes]]]:
-    """Hook for shipped output: (manifests, shard line streams) under an S3 URI."""
-    raise UsageError("--from-s3 is not available in this build of genq")
+    """Shipped output: every consumer's manifest and the shards as line streams (docs/S3.md)."""
+    from common import s3 as store
+
+    return store.run_source(uri, run, manifests.parse)
 
 
 def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:

@@ -16,7 +16,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common.errors import OutputUnavailable, Retryable
-from common.shards import ReadStats, ShardWriter, choose_records, read_records, repair_shards
+from common.shards import (
+    ReadStats,
+    ShardWriter,
+    choose_records,
+    closed_shards,
+    read_records,
+    repair_shards,
+    shard_parts,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,7 +92,25 @@ def test_an_unused_or_just_rotated_writer_leaves_no_empty_shard(tmp_path):
     w.write(rec(0))
     w.write(rec(1))
     w.close()
-    assert [p.name for p in tmp_path.iterdir()] == [w.closed_shards[0].name]
+    shards = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert shards == [w.closed_shards[0].name]  # the dot files are the shard counters
+
+
+def test_shards_are_numbered_for_good_and_rotate_by_age(tmp_path):
+    w = ShardWriter(tmp_path, "r", "gpu0", rotate_every=1)
+    w.write(rec(0))
+    w.close()
+    for path in w.closed_shards:
+        path.unlink()  # shipped and removed: the next writer still takes a new number
+    w = ShardWriter(tmp_path, "r", "gpu0")
+    w.write(rec(1))
+    w.rotate_if_older(3600)
+    assert closed_shards(tmp_path, "r") == []  # young, and held by the writer
+    w.rotate_if_older(0)
+    assert [shard_parts(p) for p in closed_shards(tmp_path, "r")] == [("r", "gpu0", "000002")]
+    w.rotate_if_older(0)  # nothing written since: no empty shard
+    w.close()
+    assert len(w.closed_shards) == 1
 
 
 def test_unwritable_output_is_output_unavailable(tmp_path):

@@ -1,0 +1,104 @@
+"""Where `genq export` reads from and what it writes, around common/export.py's own rules.
+
+``--from-s3 URI`` downloads the run's shards (common/s3.fetch_run) into a temporary directory
+laid out like a consumer's --out, then exports exactly as from disk. ``--format parquet`` turns
+the exported records into typed columns in row groups of bounded size, a file that
+``datasets.load_dataset("parquet", data_files=...)`` and pyarrow read as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from common import export
+
+ROW_GROUP_ROWS = 10_000
+ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
+
+_FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra`` JSON column
+    "index": "int64", "id": "string", "run": "string", "params_version": "int32",
+    "attempt": "int32", "finish_reason": "string", "prompt_tokens": "int64",
+    "completion_tokens": "int64", "reasoning_content": "string", "content": "string",
+    "server": "string", "model": "string", "latency_s": "float64", "created_at": "float64",
+}
+
+
+def schema() -> Any:
+    import pyarrow as pa
+
+    fields = [pa.field(name, getattr(pa, kind)()) for name, kind in _FIELDS.items()]
+    return pa.schema([*fields, pa.field("extra", pa.string())])
+
+
+def _row(record: dict[str, Any]) -> dict[str, Any]:
+    row = {name: record.get(name) for name in _FIELDS}
+    if row["id"] is not None and not isinstance(row["id"], str):
+        row["id"] = orjson.dumps(row["id"]).decode()  # ids may be numbers in the data set
+    extra = {k: v for k, v in record.items() if k not in _FIELDS}
+    row["extra"] = orjson.dumps(extra).decode() if extra else None
+    return row
+
+
+def jsonl_to_parquet(src: str, out: str) -> int:
+    """Copy ``src`` (export's JSONL) into the Parquet file ``out``, replaced atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp, rows, n = f"{out}.tmp-{os.getpid()}", [], 0
+    size = 0
+    try:
+        with open(src, "rb") as f, pq.ParquetWriter(tmp, schema(), compression="zstd") as w:
+            for line in f:
+                rows.append(_row(orjson.loads(line)))
+                size += len(line)
+                if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
+                    w.write_table(pa.Table.from_pylist(rows, schema=w.schema))
+                    n, rows, size = n + len(rows), [], 0
+            if rows:
+                w.write_table(pa.Table.from_pylist(rows, schema=w.schema))
+                n += len(rows)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return n
+
+
+@contextlib.contextmanager
+def shard_dirs(dirs: list[str], from_s3: str | None, run: str) -> Iterator[list[str]]:
+    """The directories to read: ``dirs`` as given, or one holding the run's shards from S3."""
+    if not from_s3:
+        yield dirs
+        return
+    from common import s3 as store
+
+    with tempfile.TemporaryDirectory(prefix="genq-s3-") as tmp:
+        store.fetch_run(store.parse_uri(from_s3), run, tmp)
+        yield [tmp]
+
+
+def check_uri(uri: str) -> None:
+    from common import s3 as store
+
+    store.parse_uri(uri)
+
+
+def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
+               from_s3: str | None = None, fmt: str = "jsonl",
+               **options: Any) -> export.ExportResult:
+    """export.export from disk or S3, into JSONL or Parquet; ``options`` go to it as they are."""
+    with shard_dirs(dirs, from_s3, k.run) as read_dirs:
+        if fmt == "jsonl":
+            return export.export(r, k, total, read_dirs, out, **options)
+        with tempfile.TemporaryDirectory(prefix="genq-export-",
+                                         dir=os.path.dirname(os.path.abspath(out))) as tmp:
+            jsonl = os.path.join(tmp, "export.jsonl")
+            result = export.export(r, k, total, read_dirs, jsonl, **options)
+            jsonl_to_parquet(jsonl, out)
+            return result

@@ -1,0 +1,226 @@
+"""genq's view of S3: ``s3://bucket/prefix`` URIs, deterministic object keys, compressed and
+verified uploads, and reading a run's shards back into a directory that the local readers
+(export, recover) already understand.
+
+Credentials, region and ``AWS_ENDPOINT_URL`` (for S3-compatible stores) come from boto3's own
+resolution (environment, config files, instance roles); genq adds only timeouts and a single
+attempt per call, so that an unreachable store fails fast and the shipper's own backoff
+decides when to try again.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import io
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import GenqError, StoreUnavailable, UsageError
+from common.shards import shard_parts
+
+try:  # zstd when the package is there (it is a dependency); gzip keeps working without it
+    import zstandard
+except ImportError:  # pragma: no cover - exercised only where zstandard is missing
+    zstandard = None
+
+_DECODE_ERRORS: tuple[type[Exception], ...] = (gzip.BadGzipFile,) + (
+    (zstandard.ZstdError,) if zstandard is not None else ())
+SUFFIX = ".jsonl.zst" if zstandard is not None else ".jsonl.gz"
+MANIFEST = "manifest.json"  # <prefix>/<run>/<consumer>/manifest.json, one per consumer
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_SHARD_KEY = re.compile(r"/([^/]+)/shard-([^/]+)\.jsonl\.(zst|gz)$")
+
+
+@dataclass(frozen=True)
+class S3Uri:
+    bucket: str
+    prefix: str  # without leading or trailing "/"; may be empty
+
+    def key(self, run: str, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, run, *parts) if p)
+
+    def __str__(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+def parse_uri(text: str) -> S3Uri:
+    """``s3://bucket/optional/prefix``, or one clear error naming what is wrong."""
+    if not text.startswith("s3://"):
+        raise UsageError(f"S3 URI {text!r} must look like s3://bucket/prefix")
+    bucket, _, prefix = text[5:].partition("/")
+    if not _BUCKET.match(bucket):
+        raise UsageError(f"S3 URI {text!r}: {bucket!r} is not a valid bucket name")
+    return S3Uri(bucket, prefix.strip("/"))
+
+
+def client() -> Any:
+    """One boto3 S3 client; thread-safe, so every upload thread shares it."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError
+
+    # One attempt per call: the shipper's own backoff retries, and a partitioned store holds
+    # a call (and a stopping consumer) at most 5 + 20 s.
+    config = Config(connect_timeout=5, read_timeout=20,
+                    retries={"total_max_attempts": 1, "mode": "standard"})
+    try:
+        return boto3.session.Session().client("s3", config=config)
+    except (BotoCoreError, ValueError) as e:  # e.g. AWS_ENDPOINT_URL that is not a URL
+        raise UsageError(f"cannot set up the S3 client: {e}") from None
+
+
+def shard_key(uri: S3Uri, path: Path) -> str:
+    """``<prefix>/<run>/<consumer>/shard-000123.jsonl.zst`` from the shard's own name, so a
+    retry or a restarted consumer writes the same object, never a second one."""
+    run, name, shard_id = shard_parts(path)
+    return uri.key(run, name, f"shard-{shard_id}{SUFFIX}")
+
+
+def compress(data: bytes) -> bytes:
+    if zstandard is not None:
+        return zstandard.ZstdCompressor(level=3).compress(data)
+    return gzip.compress(data, compresslevel=6, mtime=0)  # mtime 0: same bytes, same object
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode()
+
+
+def store_error(e: Exception, what: str) -> StoreUnavailable:
+    return StoreUnavailable(f"{what}: {type(e).__name__}: {e}")
+
+
+def head(s3: Any, uri: S3Uri, key: str) -> dict | None:
+    """The object's head, or None when there is none."""
+    from botocore.exceptions import ClientError
+
+    try:
+        return s3.head_object(Bucket=uri.bucket, Key=key)
+    except ClientError as e:
+        if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+            return None
+        raise
+
+
+def put_verified(s3: Any, uri: S3Uri, key: str, body: bytes, meta: dict[str, str]) -> None:
+    """Upload ``body``; S3 checks it against its MD5 on the way in, and the head read back
+    must show the same length, MD5 (where the ETag is one) and SHA-256."""
+    md5 = hashlib.md5(body, usedforsecurity=False)
+    sha = hashlib.sha256(body).hexdigest()
+    s3.put_object(Bucket=uri.bucket, Key=key, Body=body, ContentMD5=_b64(md5.digest()),
+                  Metadata={**meta, "sha256": sha})
+    got = head(s3, uri, key) or {}
+    etag = str(got.get("ETag", "")).strip('"')
+    if (got.get("ContentLength") != len(body)
+            or got.get("Metadata", {}).get("sha256") != sha
+            or (re.fullmatch(r"[0-9a-f]{32}", etag) and etag != md5.hexdigest())):
+        raise StoreUnavailable(f"s3://{uri.bucket}/{key}: the stored object does not match "
+                               "what was sent (length or checksum)")
+
+
+def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
+    """Every shard object of ``run`` under the URI, sorted."""
+    keys: list[str] = []
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket,
+                                                         Prefix=uri.key(run) + "/")
+    for page in pages:
+        keys += [o["Key"] for o in page.get("Contents", []) if _SHARD_KEY.search(o["Key"])]
+    return sorted(keys)
+
+
+def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
+    """A binary stream of the object's content, decompressed by its suffix."""
+    body = s3.get_object(Bucket=uri.bucket, Key=key)["Body"]
+    if key.endswith(".zst"):
+        if zstandard is None:
+            raise UsageError(f"{key} is zstd-compressed: pip install zstandard")
+        # Buffered, so that callers can iterate lines (the bare reader cannot readline).
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(body, closefd=True),
+                                 1 << 20)
+    if key.endswith(".gz"):
+        return gzip.GzipFile(fileobj=body)
+    return body
+
+
+def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]:
+    """(consumer, shard id, decompressed binary stream; iterating it gives lines) for each
+    shard of the run: the reading interface that export and recover share. Each stream is
+    closed once the next is asked for."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        keys = shard_keys(s3, uri, run)
+    except (BotoCoreError, ClientError) as e:
+        raise store_error(e, f"listing {uri}/{run}") from None
+    for key in keys:
+        match = _SHARD_KEY.search(key)
+        assert match is not None  # shard_keys kept only matching keys
+        try:
+            stream = open_object(s3, uri, key)
+        except (BotoCoreError, ClientError) as e:
+            raise store_error(e, f"reading s3://{uri.bucket}/{key}") from None
+        try:
+            yield match.group(1), match.group(2), stream
+        finally:
+            stream.close()
+
+
+def manifest_objects(s3: Any, uri: S3Uri, run: str) -> list[tuple[str, bytes]]:
+    """(key, content) of every consumer's shipped run manifest, for ``genq recover``: each
+    consumer ships its own, so one that missed a requeue never hides a newer one."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    prefix = uri.key(run) + "/"
+    out = []
+    try:
+        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket,
+                                                                 Prefix=prefix):
+            for obj in page.get("Contents", []):
+                if obj["Key"].endswith("/" + MANIFEST):
+                    body = s3.get_object(Bucket=uri.bucket, Key=obj["Key"])["Body"].read()
+                    out.append((obj["Key"], body))
+    except (BotoCoreError, ClientError) as e:
+        raise store_error(e, f"reading the manifests under {uri}/{run}") from None
+    return sorted(out)
+
+
+def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
+               ) -> tuple[list[Any], Iterator[Any]]:
+    """What `genq recover --from-s3 URI` reads: every consumer's manifest, parsed and checked
+    by ``parse_manifest(content, where)``, and the run's shards as streams of lines (opened
+    one at a time, as they are read)."""
+    parsed, s3 = parse_uri(uri), client()
+    found = [parse_manifest(body, f"s3://{parsed.bucket}/{key}")
+             for key, body in manifest_objects(s3, parsed, run)]
+    return found, (stream for _, _, stream in iter_shards(s3, parsed, run))
+
+
+def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None) -> list[Path]:
+    """Download and decompress every shard of ``run`` into ``dest`` as
+    ``{run}.{consumer}.{shard id}.jsonl``: the layout of a consumer's output directory, which
+    export reads."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    s3 = s3 or client()
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    paths: list[Path] = []
+    path = dest
+    try:
+        for consumer, shard_id, stream in iter_shards(s3, uri, run):
+            path = dest / f"{run}.{consumer}.{shard_id}.jsonl"
+            with open(path, "wb") as f:
+                shutil.copyfileobj(stream, f, 1 << 20)
+            paths.append(path)
+    except (BotoCoreError, ClientError) as e:
+        raise store_error(e, f"reading {uri}/{run}") from None
+    except (OSError, EOFError, *_DECODE_ERRORS) as e:  # a damaged or foreign object
+        raise GenqError(f"reading {uri}/{run}: {path.name}: {e}") from None
+    return paths

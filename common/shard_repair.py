@@ -1,0 +1,70 @@
+"""Torn-tail repair: cut a shard back to its last complete, valid line after a crash.
+
+A shard that a live writer holds (its ``flock``) is left alone: its tail is in progress, not
+torn.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import orjson
+
+_TAIL_BLOCK = 64 << 10
+
+
+def _valid(line: bytes) -> bool:
+    try:
+        return isinstance(orjson.loads(line), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _line_start(fd: int, end: int) -> int:
+    """Offset where the line holding byte ``end - 1`` starts (after the previous newline)."""
+    pos = end - 1  # the byte at end-1 is the line's own newline (or its last byte); skip it
+    while pos > 0:
+        lo = max(0, pos - _TAIL_BLOCK)
+        nl = os.pread(fd, pos - lo, lo).rfind(b"\n")
+        if nl >= 0:
+            return lo + nl + 1
+        pos = lo
+    return 0
+
+
+def _good_end(fd: int, size: int) -> int:
+    """End of the last complete line that is a valid JSON object (0 when there is none)."""
+    end = size
+    while end > 0:
+        start = _line_start(fd, end)
+        line = os.pread(fd, end - start, start)
+        if line.endswith(b"\n") and _valid(line):
+            return end
+        end = start  # torn (no newline) or garbage: drop it and look at the line before
+    return 0
+
+
+def repair_shards(out_dir: str | os.PathLike[str], run: str) -> list[tuple[Path, int]]:
+    """Cut torn tails off every shard of ``run`` that no live writer holds; report the cuts."""
+    cuts: list[tuple[Path, int]] = []
+    for path in sorted(Path(out_dir).glob(f"{run}.*.jsonl")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            continue  # shipped and removed since we listed the directory
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live writer owns it; its tail is not torn, just in progress
+            size = os.fstat(fd).st_size
+            end = _good_end(fd, size)
+            if end < size:
+                os.ftruncate(fd, end)
+                os.fsync(fd)
+                cuts.append((path, size - end))
+        finally:
+            os.close(fd)
+    return cuts

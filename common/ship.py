@@ -1,0 +1,240 @@
+"""Ship closed shards (and any other run file, such as the manifest) to S3 in the background.
+
+One asyncio task per consumer; compression and every boto3 call run in threads
+(``asyncio.to_thread``) on one shared client, so generation never waits for S3. A shard is
+uploaded under its deterministic key, verified, then recorded in ``genq:<run>:shipped``; only
+then may its local copy be removed. When S3 fails, shards stay on disk, the upload is retried
+with backoff, and the backlog is written to ``genq:<run>:ship`` for status and the monitor.
+A consumer started on a directory with unshipped shards ships them first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+import structlog
+
+from common import s3 as store
+from common.errors import REDIS_TROUBLE, StoreUnavailable
+from common.keys import RunKeys
+from common.shards import closed_shards
+
+logger = structlog.get_logger("shipper")
+
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 10.0  # one cheap retry per 10 s at worst: a backlog drains soon after S3 is back
+
+
+@dataclass
+class Item:
+    path: Path
+    key: str
+    shard: bool  # shards are compressed and counted; other files go as they are
+    size: int
+    version: tuple[int, int] = (0, 0)  # (mtime_ns, size) of a watched file when queued
+
+
+def _prepare(item: Item) -> tuple[bytes, dict[str, str]]:
+    import hashlib
+
+    raw = item.path.read_bytes()
+    meta = {"raw-sha256": hashlib.sha256(raw).hexdigest(), "source": item.path.name}
+    if not item.shard:
+        return raw, meta
+    meta["records"] = str(raw.count(b"\n"))
+    return store.compress(raw), meta
+
+
+class Shipper:
+    def __init__(self, uri: store.S3Uri, keys: RunKeys, consumer: str, out_dir: str | Path,
+                 r: Any, *, keep_local: bool = True, s3: Any = None) -> None:
+        self.uri, self.k, self.consumer, self.out = uri, keys, consumer, Path(out_dir)
+        self.r, self.keep_local = r, keep_local
+        self.s3 = s3 or store.client()
+        self.queue: dict[Path, Item] = {}
+        self.wake = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self.shipped = self.bytes = 0
+        self.last_error: str | None = None
+        self.failures = 0
+        self.watched: dict[Path, str] = {}
+        self.sent: dict[Path, tuple[int, int]] = {}
+
+    # --- what to ship --------------------------------------------------------------------
+    def closed(self, path: Path) -> None:
+        """The shard writer's on_close hook: called from any thread, never blocks."""
+        self.loop.call_soon_threadsafe(self.add_shard, path)
+
+    def add_shard(self, path: Path) -> None:
+        if path not in self.queue:
+            size = path.stat().st_size if path.exists() else 0
+            self.queue[path] = Item(path, store.shard_key(self.uri, path), True, size)
+        self.wake.set()
+
+    def watch(self, path: Path, name: str) -> None:
+        """Ship ``path`` (the run manifest) as ``<prefix>/<run>/<name>`` whenever it changes."""
+        self.watched[path] = name
+
+    def check_watched(self) -> None:
+        for path, name in self.watched.items():
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            version = (st.st_mtime_ns, st.st_size)
+            queued = self.queue.get(path)
+            if self.sent.get(path) != version and (queued is None or queued.version != version):
+                key = self.uri.key(self.k.run, name)
+                self.queue[path] = Item(path, key, False, st.st_size, version)
+
+    def scan(self) -> int:
+        """Queue every finished shard of the run in the output directory (left unshipped by
+        a consumer that stopped or died); those already shipped are skipped when their turn
+        comes, after one look at Redis."""
+        found = closed_shards(self.out, self.k.run)
+        for path in found:
+            self.add_shard(path)
+        return len(found)
+
+    # --- the loop ------------------------------------------------------------------------
+    async def run(self, sink: Any = None, max_age_s: float | None = None) -> None:
+        """Ship until cancelled; close ``sink``'s shard when it is older than ``max_age_s``."""
+        with contextlib.suppress(*REDIS_TROUBLE):  # reported again after the first upload
+            await self.report()
+        while True:
+            if sink is not None and max_age_s:
+                await asyncio.to_thread(sink.rotate_if_older, max_age_s)
+            self.check_watched()
+            if not self.queue:
+                self.wake.clear()
+                with contextlib.suppress(TimeoutError):  # the age rotation needs a tick
+                    await asyncio.wait_for(self.wake.wait(), 1.0)
+                continue
+            item = next(iter(self.queue.values()))
+            try:
+                await self.ship(item)
+            except (StoreUnavailable, *REDIS_TROUBLE) as e:
+                await self.failed(item, e)
+                continue
+            if self.queue.get(item.path) is item:  # not replaced by a newer version meanwhile
+                del self.queue[item.path]
+            self.sent[item.path] = item.version
+            self.failures = 0
+            with contextlib.suppress(*REDIS_TROUBLE):  # the next report carries it
+                await self.report()
+
+    async def ship(self, item: Item) -> None:
+        if item.shard and await self.r.hexists(self.k.shipped, item.key):
+            self.drop_local(item)  # shipped before this consumer (re)started
+            return
+        try:
+            body, meta = await asyncio.to_thread(_prepare, item)
+        except FileNotFoundError:
+            return  # another consumer on this directory shipped and removed it
+        started = time.monotonic()
+        key = await asyncio.to_thread(self.upload, item, body, meta)
+        if item.shard:
+            entry = {"sha256": meta["raw-sha256"], "bytes": len(body),
+                     "records": int(meta["records"]), "shard": item.path.name}
+            await mark_shipped(self.r, self.k, item.key, key, entry)
+            self.drop_local(item)
+        self.shipped += item.shard
+        self.bytes += len(body)
+        logger.info("shipped", key=key, bytes=len(body), raw_bytes=item.size,
+                    seconds=round(time.monotonic() - started, 3), backlog=len(self.queue) - 1)
+
+    def upload(self, item: Item, body: bytes, meta: dict[str, str]) -> str:
+        """Upload under the item's key and return the key used. An object already there
+        with the same content is kept as it is; one with other content (a reused consumer
+        name on a wiped disk) is never overwritten: the shard goes beside it instead."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        key = item.key
+        try:
+            if item.shard:
+                there = store.head(self.s3, self.uri, key)
+                seen = (there or {}).get("Metadata", {}).get("raw-sha256")
+                if seen == meta["raw-sha256"]:
+                    return key
+                if there is not None:
+                    stamp = item.path.name.split(".")[2]
+                    key = key.replace("/shard-", f"/shard-{stamp}-", 1)
+            store.put_verified(self.s3, self.uri, key, body, meta)
+        except (BotoCoreError, ClientError) as e:
+            raise store.store_error(e, f"uploading {item.path.name} to {self.uri}") from None
+        return key
+
+    def drop_local(self, item: Item) -> None:
+        if not self.keep_local:
+            item.path.unlink(missing_ok=True)
+
+    async def failed(self, item: Item, e: Exception) -> None:
+        self.failures += 1
+        self.last_error = str(e) or type(e).__name__
+        if self.queue.get(item.path) is item:  # to the back: one bad file must not block all
+            self.queue[item.path] = self.queue.pop(item.path)
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(self.failures - 1, 10))
+        delay *= 0.5 + random.random() / 2
+        logger.warning("ship_failed", shard=item.path.name, error=self.last_error,
+                       retry_in_s=round(delay, 1), backlog=len(self.queue))
+        with contextlib.suppress(*REDIS_TROUBLE):  # Redis down too: the log line reports it
+            await self.report()
+        await asyncio.sleep(delay)
+
+    async def report(self) -> None:
+        """Backlog and last error of this consumer in genq:<run>:ship; fields removed once
+        clear, so the hash stays as small as the number of consumers with trouble."""
+        pending = [i for i in self.queue.values() if i.shard]
+        fields = {f"pending|{self.consumer}": len(pending),
+                  f"pending_bytes|{self.consumer}": sum(i.size for i in pending)}
+        pipe = self.r.pipeline(transaction=True)
+        if pending:
+            pipe.hset(self.k.ship, mapping=fields)
+        else:
+            pipe.hdel(self.k.ship, *fields)
+        if self.failures:
+            pipe.hset(self.k.ship, mapping={f"error|{self.consumer}": self.last_error or "",
+                                            f"error_at|{self.consumer}": round(time.time(), 3)})
+        else:
+            pipe.hdel(self.k.ship, f"error|{self.consumer}", f"error_at|{self.consumer}")
+        await pipe.execute()
+
+    async def finish(self, timeout: float) -> list[Path]:
+        """Wait until the queue is empty or ``timeout`` passes; what is still unshipped."""
+        deadline = time.monotonic() + timeout
+        await asyncio.sleep(0)  # let shards closed just now (call_soon_threadsafe) join
+        self.check_watched()
+        while self.queue and time.monotonic() < deadline:
+            self.wake.set()
+            await asyncio.sleep(0.05)
+        return list(self.queue)
+
+
+async def mark_shipped(r: Any, k: RunKeys, field: str, key: str, entry: dict) -> bool:
+    """Record the shard as shipped, once: the totals count each shard exactly once however
+    often it is uploaded (a retry after a lost reply, two consumers on one directory)."""
+    entry = {**entry, "key": key}
+    while True:
+        async with r.pipeline(transaction=True) as pipe:
+            try:
+                await pipe.watch(k.shipped)
+                if await pipe.hexists(k.shipped, field):
+                    await pipe.unwatch()
+                    return False
+                pipe.multi()
+                pipe.hset(k.shipped, field, orjson.dumps(entry))
+                pipe.hincrby(k.ship, "shards", 1)
+                pipe.hincrby(k.ship, "bytes", entry["bytes"])
+                pipe.hincrby(k.ship, "records", entry["records"])
+                await pipe.execute()
+                return True
+            except redis.WatchError:
+                continue
