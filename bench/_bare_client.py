@@ -15,6 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import orjson  # noqa: E402
+import structlog  # noqa: E402
 
 from common.params import DEFAULTS, request_body  # noqa: E402
 from consumer.sglang import SGLang  # noqa: E402
@@ -58,6 +59,9 @@ async def main(a: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
+    # The client's own log lines (server_load_source, ...) go to stderr: stdout is the one
+    # JSON line the bench reads.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     p = argparse.ArgumentParser()
     p.add_argument("--server", required=True)
     p.add_argument("--dataset", required=True)
