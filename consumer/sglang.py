@@ -57,7 +57,13 @@ class SGLang:
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=1024)
         # httpx's API on aiohttp's connection pool: a fifth of the client CPU per request of
         # httpx's own transport at 64 in flight (bench/http_transport.py, bench/README.md).
-        self.http = httpx.AsyncClient(base_url=self.url, timeout=timeout, limits=limits,
+        base, auth = httpx.URL(self.url), None
+        if base.userinfo:
+            # aiohttp refuses credentials in the URL beside the Authorization header httpx
+            # makes of them: send them once, as basic auth, to the URL without them.
+            auth = httpx.BasicAuth(base.username, base.password)
+            base = base.copy_with(userinfo=b"")
+        self.http = httpx.AsyncClient(base_url=base, auth=auth, timeout=timeout, limits=limits,
                                       transport=AiohttpTransport(limits=limits))
         self.load_path: str | None = None  # the load endpoint this server has, once known
         self._load_unknown_said = False

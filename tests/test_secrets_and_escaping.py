@@ -51,7 +51,8 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def _pass(self) -> None:
-        cut = max(self.path.rfind("/v1/"), self.path.rfind("/get_"))
+        # The SGLang endpoint is the path's tail after the prefix (the consumer asks /health too).
+        cut = max(self.path.rfind(tail) for tail in ("/v1/", "/get_", "/health"))
         length = int(self.headers.get("Content-Length") or 0)
         answer = self.server.upstream.request(
             self.command, self.path[cut:], content=self.rfile.read(length) if length else None,
@@ -90,7 +91,7 @@ def test_monitor_page_shows_untrusted_text_as_text_and_no_secret(
             for i in range(200)]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    genq("produce", str(data), "--once", "--max-tokens", "50", "--set", f"stop={PARAM}",
+    genq("produce", str(data), "--once", "--max-tokens", "50", "--raw", f"stop={PARAM}",
          redis_url=redis_url, run=run_name)
     # The simulator refuses rows with the marker, quoting it: a server message with markup.
     sim = sim_factory(**sim_kwargs(0.5), bad_marker=MARKER)
