@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import stats
+from common import advice, stats
 from common.errors import UsageError
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
@@ -107,6 +107,7 @@ def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | N
         row["capacity"] += int(beat.get("capacity") or 0)
         row["consumers"].append(_s(name))
         row["load"] = beat.get("load") or row["load"]
+        row["_history"] = beat.get("load_history") or row.get("_history")
         row["last_seen_s"] = round(min(row.get("last_seen_s", 1e18), now - seen), 1)
         row["started_at"] = beat.get("started_at")
     first_seen: dict[str, int] = {}
@@ -131,6 +132,7 @@ def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | N
                 "load": row["load"],
                 "consumer": ",".join(row["consumers"]) or None,
                 "last_seen_s": row.get("last_seen_s"),
+                "_history": row.get("_history"),
                 "_recent": recent,
                 "_known_s": now - min(known) if known else 0.0,
             }
@@ -184,6 +186,8 @@ def _assemble(
         {s["server"]: s.pop("_known_s") for s in servers},
         remaining,
     )
+    server_advice = advice.annotate(servers, now)
+    alerts += [advice.advice_alert(a) for a in server_advice]
     return {
         "run": run,
         "total": total,
@@ -211,5 +215,6 @@ def _assemble(
         "dataset": meta.get("dataset"),
         "created_at": _timestamp(meta.get("created_at")),
         "alerts": alerts,
+        "advice": server_advice,
         "time": round(now, 3),
     }

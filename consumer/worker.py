@@ -28,7 +28,7 @@ from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
 from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
-from consumer.follow import follow_server, resize
+from consumer.follow import follow_server, new_history, resize
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -72,9 +72,9 @@ class Consumer:
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
         self.pause = ClaimPause()
-        self.load: dict[str, int] | None = None
-        self.acked = 0
-        self.started_at = 0
+        self.load: dict[str, int] | None = None  # as last read; follow.py keeps its history
+        self.load_history = new_history()
+        self.acked = self.started_at = 0
         self.birth = iso_now()
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -293,7 +293,8 @@ class Consumer:
         now = (await self.r.time())[0]
         self.started_at = self.started_at or now
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
-                "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
+                "inflight": len(self.held), "load": self.load,
+                "load_history": list(self.load_history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": self.context_length}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
