@@ -45,20 +45,21 @@ def as_dicts(history: list[Any] | None) -> list[dict[str, Any]]:
 
 
 def window(samples: list[dict], now: float, window_s: float) -> list[dict]:
-    """The samples of the last window_s seconds under the capacity in force now, or [] when
-    they do not yet cover the window (too young, capacity changed, consumer gone)."""
+    """The samples since the last one taken before the window began, all under the capacity
+    in force now; [] when they do not yet cover the window (too young, capacity changed,
+    consumer gone)."""
     if not samples or now - samples[-1]["t"] > STALE_S:
         return []
     current = samples[-1]["max_running"]
     recent: list[dict] = []
     for s in reversed(samples):
-        if s["t"] < now - window_s or s["max_running"] != current:
-            break
+        if s["max_running"] != current:
+            return []
         recent.append(s)
-    recent.reverse()
-    if len(recent) < 3 or recent[-1]["t"] - recent[0]["t"] < 0.75 * window_s:
-        return []
-    return recent
+        if s["t"] <= now - window_s:
+            recent.reverse()
+            return recent if len(recent) >= 3 else []
+    return []
 
 
 def evidence(recent: list[dict]) -> dict[str, Any]:
