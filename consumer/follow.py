@@ -58,7 +58,7 @@ async def follow_server(self: Consumer) -> None:
     if capacity and not self.s.concurrency and capacity != self.capacity:
         logger.info("server_capacity_changed", old=self.capacity, new=capacity)
         self.capacity = capacity
-        self.resize()
+        resize(self)
     if context != self.context_length or not self.server_recorded:
         if context != self.context_length:
             logger.info("server_context_changed", old=self.context_length, new=context)

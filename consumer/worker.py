@@ -261,6 +261,10 @@ class Consumer:
                     await follow_server(self)  # the server's load, capacity and context
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
+            except Exception as e:
+                # A bug here must not silently end the heartbeat, reaper and version watch
+                # for the rest of the run (a background task's exception is never seen).
+                logger.exception("housekeeping_error", error=repr(e))
             tick += 1
             await asyncio.sleep(0.5)
 

@@ -104,3 +104,37 @@ def _page_row(monitor, server: str) -> str:
             selector = f'#server-view tr[data-server="{server}"] td.advice'
             page.wait_for_selector(selector)
             return page.text_content(f'#server-view tr[data-server="{server}"]')
+
+
+def test_a_server_restarted_with_more_slots_is_followed(sim_factory, redis_url, run_name,
+                                                         r, tmp_path):
+    """Following the advice: the server restarts with a higher --max-running-requests and the
+    consumer fills the new slots while its heartbeat (status, page) goes on. Before the fix a
+    capacity change ended the consumer's housekeeping with an AttributeError nobody saw."""
+    from sim_fixtures import SimProcess, sim_flags
+
+    flags = dict(time_scale=5, length_dist="fixed:1000")
+    sim = sim_factory(max_running_requests=4, **flags)
+    data = write_dataset(tmp_path / "d.jsonl", 400)
+    genq("produce", str(data), "--once", "--max-tokens", "2000", redis_url=redis_url,
+         run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", *FLAGS)
+    bigger = None
+    try:
+        wait_for(lambda: _row(r, run_name).get("capacity") == 4, timeout=30, what="4 slots")
+        sim.stop()
+        bigger = SimProcess(*sim_flags(max_running_requests=10, **flags), port=sim.port).start()
+        row = wait_for(lambda: (lambda x: x if x.get("capacity") == 10 and
+                                (x.get("load") or {}).get("num_reqs") == 10 else None)(
+                                    _row(r, run_name)), timeout=60, what="10 slots filled")
+        assert row["load"]["max_running_requests"] == 10 and row["last_seen_s"] < 5
+        assert "housekeeping_error" not in consumer.log()
+    finally:
+        consumer.cleanup()
+        if bigger:
+            bigger.cleanup()
+
+
+def _row(r, run: str) -> dict:
+    servers = read_status(r, run)["servers"]
+    return servers[0] if servers else {}
