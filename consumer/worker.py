@@ -30,6 +30,7 @@ from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
 from consumer.follow import follow_server, new_history, resize
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
+from consumer.reuse import answer
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
@@ -163,7 +164,7 @@ class Consumer:
             prompt = self.dataset.prompt(lease.index)
             params = await self.params_for(lease.version)
             body = request_body(prompt.messages, params, self.model)
-            inflight.request = asyncio.create_task(self.server.chat(body, lease.index))
+            inflight.request = asyncio.create_task(answer(self, body, lease.index))
             completion = await inflight.request
             record = build_record(
                 run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,

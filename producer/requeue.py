@@ -15,6 +15,7 @@ from common.cli import add_common, connect, guarded, run_keys
 from common.errors import UsageError
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, redo_call
+from producer import probe
 
 # Indices made runnable per redo script call: each call is atomic and exact, and at about
 # 9 us an index (bench/redo_scale.py) holds Redis for under 0.1 s, so acks are not held up.
@@ -32,14 +33,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--inflight", choices=["abort", "finish"], default="abort",
                    help="requests running under older parameters: abort and requeue them "
                         "(default) or let them finish")
+    p.add_argument("--probe", type=_positive, metavar="N",
+                   help="change nothing: run N of the prompts the redo would run (default: "
+                        "the truncated) under --set, report truncation, lengths, cost and "
+                        "ETA, and keep the answers for the commit (docs/CLI-EXTENSIONS.md)")
+    p.add_argument("--probe-concurrency", type=_positive, default=4, metavar="C",
+                   help="probe requests at once per server (default 4)")
+    p.add_argument("--json", action="store_true", help="with --probe: one JSON object")
     add_common(p)
     return p.parse_args(argv)
+
+
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return n
 
 
 @guarded
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     changes, notices = params.parse_sets(a.set)
+    if a.probe and not changes:
+        raise UsageError("--probe needs the parameters to try: give --set KEY=VALUE")
     if not changes and a.redo == "none":
         raise UsageError("nothing to change: give --set KEY=VALUE and/or --redo")
     k = run_keys(a.run)
@@ -51,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
         # Checked before anything changes, so a refused requeue undoes no result.
         limit = changes.get("max_tokens", params.current(r, k)[1].get("max_tokens"))
         params.check_fits(r, k, int(limit or params.DEFAULTS["max_tokens"]))
+    if a.probe:
+        return probe.main_probe(a, changes, r, k, info)
     if changes:
         version, diff = params.bump(r, k, changes, redo=a.redo, inflight=a.inflight)
         described = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in diff.items())

@@ -1,0 +1,116 @@
+"""`genq requeue --probe`: the statistics as pure functions, and end to end on the simulator:
+a probe of the truncated prompts at a larger max_tokens touches no result, predicts the
+truncation rate the full redo then measures (within its interval), and its answers are used
+by the commit instead of being generated again."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+
+from common.keys import RunKeys
+from producer.probe_stats import percentile, summarize, wilson
+
+pytestmark = pytest.mark.timeout(300)
+FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")
+
+
+def test_wilson_interval_matches_known_values():
+    assert wilson(0, 10) == pytest.approx((0.0, 0.2775), abs=1e-4)
+    assert wilson(5, 10) == pytest.approx((0.2366, 0.7634), abs=1e-4)
+    assert wilson(18, 100) == pytest.approx((0.1170, 0.2667), abs=1e-4)  # by hand
+    assert wilson(0, 0) == (0.0, 1.0)
+
+
+def test_percentiles_are_nearest_rank_values():
+    assert percentile([5, 1, 3, 2, 4], 50) == 3 and percentile([5, 1, 3, 2, 4], 90) == 5
+    assert percentile([], 50) is None
+
+
+def test_summary_projects_the_whole_redo():
+    # 10 probed: 2 still cut at 8192, 8 ended at 5000; their current results hold 4096 each.
+    new = [(8192, "length")] * 2 + [(5000, "stop")] * 8
+    rep = summarize(new, [4096] * 10, population=1000, remaining=100, remaining_mean=2400.0,
+                    tok_per_s=7000.0, servers=7)
+    assert rep["probe_n"] == 10 and rep["truncation_rate"] == 0.2
+    assert rep["truncation_ci"] == [0.0567, 0.5098]
+    assert rep["length_mean"] == 5638.4 and rep["length_p50"] == 5000
+    assert rep["length_p90"] == 8192
+    assert rep["extra_tokens"] == 1_542_400  # 1,000 x (5,638.4 - 4,096)
+    assert rep["redo_tokens"] == 5_582_016  # 990 x 5,638.4: the 10 probed are reused
+    assert rep["gpu_s"] == 5582.0  # at 1,000 tok/s per GPU (7,000 over 7)
+    assert rep["eta_s"] == 831.7  # (100 x 2,400 + 5,582,016) / 7,000
+
+
+def sim_stats(url: str) -> dict:
+    return httpx.get(url + "/_sim/stats", timeout=5).json()
+
+
+def settled(r, k: RunKeys, total: int) -> bool:
+    return (r.bitcount(k.done) == total and not r.zcard(k.leases)
+            and not r.llen(k.rq_queue))
+
+
+def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_url, run_name,
+                                                            r, tmp_path):
+    sim = sim_factory(time_scale=1000)  # default lengths: ~18 % cut at max_tokens 4096
+    total = 300
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", total)), "--once",
+         "--max-tokens", "4096", redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", *FLAGS)
+    k = RunKeys(run_name)
+    try:
+        wait_for(lambda: settled(r, k, total), timeout=120, what="the first pass")
+        cut = int(r.bitcount(k.truncated))
+        assert 0.1 < cut / total < 0.3
+        generated = sim_stats(sim.url)["completed"]
+
+        probe = genq("requeue", "--probe", "30", "--set", "max_tokens=8192", "--json",
+                     redis_url=redis_url, run=run_name)
+        rep = json.loads(probe.stdout)
+        assert rep["probe_n"] == 30 and rep["population"] == cut
+        assert rep["kept_for_commit"] == 30 and not rep["errors"]
+        low, high = rep["truncation_ci"]
+        assert low <= rep["truncation_rate"] <= high and rep["length_p90"] <= 8192
+        assert rep["length_p50"] > 4096 and rep["extra_tokens"] > 0 and rep["eta_s"] is not None
+        # The probe touched no result: same version, same done and truncated.
+        assert int(r.get(k.params_version) or 1) == 1 and int(r.bitcount(k.truncated)) == cut
+        assert int(r.bitcount(k.done)) == total
+        assert sim_stats(sim.url)["completed"] == generated + 30
+
+        genq("requeue", "--set", "max_tokens=8192", "--redo", "truncated",
+             redis_url=redis_url, run=run_name)
+        wait_for(lambda: settled(r, k, total), timeout=120, what="the redo")
+        measured = int(r.bitcount(k.truncated)) / cut
+        assert low <= measured <= high, (measured, rep)
+        # Only the prompts the probe did not answer were generated again.
+        assert sim_stats(sim.url)["completed"] == generated + cut
+        assert r.hlen(k.probe) == 0
+        reused = [e for e in consumer.events() if e.get("event") == "probe_answer_reused"]
+        assert len(reused) == 30
+        redone = [x for f in (tmp_path / "out").glob("*.jsonl") for x in read_jsonl(f)
+                  if x["params_version"] == 2]
+        assert len(redone) == cut and all(x["completion_tokens"] <= 8192 for x in redone)
+    finally:
+        consumer.cleanup()
+
+
+def test_probe_needs_parameters_and_a_live_consumer(redis_url, run_name, r, tmp_path):
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 5)), "--once",
+         redis_url=redis_url, run=run_name)
+    no_set = genq("requeue", "--probe", "5", redis_url=redis_url, run=run_name, check=False)
+    assert no_set.returncode != 0 and "--probe needs" in no_set.stderr
+    bad = genq("requeue", "--probe", "0", "--set", "max_tokens=8192", redis_url=redis_url,
+               run=run_name, check=False)
+    assert bad.returncode == 2 and "at least 1" in bad.stderr
+    args = ("requeue", "--probe", "5", "--set", "max_tokens=8192", "--redo", "all")
+    empty = genq(*args, redis_url=redis_url, run=run_name, check=False)
+    assert empty.returncode == 2 and "nothing to probe" in empty.stderr  # nothing done yet
+    r.setbit(RunKeys(run_name).done, 3, 1)  # one result, as ack.lua marks it
+    nobody = genq(*args, redis_url=redis_url, run=run_name, check=False)
+    assert nobody.returncode == 2 and "no live consumer" in nobody.stderr
+    assert nobody.stderr.count("\n") == 1  # one clear line
