@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import advice, stats
+from common import advice, pivot, stats
 from common.errors import UsageError
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
@@ -180,7 +180,10 @@ def _assemble(
     recent, samples = stats.recent_truncation(buckets, now, since=since)
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
-    alert = stats.truncation_alert(recent, samples, params.get("max_tokens"), run, threshold)
+    # After a pivot the new version's own rate answers "is the new limit enough?".
+    vt = pivot.version_truncation(buckets, version)
+    alert = pivot.version_alert(vt, params.get("max_tokens"), run, threshold) or \
+        stats.truncation_alert(recent, samples, params.get("max_tokens"), run, threshold)
     alerts = ([alert] if alert else []) + stats.stall_alerts(
         {s["server"]: s.pop("_recent") for s in servers},
         {s["server"]: s.pop("_known_s") for s in servers},
@@ -205,6 +208,7 @@ def _assemble(
         "remaining": remaining,
         "rates": rates,
         "recent_truncation_rate": recent,
+        "version_truncation": vt,
         "truncated": raw["truncated"],
         "output_tokens_total": counters.get("ctok_sum", 0),
         "prompt_tokens_total": counters.get("ptok_sum", 0),

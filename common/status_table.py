@@ -100,6 +100,12 @@ def render_table(status: dict) -> Any:
             f"(last 5 min {status['recent_truncation_rate']:.1%})"
         )
     )
+    vt = status.get("version_truncation") or {}
+    if vt.get("rate") is not None and status["params_version"] > 1:
+        low, high = vt["ci"]
+        lines.append(Text(
+            f"under v{vt['version']}: {vt['rate']:.1%} truncated (95% CI {low:.1%}-{high:.1%}) "
+            f"of {vt['completions']:,} completions, last hour"))
     o = status["output_tokens"]
     if o["max"] is not None:
         lines.append(

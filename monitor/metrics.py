@@ -68,6 +68,12 @@ RUN_METRICS = [
         "Current generation parameter version.",
         lambda s: s["params_version"],
     ),
+    (
+        "genq_version_truncation_rate",
+        "gauge",
+        "Share of the last hour's completions under the current parameters hitting max_tokens.",
+        lambda s: (s.get("version_truncation") or {}).get("rate"),
+    ),
     ("genq_alerts", "gauge", "Alerts the monitor raises now.", lambda s: len(s["alerts"])),
 ]
 

@@ -12,8 +12,10 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
+from common.confidence import wilson
 from common.keys import RunKeys
-from producer.probe_stats import percentile, summarize, wilson
+from common.status import read_status
+from producer.probe_stats import percentile, summarize
 
 pytestmark = pytest.mark.timeout(300)
 FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")
@@ -95,6 +97,19 @@ def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_u
         redone = [x for f in (tmp_path / "out").glob("*.jsonl") for x in read_jsonl(f)
                   if x["params_version"] == 2]
         assert len(redone) == cut and all(x["completion_tokens"] <= 8192 for x in redone)
+
+        # "Is 8k enough?": the rate under v2 alone, live, and the advice while it is high.
+        status = read_status(r, run_name)
+        vt = status["version_truncation"]
+        assert vt["version"] == 2 and vt["completions"] == cut
+        assert vt["truncated"] == int(r.bitcount(k.truncated)) and vt["rate"] == round(
+            measured, 4)
+        assert vt["ci"][0] <= vt["rate"] <= vt["ci"][1]
+        [alert] = [a for a in status["alerts"] if a["kind"] == "truncation"]
+        assert f"of the {cut} completions under v2 (max_tokens=8192)" in alert["message"]
+        assert alert["command"].startswith("genq requeue --set max_tokens=16384")
+        shown = genq("status", redis_url=redis_url, run=run_name).stdout
+        assert f"under v2: {measured:.1%} truncated" in shown
     finally:
         consumer.cleanup()
 

@@ -47,6 +47,9 @@ if redis.call('SETBIT', KEYS[4], idx, 1) == 0 then
   redis.call('HINCRBY', bucket, 'req|' .. server, 1)
   redis.call('HINCRBY', bucket, 'tok|' .. server, ctoks)
   redis.call('HINCRBY', bucket, 'fin|' .. fname, 1)
+  -- Per parameter version, so the page can say whether a raised max_tokens is enough.
+  redis.call('HINCRBY', bucket, 'vreq|' .. ARGV[8], 1)
+  if fname == 'length' then redis.call('HINCRBY', bucket, 'vlen|' .. ARGV[8], 1) end
   redis.call('EXPIRE', bucket, ARGV[18])
 end
 local job = ARGV[13] .. jid
