@@ -69,6 +69,8 @@ def evidence(recent: list[dict]) -> dict[str, Any]:
     per_request = [s["used_tokens"] / s["running"] for s in recent
                    if s["running"] and s["used_tokens"] is not None]
     gen = [s["gen_tps"] for s in recent if s["gen_tps"] is not None]
+    # What the server really runs when it has more than that to run.
+    held_back = [s["running"] or 0 for s in recent if (s["waiting"] or 0) > 0]
     return {
         "window_s": round(recent[-1]["t"] - recent[0]["t"], 1),
         "samples": len(recent),
@@ -76,6 +78,7 @@ def evidence(recent: list[dict]) -> dict[str, Any]:
         "running_mean": round(fmean(s["running"] or 0 for s in recent), 2),
         "waiting_mean": round(fmean(s["waiting"] or 0 for s in recent), 2),
         "waiting_max": max(s["waiting"] or 0 for s in recent),
+        "running_while_waiting": round(fmean(held_back), 2) if held_back else None,
         "token_usage_max": round(max(usage), 4) if usage else None,
         "token_usage_median": round(median(usage), 4) if usage else None,
         "tokens_per_request_max": round(max(per_request)) if per_request else None,
@@ -127,13 +130,14 @@ def _lower(server: str, cap: int, ev: dict[str, Any]) -> dict[str, Any]:
         suggested = max(1, math.floor(ev["running_mean"] * KV_TARGET / usage))
         why = f"KV cache {usage:.0%} used"
     else:
-        suggested = max(1, math.floor(ev["running_mean"]))
+        suggested = max(1, math.floor(ev["running_while_waiting"] or ev["running_mean"]))
         why = f"{ev['waiting_mean']:g} requests waiting on average"
     suggested = min(suggested, cap - 1) if cap > 1 else None
     change = (f"lower --max-running-requests to {suggested}" if suggested
               else "do not raise --max-running-requests")
+    runs = ev["running_while_waiting"] or ev["running_mean"]
     message = (f"{server}: {why} over {ev['window_s']:.0f} s while it runs "
-               f"{ev['running_mean']:g} of {cap}: {change}")
+               f"{runs:g} of {cap}: {change}")
     return _advice("lower", server, cap, suggested, message, ev)
 
 

@@ -138,3 +138,25 @@ def test_a_server_restarted_with_more_slots_is_followed(sim_factory, redis_url, 
 def _row(r, run: str) -> dict:
     servers = read_status(r, run)["servers"]
     return servers[0] if servers else {}
+
+
+def test_a_kv_bound_server_is_advised_to_lower(sim_factory, redis_url, run_name, r, tmp_path,
+                                               monkeypatch):
+    """The opposite: 16 slots but a KV pool that holds only 7 answers of ~1,005 tokens, so
+    requests wait inside the server; the advice is to lower to what really runs."""
+    monkeypatch.setenv("GENQ_ADVICE_WINDOW_S", WINDOW_S)
+    sim = sim_factory(max_running_requests=16, max_total_tokens=7100, time_scale=5,
+                      length_dist="fixed:1000")
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 300)), "--once", "--max-tokens",
+         "2000", redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", *FLAGS)
+    try:
+        status = wait_advice(r, run_name)
+    finally:
+        consumer.cleanup()
+    [a] = status["advice"]
+    assert a["kind"] == "lower" and a["current"] == 16 and a["suggested"] == 7, a
+    # The pool, not the slots, holds it to 7; the first sample may be from before the load.
+    assert a["evidence"]["running_while_waiting"] == 7 and a["evidence"]["waiting_max"] == 9
+    assert "requests waiting on average" in a["message"]
+    assert "while it runs 7 of 16: lower --max-running-requests to 7" in a["message"]
