@@ -30,7 +30,7 @@ from consumer import presence
 from consumer.backoff import ClaimPause, redis_retry
 from consumer.follow import follow_server, new_history, resize
 from consumer.leases import ACCEPTED, SUPERSEDED, Lease, TaskQueue
-from consumer.reuse import answer
+from consumer.reuse import answer, refresh
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
@@ -73,8 +73,7 @@ class Consumer:
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
         self.pause = ClaimPause()
-        self.load: dict[str, int] | None = None  # as last read; follow.py keeps its history
-        self.load_history = new_history()
+        self.load, self.load_history = None, new_history()  # follow.py reads and keeps them
         self.acked = self.started_at = 0
         self.birth = iso_now()
 
@@ -262,9 +261,7 @@ class Consumer:
                     await follow_server(self)  # the server's load, capacity and context
             except REDIS_TROUBLE as e:
                 logger.warning("housekeeping_failed", error=str(e))
-            except Exception as e:
-                # A bug here must not silently end the heartbeat, reaper and version watch
-                # for the rest of the run (a background task's exception is never seen).
+            except Exception as e:  # a bug must not silently end this loop for the whole run
                 logger.exception("housekeeping_error", error=repr(e))
             tick += 1
             await asyncio.sleep(0.5)
@@ -301,6 +298,6 @@ class Consumer:
                 "inflight": len(self.held), "load": self.load,
                 "load_history": list(self.load_history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
-                "context_length": self.context_length}
+                "context_length": self.context_length, "probe_kept": await refresh(self)}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
                                 held=list(self.held))

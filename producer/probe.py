@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import sys
+import time
 from typing import Any
 
 import orjson
@@ -57,11 +58,26 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
     return [int(v) for v in field.execute()]
 
 
-def live_servers(r: redis.Redis, k: RunKeys) -> list[str]:
+def beats(r: redis.Redis, k: RunKeys) -> dict[str, dict]:
+    """The live consumers' heartbeats by name."""
     names = [n.decode() for n in r.zrange(k.consumers, 0, -1)]
-    beats = r.mget([k.consumer(n) for n in names]) if names else []
-    servers = {orjson.loads(b).get("server") for b in beats if b}
-    return sorted(s for s in servers if s)
+    raws = r.mget([k.consumer(n) for n in names]) if names else []
+    return {n: orjson.loads(b) for n, b in zip(names, raws, strict=True) if b}
+
+
+def live_servers(r: redis.Redis, k: RunKeys) -> list[str]:
+    return sorted({b["server"] for b in beats(r, k).values() if b.get("server")})
+
+
+def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
+    """Wait until every live consumer's heartbeat says it looks for kept answers (they check
+    once a second, never on a task's path); returns those that did not in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        blind = sorted(n for n, b in beats(r, k).items() if not b.get("probe_kept"))
+        if not blind or time.monotonic() > deadline:
+            return blind
+        time.sleep(0.2)
 
 
 async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str, Any],
@@ -110,6 +126,7 @@ def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: 
     new = {**params.current(r, k)[1], **changes}
     answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency))
     probe_store.replace_all(r, k, answers)
+    blind = wait_seen(r, k) if answers else []
     probed = sorted(answers)
     status = read_status(r, k.run)
     out = status["output_tokens"]
@@ -119,7 +136,8 @@ def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: 
         remaining_mean=out["mean"] or 0.0, tok_per_s=status["rate"]["tok_per_s"],
         servers=len(servers))
     return {**report, "changes": changes, "population_mode": mode, "errors": errors,
-            "servers": servers, "kept_for_commit": len(answers)}
+            "servers": servers, "kept_for_commit": len(answers),
+            "consumers_not_seen": blind}
 
 
 def describe(rep: dict[str, Any]) -> str:
@@ -141,6 +159,9 @@ def describe(rep: dict[str, Any]) -> str:
         f"  {rep['kept_for_commit']} answers kept: committing the same --set reuses them",
     ]
     lines += [f"  error: {e}" for e in rep["errors"][:5]]
+    if rep["consumers_not_seen"]:
+        lines.append(f"  note: {', '.join(rep['consumers_not_seen'])} did not confirm seeing "
+                     "the kept answers; commit in a few seconds")
     return "\n".join(lines)
 
 

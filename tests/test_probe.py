@@ -76,6 +76,7 @@ def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_u
         rep = json.loads(probe.stdout)
         assert rep["probe_n"] == 30 and rep["population"] == cut
         assert rep["kept_for_commit"] == 30 and not rep["errors"]
+        assert rep["consumers_not_seen"] == []  # the consumer looks for them before the commit
         low, high = rep["truncation_ci"]
         assert low <= rep["truncation_rate"] <= high and rep["length_p90"] <= 8192
         assert rep["length_p50"] > 4096 and rep["extra_tokens"] > 0 and rep["eta_s"] is not None
