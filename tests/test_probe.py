@@ -5,12 +5,14 @@ by the commit instead of being generated again."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
 import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from test_monitor import Monitor
 
 from common.confidence import wilson
 from common.keys import RunKeys
@@ -111,6 +113,8 @@ def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_u
         assert alert["command"].startswith("genq requeue --set max_tokens=16384")
         shown = genq("status", redis_url=redis_url, run=run_name).stdout
         assert f"under v2: {measured:.1%} truncated" in shown
+        page = page_figures(Monitor(redis_url, run_name, tmp_path))
+        assert page == ("v2", f"{100 * vt['rate']:.1f}%")
     finally:
         consumer.cleanup()
 
@@ -130,3 +134,22 @@ def test_probe_needs_parameters_and_a_live_consumer(redis_url, run_name, r, tmp_
     nobody = genq(*args, redis_url=redis_url, run=run_name, check=False)
     assert nobody.returncode == 2 and "no live consumer" in nobody.stderr
     assert nobody.stderr.count("\n") == 1  # one clear line
+
+
+def page_figures(monitor: Monitor) -> tuple[str, str]:
+    """What the monitor page shows for the current version's truncation."""
+    from playwright.sync_api import sync_playwright
+
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])
+            with contextlib.closing(browser):
+                page = browser.new_page()
+                page.goto(monitor.url + "/")
+                page.wait_for_function(
+                    "document.getElementById('version-truncation-rate').dataset.value")
+                return (page.text_content("#vt-version"),
+                        page.text_content("#version-truncation-rate"))
+    finally:
+        monitor.stop()
