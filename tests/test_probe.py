@@ -153,3 +153,18 @@ def page_figures(monitor: Monitor) -> tuple[str, str]:
                         page.text_content("#version-truncation-rate"))
     finally:
         monitor.stop()
+
+
+def test_the_report_reads_for_a_person():
+    from producer.probe import describe
+
+    rep = summarize([(8192, "length")] * 2 + [(5000, "stop")] * 8, [4096] * 10,
+                    population=1000, remaining=100, remaining_mean=2400.0, tok_per_s=7000.0,
+                    servers=7)
+    text = describe({**rep, "changes": {"max_tokens": 8192}, "population_mode": "none",
+                     "errors": [], "kept_for_commit": 10, "consumers_not_seen": ["c1"]})
+    assert "truncated at the new limit: 2/10 = 20.0% (95% CI 5.7% - 51.0%)" in text
+    assert "new length: mean 5,638, p50 5,000, p90 8,192" in text
+    assert "5,582,016 tokens to generate, +1,542,400 tokens in the data set" in text
+    assert "GPU time 1.6 h (5,582 s)" in text and "ETA with the redo, at 7,000 tok/s" in text
+    assert "c1 did not confirm seeing the kept answers" in text
