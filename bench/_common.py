@@ -65,8 +65,8 @@ class RedisServer:
 class Simulator:
     """`python -m simulator` on a free port, ready once /health answers."""
 
-    def __init__(self, *flags: str) -> None:
-        self.port = free_port()
+    def __init__(self, *flags: str, port: int | None = None) -> None:
+        self.port = port or free_port()  # a port of its own, or a restarted server's
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = Path(tempfile.mkstemp(prefix="genq-bench-sim-", suffix=".log")[1])
         with open(self.log, "ab") as log:

@@ -259,6 +259,12 @@ class RunKeys:
         return self.prefix + "redo_marks"
 
     @property
+    def probe(self) -> str:
+        """Hash: index -> JSON {digest, completion} of a `requeue --probe` answer, used once
+        by a consumer whose request body is identical (same prompt, parameters, model)."""
+        return self.prefix + "probe"
+
+    @property
     def outdirs(self) -> str:
         """Set of output directories consumers wrote shards to (export reads them)."""
         return self.prefix + "outdirs"

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import redis
 
-from common import failures, runhealth, stats
+from common import advice, failures, pivot, runhealth, stats
 from common.errors import UsageError, mask_tree
 from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
@@ -109,6 +109,7 @@ def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | N
         row["capacity"] += int(beat.get("capacity") or 0)
         row["consumers"].append(_s(name))
         row["load"] = beat.get("load") or row["load"]
+        row["_history"] = beat.get("load_history") or row.get("_history")
         row["last_seen_s"] = round(min(row.get("last_seen_s", 1e18), now - seen), 1)
         row["started_at"] = beat.get("started_at")
     first_seen: dict[str, int] = {}
@@ -133,6 +134,7 @@ def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | N
                 "load": row["load"],
                 "consumer": ",".join(row["consumers"]) or None,
                 "last_seen_s": row.get("last_seen_s"),
+                "_history": row.get("_history"),
                 "_recent": recent,
                 "_known_s": now - min(known) if known else 0.0,
             }
@@ -205,14 +207,19 @@ def _assemble(
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
     # Judged on the current parameters' results only: right after raising max_tokens the old
-    # limit's hits must not read as hits at the new one (and advise doubling it again).
+    # limit's hits must not read as hits at the new one (and advise doubling it again). After a
+    # pivot the new version's own rate answers "is the new limit enough?".
     current, current_n = stats.recent_truncation(buckets, now, since=since, version=version)
-    alert = stats.truncation_alert(current, current_n, params.get("max_tokens"), run, threshold)
+    vt = pivot.version_truncation(buckets, version)
+    alert = pivot.version_alert(vt, params.get("max_tokens"), run, threshold) or \
+        stats.truncation_alert(current, current_n, params.get("max_tokens"), run, threshold)
     alerts = ([alert] if alert else []) + stats.stall_alerts(
         {s["server"]: s.pop("_recent") for s in servers},
         {s["server"]: s.pop("_known_s") for s in servers},
         remaining,
     )
+    server_advice = advice.annotate(servers, now)
+    alerts += [advice.advice_alert(a) for a in server_advice]
     return {
         "run": run,
         "total": total,
@@ -230,6 +237,7 @@ def _assemble(
         "remaining": remaining,
         "rates": rates,
         "recent_truncation_rate": recent,
+        "version_truncation": vt,
         "truncated": raw["truncated"],
         # Done with a redo's set-aside result: the new attempt failed for good.
         "kept": counters.get("kept", 0),
@@ -245,5 +253,6 @@ def _assemble(
         "recovered_at": _timestamp(meta.get("recovered_at")),
         "alerts": alerts,
         "shipping": _shipping(raw["ship"]),
+        "advice": server_advice,
         "time": round(now, 3),
     }

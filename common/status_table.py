@@ -32,7 +32,7 @@ def _server_table(status: dict) -> Any:
     table = Table(title="servers", title_justify="left", expand=False)
     # The URL is what a person acts on: fold it rather than cut it off on a narrow terminal.
     table.add_column("server", overflow="fold")
-    for col in ("req/s", "tok/s", "in flight/cap", "server run/wait", "seen"):
+    for col in ("req/s", "tok/s", "in flight/cap", "server run/wait", "KV used", "seen"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in status["servers"]:
         load = s.get("load") or {}
@@ -46,9 +46,16 @@ def _server_table(status: dict) -> Any:
             f"{s['tok_per_s']:,.0f}",
             f"{s['inflight']}/{s['capacity'] or '?'}",
             run_wait,
+            kv_cell(load),
             f"{seen:.0f}s ago" if seen is not None else "gone",
         )
     return table
+
+
+def kv_cell(load: dict) -> str:
+    """'2.1% of 1,000,000' — the server's KV-cache use, or — when it does not say."""
+    usage, pool = load.get("token_usage"), load.get("max_total_num_tokens")
+    return f"{usage:.1%} of {pool:,}" if usage is not None and pool else "—"
 
 
 def history_lines(status: dict) -> list[str]:
@@ -95,6 +102,12 @@ def render_table(status: dict) -> Any:
             f"(last 5 min {status['recent_truncation_rate']:.1%})"
         )
     )
+    vt = status.get("version_truncation") or {}
+    if vt.get("rate") is not None and status["params_version"] > 1:
+        low, high = vt["ci"]
+        lines.append(Text(
+            f"under v{vt['version']}: {vt['rate']:.1%} truncated (95% CI {low:.1%}-{high:.1%}) "
+            f"of {vt['completions']:,} completions, last hour"))
     o = status["output_tokens"]
     if o["max"] is not None:
         lines.append(
@@ -120,7 +133,11 @@ def render_table(status: dict) -> Any:
     parts: list[Any] = [*lines]
     if status["servers"]:
         parts.append(_server_table(status))
+    for a in status.get("advice") or []:
+        parts.append(Text(f"advice ({a['kind']}): {a['message']}", style="bold yellow"))
     for alert in status["alerts"]:
+        if alert.get("kind") == "capacity":
+            continue  # shown once above, as advice
         parts.append(Text(f"! {alert['message']}", style="bold red"))
         if alert.get("command"):
             parts.append(Text(f"  {alert['command']}", style="bold"))

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import collections
+import time
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from common.advice import HISTORY_SAMPLES, load_sample
 from common.errors import ServerUnavailable
 from consumer import presence
 
@@ -14,6 +17,11 @@ if TYPE_CHECKING:
     from consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
+
+
+def new_history() -> collections.deque[list[Any]]:
+    """The server's recent loads, sent with each heartbeat for the monitor's chart and advice."""
+    return collections.deque(maxlen=HISTORY_SAMPLES)
 
 
 def resize(self: Consumer) -> None:
@@ -37,6 +45,8 @@ async def follow_server(self: Consumer) -> None:
     """Pick up a capacity or context length that changed (server restarted with other
     flags), and record them where `genq requeue` checks max_tokens."""
     self.load = await self.server.load()
+    if self.load:
+        self.load_history.append(load_sample(time.time(), self.load))
     try:
         capacity = (self.load or {}).get("max_running_requests")
         if not capacity and not self.s.concurrency:  # a server without /v1/loads

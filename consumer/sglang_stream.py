@@ -117,7 +117,23 @@ def parse_load(data: Any) -> dict[str, Any]:
     capacity = sum(int(rank.get("max_running_requests") or 0) for rank in ranks)
     return {"num_reqs": sum(int(rank.get(running_key) or 0) for rank in ranks),
             "num_waiting_reqs": sum(int(rank.get("num_waiting_reqs") or 0) for rank in ranks),
-            "max_running_requests": capacity or None}
+            "max_running_requests": capacity or None, **_kv(ranks)}
+
+
+def _kv(ranks: list) -> dict[str, Any]:
+    """KV-cache use and decode speed summed over ranks (0.5.x /v1/loads; None where absent,
+    as in /get_load): what the capacity advice weighs."""
+    def total(key: str, cast: type) -> Any:
+        values = [rank.get(key) for rank in ranks if rank.get(key) is not None]
+        return sum(cast(v) for v in values) if values else None
+
+    used, pool = total("num_used_tokens", int), total("max_total_num_tokens", int)
+    if used is None:
+        used = total("num_tokens", int)  # /get_load's name for the same figure
+    usage = used / pool if used is not None and pool else None
+    return {"num_used_tokens": used, "max_total_num_tokens": pool,
+            "token_usage": round(usage, 4) if usage is not None else None,
+            "gen_throughput": total("gen_throughput", float)}
 
 
 def status_error(status: int, message: str, index: int, url: str) -> Exception:

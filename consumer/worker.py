@@ -34,8 +34,9 @@ from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
 from consumer import presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
-from consumer.follow import follow_server, resize
+from consumer.follow import follow_server, new_history, resize
 from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
+from consumer.reuse import answer, refresh
 from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -72,9 +73,8 @@ class Consumer:
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
         self.pause = ClaimPause()
-        self.load: dict[str, Any] | None = None
-        self.acked = 0
-        self.started_at = 0
+        self.load, self.load_history = None, new_history()  # follow.py reads and keeps them
+        self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the background task that died, if one did
         self.slots: dict[int, asyncio.Task] = {}  # slot number -> its task (follow.resize)
@@ -183,7 +183,7 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return
-            inflight.request = asyncio.create_task(self.server.chat(body, lease.index))
+            inflight.request = asyncio.create_task(answer(self, body, lease.index))
             completion = await inflight.request
             record = build_record(
                 run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,
@@ -344,9 +344,10 @@ class Consumer:
         now = (await self.r.time())[0]
         self.started_at = self.started_at or now
         beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
-                "inflight": len(self.held), "load": self.load, "host": socket.gethostname(),
+                "inflight": len(self.held), "load": self.load,
+                "load_history": list(self.load_history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": self.context_length, "out": os.path.abspath(self.s.out),
-                "run_state": self.runstate.state}
+                "run_state": self.runstate.state, "probe_kept": await refresh(self)}
         await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
                                 held=list(self.held))

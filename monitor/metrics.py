@@ -80,6 +80,12 @@ RUN_METRICS = [
         "Current generation parameter version.",
         lambda s: s["params_version"],
     ),
+    (
+        "genq_version_truncation_rate",
+        "gauge",
+        "Share of the last hour's completions under the current parameters hitting max_tokens.",
+        lambda s: (s.get("version_truncation") or {}).get("rate"),
+    ),
     ("genq_alerts", "gauge", "Alerts the monitor raises now.", lambda s: len(s["alerts"])),
 ]
 
@@ -109,6 +115,36 @@ SERVER_METRICS = [
         "genq_server_waiting",
         "Requests queued inside the server (its /v1/loads, or /get_load before SGLang 0.5).",
         lambda v: (v.get("load") or {}).get("num_waiting_reqs"),
+    ),
+    (
+        "genq_server_max_running",
+        "Requests the server runs at once, as its /v1/loads says.",
+        lambda v: (v.get("load") or {}).get("max_running_requests"),
+    ),
+    (
+        "genq_server_kv_used_tokens",
+        "KV-cache tokens held by the server's running requests.",
+        lambda v: (v.get("load") or {}).get("num_used_tokens"),
+    ),
+    (
+        "genq_server_kv_pool_tokens",
+        "KV-cache pool of the server in tokens (max_total_num_tokens).",
+        lambda v: (v.get("load") or {}).get("max_total_num_tokens"),
+    ),
+    (
+        "genq_server_kv_usage",
+        "Share of the server's KV-cache pool in use (0 to 1).",
+        lambda v: (v.get("load") or {}).get("token_usage"),
+    ),
+    (
+        "genq_server_gen_tokens_per_second",
+        "Output tokens per second the server reports decoding (gen_throughput).",
+        lambda v: (v.get("load") or {}).get("gen_throughput"),
+    ),
+    (
+        "genq_server_advised_max_running",
+        "The --max-running-requests the capacity advice suggests (NaN: no advice).",
+        lambda v: (v.get("advice") or {}).get("suggested"),
     ),
 ]
 

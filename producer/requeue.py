@@ -17,7 +17,7 @@ from common.cli import add_common, connect, guarded, run_keys
 from common.errors import UsageError
 from common.keys import RunKeys
 from common.scripts import ScriptRunner, redo_call
-from producer import requeue_plan
+from producer import probe, requeue_plan
 
 # Indices made runnable per redo script call: each call is atomic and exact, and at about
 # 9 us an index (bench/redo_scale.py) holds Redis for under 0.1 s, so acks are not held up.
@@ -42,6 +42,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "a --redo alone)")
     p.add_argument("--dry-run", action="store_true",
                    help="say what would change and what it costs, change nothing")
+    p.add_argument("--probe", type=_positive, metavar="N",
+                   help="change nothing: run N of the prompts the redo would run (default: "
+                        "the truncated) under --set, report truncation, lengths, cost and "
+                        "ETA, and keep the answers for the commit (docs/CLI-EXTENSIONS.md)")
+    p.add_argument("--probe-concurrency", type=_positive, default=4, metavar="C",
+                   help="probe requests at once per server (default 4)")
+    p.add_argument("--json", action="store_true", help="with --probe: one JSON object")
     add_common(p)
     return p.parse_args(argv)
 
@@ -52,10 +59,22 @@ def check(r: redis.Redis, k: RunKeys, new_params: dict[str, Any]) -> None:
     params.check_fits(r, k, int(new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]))
 
 
+def _positive(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number of at least 1")
+    return n
+
+
 @guarded
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     changes = params.parse_sets(a.set, a.raw)
+    if a.probe and not changes:
+        raise UsageError("--probe needs the parameters to try: give --set KEY=VALUE")
     if not changes and not a.unset and a.redo == "none":
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
     k = run_keys(a.run)
@@ -67,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     if not plan.diff and a.redo == "none":
         raise UsageError("nothing to change: the parameters already have these values")
     check(r, k, plan.new_params)
+    if a.probe:
+        return probe.main_probe(a, changes, r, k, info)
     if a.dry_run:
         print("dry run, nothing changed:")
         print("\n".join(requeue_plan.render(plan)))

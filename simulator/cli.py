@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         "this from memory; /v1/loads reports it)",
     )
     p.add_argument(
+        "--max-total-tokens",
+        type=positive_int,
+        default=1_000_000,
+        help="KV-cache pool in tokens; running requests' prompt + output tokens must fit in it "
+        "together (reported in /v1/loads as max_total_num_tokens)",
+    )
+    p.add_argument(
         "--context-length",
         type=positive_int,
         default=32768,

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from simulator.httpserver import ResetConnection
+from simulator.kv import Slots
 from simulator.model import Completion
 from simulator.settings import Settings
 
@@ -29,47 +28,6 @@ class ApiError(Exception):
         super().__init__(message)
         self.status = status
         self.kind = kind
-
-
-class Slots:
-    """At most `limit` requests run at once; the rest wait first come, first served."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.running = 0
-        self.max_running_seen = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    async def acquire(self) -> None:
-        if self.running < self.limit and not self._waiters:
-            self.running += 1
-            self.max_running_seen = max(self.max_running_seen, self.running)
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                # The slot was handed over just as the client left: pass it on.
-                self.release()
-            else:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(fut)
-            raise
-
-    def release(self) -> None:
-        # Hand the slot straight to the oldest waiter, so `running` never dips in between.
-        while self._waiters:
-            fut = self._waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
-        self.running -= 1
 
 
 @dataclass
@@ -151,7 +109,7 @@ class Engine:
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
-        self.slots = Slots(settings.running_limit)
+        self.slots = Slots(settings.running_limit, settings.max_total_tokens)
         self.stats = Stats()
         self.faults = self.initial_faults()
         self._active: dict[int, _Running] = {}
@@ -193,7 +151,8 @@ class Engine:
 
     async def _decode(self, prompt_tokens: int, completion: Completion, emit: Emit | None) -> None:
         s = self.settings
-        await self.slots.acquire()
+        cost = prompt_tokens + completion.tokens  # what it will hold in the KV pool at its end
+        await self.slots.acquire(cost)
         key = next(self._ids)
         try:
             self._active[key] = _Running(prompt_tokens, completion.tokens, time.monotonic())
@@ -203,7 +162,7 @@ class Engine:
                 await self._decode_steps(completion.tokens, emit)
         finally:
             self._active.pop(key, None)
-            self.slots.release()
+            self.slots.release(cost)
 
     async def _decode_steps(self, tokens: int, emit: Emit) -> None:
         s = self.settings
@@ -227,6 +186,15 @@ class Engine:
             decoded = ((now - r.started) * s.time_scale - s.ttft) * s.decode_tps
             total += r.prompt_tokens + min(r.tokens, max(0, int(decoded)))
         return total
+
+    def gen_throughput(self) -> float:
+        """Output tokens per (real) second the batch decodes now: each running request past
+        its first token decodes at --decode-tps, scaled by --time-scale."""
+        s = self.settings
+        now = time.monotonic()
+        decoding = sum(1 for r in self._active.values()
+                       if (now - r.started) * s.time_scale >= s.ttft)
+        return decoding * s.decode_tps * s.time_scale
 
     def stats_view(self) -> dict:
         return {

@@ -61,10 +61,11 @@ def loads(s: Settings, e: Engine) -> dict[str, Any]:
         "num_running_reqs": e.slots.running,
         "num_waiting_reqs": e.slots.waiting,
         "num_used_tokens": used,
-        "max_total_num_tokens": None,
+        "max_total_num_tokens": s.max_total_tokens,
         "max_running_requests": s.running_limit,
-        "token_usage": 0.0,
-        "gen_throughput": 0.0,
+        # SGLang rounds token_usage to two decimals; kept exact here, the client rounds.
+        "token_usage": used / s.max_total_tokens,
+        "gen_throughput": round(e.gen_throughput(), 2),
     }
     return {"version": VERSION, "loads": [rank]}
 

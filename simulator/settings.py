@@ -60,6 +60,9 @@ class Settings:
     # reports null in /get_server_info and runs `effective_max_running` at once.
     max_running_requests: int | None = None
     effective_max_running: int = 40
+    # The KV-cache pool in tokens (SGLang's --max-total-tokens): running requests' prompt and
+    # output tokens must fit in it together, so a small pool caps concurrency below the slots.
+    max_total_tokens: int = 1_000_000
     # Prompt + completion tokens one request may use (max_model_len in /v1/models).
     context_length: int = 32768
     # Seconds /health answers 503 after start, as SGLang does while it warms up.

@@ -35,12 +35,22 @@ def real(name: str):
 
 
 def test_load_and_capacity_from_real_v1_loads_and_the_old_get_load():
+    # The KV figures are the real server's: a 65,536-token pool, idle.
     assert parse_load(real("v1_loads.json")) == {
-        "num_reqs": 0, "num_waiting_reqs": 0, "max_running_requests": 16}
+        "num_reqs": 0, "num_waiting_reqs": 0, "max_running_requests": 16,
+        "num_used_tokens": 0, "max_total_num_tokens": 65536, "token_usage": 0.0,
+        "gen_throughput": 0.0}
     old = [{"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 9},
            {"dp_rank": 1, "num_reqs": 4, "num_waiting_reqs": None, "num_tokens": 1}]
     assert parse_load(old) == {"num_reqs": 7, "num_waiting_reqs": 2,
-                               "max_running_requests": None}
+                               "max_running_requests": None, "num_used_tokens": 10,
+                               "max_total_num_tokens": None, "token_usage": None,
+                               "gen_throughput": None}
+    busy = {"loads": [{"num_running_reqs": 16, "num_waiting_reqs": 0, "num_used_tokens": 1500,
+                       "max_total_num_tokens": 65536, "max_running_requests": 16,
+                       "gen_throughput": 812.5}] * 2}  # two DP ranks add up
+    assert parse_load(busy)["token_usage"] == round(3000 / 131072, 4)
+    assert parse_load(busy)["gen_throughput"] == 1625.0
     info = real("get_server_info.json")
     assert info["internal_states"][0]["effective_max_running_requests_per_dp"] == 16
     assert real("v1_models.json")["data"][0]["max_model_len"] == 8192

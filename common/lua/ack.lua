@@ -68,7 +68,8 @@ if redis.call('SETBIT', KEYS[4], idx, 1) == 0 then
   redis.call('HINCRBY', bucket, 'req|' .. server, 1)
   redis.call('HINCRBY', bucket, 'tok|' .. server, ctoks)
   redis.call('HINCRBY', bucket, 'fin|' .. fname, 1)
-  -- Per parameter version, so the truncation alert judges only the current parameters.
+  -- Per parameter version: the truncation alert judges only the current parameters, and the
+  -- page says whether a raised max_tokens is enough.
   redis.call('HINCRBY', bucket, 'vreq|' .. ARGV[8], 1)
   if fname == 'length' then redis.call('HINCRBY', bucket, 'vlen|' .. ARGV[8], 1) end
   redis.call('EXPIRE', bucket, ARGV[18])

@@ -1,0 +1,175 @@
+"""`genq requeue --probe N --set KEY=VALUE`: try a pivot on a sample before committing it.
+
+The probe itself calls the run's servers (those its live consumers use) with a few requests
+at a time, rather than going through the queue: that is the simplest way that touches no
+result (no claim, no ack, no counter, no shard) and cannot be mistaken for the run's work,
+and a few requests among a server's tens of slots are a small share of its capacity. Its
+answers are kept in Redis (common/probe_store.py) so the consumers use them, unchanged, when
+the pivot is committed with the same parameters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+import time
+from typing import Any
+
+import orjson
+import redis
+
+from common import params, probe_store
+from common.dataset import open_dataset
+from common.errors import UsageError
+from common.keys import RunKeys
+from common.status import read_status
+from consumer.sglang import SGLang
+from producer.probe_stats import summarize
+
+POPULATIONS = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done", "failed"),
+               "none": ("truncated",)}
+
+
+def set_bits(bitmap: bytes | None) -> list[int]:
+    """Indices whose bit is 1 (Redis bit 0 is the high bit of byte 0)."""
+    out = []
+    for i, byte in enumerate(bitmap or b""):
+        if byte:
+            out += [i * 8 + b for b in range(8) if byte & (0x80 >> b)]
+    return out
+
+
+def population(r: redis.Redis, k: RunKeys, mode: str) -> list[int]:
+    """The prompts the committed pivot would run again (with --redo none: the truncated)."""
+    found: set[int] = set()
+    for what in POPULATIONS[mode]:
+        found.update(set_bits(r.get(getattr(k, what))))
+    return sorted(found)
+
+
+def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
+    """completion_tokens of each index's accepted result (0 where none)."""
+    if not indices:
+        return []
+    field = r.bitfield(k.acc_tokens)
+    for i in indices:
+        field.get("u32", f"#{i}")
+    return [int(v) for v in field.execute()]
+
+
+def beats(r: redis.Redis, k: RunKeys) -> dict[str, dict]:
+    """The live consumers' heartbeats by name."""
+    names = [n.decode() for n in r.zrange(k.consumers, 0, -1)]
+    raws = r.mget([k.consumer(n) for n in names]) if names else []
+    return {n: orjson.loads(b) for n, b in zip(names, raws, strict=True) if b}
+
+
+def live_servers(r: redis.Redis, k: RunKeys) -> list[str]:
+    return sorted({b["server"] for b in beats(r, k).values() if b.get("server")})
+
+
+def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
+    """Wait until every live consumer's heartbeat says it looks for kept answers (they check
+    once a second, never on a task's path); returns those that did not in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        blind = sorted(n for n, b in beats(r, k).items() if not b.get("probe_kept"))
+        if not blind or time.monotonic() > deadline:
+            return blind
+        time.sleep(0.2)
+
+
+async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str, Any],
+                  concurrency: int) -> tuple[dict[int, tuple[dict, Any]], list[str]]:
+    """Run each (index, prompt) on the servers in turn, `concurrency` at a time per server."""
+    answers: dict[int, tuple[dict, Any]] = {}
+    errors: list[str] = []
+
+    async def one(server: SGLang, model: str, gate: asyncio.Semaphore, index: int,
+                  prompt: Any) -> None:
+        body = params.request_body(prompt.messages, new, model)
+        async with gate:
+            try:
+                answers[index] = (body, await server.chat(body, index))
+            except Exception as e:  # one failed probe request is reported, not fatal
+                errors.append(f"index {index}: {e}")
+
+    clients = [SGLang(url, request_timeout=3600.0, connections=concurrency) for url in servers]
+    try:
+        models = [await c.model() for c in clients]
+        gates = [asyncio.Semaphore(concurrency) for _ in clients]
+        await asyncio.gather(*(one(clients[n % len(clients)], models[n % len(clients)],
+                                   gates[n % len(clients)], i, p)
+                               for n, (i, p) in enumerate(jobs)))
+    finally:
+        for c in clients:
+            await c.close()
+    return answers, errors
+
+
+def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: int,
+              changes: dict[str, Any], mode: str, concurrency: int,
+              seed: int = 0) -> dict[str, Any]:
+    """Probe n prompts of the redo's population under the changed parameters; the report."""
+    pool = population(r, k, mode)
+    if not pool:
+        raise UsageError(f"nothing to probe: no prompt would be redone ({mode})")
+    servers = live_servers(r, k)
+    if not servers:
+        raise UsageError("no live consumer: the probe runs on the servers the run's "
+                         "consumers use; start `genq consume` first")
+    sample = sorted(random.Random(seed).sample(pool, min(n, len(pool))))
+    data = open_dataset(dataset)
+    data.verify(fingerprint)
+    jobs = [(i, data.prompt(i)) for i in sample]
+    new = {**params.current(r, k)[1], **changes}
+    answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency))
+    probe_store.replace_all(r, k, answers)
+    blind = wait_seen(r, k) if answers else []
+    probed = sorted(answers)
+    status = read_status(r, k.run)
+    out = status["output_tokens"]
+    report = summarize(
+        [(answers[i][1].completion_tokens, answers[i][1].finish_reason) for i in probed],
+        old_tokens(r, k, probed), population=len(pool), remaining=status["remaining"],
+        remaining_mean=out["mean"] or 0.0, tok_per_s=status["rate"]["tok_per_s"],
+        servers=len(servers))
+    return {**report, "changes": changes, "population_mode": mode, "errors": errors,
+            "servers": servers, "kept_for_commit": len(answers),
+            "consumers_not_seen": blind}
+
+
+def describe(rep: dict[str, Any]) -> str:
+    """The report as a person reads it."""
+    def dur(s: float | None) -> str:
+        return "unknown (no output rate yet)" if s is None else f"{s / 3600:.1f} h ({s:,.0f} s)"
+    lo, hi = rep["truncation_ci"]
+    lines = [
+        f"probe of {rep['probe_n']} of {rep['population']:,} prompts to redo "
+        f"({rep['population_mode']}) under {rep['changes']}:",
+        f"  truncated at the new limit: {rep['truncated']}/{rep['probe_n']} = "
+        f"{rep['truncation_rate']:.1%} (95% CI {lo:.1%} - {hi:.1%})",
+        f"  new length: mean {rep['length_mean']:,.0f}, p50 {rep['length_p50']:,}, "
+        f"p90 {rep['length_p90']:,}, p99 {rep['length_p99']:,} "
+        f"(their current results: mean {rep['old_length_mean']:,.0f})",
+        f"  whole redo: {rep['redo_tokens']:,} tokens to generate, "
+        f"{rep['extra_tokens']:+,} tokens in the data set, GPU time {dur(rep['gpu_s'])}",
+        f"  ETA with the redo, at {rep['tok_per_s']:,.0f} tok/s: {dur(rep['eta_s'])}",
+        f"  {rep['kept_for_commit']} answers kept: committing the same --set reuses them",
+    ]
+    lines += [f"  error: {e}" for e in rep["errors"][:5]]
+    if rep["consumers_not_seen"]:
+        lines.append(f"  note: {', '.join(rep['consumers_not_seen'])} did not confirm seeing "
+                     "the kept answers; commit in a few seconds")
+    return "\n".join(lines)
+
+
+def main_probe(a: Any, changes: dict[str, Any], r: redis.Redis, k: RunKeys, info: Any) -> int:
+    report = run_probe(r, k, dataset=info.dataset, fingerprint=info.fingerprint, n=a.probe,
+                       changes=changes, mode=a.redo, concurrency=a.probe_concurrency)
+    if a.json:
+        sys.stdout.write(orjson.dumps(report).decode() + "\n")
+    else:
+        print(describe(report))
+    return 0
