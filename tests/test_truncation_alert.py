@@ -40,5 +40,7 @@ def test_alert_counts_only_current_version_results(tmp_path, redis_url, r, run_n
     assert truncation_alerts(redis_url, run_name) == []
     ack_claimed(r, k, 25, "length", 8192)  # now half of v2's results hit the new limit
     [alert] = truncation_alerts(redis_url, run_name)
-    assert "50% of completions" in alert["message"] and "max_tokens=8192" in alert["message"]
+    # The version's own rate speaks now (the page's "is 8k enough?"), with its interval.
+    assert alert["message"].startswith("50% (95% CI")
+    assert "under v2 (max_tokens=8192)" in alert["message"]
     assert alert["command"].startswith("genq requeue --set max_tokens=16384 --redo truncated")
