@@ -5,9 +5,7 @@ A slot that finishes claims the next task at once, so the server stays exactly f
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -18,12 +16,9 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from common import feed
 from common.errors import (
-    REDIS_TROUBLE,
     BadTask,
     Retryable,
-    RunStateLost,
     TryAgain,
     classify,
     mask_secrets,
@@ -32,12 +27,12 @@ from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
 from common.scripts import ScriptRunner, iso_now
-from consumer import presence, shutdown
+from consumer import background, presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
-from consumer.follow import follow_server, new_history, resize
+from consumer.follow import new_history, resize
 from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
-from consumer.reuse import answer, refresh
-from consumer.runstate import OK, REPLACED, RunState
+from consumer.reuse import answer
+from consumer.runstate import RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
 
@@ -259,95 +254,9 @@ class Consumer:
         done, failed, leased, queued = await pipe.execute()
         return done + failed >= self.total and not leased and not queued
 
-    # --- background --------------------------------------------------------------------
+    # --- background (consumer/background.py) ----------------------------------------------
     async def keep_leases(self) -> None:
-        """Renew every held lease each third of the visibility timeout; drop the lost ones."""
-        period = self.s.visibility_timeout / 3
-        while not self.finished:
-            await asyncio.sleep(period)
-            held = list(self.held.values())
-            try:
-                lost = await self.q.renew([i.lease for i in held])
-            except REDIS_TROUBLE as e:
-                logger.warning("renew_failed", error=str(e))
-                continue
-            for inflight in held:
-                if inflight.lease.job_id in lost:
-                    self.abort(inflight, "lost")
+        await background.keep_leases(self)
 
     async def housekeeping(self) -> None:
-        """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
-        tick = 0
-        while not self.finished:
-            try:
-                if await self.check_run() != OK:
-                    await self.heartbeat()
-                    await asyncio.sleep(0.5)
-                    continue
-                await self.watch_version()
-                if tick % 2 == 0:
-                    await self.q.reap()
-                    await self.heartbeat()
-                    await self.top_up()
-                if tick % 5 == 0:
-                    await follow_server(self)  # the server's load, capacity and context
-            except REDIS_TROUBLE as e:
-                logger.warning("housekeeping_failed", error=str(e))
-            tick += 1
-            await asyncio.sleep(0.5)
-
-    async def check_run(self) -> str:
-        was = self.runstate.state
-        state = await self.runstate.check(self.r)
-        if state != OK and was == OK:
-            # Redis forgot these leases with the run: free the server now. A result written
-            # after `genq recover` would share its attempt number with the index's next claim.
-            self.abort_all("lost")
-        if state == REPLACED:
-            self.stop.set()  # cached parameters and data set are another run's: stop
-        elif state == OK and was != OK:
-            self.params.clear()  # versions may have been renumbered by a later requeue
-            self.version = 0
-        return state
-
-    async def top_up(self) -> None:
-        """Queue more unfinished prompts when the queue runs low, so the server stays full
-        after a redo or when no producer is running; the enqueue script prevents doubles."""
-        if await self.r.llen(self.k.rq_queue) >= self.capacity:
-            return
-        try:
-            added = await asyncio.to_thread(feed.top_up, self.sync, self.k, self.total,
-                                            2 * self.capacity, self.sync_scripts,
-                                            epoch=self.runstate.epoch)
-        except RunStateLost:
-            return  # the run vanished since this tick's check; the next check says so
-        if added:
-            logger.debug("topped_up", jobs=added)
-
-    async def watch_version(self) -> None:
-        version = int(await self.r.get(self.k.params_version) or 1)
-        if version <= self.version:
-            return
-        previous, self.version = self.version, version
-        await self.runstate.keep_manifest(self.sync)
-        if not previous:
-            return
-        last = await self.r.lindex(self.k.params_history, -1)
-        policy = orjson.loads(last).get("inflight", "abort") if last else "abort"
-        logger.info("params_changed", version=version, inflight=policy)
-        if policy == "abort":
-            for inflight in list(self.held.values()):
-                if inflight.lease.version < version:
-                    self.abort(inflight, f"parameters changed to version {version}")
-
-    async def heartbeat(self) -> None:
-        now = (await self.r.time())[0]
-        self.started_at = self.started_at or now
-        beat = {"name": self.s.name, "server": self.s.server, "capacity": self.capacity,
-                "inflight": len(self.held), "load": self.load,
-                "load_history": list(self.load_history), "host": socket.gethostname(),
-                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
-                "context_length": self.context_length, "out": os.path.abspath(self.s.out),
-                "run_state": self.runstate.state, "probe_kept": await refresh(self)}
-        await presence.announce(self.r, self.k, self.s.name, now, beat, birth=self.birth,
-                                held=list(self.held))
+        await background.housekeeping(self)
