@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 import redis
 
-from common.keys import FINISH_NAMES, RUNS, RunKeys, finish_code
+from common.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens)
 Result = tuple[int, int, int, int, int]
@@ -109,10 +109,9 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
     return out
 
 
-# Widths of the per-index BITFIELDs the Lua scripts use (keys.py documents each field).
-WIDTHS = {"acc_version": 2, "acc_attempt": 2, "acc_tokens": 4, "acc_ptoks": 4,
-          "acc_finish": 1, "claims": 2}
 FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks")
+# Byte widths of the per-index BITFIELDs, from the one table the Lua scripts' layout follows.
+WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims")}
 
 
 def _bitmap(indices: Iterable[int], size: int) -> bytes:
@@ -125,16 +124,16 @@ def _bitmap(indices: Iterable[int], size: int) -> bytes:
 def _bitfields(results: dict[int, Result], claims: dict[int, int], size: int) -> dict:
     """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index)."""
     out = {name: bytearray(size * width) for name, width in WIDTHS.items()}
+    def put(name: str, index: int, value: int) -> None:
+        width = WIDTHS[name]
+        value = min(value, (1 << (8 * width)) - 1)  # saturate as BITFIELD ... SAT would
+        out[name][index * width:(index + 1) * width] = value.to_bytes(width, "big")
+
     for index, result in results.items():
-        version, attempt, code, ctoks, ptoks = result
-        for name, value in zip(FIELDS, (version, attempt, code, ctoks, ptoks), strict=True):
-            width = WIDTHS[name]
-            cap = (1 << (8 * width)) - 1
-            out[name][index * width:(index + 1) * width] = min(value, cap).to_bytes(width, "big")
-    width = WIDTHS["claims"]
+        for name, value in zip(FIELDS, result, strict=True):
+            put(name, index, value)
     for index, attempt in claims.items():
-        value = min(attempt, (1 << (8 * width)) - 1)
-        out["claims"][index * width:(index + 1) * width] = value.to_bytes(width, "big")
+        put("claims", index, attempt)
     return out
 
 
