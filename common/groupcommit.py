@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 
 class _Pending:
-    """One line waiting for a flush, and how its write ended."""
+    """Lines of one caller waiting for a flush, and how their write ended."""
 
-    __slots__ = ("data", "event", "error", "lead")
+    __slots__ = ("lines", "event", "error", "lead")
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
+    def __init__(self, lines: list[bytes]) -> None:
+        self.lines = lines
         self.event = threading.Event()
         self.error: Exception | None = None
         self.lead = False  # set with event: this thread flushes the queue next
@@ -23,7 +23,8 @@ class _Pending:
 
 class GroupCommit:
     """``submit(line)`` returns once ``flush`` has made the line durable, or raises what
-    ``flush`` reported for it. ``flush(lines)`` returns (how many of the lines, from the
+    ``flush`` reported for it; ``submit_all(lines)`` does so for several lines of one caller
+    (all durable, or an error). ``flush(lines)`` returns (how many of the lines, from the
     start, are durable, the error for all the others or None); it runs in one thread at a
     time, in the order the lines were submitted."""
 
@@ -34,7 +35,10 @@ class GroupCommit:
         self._flushing = False
 
     def submit(self, data: bytes) -> None:
-        item = _Pending(data)
+        self.submit_all([data])
+
+    def submit_all(self, lines: list[bytes]) -> None:
+        item = _Pending(lines)
         with self._lock:
             self._pending.append(item)
             lead = not self._flushing
@@ -47,14 +51,17 @@ class GroupCommit:
                 return
         with self._lock:
             batch, self._pending = self._pending, []
+        done = 0
         try:
-            done, error = self.flush([i.data for i in batch])
+            done, error = self.flush([line for i in batch for line in i.lines])
         except BaseException as e:  # a bug in flush: every line of the batch hears of it
             done, error = 0, e if isinstance(e, Exception) else RuntimeError(repr(e))
             raise
         finally:
-            for other in batch[done:]:
-                other.error = error
+            for other in batch:  # a caller whose lines are not all durable hears the error
+                if done < len(other.lines):
+                    other.error = error
+                done -= len(other.lines)
             with self._lock:
                 if self._pending:  # hand over, so no thread flushes for others forever
                     self._pending[0].lead = True

@@ -65,18 +65,42 @@ def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
     return Call("renew", [k.leases, k.lease_owner, k.rq_wip], args)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Result:
+    """One written result to acknowledge (ack.lua takes several at once)."""
+    job_id: str
+    index: int
+    exec_id: str
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: str
+    version: int
+    attempt: int
+
+
 def ack_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, completion_tokens: int,
              prompt_tokens: int, finish_reason: str, version: int, attempt: int,
              server: str) -> Call:
+    """One result; the script answers a list of one code."""
+    return ack_many_call(k, server, [Result(
+        job_id=job_id, index=index, exec_id=exec_id, completion_tokens=completion_tokens,
+        prompt_tokens=prompt_tokens, finish_reason=finish_reason, version=version,
+        attempt=attempt)])
+
+
+def ack_many_call(k: RunKeys, server: str, results: list[Result]) -> Call:
+    """Several results of one consumer in one call; the script answers a code per result."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
             k.errors]
-    code = finish_code(finish_reason)
-    name = finish_reason if finish_reason in ("stop", "length", "abort") else "other"
-    args = [job_id, index, exec_id, completion_tokens, prompt_tokens, name, code, version,
-            attempt, server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
-            RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP]
+    args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
+                       RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP]
+    for r in results:
+        reason = r.finish_reason
+        name = reason if reason in ("stop", "length", "abort") else "other"
+        args += [r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens, name,
+                 finish_code(reason), r.version, r.attempt]
     return Call("ack", keys, args)
 
 

@@ -50,3 +50,7 @@ class _Crashing:
             self.sink.write(record)
             if self.count == self.n and self.mode == "kill_after_write":
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_many(self, records: list[dict[str, Any]]) -> None:
+        for record in records:  # one by one, so the Nth record is the one that crashes
+            self.write(record)

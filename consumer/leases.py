@@ -59,16 +59,18 @@ class TaskQueue:
         lost = await self.run_script(scripts.renew_call(self.k, self.vt, held))
         return {jid.decode() for jid in lost}
 
-    async def ack(self, lease: Lease, *, completion_tokens: int, prompt_tokens: int,
-                  finish_reason: str) -> int:
-        """ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters; requeued) or
-        SET_ASIDE (a redo issued since covers it; kept as the previous result, requeued)."""
-        call = scripts.ack_call(
-            self.k, lease.job_id, lease.index, lease.exec_id,
-            completion_tokens=completion_tokens, prompt_tokens=prompt_tokens,
-            finish_reason=finish_reason, version=lease.version, attempt=lease.attempt,
-            server=self.server)
-        return int(await self.run_script(call))
+    async def claim_for(self, slots: list[object]) -> list[Lease | None]:
+        """One claim for several waiting slots (consumer/batch.py): a lease each, or None
+        for those the queue had nothing left for."""
+        leases: list[Lease | None] = list(await self.claim(len(slots)))
+        return leases + [None] * (len(slots) - len(leases))
+
+    async def ack(self, results: list[scripts.Result]) -> list[int]:
+        """Per result: ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters;
+        requeued) or SET_ASIDE (a redo issued since covers it; kept as the previous result,
+        requeued)."""
+        return [int(code) for code in
+                await self.run_script(scripts.ack_many_call(self.k, self.server, results))]
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
         call = scripts.release_call(self.k, lease.job_id, lease.index, lease.exec_id,

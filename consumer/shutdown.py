@@ -100,7 +100,7 @@ async def drain(consumer: Any) -> None:
     while consumer.held and not consumer.past_grace():
         await asyncio.sleep(0.05)
     consumer.abort_all("shutdown")
-    await bounded(list(consumer.slots.values()))
+    await bounded([*consumer.slots.values(), *consumer.commits])
 
 
 async def supervise(consumer: Any, body: Callable[[], Awaitable[None]]) -> None:

@@ -1,6 +1,8 @@
 """The consumer loop: one slot per request the server runs at once (follow.py resizes them),
 each holding one leased task at a time, plus lease renewal and housekeeping, in one TaskGroup.
-A slot that finishes claims the next task at once, so the server stays exactly full."""
+A slot whose answer came hands it to a commit (write, then acknowledge) and claims its next task
+at once, so the server stays exactly full; claims, writes and acks of many slots go to Redis
+and the disk together (consumer/batch.py)."""
 
 from __future__ import annotations
 
@@ -26,9 +28,10 @@ from common.errors import (
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
-from common.scripts import ScriptRunner, iso_now
+from common.scripts import Result, ScriptRunner, iso_now
 from consumer import background, presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
+from consumer.batch import Batcher
 from consumer.follow import new_history, resize
 from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
 from consumer.reuse import answer
@@ -63,7 +66,11 @@ class Consumer:
         self.runstate = runstate
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
-        self.held: dict[str, Inflight] = {}
+        self.held: dict[str, Inflight] = {}  # answers being generated, written or acked
+        self.claims = Batcher(self.q.claim_for)
+        self.writes = Batcher(self.write_records)
+        self.acks = Batcher(self.q.ack)
+        self.commits: set[asyncio.Task] = set()  # answers being written and acked
         self.stop = asyncio.Event()
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
@@ -137,8 +144,8 @@ class Consumer:
             if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
                 await asyncio.sleep(0.5)
                 continue
-            leases = await redis_retry(lambda: self.q.claim(1), self.stop.is_set)
-            if not leases:
+            lease = await redis_retry(lambda: self.claims(n), self.stop.is_set)
+            if lease is None:
                 if self.s.burst and not self.held and await self.settled():
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
@@ -147,8 +154,8 @@ class Consumer:
                 spread = max(1.0, self.capacity / 64)  # thousands of idle slots poll slower
                 await asyncio.sleep(self.s.poll * (0.5 + random.random()) * spread)
                 continue
-            with structlog.contextvars.bound_contextvars(index=leases[0].index):
-                await self.process(leases[0])
+            with structlog.contextvars.bound_contextvars(index=lease.index):
+                await self.process(lease)
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
@@ -159,12 +166,25 @@ class Consumer:
             return
         inflight = Inflight(lease)
         self.held[lease.job_id] = inflight
+        committing = False
         try:
-            await self.generate_and_ack(inflight)
+            answered = await self.generate(inflight)
+            if answered is not None:
+                # The server's slot is free now: the write and ack run beside the next task.
+                assert self.tg is not None  # slots only run inside run()'s TaskGroup
+                task = self.tg.create_task(self.commit(inflight, *answered))
+                self.commits.add(task)
+                task.add_done_callback(self.commits.discard)
+                committing = True
+                if len(self.commits) > self.capacity:  # a slow disk: wait, never pile up
+                    await asyncio.shield(task)
         finally:
-            self.held.pop(lease.job_id, None)
+            if not committing:
+                self.held.pop(lease.job_id, None)
 
-    async def generate_and_ack(self, inflight: Inflight) -> None:
+    async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Any] | None:
+        """The task's record and completion, or None when it ended otherwise (failed, given
+        back or aborted; Redis already says so)."""
         lease = inflight.lease
         try:
             # A read that may block (a Parquet row group) runs off the loop: never stall renewals.
@@ -184,35 +204,67 @@ class Consumer:
                 run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,
                 attempt=lease.attempt, server=self.s.server, model=body["model"],
                 completion=completion, latency_s=time.monotonic() - inflight.started)
-            await asyncio.to_thread(self.sink.write, record)
+            return record, completion
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if current is not None and current.cancelling():
                 raise
             await self.after_abort(inflight)
-            return
         except Exception as e:
-            verdict = classify(e)
-            if verdict is BadTask:
-                reason = mask_secrets(e.reason if isinstance(e, BadTask) else str(e))
-                outcome = await self.retry(lambda: self.q.fail(lease, reason))
-                logger.warning("task_failed", reason=reason,
-                               previous_result_kept=outcome == KEPT)
-                return
-            if verdict is not Retryable and verdict is not TryAgain:
-                raise
-            # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
-            error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
-            refund = verdict is Retryable
-            await self.retry(lambda: self.q.release(lease, refund=refund, reason=error))
-            if refund:
-                self.pause.trouble(error)
-            else:
-                logger.info("task_retried", reason=error)
+            await self.settle_error(lease, e)
+        return None
+
+    async def settle_error(self, lease: Lease, e: Exception) -> None:
+        """Fail the task, or give it back with or without spending the attempt; an error
+        no verdict covers is a bug and crashes the consumer."""
+        verdict = classify(e)
+        if verdict is BadTask:
+            reason = mask_secrets(e.reason if isinstance(e, BadTask) else str(e))
+            outcome = await self.retry(lambda: self.q.fail(lease, reason))
+            logger.warning("task_failed", reason=reason,
+                           previous_result_kept=outcome == KEPT)
             return
-        outcome = await self.retry(lambda: self.q.ack(
-            lease, completion_tokens=completion.completion_tokens,
-            prompt_tokens=completion.prompt_tokens, finish_reason=completion.finish_reason))
+        if verdict is not Retryable and verdict is not TryAgain:
+            raise e
+        # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
+        error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
+        refund = verdict is Retryable
+        await self.retry(lambda: self.q.release(lease, refund=refund, reason=error))
+        if refund:
+            self.pause.trouble(error)
+        else:
+            logger.info("task_retried", reason=error)
+        return
+
+    async def commit(self, inflight: Inflight, record: dict[str, Any], completion: Any) -> None:
+        """Write the record, then acknowledge it: never an ack for a result not on disk."""
+        lease = inflight.lease
+        try:
+            try:
+                await self.writes(record)
+            except Exception as e:
+                await self.settle_error(lease, e)
+                return
+            result = Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
+                            completion_tokens=completion.completion_tokens,
+                            prompt_tokens=completion.prompt_tokens,
+                            finish_reason=completion.finish_reason, version=lease.version,
+                            attempt=lease.attempt)
+            outcome = await self.retry(lambda: self.acks(result))
+        except ShuttingDown as e:
+            logger.warning("stopped_without_redis", error=str(e),
+                           consequence="held leases expire and return to the queue")
+            return
+        finally:
+            self.held.pop(lease.job_id, None)
+        self.log_outcome(outcome, lease, completion)  # the slot's context: index is bound
+
+    async def write_records(self, records: list[dict[str, Any]]) -> list[None]:
+        """Writes.flush: the records of many slots with one fdatasync, off the loop."""
+        await asyncio.to_thread(self.sink.write_many, records)
+        return [None] * len(records)
+
+    def log_outcome(self, outcome: int, lease: Lease, completion: Any) -> None:
         if outcome == ACCEPTED:
             self.acked += 1
             self.pause.recovered()

@@ -116,7 +116,7 @@ class QueueMachine(RuleBasedStateMachine):
         accepted = self.run(scripts.ack_call(
             self.k, lease.job_id, lease.index, lease.exec_id, completion_tokens=tokens,
             prompt_tokens=3, finish_reason=finish, version=lease.version,
-            attempt=lease.attempt, server=f"http://{consumer}"))
+            attempt=lease.attempt, server=f"http://{consumer}"))[0]
         # A stale ack (the lease expired and was reaped, or is someone else's now) is refused;
         # a current one under parameters an abort superseded sends the task round again; one
         # under a version a later redo covers is set aside and queued again.

@@ -31,7 +31,7 @@ def claim(runner, k, n=1, vt=30.0, server="http://s:1"):
 def ack(runner, k, lease, tokens=100, finish="stop"):
     jid, idx, ex, att = lease
     return runner(scripts.ack_call(k, jid, idx, ex, completion_tokens=tokens, prompt_tokens=7,
-                                   finish_reason=finish, version=1, attempt=att, server="s"))
+                                   finish_reason=finish, version=1, attempt=att, server="s"))[0]
 
 
 def test_enqueue_is_idempotent(r, run_name):
@@ -224,3 +224,60 @@ def test_presence_prunes_dead_consumers_and_idle_has_no_current_job(r, run_name)
     assert {m.decode() for m in r.zrange(k.consumers, 0, -1)} == {"recent", "alive"}
     assert not r.sismember(k.rq_workers, k.rq_worker("dead"))
     assert r.sismember(k.rq_workers, k.rq_worker("recent"))
+
+
+def ack_state(r: redis.Redis, k: RunKeys, n: int) -> dict:
+    """Everything an ack changes, less timestamps (rate bucket times, rq's ended_at)."""
+    state = {name: r.get(getattr(k, name)) for name in
+             ("done", "pending", "truncated", "kept", "spent", "acc_tokens", "acc_ptoks",
+              "acc_finish", "acc_version", "acc_attempt")}
+    state.update(counters=sorted(r.hgetall(k.counters).items()),
+                 hist=sorted(r.hgetall(k.length_hist).items()),
+                 errors=sorted(r.hgetall(k.errors).items()),
+                 owners=sorted(r.hgetall(k.lease_owner).items()),
+                 leases=r.zrange(k.leases, 0, -1), wip=r.zcard(k.rq_wip),
+                 queue=sorted(r.lrange(k.rq_queue, 0, -1)),
+                 finished=sorted(r.zrange(k.rq_finished, 0, -1)),
+                 status=[r.hget(k.rq_job(i), "status") for i in range(n)])
+    buckets = [r.hgetall(key) for key in r.scan_iter(k.rate_prefix + "*")]
+    state["rate"] = dict(sorted({f: sum(int(b.get(f, 0)) for b in buckets)
+                                 for b in buckets for f in b}.items()))
+    return state
+
+
+def test_one_ack_of_many_results_equals_acking_them_one_by_one(r):
+    # The same story on two runs: 9 results, of which one is stale (its lease was taken
+    # over), one carries superseded parameters, two are truncated results a redo issued after
+    # them covers, and the rest are new (one of them truncated too late for the redo). Run A
+    # acks them one by one, run B in one call: every code, bit, counter and registry must end
+    # the same.
+    states, codes = [], []
+    for batched in (False, True):
+        run = ("ackmany" if batched else "ackone") + str(time.time_ns())
+        k, runner = setup_run(r, run, 10)
+        assert ack(runner, k, claim(runner, k)[0]) == 1  # index 0 done before
+        leases = claim(runner, k, n=9)
+        assert [lease[1] for lease in leases] == list(range(1, 10))
+        r.hset(k.lease_owner, leases[0][0], "someone-else|s|1|9")  # index 1: lease lost
+        r.set(k.params_floor, 1)  # results of version 0 are superseded
+        r.hset(k.redo_marks, "truncated", 2)  # a redo of truncated results, issued at v2
+        r.hset(k.errors, 4, "an earlier attempt failed")  # index 4's success clears it
+        results = [scripts.Result(
+            job_id=jid, index=idx, exec_id=ex, completion_tokens=10 * idx, prompt_tokens=idx,
+            finish_reason="length" if idx in (3, 6, 8) else "stop",
+            version=0 if idx == 3 else (3 if idx == 8 else 1), attempt=att)
+            for jid, idx, ex, att in leases]
+        if batched:
+            got = runner(scripts.ack_many_call(k, "s", results))
+        else:
+            got = [runner(scripts.ack_many_call(k, "s", [res]))[0] for res in results]
+        codes.append(got)
+        state = ack_state(r, k, 10)
+        states.append((repr(state).replace(run, "RUN"), state["rate"]))
+    # indices 1..9: stale, new, superseded, new, new, set aside, new, new (v3), new
+    assert codes[0] == codes[1] == [0, 1, 2, 1, 1, 3, 1, 1, 1]
+    (one, rate), (many, _) = states
+    assert one == many
+    # accepted: index 0 before, then 2, 4, 5, 7, 8, 9; truncated ones counted by version
+    assert rate[b"req"] == 7 and rate[b"vreq|3"] == 1 and rate[b"vlen|3"] == 1
+    assert rate[b"fin|length"] == 1 and rate[b"tok"] == 100 + 10 * (2 + 4 + 5 + 7 + 8 + 9)

@@ -166,15 +166,17 @@ FULL_DISK_THREADS = textwrap.dedent("""
     from common.errors import OutputUnavailable
     from common.shards import ShardWriter
     w = ShardWriter(sys.argv[1], "r", "c")
+    per_call = int(sys.argv[2])  # 1: write(record); more: write_many(records), as consumers do
     written, failed = [], []
     def worker(k):
-        for i in range(100):
+        for i in range(0, 100, per_call):
+            batch = [{"index": k * 1000 + j, "content": "y" * 300} for j in range(i, i + per_call)]
             try:
-                w.write({"index": k * 1000 + i, "content": "y" * 300})
+                w.write(batch[0]) if per_call == 1 else w.write_many(batch)
             except OutputUnavailable:
                 failed.append(k)
                 return
-            written.append(k * 1000 + i)
+            written.extend(r["index"] for r in batch)
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
     for t in threads:
         t.start()
@@ -185,11 +187,14 @@ FULL_DISK_THREADS = textwrap.dedent("""
 """)
 
 
-def test_full_disk_under_group_commit_keeps_exactly_the_records_reported_written(tmp_path):
+@pytest.mark.parametrize("per_call", [1, 5])
+def test_full_disk_under_group_commit_keeps_exactly_the_records_reported_written(tmp_path,
+                                                                                 per_call):
     # Eight threads share fdatasyncs; when a shared write does not fit, every record in it is
     # reported failed and cut off again: the shard holds exactly the records whose write()
-    # returned, each line whole.
-    proc = subprocess.run([sys.executable, "-c", FULL_DISK_THREADS, str(tmp_path)],
+    # or write_many() returned, each line whole.
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_THREADS, str(tmp_path),
+                           str(per_call)],
                           capture_output=True, text=True, timeout=60, cwd=REPO,
                           env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     assert proc.returncode == 0, proc.stderr

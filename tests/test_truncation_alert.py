@@ -18,7 +18,7 @@ def ack_claimed(r, k: RunKeys, n: int, finish: str, tokens: int) -> None:
         assert run(scripts.ack_call(k, jid.decode(), int(idx), ex.decode(),
                                     completion_tokens=tokens, prompt_tokens=5,
                                     finish_reason=finish, version=int(version),
-                                    attempt=int(attempt), server="http://s")) == 1
+                                    attempt=int(attempt), server="http://s")) == [1]
 
 
 def truncation_alerts(redis_url: str, run: str) -> list[dict]:

@@ -1,95 +1,174 @@
 #!lua flags=allow-oom
--- ack: accept one written result iff the lease is still ours: done bit, exact counters,
+-- ack: accept written results, each iff its lease is still ours: done bit, exact counters,
 -- rate buckets and RQ's finished state change together or not at all.
+-- One call carries the results one consumer wrote together (consumer/batch.py). Each is
+-- judged as if it came alone (they are different indices); what they change in common (the
+-- bitmaps, the counters, the rate bucket, the registries) goes to Redis once for all of them,
+-- so the commands per result fall as the batch grows.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
 --       19 kept, 20 errors
--- ARGV: 1 job id, 2 index, 3 exec id, 4 completion_tokens, 5 prompt_tokens, 6 finish name,
---       7 finish code, 8 params version, 9 attempt, 10 server, 11 result ttl, 12 now iso,
---       13 job key prefix, 14 execution key prefix, 15 executions key prefix,
---       16 rate key prefix, 17 rate bucket seconds, 18 rate bucket ttl,
---       19 finished jobs kept for rq's tools
--- Returns 1 if accepted, 0 if the lease was lost (a stale ack is refused), 2 if the result's
--- parameters were superseded by a requeue that aborts old work (the task is queued again),
--- 3 if a redo issued after this result's version covers it (set aside as the index's
--- previous result, the task queued again).
-local jid, idx, exec = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local owner = redis.call('HGET', KEYS[2], jid)
-if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
+-- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
+--       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
+--       10 finished jobs kept for rq's tools; then 9 per result: job id, index, exec id,
+--       completion_tokens, prompt_tokens, finish name, finish code, params version, attempt
+-- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
+-- 2 its parameters were superseded by a requeue that aborts old work (the task is queued
+-- again), 3 a redo issued after its version covers it (set aside as the index's previous
+-- result, the task queued again).
+local items, jids, out = {}, {}, {}
+for b = 11, #ARGV, 9 do
+  local n = #items + 1
+  items[n] = {n = n, jid = ARGV[b], idx = tonumber(ARGV[b + 1]), exec = ARGV[b + 2],
+    ctoks = tonumber(ARGV[b + 3]), ptoks = tonumber(ARGV[b + 4]), fname = ARGV[b + 5],
+    fcode = ARGV[b + 6], ver = tonumber(ARGV[b + 7]), attempt = ARGV[b + 8]}
+  jids[n], out[n] = ARGV[b], 0
+end
+local function push(list, ...)
+  for _, v in ipairs({...}) do list[#list + 1] = v end
+end
+
+local owners = redis.call('HMGET', KEYS[2], unpack(jids))
+local mine, owned, members, dels = {}, {}, {}, {}
+for i, it in ipairs(items) do
+  local owner = owners[i]
+  if owner and string.sub(owner, 1, #it.exec + 1) == it.exec .. '|' then
+    mine[#mine + 1], owned[#owned + 1] = it, it.jid
+    members[#members + 1] = it.jid .. ':' .. it.exec
+    push(dels, ARGV[5] .. it.jid .. ':' .. it.exec, ARGV[6] .. it.jid)
+  end
+end
+if #mine == 0 then return out end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-redis.call('HDEL', KEYS[2], jid)
-redis.call('ZREM', KEYS[1], jid)
-redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
-redis.call('DEL', ARGV[14] .. jid .. ':' .. exec, ARGV[15] .. jid)
-if tonumber(ARGV[8]) < tonumber(redis.call('GET', KEYS[16]) or '0') then
-  -- Run again under the new parameters; the old attempt costs nothing.
-  redis.call('BITFIELD', KEYS[13], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, -1)
-  redis.call('HSET', ARGV[13] .. jid, 'status', 'queued')
-  redis.call('LPUSH', KEYS[17], jid)
-  return 2
+redis.call('HDEL', KEYS[2], unpack(owned))
+redis.call('ZREM', KEYS[1], unpack(owned))
+redis.call('ZREM', KEYS[3], unpack(members))
+redis.call('DEL', unpack(dels))
+
+local floor = tonumber(redis.call('GET', KEYS[16]) or '0')
+local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')
+local mark_done, mark_trunc = tonumber(marks[1] or '0'), tonumber(marks[2] or '0')
+local spent, kept, requeue, keep, accept, covered = {'OVERFLOW', 'SAT'}, {}, {}, {}, {}, {}
+local function give_back(it, code)  -- the task runs again; this attempt costs nothing
+  push(spent, 'INCRBY', 'u8', '#' .. it.idx, -1)
+  redis.call('HSET', ARGV[4] .. it.jid, 'status', 'queued')
+  requeue[#requeue + 1] = it.jid
+  out[it.n] = code
 end
-local ctoks, ptoks, fname = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
-local function keep_fields()
-  redis.call('BITFIELD', KEYS[9], 'SET', 'u32', '#' .. idx, ctoks)
-  redis.call('BITFIELD', KEYS[15], 'SET', 'u32', '#' .. idx, ptoks)
-  redis.call('BITFIELD', KEYS[10], 'SET', 'u8', '#' .. idx, ARGV[7])
-  redis.call('BITFIELD', KEYS[11], 'SET', 'u16', '#' .. idx, ARGV[8])
-  redis.call('BITFIELD', KEYS[12], 'SET', 'u16', '#' .. idx, ARGV[9])
+for _, it in ipairs(mine) do
+  if it.ver < floor then
+    give_back(it, 2)  -- run again under the new parameters
+  elseif it.ver < mark_done or (it.fname == 'length' and it.ver < mark_trunc) then
+    covered[#covered + 1] = it
+  else
+    accept[#accept + 1] = it
+  end
 end
 -- A redo covers every result of an older version, also one still in flight when it was issued
 -- (--inflight finish): such a result is kept as the previous one and the index runs again.
-local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')
-local ver = tonumber(ARGV[8])
-if redis.call('GETBIT', KEYS[4], idx) == 0 and (ver < tonumber(marks[1] or '0')
-    or (fname == 'length' and ver < tonumber(marks[2] or '0'))) then
-  keep_fields()
-  redis.call('SETBIT', KEYS[19], idx, 1)
-  redis.call('BITFIELD', KEYS[13], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, -1)
-  redis.call('HSET', ARGV[13] .. jid, 'status', 'queued')
-  redis.call('LPUSH', KEYS[17], jid)
-  return 3
-end
-if redis.call('SETBIT', KEYS[4], idx, 1) == 0 then
-  redis.call('SETBIT', KEYS[5], idx, 0)
-  keep_fields()
-  redis.call('SETBIT', KEYS[19], idx, 0)  -- a new result replaces any kept previous one
-  redis.call('BITFIELD', KEYS[13], 'SET', 'u8', '#' .. idx, 0)
-  redis.call('SETBIT', KEYS[6], idx, fname == 'length' and 1 or 0)
-  redis.call('HINCRBY', KEYS[7], 'finish:' .. fname, 1)
-  redis.call('HINCRBY', KEYS[7], 'ctok_sum', ctoks)
-  redis.call('HINCRBY', KEYS[7], 'ptok_sum', ptoks)
-  redis.call('HINCRBY', KEYS[8], ctoks, 1)
-  local bucket = ARGV[16] .. math.floor(now / tonumber(ARGV[17]))
-  local server = ARGV[10]
-  redis.call('HINCRBY', bucket, 'req', 1)
-  redis.call('HINCRBY', bucket, 'tok', ctoks)
-  redis.call('HINCRBY', bucket, 'req|' .. server, 1)
-  redis.call('HINCRBY', bucket, 'tok|' .. server, ctoks)
-  redis.call('HINCRBY', bucket, 'fin|' .. fname, 1)
-  -- Per parameter version: the truncation alert judges only the current parameters, and the
-  -- page says whether a raised max_tokens is enough.
-  redis.call('HINCRBY', bucket, 'vreq|' .. ARGV[8], 1)
-  if fname == 'length' then redis.call('HINCRBY', bucket, 'vlen|' .. ARGV[8], 1) end
-  redis.call('EXPIRE', bucket, ARGV[18])
-end
-redis.call('HDEL', KEYS[20], idx)
-local job = ARGV[13] .. jid
--- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
--- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
-if redis.call('EXISTS', job) == 1 then
-  redis.call('HSET', job, 'status', 'finished', 'ended_at', ARGV[12])
-  redis.call('EXPIRE', job, ARGV[11])
-  redis.call('ZADD', KEYS[14], now + tonumber(ARGV[11]), jid)
-  local extra = redis.call('ZCARD', KEYS[14]) - tonumber(ARGV[19])
-  if extra > 0 then
-    local oldest = redis.call('ZPOPMIN', KEYS[14], extra)
-    for i = 1, #oldest, 2 do
-      -- A member left by a redo may name a job queued again since: that one stays.
-      local old = ARGV[13] .. oldest[i]
-      if redis.call('HGET', old, 'status') == 'finished' then redis.call('DEL', old) end
+if #covered > 0 then
+  local get = {}
+  for _, it in ipairs(covered) do push(get, 'GET', 'u1', it.idx) end
+  local bits = redis.call('BITFIELD', KEYS[4], unpack(get))
+  for i, it in ipairs(covered) do
+    if bits[i] == 0 then
+      keep[#keep + 1] = it
+      push(kept, 'SET', 'u1', it.idx, 1)
+      give_back(it, 3)
+    else
+      accept[#accept + 1] = it  -- already done: only RQ's view is finished below
     end
   end
 end
-return 1
+
+local counters, hist, bucket = {}, {}, {}
+local function add(tbl, field, by) tbl[field] = (tbl[field] or 0) + by end
+if #accept > 0 then
+  local set = {}
+  for _, it in ipairs(accept) do push(set, 'SET', 'u1', it.idx, 1) end
+  local was = redis.call('BITFIELD', KEYS[4], unpack(set))
+  local pending, truncated = {}, {}
+  for i, it in ipairs(accept) do
+    out[it.n] = 1
+    if was[i] == 0 then  -- a new result; one already done is not counted twice
+      keep[#keep + 1] = it
+      push(pending, 'SET', 'u1', it.idx, 0)
+      push(kept, 'SET', 'u1', it.idx, 0)  -- a new result replaces any kept previous one
+      push(spent, 'SET', 'u8', '#' .. it.idx, 0)
+      push(truncated, 'SET', 'u1', it.idx, it.fname == 'length' and 1 or 0)
+      add(counters, 'finish:' .. it.fname, 1)
+      add(counters, 'ctok_sum', it.ctoks)
+      add(counters, 'ptok_sum', it.ptoks)
+      add(hist, it.ctoks, 1)
+      add(bucket, 'req', 1)
+      add(bucket, 'tok', it.ctoks)
+      add(bucket, 'req|' .. ARGV[1], 1)
+      add(bucket, 'tok|' .. ARGV[1], it.ctoks)
+      add(bucket, 'fin|' .. it.fname, 1)
+      -- Per parameter version: the truncation alert judges only the current parameters, and
+      -- the page says whether a raised max_tokens is enough.
+      add(bucket, 'vreq|' .. it.ver, 1)
+      if it.fname == 'length' then add(bucket, 'vlen|' .. it.ver, 1) end
+    end
+  end
+  if #pending > 0 then
+    redis.call('BITFIELD', KEYS[5], unpack(pending))
+    redis.call('BITFIELD', KEYS[6], unpack(truncated))
+  end
+end
+if #keep > 0 then
+  local tokens, ptoks, finish, version, attempt = {}, {}, {}, {}, {}
+  for _, it in ipairs(keep) do
+    local at = '#' .. it.idx
+    push(tokens, 'SET', 'u32', at, it.ctoks)
+    push(ptoks, 'SET', 'u32', at, it.ptoks)
+    push(finish, 'SET', 'u8', at, it.fcode)
+    push(version, 'SET', 'u16', at, it.ver)
+    push(attempt, 'SET', 'u16', at, it.attempt)
+  end
+  redis.call('BITFIELD', KEYS[9], unpack(tokens))
+  redis.call('BITFIELD', KEYS[15], unpack(ptoks))
+  redis.call('BITFIELD', KEYS[10], unpack(finish))
+  redis.call('BITFIELD', KEYS[11], unpack(version))
+  redis.call('BITFIELD', KEYS[12], unpack(attempt))
+end
+if #kept > 0 then redis.call('BITFIELD', KEYS[19], unpack(kept)) end
+if #spent > 2 then redis.call('BITFIELD', KEYS[13], unpack(spent)) end
+if #requeue > 0 then redis.call('LPUSH', KEYS[17], unpack(requeue)) end
+for field, by in pairs(counters) do redis.call('HINCRBY', KEYS[7], field, by) end
+for value, count in pairs(hist) do redis.call('HINCRBY', KEYS[8], value, count) end
+if next(bucket) then
+  local key = ARGV[7] .. math.floor(now / tonumber(ARGV[8]))
+  for field, by in pairs(bucket) do redis.call('HINCRBY', key, field, by) end
+  redis.call('EXPIRE', key, ARGV[9])
+end
+if #accept == 0 then return out end
+
+local indices, finished, old = {}, {}, {}
+for _, it in ipairs(accept) do indices[#indices + 1] = it.idx end
+redis.call('HDEL', KEYS[20], unpack(indices))
+-- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
+-- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
+for _, it in ipairs(accept) do
+  local job = ARGV[4] .. it.jid
+  if redis.call('EXISTS', job) == 1 then
+    redis.call('HSET', job, 'status', 'finished', 'ended_at', ARGV[3])
+    redis.call('EXPIRE', job, ARGV[2])
+    push(finished, now + tonumber(ARGV[2]), it.jid)
+  end
+end
+if #finished == 0 then return out end
+redis.call('ZADD', KEYS[14], unpack(finished))
+local extra = redis.call('ZCARD', KEYS[14]) - tonumber(ARGV[10])
+if extra > 0 then
+  local oldest = redis.call('ZPOPMIN', KEYS[14], extra)
+  for i = 1, #oldest, 2 do
+    -- A member left by a redo may name a job queued again since: that one stays.
+    local job = ARGV[4] .. oldest[i]
+    if redis.call('HGET', job, 'status') == 'finished' then old[#old + 1] = job end
+  end
+  if #old > 0 then redis.call('DEL', unpack(old)) end
+end
+return out

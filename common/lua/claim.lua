@@ -2,31 +2,36 @@
 -- A popped job also tells what RQ's own tools did to it: requeued from rq's failed registry
 -- (rq-dashboard's Requeue, `rq requeue`) revives the index; deleted or cancelled settles it as
 -- failed with that reason; requeued from the finished registry is refused (shown finished).
+-- The N jobs share their commands: one pop, one read of the done and failed bits, one
+-- increment of the counters, one write of each lease structure; only RQ's per-job hashes cost
+-- a command per job.
 -- KEYS: 1 queue, 2 wip, 3 leases, 4 lease_owner, 5 claims, 6 spent, 7 done, 8 failed,
 --       9 params_version, 10 pending, 11 errors, 12 rq failed registry, 13 rq finished registry
 -- ARGV: 1 n, 2 visibility timeout s, 3 wip margin s, 4 server, 5 worker name, 6 exec id base,
 --       7 now iso (display only), 8 job key prefix, 9 execution key prefix,
 --       10 executions key prefix, 11 run name, 12 finished ttl s
 -- Returns {params_version, {job_id, index, exec_id, attempt, spent}...}
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local n, vt, margin = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local version = tonumber(redis.call('GET', KEYS[9]) or '1')
-local deadline = now + vt
 local out = {version}
+local jids = redis.call('LPOP', KEYS[1], n)
+if not jids then return out end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local deadline = now + vt
 local skip = #ARGV[11] + 2
 
 -- Whether a popped job runs now, after making genq's bits follow what RQ did to it.
-local function runnable(jid, idx)
+local function runnable(jid, idx, done, failed)
   local status = redis.call('HGET', ARGV[8] .. jid, 'status')
-  if redis.call('GETBIT', KEYS[7], idx) == 1 then
+  if done == 1 then
     if status == 'queued' then  -- rq requeued a finished job: `genq requeue --redo` does that
       redis.call('HSET', ARGV[8] .. jid, 'status', 'finished')
       redis.call('ZADD', KEYS[13], now + tonumber(ARGV[12]), jid)
     end
     return false  -- a duplicate push for a settled index is dropped, never run twice
   end
-  if redis.call('GETBIT', KEYS[8], idx) == 1 then
+  if failed == 1 then
     if status ~= 'queued' then return false end
     -- rq requeued a failed job: it runs again with fresh attempts, as `--redo failed` does.
     redis.call('SETBIT', KEYS[8], idx, 0)
@@ -44,25 +49,46 @@ local function runnable(jid, idx)
   return false
 end
 
-for i = 1, n do
-  local jid = redis.call('LPOP', KEYS[1])
-  if not jid then break end
+local bits = {}
+for i, jid in ipairs(jids) do
   local idx = tonumber(string.sub(jid, skip))
-  if runnable(jid, idx) then
-    local attempt = redis.call('BITFIELD', KEYS[5], 'OVERFLOW', 'SAT', 'INCRBY', 'u16', '#' .. idx, 1)[1]
-    local spent = redis.call('BITFIELD', KEYS[6], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, 1)[1]
-    -- The claim number makes the fencing token unique per index even if a base repeats.
-    local exec = ARGV[6] .. i .. '.' .. attempt
-    redis.call('ZADD', KEYS[3], deadline, jid)
-    redis.call('HSET', KEYS[4], jid, exec .. '|' .. ARGV[4] .. '|' .. version .. '|' .. attempt)
-    redis.call('HSET', ARGV[8] .. jid, 'status', 'started', 'started_at', ARGV[7],
-      'last_heartbeat', ARGV[7], 'worker_name', ARGV[5])
-    redis.call('HSET', ARGV[9] .. jid .. ':' .. exec, 'id', exec, 'created_at', now,
-      'last_heartbeat', now, 'worker_name', ARGV[5])
-    redis.call('ZADD', ARGV[10] .. jid, deadline + margin, exec)
-    -- rq's own sweeps must never reap a live lease: its wip score sits past ours by a margin.
-    redis.call('ZADD', KEYS[2], deadline + margin, jid .. ':' .. exec)
-    out[#out + 1] = {jid, idx, exec, attempt, spent}
+  bits[#bits + 1] = 'GET'; bits[#bits + 1] = 'u1'; bits[#bits + 1] = idx
+end
+local done = redis.call('BITFIELD', KEYS[7], unpack(bits))
+local failed = redis.call('BITFIELD', KEYS[8], unpack(bits))
+local run, claims, spent = {}, {'OVERFLOW', 'SAT'}, {'OVERFLOW', 'SAT'}
+for i, jid in ipairs(jids) do
+  local idx = bits[3 * i]
+  if runnable(jid, idx, done[i], failed[i]) then
+    run[#run + 1] = {jid, idx, i}
+    local at = '#' .. idx
+    claims[#claims + 1] = 'INCRBY'; claims[#claims + 1] = 'u16'
+    claims[#claims + 1] = at; claims[#claims + 1] = 1
+    spent[#spent + 1] = 'INCRBY'; spent[#spent + 1] = 'u8'
+    spent[#spent + 1] = at; spent[#spent + 1] = 1
   end
 end
+if #run == 0 then return out end
+local attempts = redis.call('BITFIELD', KEYS[5], unpack(claims))
+local spents = redis.call('BITFIELD', KEYS[6], unpack(spent))
+local leases, owners, wip = {}, {}, {}
+for j, job in ipairs(run) do
+  local jid, idx, attempt = job[1], job[2], attempts[j]
+  -- The claim number makes the fencing token unique per index even if a base repeats.
+  local exec = ARGV[6] .. job[3] .. '.' .. attempt
+  leases[#leases + 1] = deadline; leases[#leases + 1] = jid
+  owners[#owners + 1] = jid
+  owners[#owners + 1] = exec .. '|' .. ARGV[4] .. '|' .. version .. '|' .. attempt
+  redis.call('HSET', ARGV[8] .. jid, 'status', 'started', 'started_at', ARGV[7],
+    'last_heartbeat', ARGV[7], 'worker_name', ARGV[5])
+  redis.call('HSET', ARGV[9] .. jid .. ':' .. exec, 'id', exec, 'created_at', now,
+    'last_heartbeat', now, 'worker_name', ARGV[5])
+  redis.call('ZADD', ARGV[10] .. jid, deadline + margin, exec)
+  -- rq's own sweeps must never reap a live lease: its wip score sits past ours by a margin.
+  wip[#wip + 1] = deadline + margin; wip[#wip + 1] = jid .. ':' .. exec
+  out[#out + 1] = {jid, idx, exec, attempt, spents[j]}
+end
+redis.call('ZADD', KEYS[3], unpack(leases))
+redis.call('HSET', KEYS[4], unpack(owners))
+redis.call('ZADD', KEYS[2], unpack(wip))
 return out
