@@ -39,6 +39,16 @@ from _common import (
 SIM_FLAGS = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16"]
 
 
+def sim_flags(request_s: float | None) -> list[str]:
+    """As fast as the simulator goes, or every request taking request_s (16 tokens streamed
+    over that time): a paced server, where the question is whether genq keeps it as full as
+    a bare client does."""
+    if not request_s:
+        return SIM_FLAGS
+    return ["--time-scale", "1", "--ttft", "0", "--length-dist", "fixed:16",
+            "--decode-tps", str(16 / request_s)]
+
+
 def first_line_written(out: Path) -> bool:
     return any(p.stat().st_size > 0 for p in out.glob("*.jsonl"))
 
@@ -129,6 +139,9 @@ def main() -> int:
                    help="simulator capacity, which is also the consumer's concurrency")
     p.add_argument("--concurrency", type=int, default=0,
                    help="override both clients' concurrency (default: the server's capacity)")
+    p.add_argument("--request-s", type=float, default=None,
+                   help="pace the simulator: every request takes this long (e.g. 0.2 with "
+                        "--max-running-requests 32 is 160 req/s); default: as fast as it goes")
     p.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
                    help="also run genq and the bare client from another checkout (e.g. the "
                         "commit before a change, from `git worktree add`), rounds interleaved "
@@ -147,8 +160,8 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="genq-bench-"))
     try:
         dataset = write_dataset(work / "prompts.jsonl", a.n)
-        with RedisServer() as rs, Simulator(
-                *SIM_FLAGS, "--max-running-requests", str(a.max_running_requests)) as sim:
+        flags = [*sim_flags(a.request_s), "--max-running-requests", str(a.max_running_requests)]
+        with RedisServer() as rs, Simulator(*flags) as sim:
             got = {label: ([], []) for label in checkouts}
             for i in range(a.rounds):
                 for label, repo in checkouts.items():
@@ -214,7 +227,7 @@ def report(a: argparse.Namespace, g: list[dict], b: list[dict]) -> None:
         1000 * med(b, "sim_cpu_s") / n, ".3f")
     add("Redis commands/task (incl. inside scripts)", med(g, "redis_cmds") / n, None, ".1f")
     add("Redis CPU ms/task", 1000 * med(g, "redis_cpu_s") / n, None, ".3f")
-    print(f"\n{n} prompts, simulator {' '.join(SIM_FLAGS)} --max-running-requests "
+    print(f"\n{n} prompts, simulator {' '.join(sim_flags(a.request_s))} --max-running-requests "
           f"{a.max_running_requests}, concurrency {b[0]['concurrency']}, "
           f"median of {a.rounds} rounds; load average before: {a.load_before}\n")
     print(table(rows, ("figure", "genq consume", "bare client", "genq/bare")))

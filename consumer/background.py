@@ -70,7 +70,7 @@ async def check_run(c: Consumer) -> str:
         # after `genq recover` would share its attempt number with the index's next claim.
         c.abort_all("lost")
     if state == REPLACED:
-        c.stop.set()  # cached parameters and data set are another run's: stop
+        c.halt()  # cached parameters and data set are another run's: stop
     elif state == OK and was != OK:
         c.params.clear()  # versions may have been renumbered by a later requeue
         c.version = 0

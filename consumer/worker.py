@@ -7,6 +7,7 @@ and the disk together (consumer/batch.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -72,6 +73,7 @@ class Consumer:
         self.acks = Batcher(self.q.ack)
         self.commits: set[asyncio.Task] = set()  # answers being written and acked
         self.stop = asyncio.Event()
+        self.waker = asyncio.Event()  # ends every nap(); replaced each time it fires
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0
         self.pause = ClaimPause()
@@ -109,11 +111,27 @@ class Consumer:
         """First SIGTERM: stop claiming and drain; a second one gives everything back now.
         The flag is set before anything is logged: stopping never depends on logging."""
         again = self.stop.is_set()
-        self.stop.set()
+        self.halt()
         if again:
             self.deadline = time.monotonic()
             self.abort_all("shutdown")
         logger.info("stopping", inflight=len(self.held), grace_s=self.s.grace)
+
+    def halt(self) -> None:
+        """Stop claiming; napping slots see it now, not after their nap."""
+        self.stop.set()
+        self.wake()
+
+    def wake(self) -> None:
+        self.waker.set()
+        self.waker = asyncio.Event()
+
+    async def nap(self, seconds: float) -> None:
+        """Sleep up to `seconds`; a stop, or the last held task done (a burst run may have
+        settled), ends it at once."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.waker.wait()
 
     def abort_all(self, reason: str) -> None:
         for inflight in list(self.held.values()):
@@ -139,20 +157,20 @@ class Consumer:
         """Slot n claims and runs tasks until the stop, or until the capacity drops below n."""
         while not self.stop.is_set() and n < self.capacity:
             if self.pause.remaining():
-                await asyncio.sleep(min(0.5, self.pause.remaining()))
+                await self.nap(min(0.5, self.pause.remaining()))
                 continue
             if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
-                await asyncio.sleep(0.5)
+                await self.nap(0.5)
                 continue
             lease = await redis_retry(lambda: self.claims(n), self.stop.is_set)
             if lease is None:
                 if self.s.burst and not self.held and await self.settled():
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
-                    self.stop.set()
+                    self.halt()
                     return
                 spread = max(1.0, self.capacity / 64)  # thousands of idle slots poll slower
-                await asyncio.sleep(self.s.poll * (0.5 + random.random()) * spread)
+                await self.nap(self.s.poll * (0.5 + random.random()) * spread)
                 continue
             with structlog.contextvars.bound_contextvars(index=lease.index):
                 await self.process(lease)
@@ -257,6 +275,8 @@ class Consumer:
             return
         finally:
             self.held.pop(lease.job_id, None)
+            if not self.held:
+                self.wake()  # idle slots look again now: the run may be settled
         self.log_outcome(outcome, lease, completion)  # the slot's context: index is bound
 
     async def write_records(self, records: list[dict[str, Any]]) -> list[None]:
