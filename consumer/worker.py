@@ -172,8 +172,12 @@ class Consumer:
                 spread = max(1.0, self.capacity / 64)  # thousands of idle slots poll slower
                 await self.nap(self.s.poll * (0.5 + random.random()) * spread)
                 continue
-            with structlog.contextvars.bound_contextvars(index=lease.index):
+            # bind/reset, not bound_contextvars(): its generator costs ~2 % of a busy consumer
+            tokens = structlog.contextvars.bind_contextvars(index=lease.index)
+            try:
                 await self.process(lease)
+            finally:
+                structlog.contextvars.reset_contextvars(**tokens)
 
     async def process(self, lease: Lease) -> None:
         if lease.spent > self.s.max_attempts:
