@@ -273,6 +273,8 @@ def test_one_ack_of_many_results_equals_acking_them_one_by_one(r):
             got = [runner(scripts.ack_many_call(k, "s", [res]))[0] for res in results]
         codes.append(got)
         state = ack_state(r, k, 10)
+        for key in r.scan_iter(k.rate_prefix + "*"):  # rate buckets never outlive their use
+            assert 0 < r.ttl(key) <= scripts.RATE_BUCKET_TTL_S
         states.append((repr(state).replace(run, "RUN"), state["rate"]))
     # indices 1..9: stale, new, superseded, new, new, set aside, new, new (v3), new
     assert codes[0] == codes[1] == [0, 1, 2, 1, 1, 3, 1, 1, 1]

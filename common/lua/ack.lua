@@ -141,8 +141,12 @@ for field, by in pairs(counters) do redis.call('HINCRBY', KEYS[7], field, by) en
 for value, count in pairs(hist) do redis.call('HINCRBY', KEYS[8], value, count) end
 if next(bucket) then
   local key = ARGV[7] .. math.floor(now / tonumber(ARGV[8]))
+  -- Every new result counts in 'req': equal to this call's count, the bucket is new.
+  if redis.call('HINCRBY', key, 'req', bucket.req) == bucket.req then
+    redis.call('EXPIRE', key, ARGV[9])
+  end
+  bucket.req = nil
   for field, by in pairs(bucket) do redis.call('HINCRBY', key, field, by) end
-  redis.call('EXPIRE', key, ARGV[9])
 end
 if #accept == 0 then return out end
 
