@@ -91,7 +91,7 @@ CHECKS = {
 
 def test_profile_consumer_names_where_the_time_goes(tmp_path: Path) -> None:
     text = tmp_path / "profile.txt"
-    run_bench("profile_consumer.py", "--n", "200", "--rate", "100", "--out", str(text))
+    run_bench("profile_consumer.py", "--n", "1500", "--rate", "250", "--out", str(text))
     got = text.read_text()
     assert "Self time by package" in got and "Inclusive time" in got
     assert "Consumer" in got  # the consumer's own frames were sampled
