@@ -16,7 +16,7 @@ import structlog
 from common import feed
 from common.errors import REDIS_TROUBLE, RunStateLost
 from consumer import presence
-from consumer.follow import follow_load, follow_server
+from consumer.follow import follow_load, follow_server, unconfirmed
 from consumer.reuse import refresh
 from consumer.runstate import OK, REPLACED
 
@@ -56,6 +56,7 @@ async def housekeeping(c: Consumer) -> None:
                 await c.q.reap()
                 await heartbeat(c)
                 await top_up(c)
+            if tick % 2 == 0 or unconfirmed(c):
                 await follow_load(c)  # the slot count follows the server's load
             if tick % 5 == 0:
                 await follow_server(c)  # the server's context (and capacity without a load)

@@ -98,6 +98,13 @@ def tracking(self: Consumer) -> Tracking:
     return self.tracking
 
 
+def unconfirmed(self: Consumer) -> bool:
+    """The last sample asked for another slot count that a second sample must confirm: read
+    the load again at the next housekeeping tick (0.5 s) rather than a second later."""
+    t = getattr(self, "tracking", None)
+    return t is not None and t.previous is not None and t.previous != self.capacity
+
+
 def requests_at_server(self: Consumer) -> int:
     """Our requests the server holds now: those sent and not answered. A task whose answer is
     being written or acked no longer holds a place at the server."""
