@@ -5,9 +5,10 @@ left its share: no waiting queue building up on the server, no slot idle while w
 
 Tracking: every load sample says how many requests the server holds (running + waiting);
 those that are not ours are the other clients'. Our slots are what the server runs at once
-less theirs. A waiting queue on the server lowers the count at once (requests queued there
-would start late and their slots would idle meanwhile); anything else needs two consecutive
-samples that agree, since requests finish between the load read and our own count."""
+less theirs. A waiting queue on the server lowers the count at once, by our part of it
+(requests queued there would start late and their slots would idle meanwhile); anything else
+needs two consecutive samples that agree, since requests finish between the load read and our
+own count."""
 
 from __future__ import annotations
 
@@ -66,14 +67,31 @@ def target_slots(running: int, waiting: int, max_running: int, ours: int) -> int
     return min(max_running, max(1, max_running - others(running, waiting, ours)))
 
 
-def next_capacity(current: int, target: int, previous: int | None, waiting: int) -> int:
-    """The slot count after one sample. Lower at once when the server has a waiting queue;
-    otherwise move only when this sample's target and the previous one's are on the same side
-    of the current count, and only as far as the smaller move of the two: one sample taken
-    as a request ended is noise, not a new client."""
-    if target < current and waiting > 0:
-        return target
-    if previous is None:
+def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: int) -> int:
+    """The slot count a waiting queue asks for: the requests the server holds beyond its max,
+    withdrawn in proportion to our part of what it holds, never below target_slots. Another
+    genq on the same server does the same with its part, so two of them end up sharing the
+    server instead of one giving it all to the other. While our requests above a lowered
+    count are still at the server (they end after their current task), nothing more is
+    withdrawn: the queue they are part of is already being answered."""
+    held = running + waiting
+    excess = held - max_running  # a queue while slots are free is the KV pool's, not ours
+    if waiting <= 0 or excess <= 0 or ours > current:
+        return current
+    share = -(-excess * ours // held)  # rounded up
+    return min(current, max(target_slots(running, waiting, max_running, ours), current - share))
+
+
+def next_capacity(current: int, target: int, previous: int | None, lowered: int,
+                  waiting: int) -> int:
+    """The slot count after one sample. A waiting queue lowers it at once (to `lowered`, from
+    withdrawn()); otherwise it moves only when this sample's target and the previous one's are
+    on the same side of the current count, and only as far as the smaller move of the two:
+    one sample taken as a request ended is noise, not a new client. Never raised while the
+    server has a queue."""
+    if lowered < current:
+        return lowered
+    if previous is None or waiting > 0:
         return current
     if target > current and previous > current:
         return min(target, previous)
@@ -141,7 +159,8 @@ def track(self: Consumer, load: dict[str, Any]) -> None:
     running, waiting = int(load["num_reqs"]), int(load["num_waiting_reqs"])
     ours = requests_at_server(self)
     target = target_slots(running, waiting, int(max_running), ours)
-    new = next_capacity(self.capacity, target, t.previous, waiting)
+    lowered = withdrawn(self.capacity, running, waiting, int(max_running), ours)
+    new = next_capacity(self.capacity, target, t.previous, lowered, waiting)
     t.previous = target
     if new == self.capacity:
         return

@@ -15,7 +15,7 @@ from conftest import REPO, genq
 from pipeline import ConsumerProcess, wait_for, write_dataset
 
 from common.status import read_status
-from consumer.follow import next_capacity, others, target_slots
+from consumer.follow import next_capacity, others, target_slots, withdrawn
 
 FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")
 MAX, K = 16, 6  # the server's max running requests; the neighbour's requests in flight
@@ -40,25 +40,51 @@ def test_target_leaves_the_others_their_share():
     assert target_slots(running=10, waiting=0, max_running=64, ours=20) == 64
 
 
-def test_a_waiting_queue_lowers_at_once():
-    assert next_capacity(64, target=48, previous=None, waiting=16) == 48
-    assert next_capacity(64, target=48, previous=64, waiting=3) == 48
+def test_a_queue_withdraws_our_part_of_it():
+    # A neighbour's 16 queue behind our 64: 16 x 64/80 = 12.8 of them are ours to withdraw.
+    assert withdrawn(64, running=64, waiting=16, max_running=64, ours=64) == 51
+    # Once our slots above 51 have ended, the 3 left over: down to the neighbour's share.
+    assert withdrawn(51, running=64, waiting=3, max_running=64, ours=51) == 48
+    # Two genqs with 64 each: each withdraws half, and they share the server.
+    assert withdrawn(64, running=64, waiting=64, max_running=64, ours=64) == 32
+    # Our one request of the 65 held: one slot less (rounded up, never nothing).
+    assert withdrawn(64, running=64, waiting=1, max_running=64, ours=1) == 63
+    # Never below one slot, however many the others hold.
+    assert withdrawn(4, running=64, waiting=200, max_running=64, ours=4) == 1
+
+
+def test_nothing_is_withdrawn_without_a_queue_of_ours():
+    assert withdrawn(64, running=64, waiting=0, max_running=64, ours=64) == 64  # full, fine
+    # Our requests above a lowered count are still there: wait for them to end first.
+    assert withdrawn(51, running=64, waiting=16, max_running=64, ours=64) == 51
+    # A queue while slots are free is the KV pool's doing (the advice's), not the slots'.
+    assert withdrawn(64, running=40, waiting=9, max_running=64, ours=49) == 64
+    assert withdrawn(64, running=64, waiting=5, max_running=64, ours=0) == 64  # no work here
+
+
+def test_a_queue_lowers_at_once():
+    assert next_capacity(64, target=48, previous=None, lowered=51, waiting=16) == 51
+    assert next_capacity(64, target=48, previous=64, lowered=51, waiting=3) == 51
 
 
 def test_without_a_queue_a_change_needs_two_samples():
     # One sample taken as a request ended looks like a neighbour: noise, ignored.
-    assert next_capacity(64, target=63, previous=None, waiting=0) == 64
-    assert next_capacity(64, target=63, previous=64, waiting=0) == 64
+    assert next_capacity(64, target=63, previous=None, lowered=64, waiting=0) == 64
+    assert next_capacity(64, target=63, previous=64, lowered=64, waiting=0) == 64
     # Two agree: lowered, only as far as the smaller move.
-    assert next_capacity(64, target=60, previous=62, waiting=0) == 62
+    assert next_capacity(64, target=60, previous=62, lowered=64, waiting=0) == 62
     # Raising always needs two samples, and goes as far as the smaller of the two.
-    assert next_capacity(48, target=64, previous=None, waiting=0) == 48
-    assert next_capacity(48, target=64, previous=48, waiting=0) == 48
-    assert next_capacity(48, target=64, previous=60, waiting=0) == 60
-    assert next_capacity(48, target=64, previous=64, waiting=0) == 64
+    assert next_capacity(48, target=64, previous=None, lowered=48, waiting=0) == 48
+    assert next_capacity(48, target=64, previous=48, lowered=48, waiting=0) == 48
+    assert next_capacity(48, target=64, previous=60, lowered=48, waiting=0) == 60
+    assert next_capacity(48, target=64, previous=64, lowered=48, waiting=0) == 64
     # Samples on either side of the count: no move.
-    assert next_capacity(48, target=50, previous=46, waiting=0) == 48
-    assert next_capacity(48, target=48, previous=64, waiting=0) == 48
+    assert next_capacity(48, target=50, previous=46, lowered=48, waiting=0) == 48
+    assert next_capacity(48, target=48, previous=64, lowered=48, waiting=0) == 48
+
+
+def test_never_raised_while_the_server_has_a_queue():
+    assert next_capacity(32, target=40, previous=40, lowered=32, waiting=2) == 32
 
 
 # --- a consumer beside a neighbour -------------------------------------------------------
