@@ -3,9 +3,10 @@ client that keeps 16 requests in flight for the first half of a genq run, then l
 consumers side by side: tracking the server's load (the default), fixed at the server's max
 (--concurrency 64), fixed at what was free at start (--concurrency 48). From the server's own
 /v1/loads every 0.1 s: request-seconds waiting inside the server (late starts, for genq and
-the neighbour), and slot-seconds idle while genq still had prompts to claim.
+the neighbour), and slot-seconds idle while genq still had prompts to claim. Then two genq
+runs sharing the server (tracking, and fixed at its max): does each get about half?
 
-    python bench/capacity_tracking.py                  # 3000 prompts per variant, ~90 s
+    python bench/capacity_tracking.py                  # 3000 prompts per variant, ~2 min
     python bench/capacity_tracking.py --n 300 --json out.json
 """
 
@@ -33,11 +34,13 @@ DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
 
 
 class Sampler:
-    """From a thread, every `period` s: the server's running and waiting requests, and whether
-    genq has started (a lease or a result) and still has prompts nobody claimed."""
+    """From a thread, every `period` s: the server's running and waiting requests, whether
+    genq has started (a lease or a result in any of `runs`) and still has prompts nobody
+    claimed (in any of them)."""
 
-    def __init__(self, url: str, redis_url: str, run: str, n: int, period: float) -> None:
-        self.url, self.redis_url, self.k = url, redis_url, RunKeys(run)
+    def __init__(self, url: str, redis_url: str, runs: list[str], n: int, period: float
+                 ) -> None:
+        self.url, self.redis_url, self.keys = url, redis_url, [RunKeys(r) for r in runs]
         self.n, self.period = n, period
         self.samples: list[tuple[float, int, int, bool, bool]] = []
         self.t0 = time.monotonic()
@@ -63,12 +66,14 @@ class Sampler:
                 except (httpx.HTTPError, ValueError, KeyError):
                     continue
                 pipe = r.pipeline(transaction=False)
-                pipe.bitcount(self.k.done)
-                pipe.bitcount(self.k.failed)
-                pipe.zcard(self.k.leases)
-                done, failed, leased = pipe.execute()
-                started = bool(done or leased)
-                todo = self.n - done - failed - leased > 0
+                for k in self.keys:
+                    pipe.bitcount(k.done)
+                    pipe.bitcount(k.failed)
+                    pipe.zcard(k.leases)
+                got = pipe.execute()
+                counts = [got[i:i + 3] for i in range(0, len(got), 3)]
+                started = any(done or leased for done, _, leased in counts)
+                todo = any(self.n - sum(c) > 0 for c in counts)
                 self.samples.append((time.monotonic() - self.t0, rank["num_running_reqs"],
                                      rank["num_waiting_reqs"], started, todo))
                 self.stop.wait(self.period)
@@ -97,7 +102,7 @@ def one_variant(a: argparse.Namespace, sim: Simulator, rs: RedisServer, dataset:
     genq("produce", str(dataset), "--once", redis_url=rs.url, run=run)
     log = work / f"{label}.log"
     flags = ["--concurrency", str(concurrency)] if concurrency else []
-    with Sampler(sim.url, rs.url, run, a.n, a.sample) as sampler:
+    with Sampler(sim.url, rs.url, [run], a.n, a.sample) as sampler:
         # The neighbour is there first (genq finds 48 slots free), and leaves --foreign-s
         # after genq's first claim: for the first half of genq's run.
         neighbour = subprocess.Popen(
@@ -120,15 +125,50 @@ def one_variant(a: argparse.Namespace, sim: Simulator, rs: RedisServer, dataset:
     if rc != 0 or neighbour.returncode != 0:
         raise RuntimeError(f"{label}: consumer exited {rc}, neighbour {neighbour.returncode}:\n"
                            f"{log.read_text(errors='replace')[-3000:]}\n{err.decode()[-2000:]}")
-    events = [orjson.loads(line) for line in log.read_bytes().splitlines()
-              if line.startswith(b"{")]
     figures = integrate(sampler.samples, a.max_running, t_exit)
     active = t_exit - figures["first_claim_s"]
     return {"label": label, "concurrency": concurrency, "wall_s": t_exit - t_start,
             "active_s": active, "tasks_per_s": a.n / active if active > 0 else 0.0,
-            "slot_changes": [{k: e[k] for k in ("old", "new", "reason", "others")}
-                             for e in events if e.get("event") == "slots_changed"],
-            "neighbour": json.loads(got), **figures, "samples": sampler.samples}
+            "slot_changes": slot_changes(log), "neighbour": json.loads(got), **figures,
+            "samples": sampler.samples}
+
+
+def slot_changes(log: Path) -> list[dict]:
+    events = [orjson.loads(line) for line in log.read_bytes().splitlines()
+              if line.startswith(b"{")]
+    return [{k: e[k] for k in ("old", "new", "reason", "others")}
+            for e in events if e.get("event") == "slots_changed"]
+
+
+def one_pair(a: argparse.Namespace, sim: Simulator, rs: RedisServer, dataset: Path,
+             work: Path, label: str, concurrency: int | None) -> dict:
+    """Two genq runs on the same server (two consumers with --share-server, as two teams
+    sharing a server would run), no neighbour: does each get about half?"""
+    runs = [f"pair-{label}-{i}" for i in (0, 1)]
+    for run in runs:
+        genq("produce", str(dataset), "--once", redis_url=rs.url, run=run)
+    flags = ["--concurrency", str(concurrency)] if concurrency else []
+    logs = [work / f"{run}.log" for run in runs]
+    with Sampler(sim.url, rs.url, runs, a.pair_n, a.sample) as sampler:
+        procs = []
+        for run, log in zip(runs, logs, strict=True):
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
+                     "--share-server", "--out", str(work / f"out-{run}"), "--name", run,
+                     *flags], cwd=REPO, env=env(rs.url, run), stdout=out,
+                    stderr=subprocess.STDOUT))
+        t_start = time.monotonic() - sampler.t0
+        walls = []
+        for proc, log in zip(procs, logs, strict=True):
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError(f"{label}: a consumer exited {proc.returncode}:\n"
+                                   f"{log.read_text(errors='replace')[-3000:]}")
+            walls.append(time.monotonic() - sampler.t0 - t_start)
+        t_exit = time.monotonic() - sampler.t0
+    return {"label": label, "concurrency": concurrency, "walls_s": walls,
+            "slot_changes": [slot_changes(log) for log in logs],
+            **integrate(sampler.samples, a.max_running, t_exit), "samples": sampler.samples}
 
 
 def changes(got: list[dict]) -> str:
@@ -165,6 +205,26 @@ def report(a: argparse.Namespace, got: list[dict], d: float) -> None:
                        "neighbour latency")))
 
 
+def report_pairs(a: argparse.Namespace, got: list[dict]) -> None:
+    print(f"\ntwo genq runs of {a.pair_n} prompts each, one consumer each (--share-server), "
+          f"started together on the same {a.max_running}-slot server, no neighbour:\n")
+    rows = [(g["label"], " / ".join(f"{w:.1f}" for w in g["walls_s"]),
+             f"{g['waiting_req_s']:.1f}", f"{g['idle_slot_s']:.1f}",
+             " / ".join(spread(c) for c in g["slot_changes"]),
+             " / ".join(str(len(c)) for c in g["slot_changes"]))
+            for g in got]
+    print(table(rows, ("variant", "wall s (each)", "server waiting req-s",
+                       "idle slot-s (genq had work)", "slots, lowest-highest after the first "
+                       "change", "slot changes")))
+
+
+def spread(got: list[dict]) -> str:
+    """The range a tracked count moved in once it first left the server's max, up to its last
+    change (the raise back when the other run ended)."""
+    counts = [c["new"] for c in got[:-1]]
+    return f"{min(counts)}-{max(counts)}" if counts else "-"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=3000, help="prompts per variant (default 3000)")
@@ -178,6 +238,9 @@ def main() -> int:
                    help="median answer length (default 2326, the real run's; lognormal)")
     p.add_argument("--time-scale", type=float, default=68.0,
                    help="simulator speed-up (default 68: ~0.4 s requests, 0.3-0.5 s mostly)")
+    p.add_argument("--pair-n", type=int, default=1500,
+                   help="prompts per run when two genq runs share the server (default 1500; "
+                        "0 skips that part)")
     p.add_argument("--sample", type=float, default=0.1, help="load sampling period, s")
     p.add_argument("--json", help="also write the raw figures (and samples) here")
     a = p.parse_args()
@@ -192,11 +255,17 @@ def main() -> int:
              f"lognormal:{a.median_tokens}:0.15", "--max-running-requests", str(a.max_running)]
     try:
         dataset = write_dataset(work / "prompts.jsonl", a.n)
+        half = a.pair_n and write_dataset(work / "pair.jsonl", a.pair_n)
         with Simulator(*flags) as sim, RedisServer() as rs:
             got = [one_variant(a, sim, rs, dataset, work, label, c) for label, c in variants]
+            pairs = [one_pair(a, sim, rs, half, work, label, c)
+                     for label, c in variants[:2]] if half else []
         report(a, got, d)
+        if pairs:
+            report_pairs(a, pairs)
         dump_json(a.json, {"n": a.n, "max_running": a.max_running, "foreign": a.foreign,
-                           "foreign_s": a.foreign_s, "request_s": d, "variants": got})
+                           "foreign_s": a.foreign_s, "request_s": d, "variants": got,
+                           "pairs": pairs})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
