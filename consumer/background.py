@@ -16,7 +16,7 @@ import structlog
 from common import feed
 from common.errors import REDIS_TROUBLE, RunStateLost
 from consumer import presence
-from consumer.follow import follow_server
+from consumer.follow import follow_load, follow_server, unconfirmed
 from consumer.reuse import refresh
 from consumer.runstate import OK, REPLACED
 
@@ -42,7 +42,8 @@ async def keep_leases(c: Consumer) -> None:
                 c.abort(inflight, "lost")
 
 async def housekeeping(c: Consumer) -> None:
-    """Heartbeat, reaper, parameter-version watch and server load, about once a second."""
+    """Heartbeat, reaper, parameter-version watch and server load, about once a second; the
+    server's context and the capacity of a server without a load endpoint every 2.5 s."""
     tick = 0
     while not c.finished:
         try:
@@ -55,8 +56,10 @@ async def housekeeping(c: Consumer) -> None:
                 await c.q.reap()
                 await heartbeat(c)
                 await top_up(c)
+            if tick % 2 == 0 or unconfirmed(c):
+                await follow_load(c)  # the slot count follows the server's load
             if tick % 5 == 0:
-                await follow_server(c)  # the server's load, capacity and context
+                await follow_server(c)  # the server's context (and capacity without a load)
         except REDIS_TROUBLE as e:
             logger.warning("housekeeping_failed", error=str(e))
         tick += 1

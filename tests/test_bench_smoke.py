@@ -95,3 +95,23 @@ def test_profile_consumer_names_where_the_time_goes(tmp_path: Path) -> None:
     got = text.read_text()
     assert "Self time by package" in got and "Inclusive time" in got
     assert "Consumer" in got  # the consumer's own frames were sampled
+
+
+def test_capacity_tracking_reports_each_variant(tmp_path: Path) -> None:
+    out = tmp_path / "figures.json"
+    proc = run_bench("capacity_tracking.py", "--n", "120", "--pair-n", "60", "--max-running",
+                     "8", "--foreign", "2", "--time-scale", "400", "--sample", "0.05",
+                     "--json", str(out))
+    assert "|" in proc.stdout and "ratios against tracking" in proc.stdout
+    f = json.loads(out.read_text())
+    assert [v["label"] for v in f["variants"]] == ["tracking", "fixed-8", "fixed-6"]
+    assert [v["concurrency"] for v in f["variants"]] == [None, 8, 6]
+    for v in f["variants"]:
+        assert v["tasks_per_s"] > 0 and v["wall_s"] > 0 and v["samples"]
+        assert v["waiting_req_s"] >= 0 and v["idle_slot_s"] >= 0
+        assert v["neighbour"]["requests"] > 0
+        assert v["concurrency"] is None or v["slot_changes"] == []  # fixed: never changed
+    assert [p["label"] for p in f["pairs"]] == ["tracking", "fixed-8"]
+    for p in f["pairs"]:
+        assert len(p["walls_s"]) == 2 and all(w > 0 for w in p["walls_s"])
+        assert p["waiting_req_s"] >= 0 and p["idle_slot_s"] >= 0 and p["samples"]
