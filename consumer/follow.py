@@ -103,24 +103,18 @@ def next_capacity(current: int, target: int, previous: int | None, lowered: int,
 # --- tracking: wiring --------------------------------------------------------------------
 @dataclass
 class Tracking:
-    """What tracking keeps between samples (on the consumer as `tracking`, made on first use)."""
+    """What tracking keeps between samples (the consumer's `tracking`)."""
 
     server_max: int | None = None  # the server's max running requests, as last read
     previous: int | None = None  # the previous sample's target
     kept_at: float = 0.0  # when a sample was last kept in the load history
 
 
-def tracking(self: Consumer) -> Tracking:
-    if getattr(self, "tracking", None) is None:
-        self.tracking = Tracking()
-    return self.tracking
-
-
 def unconfirmed(self: Consumer) -> bool:
     """The last sample asked for another slot count that a second sample must confirm: read
     the load again at the next housekeeping tick (0.5 s) rather than a second later."""
-    t = getattr(self, "tracking", None)
-    return t is not None and t.previous is not None and t.previous != self.capacity
+    previous = self.tracking.previous
+    return previous is not None and previous != self.capacity
 
 
 def requests_at_server(self: Consumer) -> int:
@@ -153,7 +147,7 @@ def track(self: Consumer, load: dict[str, Any]) -> None:
     max_running = load.get("max_running_requests")
     if not max_running:
         return  # /get_load of a server that does not say its max: follow_server reads it
-    t = tracking(self)
+    t = self.tracking
     if follow_max(self, t, int(max_running)):
         return
     running, waiting = int(load["num_reqs"]), int(load["num_waiting_reqs"])
@@ -178,7 +172,7 @@ async def follow_load(self: Consumer) -> None:
     self.load = await self.server.load()
     if not self.load:
         return  # a restarting server (its slots are paused anyway) or no load endpoint
-    t = tracking(self)
+    t = self.tracking
     now = time.time()
     if now - t.kept_at >= HISTORY_PERIOD_S - 0.1:
         t.kept_at = now
@@ -206,6 +200,6 @@ async def follow_server(self: Consumer) -> None:
         if context != self.context_length:
             logger.info("server_context_changed", old=self.context_length, new=context)
         self.context_length = context
-        server_max = tracking(self).server_max or self.capacity
+        server_max = self.tracking.server_max or self.capacity
         await presence.record_server(self.r, self.k, self.s.server, context, server_max)
         self.server_recorded = True

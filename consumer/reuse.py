@@ -28,7 +28,7 @@ async def refresh(self: Consumer) -> bool:
 
 
 async def answer(self: Consumer, body: dict[str, Any], index: int) -> Completion:
-    if getattr(self, "probe_kept", False):
+    if self.probe_kept:
         stored = await probe_store.take(self.r, self.k, index, body)
         if stored is not None:
             logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])

@@ -33,7 +33,7 @@ from common.scripts import Result, ScriptRunner, iso_now
 from consumer import background, presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
 from consumer.batch import Batcher
-from consumer.follow import new_history, resize
+from consumer.follow import Tracking, new_history, resize
 from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
 from consumer.reuse import answer
 from consumer.runstate import RunState
@@ -78,6 +78,8 @@ class Consumer:
         self.version = 0
         self.pause = ClaimPause()
         self.load, self.load_history = None, new_history()  # follow.py reads and keeps them
+        self.tracking = Tracking()  # the slot count following the server's load (follow.py)
+        self.probe_kept = False  # answers of `requeue --probe` to look for (reuse.py)
         self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the background task that died, if one did
