@@ -100,7 +100,8 @@ async def drain(consumer: Any) -> None:
     while consumer.held and not consumer.past_grace():
         await asyncio.sleep(0.05)
     consumer.abort_all("shutdown")
-    await bounded([*consumer.slots.values(), *consumer.commits])
+    committing = consumer.committer.task
+    await bounded([*consumer.slots.values(), *([committing] if committing else [])])
 
 
 async def supervise(consumer: Any, body: Callable[[], Awaitable[None]]) -> None:

@@ -1,8 +1,8 @@
 """The consumer loop: one slot per request the server runs at once (follow.py resizes them),
 each holding one leased task at a time, plus lease renewal and housekeeping, in one TaskGroup.
 A slot whose answer came hands it to a commit (write, then acknowledge) and claims its next task
-at once, so the server stays exactly full; claims, writes and acks of many slots go to Redis
-and the disk together (consumer/batch.py)."""
+at once, so the server stays exactly full; claims of many slots go to Redis together
+(consumer/batch.py), and so do their writes and acks (consumer/commit.py)."""
 
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ from common.errors import (
 from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
 from common.records import build_record
-from common.scripts import Result, ScriptRunner, iso_now
+from common.scripts import ScriptRunner, iso_now
 from consumer import background, presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
 from consumer.batch import Batcher
+from consumer.commit import Committer
 from consumer.follow import Tracking, new_history, resize
-from consumer.leases import ACCEPTED, KEPT, SET_ASIDE, SUPERSEDED, Lease, TaskQueue
+from consumer.leases import KEPT, Lease, TaskQueue
 from consumer.reuse import answer
 from consumer.runstate import RunState
 from consumer.settings import ConsumeSettings
@@ -69,9 +70,7 @@ class Consumer:
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}  # answers being generated, written or acked
         self.claims = Batcher(self.q.claim_for)
-        self.writes = Batcher(self.write_records)
-        self.acks = Batcher(self.q.ack)
-        self.commits: set[asyncio.Task] = set()  # answers being written and acked
+        self.committer = Committer(self)  # answers being written and acked
         self.stop = asyncio.Event()
         self.waker = asyncio.Event()  # ends every nap(); replaced each time it fires
         self.params: dict[int, dict[str, Any]] = {}
@@ -194,17 +193,14 @@ class Consumer:
         try:
             answered = await self.generate(inflight)
             if answered is not None:
-                # The server's slot is free now: the write and ack run beside the next task.
-                assert self.tg is not None  # slots only run inside run()'s TaskGroup
-                task = self.tg.create_task(self.commit(inflight, *answered))
-                self.commits.add(task)
-                task.add_done_callback(self.commits.discard)
+                # The server's slot is free now: the write and ack run beside the next task,
+                # and the committer lets the lease go once acked.
+                self.committer.add(inflight, *answered)
                 committing = True
-                if len(self.commits) > self.capacity:  # a slow disk: wait, never pile up
-                    await asyncio.shield(task)
         finally:
             if not committing:
                 self.held.pop(lease.job_id, None)
+        await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Any] | None:
         """The task's record and completion, or None when it ended otherwise (failed, given
@@ -259,51 +255,6 @@ class Consumer:
         else:
             logger.info("task_retried", reason=error)
         return
-
-    async def commit(self, inflight: Inflight, record: dict[str, Any], completion: Any) -> None:
-        """Write the record, then acknowledge it: never an ack for a result not on disk."""
-        lease = inflight.lease
-        try:
-            try:
-                await self.writes(record)
-            except Exception as e:
-                await self.settle_error(lease, e)
-                return
-            result = Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
-                            completion_tokens=completion.completion_tokens,
-                            prompt_tokens=completion.prompt_tokens,
-                            finish_reason=completion.finish_reason, version=lease.version,
-                            attempt=lease.attempt)
-            outcome = await self.retry(lambda: self.acks(result))
-        except ShuttingDown as e:
-            logger.warning("stopped_without_redis", error=str(e),
-                           consequence="held leases expire and return to the queue")
-            return
-        finally:
-            self.held.pop(lease.job_id, None)
-            if not self.held:
-                self.wake()  # idle slots look again now: the run may be settled
-        self.log_outcome(outcome, lease, completion)  # the slot's context: index is bound
-
-    async def write_records(self, records: list[dict[str, Any]]) -> list[None]:
-        """Writes.flush: the records of many slots with one fdatasync, off the loop."""
-        await asyncio.to_thread(self.sink.write_many, records)
-        return [None] * len(records)
-
-    def log_outcome(self, outcome: int, lease: Lease, completion: Any) -> None:
-        if outcome == ACCEPTED:
-            self.acked += 1
-            self.pause.recovered()
-            logger.debug("task_acked", finish_reason=completion.finish_reason,
-                         completion_tokens=completion.completion_tokens)
-        elif outcome == SET_ASIDE:
-            logger.info("result_set_aside", version=lease.version,
-                        reason="a redo issued since covers it; kept until a new one is accepted")
-        elif outcome == SUPERSEDED:
-            logger.info("result_superseded", version=lease.version,
-                        reason="parameters changed; the task runs again under the new ones")
-        else:
-            logger.warning("ack_refused", reason="lease lost; another attempt owns the task")
 
     async def after_abort(self, inflight: Inflight) -> None:
         lease = inflight.lease

@@ -1,0 +1,108 @@
+"""Finished answers are written and acknowledged beside the slots, in batches: one fdatasync
+and one ack.lua call for every answer that finished while the previous batch was committed.
+A slot hands its answer over and claims its next task at once, so a slow disk never keeps a
+server slot empty; the task's lease stays held (and renewed) until its ack."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from common.scripts import Result
+from consumer.backoff import ShuttingDown
+from consumer.batch import MAX_BATCH
+from consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED
+
+if TYPE_CHECKING:
+    from consumer.worker import Consumer, Inflight
+
+logger = structlog.get_logger("consumer")
+
+
+@dataclass
+class Finished:
+    inflight: Inflight
+    record: dict[str, Any]
+    completion: Any  # consumer.sglang_stream.Completion
+
+
+class Committer:
+    def __init__(self, consumer: Consumer) -> None:
+        self.c = consumer
+        self.pending: list[Finished] = []
+        self.task: asyncio.Task[None] | None = None
+        self.room = asyncio.Event()  # cleared while a capacity of answers waits (a slow disk)
+        self.room.set()
+
+    def add(self, inflight: Inflight, record: dict[str, Any], completion: Any) -> None:
+        self.pending.append(Finished(inflight, record, completion))
+        if len(self.pending) >= self.c.capacity:
+            self.room.clear()
+        if self.task is None:
+            assert self.c.tg is not None  # slots only run inside Consumer.run's TaskGroup
+            self.task = self.c.tg.create_task(self.run())
+
+    async def run(self) -> None:
+        try:
+            await asyncio.sleep(0)  # the answers that came in this turn of the loop join
+            while self.pending:
+                batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+                try:
+                    await self.commit(batch)
+                finally:
+                    for done in batch:
+                        self.c.held.pop(done.inflight.lease.job_id, None)
+                    if len(self.pending) < self.c.capacity:
+                        self.room.set()
+                    if not self.c.held:
+                        self.c.wake()  # idle slots look again now: the run may be settled
+        finally:
+            self.task = None
+            self.room.set()
+
+    async def commit(self, batch: list[Finished]) -> None:
+        """Write the records, then acknowledge them: never an ack for a result not on disk."""
+        try:
+            await asyncio.to_thread(self.c.sink.write_many, [done.record for done in batch])
+        except Exception as e:
+            for done in batch:  # the disk's trouble: each task is given back (or a bug raises)
+                await self.c.settle_error(done.inflight.lease, e)
+            return
+        results = [result(done) for done in batch]
+        try:
+            outcomes = await self.c.retry(lambda: self.c.q.ack(results))
+        except ShuttingDown as e:
+            logger.warning("stopped_without_redis", error=str(e), unacked=len(batch),
+                           consequence="held leases expire and return to the queue")
+            return
+        for done, outcome in zip(batch, outcomes, strict=True):
+            self.log_outcome(outcome, done)
+
+    def log_outcome(self, outcome: int, done: Finished) -> None:
+        lease, completion = done.inflight.lease, done.completion
+        if outcome == ACCEPTED:
+            self.c.acked += 1
+            self.c.pause.recovered()
+            logger.debug("task_acked", index=lease.index, finish_reason=completion.finish_reason,
+                         completion_tokens=completion.completion_tokens)
+        elif outcome == SET_ASIDE:
+            logger.info("result_set_aside", index=lease.index, version=lease.version,
+                        reason="a redo issued since covers it; kept until a new one is accepted")
+        elif outcome == SUPERSEDED:
+            logger.info("result_superseded", index=lease.index, version=lease.version,
+                        reason="parameters changed; the task runs again under the new ones")
+        else:
+            logger.warning("ack_refused", index=lease.index,
+                           reason="lease lost; another attempt owns the task")
+
+
+def result(done: Finished) -> Result:
+    lease, completion = done.inflight.lease, done.completion
+    return Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
+                  completion_tokens=completion.completion_tokens,
+                  prompt_tokens=completion.prompt_tokens,
+                  finish_reason=completion.finish_reason, version=lease.version,
+                  attempt=lease.attempt)
