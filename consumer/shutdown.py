@@ -97,6 +97,7 @@ async def drain(consumer: Any) -> None:
     if consumer.deadline is None:
         consumer.deadline = time.monotonic() + consumer.s.grace
     arm_watchdog(consumer.s.grace)
+    await consumer.ready.give_back()  # tasks claimed ahead and never started
     while consumer.held and not consumer.past_grace():
         await asyncio.sleep(0.05)
     consumer.abort_all("shutdown")

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from consumer.batch import Batcher
 from consumer.commit import Committer
 from consumer.follow import Tracking, new_history, resize
 from consumer.leases import KEPT, Lease, TaskQueue
+from consumer.ready import Ready
 from consumer.reuse import answer
 from consumer.runstate import RunState
 from consumer.settings import ConsumeSettings
@@ -69,7 +70,8 @@ class Consumer:
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}  # answers being generated, written or acked
-        self.claims = Batcher(self.q.claim_for)
+        self.ready = Ready(self)  # tasks claimed ahead for the next slots to finish
+        self.claims = Batcher(self.ready.claim_for)
         self.committer = Committer(self)  # answers being written and acked
         self.stop = asyncio.Event()
         self.waker = asyncio.Event()  # ends every nap(); replaced each time it fires
@@ -163,8 +165,8 @@ class Consumer:
             if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
                 await self.nap(0.5)
                 continue
-            lease = await redis_retry(lambda: self.claims(n), self.stop.is_set)
-            if lease is None:
+            inflight = await self.ready.take(n)
+            if inflight is None:
                 if self.s.burst and not self.held and await self.settled():
                     if not self.stop.is_set():
                         logger.info("run_settled", acked=self.acked)
@@ -174,23 +176,32 @@ class Consumer:
                 await self.nap(self.s.poll * (0.5 + random.random()) * spread)
                 continue
             # bind/reset, not bound_contextvars(): its generator costs ~2 % of a busy consumer
-            tokens = structlog.contextvars.bind_contextvars(index=lease.index)
+            tokens = structlog.contextvars.bind_contextvars(index=inflight.lease.index)
             try:
-                await self.process(lease)
+                await self.process(inflight)
             finally:
                 structlog.contextvars.reset_contextvars(**tokens)
 
-    async def process(self, lease: Lease) -> None:
-        if lease.spent > self.s.max_attempts:
-            last = await self.retry(lambda: self.q.last_error(lease.index))
-            reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-            outcome = await self.retry(lambda: self.q.fail(lease, reason))
-            logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
-            return
-        inflight = Inflight(lease)
-        self.held[lease.job_id] = inflight
+    def hold(self, lease: Lease) -> Inflight:
+        """A claimed task is held (its lease renewed, abortable) from its claim to its ack."""
+        inflight = self.held[lease.job_id] = Inflight(lease)
+        return inflight
+
+    def spawn(self, body: Coroutine[Any, Any, None]) -> None:
+        assert self.tg is not None  # everything a slot starts runs in Consumer.run's group
+        self.tg.create_task(body)
+
+    async def process(self, inflight: Inflight) -> None:
+        lease = inflight.lease
         committing = False
         try:
+            if lease.spent > self.s.max_attempts:
+                last = await self.retry(lambda: self.q.last_error(lease.index))
+                reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
+                outcome = await self.retry(lambda: self.q.fail(lease, reason))
+                logger.warning("task_failed", reason=reason,
+                               previous_result_kept=outcome == KEPT)
+                return
             answered = await self.generate(inflight)
             if answered is not None:
                 # The server's slot is free now: the write and ack run beside the next task,

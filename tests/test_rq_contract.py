@@ -43,17 +43,18 @@ def test_rq_tools_see_the_run_mid_run_and_after(tmp_path, redis_url, r, run_name
     k = RunKeys(run_name)
     q = Queue(k.queue_name, connection=r)
     c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "o", "--burst")
+    held = 6 + 1  # six in flight and one claimed ahead (consumer/ready.py): all started to RQ
     try:
-        wait_for(lambda: r.zcard(k.leases) == 6
+        wait_for(lambda: r.zcard(k.leases) == held
                  and r.hget(k.rq_worker(_name(r, k)), "state") == b"busy",
-                 what="6 in flight and the consumer registered as busy")
+                 what="7 held and the consumer registered as busy")
         started = StartedJobRegistry(queue=q)
         # `rq info` sweeps started registries with cleanup=True: live leases must survive it.
         info = subprocess.run(["rq", "info", "-u", redis_url, k.queue_name],
                               capture_output=True, text=True, timeout=30, env=dict(os.environ))
         assert info.returncode == 0, info.stderr
-        assert "6 executing" in info.stdout and "1 workers" in info.stdout
-        assert len(started.get_job_ids()) == 6 and r.zcard(k.leases) == 6
+        assert f"{held} executing" in info.stdout and "1 workers" in info.stdout
+        assert len(started.get_job_ids()) == held and r.zcard(k.leases) == held
         for job_id in started.get_job_ids():
             assert Job.fetch(job_id, connection=r).get_status().value == "started"
         [worker] = Worker.all(queue=q)
@@ -61,7 +62,7 @@ def test_rq_tools_see_the_run_mid_run_and_after(tmp_path, redis_url, r, run_name
         assert worker.get_current_job_id().startswith(run_name)
         queues = dashboard.get("/rq-dashboard/0/data/queues.json").get_json()
         mine = next(x for x in queues["queues"] if x["name"] == k.queue_name)
-        assert mine["started_job_registry_count"] == 6
+        assert mine["started_job_registry_count"] == held
         assert mine["count"] == len(q)
         workers = dashboard.get("/rq-dashboard/0/data/workers.json").get_json()["workers"]
         assert [w["queues"] for w in workers if k.queue_name in w["queues"]]
