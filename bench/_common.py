@@ -21,6 +21,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 from common.net import free_port, wait_port  # noqa: E402
+from consumer.sglang_stream import parse_load  # noqa: E402
 
 
 def env(redis_url: str | None = None, run: str | None = None) -> dict[str, str]:
@@ -205,13 +206,12 @@ class LoadSampler:
         with httpx.Client(timeout=2.0) as client:
             while not self.stop.is_set():
                 for i, url in enumerate(self.urls):
-                    try:
-                        ranks = client.get(url + "/get_load").json()
-                    except (httpx.HTTPError, ValueError):
+                    try:  # SGLang 0.5's /v1/loads, as the simulator serves it by default
+                        load = parse_load(client.get(url + "/v1/loads").json())
+                    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
                         continue
                     t = time.monotonic() - self.t0
-                    self.samples[i].append((t, sum(r["num_reqs"] for r in ranks),
-                                            sum(r["num_waiting_reqs"] for r in ranks)))
+                    self.samples[i].append((t, load["num_reqs"], load["num_waiting_reqs"]))
                 self.stop.wait(self.period)
 
 

@@ -67,6 +67,7 @@ def check_many(f: dict) -> None:
     assert f["n"] == 60 and len(f["consumers"]) == 2
     assert sum(c["tasks"] for c in f["consumers"]) == 60
     assert all(c["rc"] == 0 and c["cpu_s"] > 0 for c in f["consumers"])
+    assert all(c["steady_s"] > 0 for c in f["consumers"])  # the servers' loads were sampled
 
 
 def check_story(f: dict) -> None:
@@ -76,6 +77,7 @@ def check_story(f: dict) -> None:
         assert got["v2"] > 0 and got["tokens_kept"] > 0 and got["wall_s"] > 0
         assert got["tokens_completed"] >= got["tokens_kept"]
         assert "gpu_idle_s_around_pivot" in got and "aborted" in got
+        assert got["tokens_busy_estimate"] > 0  # the servers' loads were sampled
     assert f["genq"]["tokens_kept"] == f["hand"]["tokens_kept"]  # same prompts, same lengths
 
 
