@@ -182,7 +182,7 @@ def dump_json(path: str | None, data: dict) -> None:
 
 
 class LoadSampler:
-    """Polls each server's /get_load every `period` seconds from a thread: (t, running,
+    """Polls each server's /v1/loads every `period` seconds from a thread: (t, running,
     waiting) per server, t in seconds since start. The simulator counts exactly what a GPU
     would be doing, so these samples are the GPU-side view of a run."""
 

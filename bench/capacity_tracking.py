@@ -20,40 +20,39 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import orjson
-from _common import REPO, RedisServer, Simulator, dump_json, env, genq, table, write_dataset
+from _common import (
+    REPO,
+    LoadSampler,
+    RedisServer,
+    Simulator,
+    dump_json,
+    env,
+    genq,
+    table,
+    write_dataset,
+)
 
 from common.keys import RunKeys
 
 DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
 
 
-class Sampler:
+class Sampler(LoadSampler):
     """From a thread, every `period` s: the server's running and waiting requests, whether
     genq has started (a lease or a result in any of `runs`) and still has prompts nobody
     claimed (in any of them)."""
 
     def __init__(self, url: str, redis_url: str, runs: list[str], n: int, period: float
                  ) -> None:
+        super().__init__([url], period)
         self.url, self.redis_url, self.keys = url, redis_url, [RunKeys(r) for r in runs]
-        self.n, self.period = n, period
-        self.samples: list[tuple[float, int, int, bool, bool]] = []
-        self.t0 = time.monotonic()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Sampler:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=10)
+        self.n = n
+        self.samples: list[tuple[float, int, int, bool, bool]] = []  # type: ignore[assignment]
 
     def _run(self) -> None:
         import redis
