@@ -54,7 +54,7 @@ class Committer:
                     await self.commit(batch)
                 finally:
                     for done in batch:
-                        self.c.held.pop(done.inflight.lease.job_id, None)
+                        self.c.let_go(done.inflight)
                     if len(self.pending) < self.c.capacity:
                         self.room.set()
                     if not self.c.held:

@@ -85,4 +85,4 @@ class Ready:
         except ShuttingDown:
             pass  # past the grace with Redis away: the lease expires instead
         finally:
-            self.c.held.pop(lease.job_id, None)
+            self.c.let_go(inflight)

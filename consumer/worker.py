@@ -187,6 +187,14 @@ class Consumer:
         inflight = self.held[lease.job_id] = Inflight(lease)
         return inflight
 
+    def let_go(self, inflight: Inflight) -> None:
+        """Stop holding this task, unless its job was claimed again meanwhile: a task given
+        back can be claimed by another slot before this one resumes, and that claim's lease
+        must stay held (renewed), or it expires under a running request."""
+        job_id = inflight.lease.job_id
+        if self.held.get(job_id) is inflight:
+            del self.held[job_id]
+
     def spawn(self, body: Coroutine[Any, Any, None]) -> None:
         assert self.tg is not None  # everything a slot starts runs in Consumer.run's group
         self.tg.create_task(body)
@@ -210,7 +218,7 @@ class Consumer:
                 committing = True
         finally:
             if not committing:
-                self.held.pop(lease.job_id, None)
+                self.let_go(inflight)
         await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Any] | None:

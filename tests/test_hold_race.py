@@ -1,0 +1,49 @@
+"""A task given back can be claimed again by another slot before the first slot has let go
+of it; the new claim must stay held, so its lease is renewed. Found by the real-SGLang tier:
+with thousands of slots bouncing tasks off a restarting server, the first slot's clean-up
+dropped the new claim from the renewal set, its lease expired under a running request, and
+the task failed with "lease expired" (--max-attempts 1). The interleaving is replayed here
+step by step against a real Redis and the real scripts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+import redis.asyncio as aioredis
+
+from common import feed, scripts
+from common.keys import RunKeys
+from consumer.settings import ConsumeSettings
+from consumer.worker import Consumer
+
+
+def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name):
+    k = RunKeys(run_name)
+    sync = redis.Redis.from_url(redis_url)
+    sync.hset(k.meta, mapping={"total": 1, "dataset": "/x", "fingerprint": "f"})
+    feed.enqueue(sync, k, [0], scripts.ScriptRunner(sync))
+    s = ConsumeSettings(redis_url=redis_url, run=run_name, server="http://s", concurrency=4,
+                        visibility_timeout=30, out="/tmp", burst=True, max_attempts=3,
+                        request_timeout=60, grace=1, name="w", poll=0.1, server_wait=1)
+
+    async def main() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        c = Consumer(s, client, k, sync=sync, total=1, dataset=None, sink=None, server=None,
+                     capacity=4, model="m", runstate=None)
+        [lease] = await c.q.claim(1)
+        first = c.hold(lease)  # slot A runs the task...
+        await c.q.release(lease, refund=True, reason="server unavailable")  # ...gives it back
+        [again] = await c.q.claim(1)  # slot B claims it before A has resumed
+        second = c.hold(again)
+        c.let_go(first)  # A's clean-up
+        assert c.held == {lease.job_id: second}
+        assert await c.q.renew([i.lease for i in c.held.values()]) == set()  # still renewed
+        c.let_go(second)
+        assert c.held == {}
+        await client.aclose()
+
+    try:
+        asyncio.run(main())
+    finally:
+        sync.close()
