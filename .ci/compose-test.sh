@@ -25,7 +25,11 @@ GENQ_MONITOR_PORT=$(free_port); GENQ_DASHBOARD_PORT=$(free_port)
 export GENQ_MONITOR_PORT GENQ_DASHBOARD_PORT
 # Debian's 20.10 client first: a newer CLI earlier on PATH may lack the build plugins.
 export PATH=/usr/bin:$PATH
-if command -v docker-compose >/dev/null; then DC=(docker-compose); else DC=(docker compose); fi
+# Chosen again once the engine script has run: on a fresh machine it installs docker-compose.
+pick_compose() {
+  if command -v docker-compose >/dev/null; then DC=(docker-compose); else DC=(docker compose); fi
+}
+pick_compose
 
 declare -A T
 now() { date +%s.%N; }
@@ -57,6 +61,8 @@ trap cleanup EXIT
 # ------------------------------------------------------------------ 1-2. engine and images
 s=$(now)
 bash .ci/docker-engine.sh up || fail "the Docker engine or the base image is not available"
+hash -r
+pick_compose
 T[engine_and_base]=$(since "$s")
 "${DC[@]}" config -q
 GENQ_MODEL=m GENQ_DATA=/srv/data GENQ_OUT=/srv/out \
