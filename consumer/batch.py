@@ -26,7 +26,6 @@ class Batcher(Generic[I, R]):
         self.flush, self.limit = flush, limit
         self.waiting: list[tuple[I, asyncio.Future[R]]] = []
         self.task: asyncio.Task[None] | None = None
-        self.sizes = [0, 0]  # flushes, items: the mean batch, for benchmarks and logs
 
     async def __call__(self, item: I) -> R:
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
@@ -41,8 +40,6 @@ class Batcher(Generic[I, R]):
             await asyncio.sleep(0)  # the slots woken in this turn of the loop join the batch
             while self.waiting:
                 batch, self.waiting = self.waiting[:self.limit], self.waiting[self.limit:]
-                self.sizes[0] += 1
-                self.sizes[1] += len(batch)
                 try:
                     results = await self.flush([item for item, _ in batch])
                 except Exception as e:

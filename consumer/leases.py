@@ -59,12 +59,6 @@ class TaskQueue:
         lost = await self.run_script(scripts.renew_call(self.k, self.vt, held))
         return {jid.decode() for jid in lost}
 
-    async def claim_for(self, slots: list[object]) -> list[Lease | None]:
-        """One claim for several waiting slots (consumer/batch.py): a lease each, or None
-        for those the queue had nothing left for."""
-        leases: list[Lease | None] = list(await self.claim(len(slots)))
-        return leases + [None] * (len(slots) - len(leases))
-
     async def ack(self, results: list[scripts.Result]) -> list[int]:
         """Per result: ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters;
         requeued) or SET_ASIDE (a redo issued since covers it; kept as the previous result,

@@ -141,7 +141,7 @@ class Consumer:
             self.abort(inflight, reason)
 
     def abort(self, inflight: Inflight, reason: str) -> None:
-        """Cancel the task's request; one not sent yet is not sent (generate_and_ack checks)."""
+        """Cancel the task's request; one not sent yet is not sent (generate checks)."""
         if inflight.request is None:
             inflight.abort = inflight.abort or reason
         elif not inflight.request.done():
@@ -273,7 +273,6 @@ class Consumer:
             self.pause.trouble(error)
         else:
             logger.info("task_retried", reason=error)
-        return
 
     async def after_abort(self, inflight: Inflight) -> None:
         lease = inflight.lease
