@@ -34,7 +34,7 @@ class Ready:
     async def claim_for(self, slots: list[int | None]) -> list[Inflight | None]:
         """Claims.flush: a task for each waiting slot (None: a refill), and as many more as
         the ready ones are short of."""
-        spare = max(0, self.size - len(self.leases))
+        spare = max(0, self.size - len(self.leases) - slots.count(None))  # refills count
         got = [self.c.hold(lease) for lease in await self.c.q.claim(len(slots) + spare)]
         out: list[Inflight | None] = []
         for slot in slots:
