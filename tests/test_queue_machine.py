@@ -175,7 +175,8 @@ class QueueMachine(RuleBasedStateMachine):
     @rule()
     def reap(self) -> None:
         expired = {i for i in self.owner if self.r.zscore(self.k.leases, self.k.job_id(i)) == 0}
-        reaped = {int(j.decode().rsplit("-", 1)[1]) for j in self.run(scripts.reap_call(self.k))}
+        got = self.run(scripts.reap_call(self.k, sweep_every_s=0))  # sweeps every time
+        reaped = {int(j.decode().rsplit("-", 1)[1]) for j in got}
         # Exactly the expired leases go back to the queue; live ones (deadline from Redis TIME,
         # a minute ahead) are never touched.
         assert reaped == expired

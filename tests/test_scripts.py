@@ -212,7 +212,8 @@ def test_presence_prunes_dead_consumers_and_idle_has_no_current_job(r, run_name)
         port = r.connection_pool.connection_kwargs["port"]
         client = aioredis.Redis.from_url(f"redis://127.0.0.1:{port}/0")
         try:
-            await presence.announce(client, k, "alive", now, {"server": "s"}, birth="b",
+            await presence.announce(client, k, "alive", now, {"server": "s"},
+                                    birth=scripts.iso_now(),  # rq-dashboard parses it
                                     held=held)
         finally:
             await client.aclose()
@@ -283,3 +284,46 @@ def test_one_ack_of_many_results_equals_acking_them_one_by_one(r):
     # accepted: index 0 before, then 2, 4, 5, 7, 8, 9; truncated ones counted by version
     assert rate[b"req"] == 7 and rate[b"vreq|3"] == 1 and rate[b"vlen|3"] == 1
     assert rate[b"fin|length"] == 1 and rate[b"tok"] == 100 + 10 * (2 + 4 + 5 + 7 + 8 + 9)
+
+
+def deleted_through_rq(r: redis.Redis, k: RunKeys) -> set[int]:
+    return {int(i) for i, why in r.hgetall(k.errors).items() if b"through RQ" in why}
+
+
+def test_sweep_goes_round_the_run_a_budget_at_a_time(r, run_name):
+    """Jobs deleted through RQ anywhere in the run (chunk edges, the last index) are found by
+    sweeps of a bounded budget that carry on where the last one stopped, then start over."""
+    k, runner = setup_run(r, run_name, 2000)
+    gone = [0, 511, 512, 700, 1337, 1999]
+    for idx in gone:
+        Job.fetch(k.job_id(idx), connection=r).delete()
+
+    def sweep() -> None:
+        runner(scripts.reap_call(k, sweep_every_s=0, sweep_budget=300))
+
+    sweep()  # indices 0-299 checked
+    assert deleted_through_rq(r, k) == {0}
+    for _ in range(3):
+        sweep()  # up to 1199
+    assert deleted_through_rq(r, k) == {0, 511, 512, 700}
+    for _ in range(3):
+        sweep()  # the rest
+    assert deleted_through_rq(r, k) == set(gone)
+    assert r.bitcount(k.pending) == 2000 - len(gone)
+    assert sorted(i for i in range(2000) if r.getbit(k.failed, i)) == gone
+    # Past the end the sweep starts over: a job deleted now near the start is found again.
+    Job.fetch(k.job_id(5), connection=r).delete()
+    sweep()
+    sweep()
+    assert 5 in deleted_through_rq(r, k)
+
+
+def test_sweep_runs_once_a_period_for_the_whole_run(r, run_name):
+    """However many consumers and monitors reap, the run is swept once per period."""
+    k, runner = setup_run(r, run_name, 10)
+    runner(scripts.reap_call(k, sweep_every_s=60))  # the first sweep of the run
+    Job.fetch(k.job_id(3), connection=r).delete()
+    runner(scripts.reap_call(k, sweep_every_s=60))  # another reaper, within the period
+    assert deleted_through_rq(r, k) == set()
+    runner(scripts.reap_call(k, sweep_every_s=0))
+    assert deleted_through_rq(r, k) == {3}

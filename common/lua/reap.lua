@@ -7,7 +7,8 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors, 6 pending, 7 failed,
 --       8 sweep cursors (hash), 9 spent, 10 rq failed registry
 -- ARGV: 1 limit, 2 job key prefix, 3 execution key prefix, 4 executions key prefix,
---       5 run name, 6 sweep budget (indices per bitmap per call)
+--       5 run name, 6 sweep budget (indices checked per bitmap per sweep),
+--       7 seconds between sweeps
 -- Returns the job ids returned to the queue.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
@@ -69,23 +70,36 @@ local function check_failed(idx)
   redis.call('ZREM', KEYS[10], jid)
 end
 
--- Goes round the bitmap from where the last call stopped, at most once per call.
+-- Goes on round the bitmap from where the last sweep stopped, checking at most `budget` set
+-- bits; past its end the next sweep starts over at 0. BITPOS skips runs of zeros, and each
+-- set bit found brings the CHUNK bytes after it along, so a dense bitmap costs one HGET per
+-- index checked and a sparse one two commands per index.
+local CHUNK = 64
 local function sweep(bits, field, check)
-  local start = tonumber(redis.call('HGET', KEYS[8], field) or '0')
-  local pos, wrapped = start, start == 0
-  for _ = 1, tonumber(ARGV[6]) do
-    local idx = redis.call('BITPOS', bits, 1, pos, -1, 'BIT')
-    if idx < 0 and not wrapped then
-      wrapped, pos = true, 0
-      idx = redis.call('BITPOS', bits, 1, 0, -1, 'BIT')
+  local pos = tonumber(redis.call('HGET', KEYS[8], field) or '0')
+  local budget = tonumber(ARGV[6])
+  while budget > 0 do
+    local found = redis.call('BITPOS', bits, 1, pos, -1, 'BIT')
+    if found < 0 then pos = 0 break end
+    local first = math.floor(found / 8)
+    local chunk = redis.call('GETRANGE', bits, first, first + CHUNK - 1)
+    pos = (first + #chunk) * 8  -- past the chunk, unless the budget ends inside it
+    for idx = found, pos - 1 do
+      local byte = string.byte(chunk, math.floor(idx / 8) - first + 1)
+      if bit.band(byte, bit.rshift(128, idx % 8)) ~= 0 then
+        if budget == 0 then pos = idx break end
+        check(idx)
+        budget = budget - 1
+      end
     end
-    if idx < 0 or (wrapped and start > 0 and idx >= start) then pos = 0 break end
-    check(idx)
-    pos = idx + 1
   end
   redis.call('HSET', KEYS[8], field, pos)
 end
 
+-- One sweep every ARGV[7] seconds for the whole run, however many consumers and monitors reap.
+local last = tonumber(redis.call('HGET', KEYS[8], 'at') or '0')
+if now - last < tonumber(ARGV[7]) then return expired end
+redis.call('HSET', KEYS[8], 'at', now)
 sweep(KEYS[6], 'pending', check_pending)
 sweep(KEYS[7], 'failed', check_failed)
 return expired
