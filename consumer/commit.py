@@ -1,11 +1,19 @@
 """Finished answers are written and acknowledged beside the slots, in batches: one fdatasync
 and one ack.lua call for every answer that finished while the previous batch was committed.
 A slot hands its answer over and claims its next task at once, so a slow disk never keeps a
-server slot empty; the task's lease stays held (and renewed) until its ack."""
+server slot empty; the task's lease stays held (and renewed) until its ack.
+
+While requests are running, a batch waits up to LINGER_S after the previous one began, or
+until a quarter of the slots' answers are in: a server answering 160 requests a second then
+shares each ack.lua call among ~8 answers instead of ~1.5 (Redis commands per task 30 -> 17,
+bench/README.md). No slot waits for it, and an answer that comes while nothing else runs
+goes at once."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +28,8 @@ if TYPE_CHECKING:
     from consumer.worker import Consumer, Inflight
 
 logger = structlog.get_logger("consumer")
+
+LINGER_S = 0.1
 
 
 @dataclass
@@ -36,9 +46,13 @@ class Committer:
         self.task: asyncio.Task[None] | None = None
         self.room = asyncio.Event()  # cleared while a capacity of answers waits (a slow disk)
         self.room.set()
+        self.hurry = asyncio.Event()  # commit the next batch without lingering
+        self.last = 0.0  # when the last batch began (time.monotonic)
 
     def add(self, inflight: Inflight, record: dict[str, Any], completion: Any) -> None:
         self.pending.append(Finished(inflight, record, completion))
+        if len(self.pending) >= max(1, self.c.capacity // 2) or not self.c.sending:
+            self.hurry.set()
         if len(self.pending) >= self.c.capacity:
             self.room.clear()
         if self.task is None:
@@ -49,6 +63,9 @@ class Committer:
         try:
             await asyncio.sleep(0)  # the answers that came in this turn of the loop join
             while self.pending:
+                await self.linger()
+                self.hurry.clear()
+                self.last = time.monotonic()
                 batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
                 try:
                     await self.commit(batch)
@@ -62,6 +79,17 @@ class Committer:
         finally:
             self.task = None
             self.room.set()
+
+    async def linger(self) -> None:
+        """Wait for more answers to share this batch's write and ack: until LINGER_S after the
+        previous batch began, a quarter of the slots' answers, the last request's answer, or a
+        stop (Consumer.halt hurries)."""
+        wait = self.last + LINGER_S - time.monotonic()
+        if wait <= 0 or self.hurry.is_set() or self.c.stop.is_set():
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(wait):
+                await self.hurry.wait()
 
     async def commit(self, batch: list[Finished]) -> None:
         """Write the records, then acknowledge them: never an ack for a result not on disk."""

@@ -28,8 +28,9 @@ class Ready:
 
     @property
     def size(self) -> int:
-        """An eighth of the slots: enough for the answers of one claim's round trip."""
-        return min(MAX_READY, max(1, self.c.capacity // 8))
+        """A quarter of the slots: enough for the answers of one claim's round trip, and a
+        refill (at half of it) claims an eighth of the slots in one call."""
+        return min(MAX_READY, max(1, self.c.capacity // 4))
 
     async def claim_for(self, slots: list[int | None]) -> list[Inflight | None]:
         """Claims.flush: a task for each waiting slot (None: a refill), and as many more as

@@ -70,6 +70,7 @@ class Consumer:
         self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
                            visibility_timeout=s.visibility_timeout)
         self.held: dict[str, Inflight] = {}  # answers being generated, written or acked
+        self.sending = 0  # requests sent and not yet answered
         self.ready = Ready(self)  # tasks claimed ahead for the next slots to finish
         self.claims = Batcher(self.ready.claim_for)
         self.committer = Committer(self)  # answers being written and acked
@@ -123,6 +124,7 @@ class Consumer:
     def halt(self) -> None:
         """Stop claiming; napping slots see it now, not after their nap."""
         self.stop.set()
+        self.committer.hurry.set()
         self.wake()
 
     def wake(self) -> None:
@@ -238,7 +240,11 @@ class Consumer:
                 await self.after_abort(inflight)
                 return
             inflight.request = asyncio.create_task(answer(self, body, lease.index))
-            completion = await inflight.request
+            self.sending += 1
+            try:
+                completion = await inflight.request
+            finally:
+                self.sending -= 1
             record = build_record(
                 run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,
                 attempt=lease.attempt, server=self.s.server, model=body["model"],
