@@ -5,6 +5,7 @@ while work remained, against the server's ideal rate), and the headroom left.
 
     python bench/many_servers.py                          # 8 servers x 64 slots, ~30 s
     python bench/many_servers.py --servers 8 --per-server 2000 --json out.json
+    python bench/many_servers.py --servers 4 --slots 32 --request-s 0.2 --per-server 3000
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from _common import (
     LoadSampler,
     RedisServer,
     Simulator,
+    commandstats,
     dump_json,
     env,
     genq,
@@ -89,8 +91,12 @@ def steady(samples: list[tuple[float, int, int]], slots: int) -> tuple[float, fl
 def run_bench(a: argparse.Namespace, work: Path) -> dict:
     n = a.servers * a.per_server
     dataset = write_dataset(work / "prompts.jsonl", n)
-    flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}",
-             "--max-running-requests", str(a.slots)]
+    if a.request_s:  # every request takes request_s: 16 tokens streamed over that time
+        flags = ["--time-scale", "1", "--ttft", "0", "--length-dist", "fixed:16",
+                 "--decode-tps", str(16 / a.request_s)]
+    else:
+        flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}"]
+    flags += ["--max-running-requests", str(a.slots)]
     sims = []
     try:
         for _ in range(a.servers):
@@ -99,6 +105,7 @@ def run_bench(a: argparse.Namespace, work: Path) -> dict:
             genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
             r = rs.client()
             rcpu0, (busy0, all0) = redis_cpu_s(r), machine_cpu()
+            cmds0 = sum(commandstats(r).values())
             sim0 = [s.cpu_s() for s in sims]
             t0 = time.monotonic()
             with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
@@ -107,6 +114,7 @@ def run_bench(a: argparse.Namespace, work: Path) -> dict:
             busy1, all1 = machine_cpu()
             done = int(r.bitcount("genq:many:done"))
             redis_cpu = redis_cpu_s(r) - rcpu0
+            redis_cmds = sum(commandstats(r).values()) - cmds0  # the sampler's own: none
             r.close()
         for i, c in enumerate(consumers):
             if c["rc"] != 0:
@@ -119,7 +127,7 @@ def run_bench(a: argparse.Namespace, work: Path) -> dict:
             c.update(steady_s=hi - lo, idle_slot_s=idle, waiting_req_s=waiting)
         if done != n:
             raise RuntimeError(f"done={done}, expected {n}")
-        return {"consumers": consumers, "redis_cpu_s": redis_cpu,
+        return {"consumers": consumers, "redis_cpu_s": redis_cpu, "redis_cmds": redis_cmds,
                 "machine_busy_s": busy1 - busy0, "machine_all_s": all1 - all0,
                 "wall_s": max(c["wall_s"] for c in consumers), "n": n}
     finally:
@@ -128,7 +136,7 @@ def run_bench(a: argparse.Namespace, work: Path) -> dict:
 
 
 def report(a: argparse.Namespace, got: dict) -> None:
-    d = (TTFT + a.tokens / DECODE_TPS) / a.time_scale
+    d = a.request_s or (TTFT + a.tokens / DECODE_TPS) / a.time_scale
     ideal = a.slots / d
     rows = []
     for i, c in enumerate(got["consumers"]):
@@ -158,6 +166,10 @@ def report(a: argparse.Namespace, got: dict) -> None:
           f"machine), simulators {sims:.1f}, Redis {got['redis_cpu_s']:.1f}; whole machine busy "
           f"{100 * busy:.0f} % (other sessions included); load average after: "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    n = got["n"]
+    print(f"Redis for all {a.servers} consumers, start-up included: "
+          f"{got['redis_cmds'] / n:.1f} commands and {1000 * got['redis_cpu_s'] / n:.3f} ms "
+          f"CPU per task ({100 * got['redis_cpu_s'] / wall:.1f} % of a core)")
 
 
 def main() -> int:
@@ -169,6 +181,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=2000, help="tokens per completion (2000)")
     p.add_argument("--time-scale", type=float, default=20.0,
                    help="simulator speed-up (default 20: 1.2 s requests, ~55 req/s/server)")
+    p.add_argument("--request-s", type=float, default=None,
+                   help="instead of --tokens/--time-scale: every request takes this long "
+                        "(0.2 with --slots 32 is 160 req/s per server)")
     p.add_argument("--sample", type=float, default=0.2, help="load sampling period, s")
     p.add_argument("--json", help="also write the raw figures here")
     a = p.parse_args()

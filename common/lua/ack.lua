@@ -11,19 +11,18 @@
 --       19 kept, 20 errors
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
---       10 finished jobs kept for rq's tools; then 9 per result: job id, index, exec id,
---       completion_tokens, prompt_tokens, finish name, finish code, params version, attempt
+--       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
+--       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
+--       params version, attempt] (one argument: the client encodes it with one call)
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
 -- 2 its parameters were superseded by a requeue that aborts old work (the task is queued
 -- again), 3 a redo issued after its version covers it (set aside as the index's previous
 -- result, the task queued again).
 local items, jids, out = {}, {}, {}
-for b = 11, #ARGV, 9 do
-  local n = #items + 1
-  items[n] = {n = n, jid = ARGV[b], idx = tonumber(ARGV[b + 1]), exec = ARGV[b + 2],
-    ctoks = tonumber(ARGV[b + 3]), ptoks = tonumber(ARGV[b + 4]), fname = ARGV[b + 5],
-    fcode = ARGV[b + 6], ver = tonumber(ARGV[b + 7]), attempt = ARGV[b + 8]}
-  jids[n], out[n] = ARGV[b], 0
+for n, r in ipairs(cjson.decode(ARGV[11])) do
+  items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
+    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9]}
+  jids[n], out[n] = r[1], 0
 end
 local function push(list, ...)
   for _, v in ipairs({...}) do list[#list + 1] = v end
