@@ -94,7 +94,7 @@ class Fleet:
             if rc != 0:
                 text = log.read_text(errors="replace")
                 events = [x for x in text.splitlines()
-                          if x.startswith("{") and "task_acked" not in x]
+                          if x.startswith("{") and "tasks_acked" not in x]
                 stacks = text.partition('"shutdown_stuck"')[2].partition("Thread 0x")[0]
                 raise RuntimeError(f"consumer exited {rc}; its last events:\n"
                                    + "\n".join(events[-25:]) + stacks[:4000])

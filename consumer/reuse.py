@@ -27,10 +27,12 @@ async def refresh(self: Consumer) -> bool:
     return self.probe_kept
 
 
-async def answer(self: Consumer, body: dict[str, Any], index: int) -> Completion:
-    if self.probe_kept:
-        stored = await probe_store.take(self.r, self.k, index, body)
-        if stored is not None:
-            logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])
-            return Completion(**stored)
-    return await self.server.chat(body, index)
+async def kept_answer(self: Consumer, body: dict[str, Any], index: int) -> Completion | None:
+    """The probe's answer to this very request, if one is kept (taken: it is used once)."""
+    if not self.probe_kept:
+        return None
+    stored = await probe_store.take(self.r, self.k, index, body)
+    if stored is None:
+        return None
+    logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])
+    return Completion(**stored)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -158,22 +159,28 @@ class SGLang:
         return bool(load and load["num_waiting_reqs"] > 0)
 
     # --- one generation ------------------------------------------------------------------
-    async def chat(self, body: dict[str, Any], index: int) -> Completion:
+    async def chat(self, body: dict[str, Any], index: int,
+                   on_request: Callable[[asyncio.Task], None] | None = None) -> Completion:
         """One streamed chat completion. When prompt + max_tokens exceed the context, run it
-        again with the tokens that fit (what SGLang's --allow-auto-truncate would do)."""
+        again with the tokens that fit (what SGLang's --allow-auto-truncate would do).
+        on_request gets the task of each request sent: cancelling it aborts the request, and
+        chat() raises CancelledError."""
         try:
-            return await self._watched(body, index)
+            return await self._watched(body, index, on_request)
         except ContextExceeded as e:
             room = e.context - e.input_tokens
             logger.info("max_tokens_lowered", asked=body.get("max_tokens"), used=room,
                         context=e.context, prompt_tokens=e.input_tokens)
-            completion = await self._watched({**body, "max_tokens": room}, index)
+            completion = await self._watched({**body, "max_tokens": room}, index, on_request)
             return replace(completion, max_tokens=room)
 
-    async def _watched(self, body: dict[str, Any], index: int) -> Completion:
+    async def _watched(self, body: dict[str, Any], index: int,
+                       on_request: Callable[[asyncio.Task], None] | None) -> Completion:
         """Stream the answer while a watchdog ends it once it has been silent too long."""
         progress = Progress()
         task = asyncio.ensure_future(self._stream(body, index, progress))
+        if on_request is not None:
+            on_request(task)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=min(1.0, self.stall_timeout / 4))

@@ -37,7 +37,7 @@ from consumer.commit import Committer
 from consumer.follow import Tracking, new_history, resize
 from consumer.leases import KEPT, Lease, TaskQueue
 from consumer.ready import Ready
-from consumer.reuse import answer
+from consumer.reuse import kept_answer
 from consumer.runstate import RunState
 from consumer.settings import ConsumeSettings
 from consumer.sglang import SGLang
@@ -49,9 +49,16 @@ T = TypeVar("T")
 @dataclass
 class Inflight:
     lease: Lease
-    request: asyncio.Task | None = None
+    request: asyncio.Task | None = None  # the request to the server, once sent
     abort: str = ""
     started: float = field(default_factory=time.monotonic)
+
+    def sent(self, request: asyncio.Task) -> None:
+        """SGLang.chat's on_request. An abort that came while the request was not sent yet
+        (a probe's kept answer was being looked up) ends it now."""
+        self.request = request
+        if self.abort:
+            request.cancel()
 
 
 class Consumer:
@@ -143,10 +150,11 @@ class Consumer:
             self.abort(inflight, reason)
 
     def abort(self, inflight: Inflight, reason: str) -> None:
-        """Cancel the task's request; one not sent yet is not sent (generate checks)."""
-        if inflight.request is None:
+        """Cancel the task's request; one not sent yet is not sent (generate and
+        Inflight.sent check), nor is the retry of one that did not fit the context."""
+        if inflight.request is None or inflight.request.done():
             inflight.abort = inflight.abort or reason
-        elif not inflight.request.done():
+        else:
             inflight.abort = reason
             inflight.request.cancel()
 
@@ -239,12 +247,14 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return
-            inflight.request = asyncio.create_task(answer(self, body, lease.index))
-            self.sending += 1
-            try:
-                completion = await inflight.request
-            finally:
-                self.sending -= 1
+            completion = await kept_answer(self, body, lease.index)
+            if completion is None:
+                self.sending += 1
+                try:
+                    completion = await self.server.chat(body, lease.index,
+                                                        on_request=inflight.sent)
+                finally:
+                    self.sending -= 1
             record = build_record(
                 run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,
                 attempt=lease.attempt, server=self.s.server, model=body["model"],
