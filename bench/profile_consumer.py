@@ -4,6 +4,7 @@ and by function. Writes a text profile and, with --svg, a flame graph (a second,
 
     python bench/profile_consumer.py                          # 5000 prompts, text to stdout
     python bench/profile_consumer.py --svg bench/profile_consumer.svg --out bench/profile.txt
+    python bench/profile_consumer.py --n 20000 --compare-bare   # where genq spends more
 """
 
 from __future__ import annotations
@@ -54,6 +55,46 @@ def profile(rs: RedisServer, sim: Simulator, dataset: Path, run: str, fmt: str, 
         shutil.rmtree(shards, ignore_errors=True)
 
 
+def profile_bare(sim: Simulator, dataset: Path, n: int, out: Path, rate: int) -> None:
+    """The bare client of consumer_throughput.py under the same sampler."""
+    cmd = ["py-spy", "record", "--gil", "--rate", str(rate), "--format", "raw", "-o", str(out),
+           "--", sys.executable, str(REPO / "bench" / "_bare_client.py"), "--server", sim.url,
+           "--dataset", str(dataset), "--n", str(n)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True,
+                          timeout=1800)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"py-spy run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+
+
+def inclusive_us(raw: Path, n: int, rate: int) -> tuple[dict[str, float], float]:
+    """Microseconds per task under each function (samples / rate / n), steady loop only."""
+    incl: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or "_find_and_load" in stack:
+            continue
+        total += int(count)
+        for name in {f"{m['func']} ({Path(m['file']).name})"
+                     for f in stack.split(";") if (m := FRAME.match(f))}:
+            incl[name] += int(count)
+    scale = 1e6 / rate / n
+    return {k: v * scale for k, v in incl.items()}, total * scale
+
+
+def compare(genq_raw: Path, bare_raw: Path, n: int, rate: int, top: int) -> str:
+    """The functions under which genq spends the most more than the bare client, per task.
+    Shared code (the HTTP request) appears too when it runs slower inside genq."""
+    g, g_total = inclusive_us(genq_raw, n, rate)
+    b, b_total = inclusive_us(bare_raw, n, rate)
+    rows = sorted(set(g) | set(b), key=lambda k: b.get(k, 0.0) - g.get(k, 0.0))[:top]
+    return (f"Sampled CPU per task (GIL held): genq {g_total:.1f} us, bare client "
+            f"{b_total:.1f} us\n\n" + table(
+                [(name, f"{g.get(name, 0):.1f}", f"{b.get(name, 0):.1f}",
+                  f"{g.get(name, 0) - b.get(name, 0):+.1f}") for name in rows],
+                ("function (inclusive)", "genq us/task", "bare us/task", "difference")))
+
+
 def summarise(raw: Path, top: int) -> str:
     """Self samples by package and function, inclusive samples by function; import-time
     stacks (start-up) are left out so the figures describe the steady loop."""
@@ -102,6 +143,8 @@ def main() -> int:
     p.add_argument("--top", type=int, default=30, help="functions listed (default 30)")
     p.add_argument("--out", help="write the text profile here as well as to stdout")
     p.add_argument("--svg", help="also record a flame graph SVG here (a second run)")
+    p.add_argument("--compare-bare", action="store_true",
+                   help="also profile the bare client and list where genq spends more")
     a = p.parse_args()
     if not shutil.which("py-spy"):
         p.error("py-spy is not installed (pip install py-spy)")
@@ -114,6 +157,10 @@ def main() -> int:
                     f"py-spy --rate {a.rate}\n\n" + summarise(work / "raw.txt", a.top))
             if a.svg:
                 profile(rs, sim, dataset, "prof2", "flamegraph", Path(a.svg), a.rate)
+            if a.compare_bare:
+                profile_bare(sim, dataset, a.n, work / "bare.txt", a.rate)
+                text += "\n\n" + compare(work / "raw.txt", work / "bare.txt", a.n, a.rate,
+                                           a.top)
         print(text)
         if a.out:
             Path(a.out).write_text(text + "\n")

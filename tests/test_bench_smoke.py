@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,10 +94,15 @@ CHECKS = {
 
 def test_profile_consumer_names_where_the_time_goes(tmp_path: Path) -> None:
     text = tmp_path / "profile.txt"
-    run_bench("profile_consumer.py", "--n", "1500", "--rate", "250", "--out", str(text))
+    run_bench("profile_consumer.py", "--n", "1500", "--rate", "250", "--out", str(text),
+              "--compare-bare")
     got = text.read_text()
     assert "Self time by package" in got and "Inclusive time" in got
     assert "Consumer" in got  # the consumer's own frames were sampled
+    # The comparison found the bare client's samples too, and the consumer's own frames
+    # (which the bare client never runs) among genq's extra.
+    assert re.search(r"bare client [1-9][0-9.]* us", got), got[-2000:]
+    assert re.search(r"Consumer\.\w+ \(worker\.py\) +\| [0-9.]+ +\| 0\.0 ", got), got[-2000:]
 
 
 def test_capacity_tracking_reports_each_variant(tmp_path: Path) -> None:
