@@ -6,7 +6,7 @@ server slot empty; the task's lease stays held (and renewed) until its ack.
 While requests are running, a batch waits up to LINGER_S after the previous one began, or
 until half the slots' answers are in: a server answering 160 requests a second then shares
 each ack.lua call among ~8 answers instead of ~1.5 (with the claims' larger batches, Redis
-commands per task 35 -> 16, bench/README.md). No slot waits for it; an answer that comes
+commands per task 33 -> 15, bench/README.md). No slot waits for it; an answer that comes
 while no other request runs, or at a stop, goes at once. The price: at a parameter change
 that aborts old work, answers that finished up to LINGER_S before it run again."""
 
