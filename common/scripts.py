@@ -99,9 +99,11 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result]) -> Call:
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
             k.errors]
-    rows = [[r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
-             r.finish_reason if r.finish_reason in ("stop", "length", "abort") else "other",
-             finish_code(r.finish_reason), r.version, r.attempt] for r in results]
+    rows = []
+    for r in results:
+        code = finish_code(r.finish_reason)
+        rows.append([r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
+                     FINISH_NAMES[code], code, r.version, r.attempt])
     # The results go as one JSON argument: redis-py packs one bytes object instead of nine
     # values per result (2 % of a busy consumer's CPU, bench/profile_consumer.py).
     args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
