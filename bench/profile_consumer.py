@@ -66,20 +66,35 @@ def profile_bare(sim: Simulator, dataset: Path, n: int, out: Path, rate: int) ->
         raise RuntimeError(f"py-spy run exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
+def read_stacks(raw: Path) -> tuple[list[tuple[list[dict[str, str]], int]], int]:
+    """py-spy's raw output as (frames, samples) per stack of the steady loop, and the samples
+    left out as start-up (import-time stacks)."""
+    stacks, startup = [], 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        if "_find_and_load" in stack:
+            startup += int(count)
+            continue
+        stacks.append(([m.groupdict() for f in stack.split(";") if (m := FRAME.match(f))],
+                       int(count)))
+    return stacks, startup
+
+
+def label(frame: dict[str, str]) -> str:
+    return f"{frame['func']} ({Path(frame['file']).name})"
+
+
 def inclusive_us(raw: Path, n: int, rate: int) -> tuple[dict[str, float], float]:
     """Microseconds per task under each function (samples / rate / n), steady loop only."""
     incl: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or "_find_and_load" in stack:
-            continue
-        total += int(count)
-        for name in {f"{m['func']} ({Path(m['file']).name})"
-                     for f in stack.split(";") if (m := FRAME.match(f))}:
-            incl[name] += int(count)
+    stacks, _ = read_stacks(raw)
+    for frames, count in stacks:
+        for name in {label(f) for f in frames}:
+            incl[name] += count
     scale = 1e6 / rate / n
-    return {k: v * scale for k, v in incl.items()}, total * scale
+    return {k: v * scale for k, v in incl.items()}, sum(c for _, c in stacks) * scale
 
 
 def compare(genq_raw: Path, bare_raw: Path, n: int, rate: int, top: int) -> str:
@@ -104,23 +119,15 @@ def summarise(raw: Path, top: int) -> str:
     own_pkg: collections.Counter[str] = collections.Counter()
     own_fn: collections.Counter[str] = collections.Counter()
     incl_fn: collections.Counter[str] = collections.Counter()
-    total = startup = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        n = int(count)
-        if "_find_and_load" in stack:
-            startup += n
-            continue
-        total += n
-        frames = [m.groupdict() for f in stack.split(";") if (m := FRAME.match(f))]
+    stacks, startup = read_stacks(raw)
+    total = sum(n for _, n in stacks)
+    for frames, n in stacks:
         if not frames:
             continue
         leaf = frames[-1]
         own_pkg[package(leaf["file"])] += n
-        own_fn[f"{leaf['func']} ({Path(leaf['file']).name})"] += n
-        for name in {f"{f['func']} ({Path(f['file']).name})" for f in frames}:
+        own_fn[label(leaf)] += n
+        for name in {label(f) for f in frames}:
             incl_fn[name] += n
     if not total:
         raise RuntimeError(f"no samples in {raw}")
