@@ -83,7 +83,7 @@ class Committer:
 
     async def linger(self) -> None:
         """Wait for more answers to share this batch's write and ack: until LINGER_S after the
-        previous batch began, a quarter of the slots' answers, the last request's answer, or a
+        previous batch began, half the slots' answers, the last request's answer, or a
         stop (Consumer.halt hurries)."""
         wait = self.last + LINGER_S - time.monotonic()
         if wait <= 0 or self.hurry.is_set() or self.c.stop.is_set():

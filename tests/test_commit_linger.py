@@ -5,7 +5,6 @@ as soon as it is sent (Inflight.sent)."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 from conftest import genq
@@ -38,7 +37,7 @@ def test_a_paced_server_shares_script_calls_among_answers(tmp_path, redis_url, r
     finally:
         c.cleanup()
     calls = evalsha_calls(r) - before
-    lines = sum(p.read_bytes().count(b"\n") for p in Path(tmp_path / "out").glob("*.jsonl"))
+    lines = sum(p.read_bytes().count(b"\n") for p in (tmp_path / "out").glob("*.jsonl"))
     assert lines == n and r.bitcount(f"genq:{run_name}:done") == n
     # Claims (~4 a call), acks (~7 a call), a reap a second.
     assert calls < 0.8 * n, f"{calls} script calls for {n} tasks"
