@@ -18,7 +18,7 @@ import orjson  # noqa: E402
 import structlog  # noqa: E402
 
 from common.params import DEFAULTS, request_body  # noqa: E402
-from consumer.sglang import SGLang  # noqa: E402
+from common.sglang.client import SGLang  # noqa: E402
 
 
 def cpu_s() -> float:

@@ -9,8 +9,8 @@ import orjson
 import redis
 from _common import genq
 
-from common.keys import FINISH_NAMES, RunKeys
-from common.status import read_status
+from common.queue.keys import FINISH_NAMES, RunKeys
+from common.report.status import read_status
 
 
 def bits(raw: bytes | None, total: int) -> set[int]:

@@ -21,7 +21,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 from common.net import free_port, wait_port  # noqa: E402
-from consumer.sglang_stream import parse_load  # noqa: E402
+from common.sglang.stream import parse_load  # noqa: E402
 
 
 def env(redis_url: str | None = None, run: str | None = None) -> dict[str, str]:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from _common import REPO, RedisServer, Simulator, dump_json, env, genq, table, write_dataset
 
-from common.status import read_status
+from common.report.status import read_status
 
 SIM = ("--time-scale", "20", "--length-dist", "lognormal:2326:0.62")
 

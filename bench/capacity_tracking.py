@@ -37,7 +37,7 @@ from _common import (
     write_dataset,
 )
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
 

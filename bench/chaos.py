@@ -31,8 +31,8 @@ from _chaos_checks import final_checks
 from _chaos_procs import Proc, Redis, Simulator, genq_proc
 from _common import dump_json, genq
 
-from common.keys import RunKeys
 from common.net import free_port
+from common.queue.keys import RunKeys
 
 RUN = "chaos"
 STOP_BOUND_S = 30.0  # a consumer: --grace 2, then at most 5 s for slots stuck on Redis

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 from _common import REPO, RedisServer, Simulator, dump_json, env, genq, table, write_dataset
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 
 def settled(r, k: RunKeys, total: int, timeout: float = 600) -> None:

@@ -29,9 +29,9 @@ from types import SimpleNamespace
 import orjson
 from _common import RedisServer, dump_json, genq, table, write_dataset
 
-from common import manifest as manifests
-from common.keys import RunKeys
-from common.records import build_record
+from common.data import manifest as manifests
+from common.data.records import build_record
+from common.queue.keys import RunKeys
 
 BUDGET_S = 30.0
 RUN = "bench"

@@ -26,7 +26,7 @@ from _common import REPO, RedisServer, dump_json, env, genq, table, write_datase
 from after_run import after_run, after_run_rows
 from redo_scale import build_run
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 RUN = "mem"
 

@@ -23,7 +23,7 @@ import redis
 from _common import RedisServer, commandstats, delta, dump_json, genq, table
 
 from common import params
-from common.keys import RUNS, RunKeys
+from common.queue.keys import RUNS, RunKeys
 
 BUDGET_S = 5.0
 MAX_TOKENS = 4096

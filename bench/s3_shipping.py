@@ -25,8 +25,8 @@ from _common import REPO, RedisServer, Simulator, dump_json, genq, table, write_
 sys.path.insert(0, str(REPO / "tests"))
 from faultproxy import FaultProxy  # noqa: E402
 
-from common import s3 as store  # noqa: E402
-from common.keys import RunKeys  # noqa: E402
+from common.queue.keys import RunKeys  # noqa: E402
+from common.store import s3 as store  # noqa: E402
 
 BUCKET = "genq-bench"
 SIM = ("--time-scale", "2000", "--ttft", "0", "--length-dist", "lognormal:2326:0.62",

@@ -1,1 +1,3 @@
-"""Shared building blocks of genq's services: settings, Redis schema, scripts, data set access."""
+"""Shared building blocks of genq's services, in rooms by concern (queue, data, store, report,
+sglang) beside a few loose modules every service uses (cli, errors, log, net, params). Services
+import common/, never each other."""

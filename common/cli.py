@@ -16,8 +16,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.errors import GenqError, UsageError, mask_secrets
-from common.keys import RunKeys
 from common.log import say
+from common.queue.keys import RunKeys
 
 logger = structlog.get_logger("genq")
 

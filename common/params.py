@@ -14,7 +14,7 @@ import orjson
 import redis
 
 from common.errors import UsageError
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 4096, "temperature": 0.6, "enable_thinking": True}
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import orjson
 import structlog
 
-from common import feed
 from common.errors import REDIS_TROUBLE, RunStateLost
+from common.queue import feed
 from consumer import presence
 from consumer.follow import follow_load, follow_server, unconfirmed
 from consumer.reuse import refresh

@@ -18,8 +18,6 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 
 from common import log
-from common import manifest as manifests
-from common import run as runs
 from common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -29,13 +27,15 @@ from common.cli import (
     run_keys,
     stop_on_signals,
 )
-from common.dataset import open_dataset
+from common.data import manifest as manifests
+from common.data.dataset import open_dataset
+from common.data.shards import ShardWriter, repair_shards
 from common.errors import GenqError, ServerUnavailable
-from common.shards import ShardWriter, repair_shards
+from common.queue import run as runs
+from common.sglang.client import SGLang
 from consumer import faults, runstate, servers, shipping
 from consumer.servers import parse_servers
 from consumer.settings import ConsumeSettings
-from consumer.sglang import SGLang
 from consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")

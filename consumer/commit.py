@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from common.scripts import Result
+from common.queue.scripts import Result
 from consumer.backoff import ShuttingDown
 from consumer.batch import MAX_BATCH
 from consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED
@@ -37,7 +37,7 @@ LINGER_S = 0.05
 class Finished:
     inflight: Inflight
     record: dict[str, Any]
-    completion: Any  # consumer.sglang_stream.Completion
+    completion: Any  # common.sglang.stream.Completion
 
 
 class Committer:

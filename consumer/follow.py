@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from common.advice import HISTORY_SAMPLES, load_sample
 from common.errors import ServerUnavailable
+from common.report.advice import HISTORY_SAMPLES, load_sample
 from consumer import presence
 
 if TYPE_CHECKING:

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from common import scripts
-from common.keys import RunKeys
+from common.queue import scripts
+from common.queue.keys import RunKeys
 
 
 @dataclass(kw_only=True)

@@ -12,8 +12,8 @@ from typing import Any
 import orjson
 import redis.asyncio as aioredis
 
-from common.keys import RunKeys
-from common.scripts import iso_now
+from common.queue.keys import RunKeys
+from common.queue.scripts import iso_now
 
 HEARTBEAT_TTL_S = 15
 RQ_WORKER_TTL_S = 30

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from common import probe_store
-from consumer.sglang_stream import Completion
+from common.queue import probe_store
+from common.sglang.stream import Completion
 
 if TYPE_CHECKING:
     from consumer.worker import Consumer

@@ -17,10 +17,10 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from common import manifest as manifests
-from common import runhealth
+from common.data import manifest as manifests
 from common.errors import GenqError
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
+from common.report import runhealth
 
 logger = structlog.get_logger("consumer")
 

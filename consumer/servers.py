@@ -27,7 +27,7 @@ import structlog
 
 from common.cli import SERVICE_SOCKET_TIMEOUT_S
 from common.errors import REDIS_TROUBLE
-from common.keys import RunKeys, server_lease
+from common.queue.keys import RunKeys, server_lease
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")

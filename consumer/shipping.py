@@ -14,10 +14,10 @@ from typing import Any
 
 import structlog
 
-from common import s3 as store
 from common.errors import UsageError
-from common.keys import RunKeys
-from common.ship import Shipper
+from common.queue.keys import RunKeys
+from common.store import s3 as store
+from common.store.ship import Shipper
 
 logger = structlog.get_logger("consumer")
 

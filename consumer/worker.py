@@ -19,6 +19,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from common.data.records import build_record
 from common.errors import (
     BadTask,
     Retryable,
@@ -26,10 +27,10 @@ from common.errors import (
     classify,
     mask_secrets,
 )
-from common.keys import RunKeys
 from common.params import DEFAULTS, request_body
-from common.records import build_record
-from common.scripts import ScriptRunner, iso_now
+from common.queue.keys import RunKeys
+from common.queue.scripts import ScriptRunner, iso_now
+from common.sglang.client import SGLang
 from consumer import background, presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
 from consumer.batch import Batcher
@@ -40,7 +41,6 @@ from consumer.ready import Ready
 from consumer.reuse import kept_answer
 from consumer.runstate import RunState
 from consumer.settings import ConsumeSettings
-from consumer.sglang import SGLang
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")

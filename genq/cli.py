@@ -41,8 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 @guarded
 def export_main(argv: list[str] | None = None) -> int:
     """Write the run's results, one record per done prompt index, newest version winning."""
-    from common import export_formats
-    from common import run as runs
+    from common.queue import run as runs
+    from common.store import export_formats
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
     p.add_argument("--out", required=True,

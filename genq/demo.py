@@ -192,7 +192,7 @@ def closing_advice(out: str, run: str, url: str, private: bool) -> str:
 
 
 def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen]) -> None:
-    from common.keys import RunKeys
+    from common.queue.keys import RunKeys
 
     k = RunKeys(run)
     columns = [TextColumn("[bold]generating"), BarColumn(), TextColumn("{task.completed}/"

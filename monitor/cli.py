@@ -15,8 +15,8 @@ import structlog
 
 from common import log as genq_log
 from common.cli import add_common
-from common.keys import RUN_NAME, RunKeys
-from common.scripts import ScriptRunner, reap_call
+from common.queue.keys import RUN_NAME, RunKeys
+from common.queue.scripts import ScriptRunner, reap_call
 from monitor.periodic import Periodic, PeriodicTask, alert_logger, progress_writer
 from monitor.service import MonitorServer, StatusSource, redact
 

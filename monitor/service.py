@@ -12,7 +12,7 @@ import redis
 import structlog
 
 from common.errors import GenqError, mask_secrets
-from common.status import read_status
+from common.report.status import read_status
 from monitor import metrics
 
 log = structlog.get_logger("monitor")

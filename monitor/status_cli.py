@@ -11,8 +11,8 @@ import redis
 
 from common.cli import add_common, guarded
 from common.errors import GenqError
-from common.status import read_status
-from common.status_table import render_table
+from common.report.status import read_status
+from common.report.status_table import render_table
 
 WATCH_INTERVAL_S = 2.0
 

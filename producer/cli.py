@@ -13,8 +13,7 @@ import orjson
 import redis
 import structlog
 
-from common import feed, log, params
-from common import run as runs
+from common import log, params
 from common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -24,10 +23,12 @@ from common.cli import (
     run_keys,
     stop_on_signals,
 )
-from common.dataset import open_dataset
+from common.data.dataset import open_dataset
 from common.errors import REDIS_TROUBLE, RunStateLost
-from common.keys import RunKeys
-from common.scripts import ScriptRunner, reap_call
+from common.queue import feed
+from common.queue import run as runs
+from common.queue.keys import RunKeys
+from common.queue.scripts import ScriptRunner, reap_call
 
 logger = structlog.get_logger("producer")
 

@@ -19,12 +19,13 @@ from typing import Any
 import orjson
 import redis
 
-from common import params, probe_store
-from common.dataset import open_dataset
+from common import params
+from common.data.dataset import open_dataset
 from common.errors import UsageError
-from common.keys import RunKeys
-from common.status import read_status
-from consumer.sglang import SGLang
+from common.queue import probe_store
+from common.queue.keys import RunKeys
+from common.report.status import read_status
+from common.sglang.client import SGLang
 from producer.probe_stats import summarize
 
 POPULATIONS = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done", "failed"),

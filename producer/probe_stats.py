@@ -7,7 +7,7 @@ import math
 from statistics import fmean
 from typing import Any
 
-from common.confidence import wilson
+from common.report.confidence import wilson
 
 
 def percentile(values: list[int], q: float) -> int | None:

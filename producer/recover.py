@@ -19,12 +19,12 @@ from typing import Any
 
 import redis
 
-from common import manifest as manifests
-from common import recovery
 from common.cli import add_common, connect, guarded, run_keys
+from common.data import manifest as manifests
+from common.data import recovery
 from common.errors import GenqError, UsageError
-from common.export import shard_paths
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
+from common.store.export import shard_paths
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
 
 def s3_source(uri: str, run: str) -> tuple[list[dict[str, Any]], Iterable[Iterable[bytes]]]:
     """Shipped output: every consumer's manifest and the shards as line streams (docs/S3.md)."""
-    from common import s3 as store
+    from common.store import s3 as store
 
     return store.run_source(uri, run, manifests.parse)
 

@@ -10,13 +10,13 @@ from typing import Any
 import redis
 from rich.progress import Progress
 
-from common import manifest as manifests
 from common import params
-from common import run as runs
 from common.cli import add_common, connect, guarded, run_keys
+from common.data import manifest as manifests
 from common.errors import UsageError
-from common.keys import RunKeys
-from common.scripts import ScriptRunner, redo_call
+from common.queue import run as runs
+from common.queue.keys import RunKeys
+from common.queue.scripts import ScriptRunner, redo_call
 from producer import probe, requeue_plan
 
 # Indices made runnable per redo script call: each call is atomic and exact, and at about

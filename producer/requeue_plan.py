@@ -11,9 +11,9 @@ from typing import Any
 import redis
 
 from common import params
-from common.keys import RunKeys
-from common.status import read_status
-from common.status_table import human_duration
+from common.queue.keys import RunKeys
+from common.report.status import read_status
+from common.report.status_table import human_duration
 
 
 @dataclass(frozen=True, kw_only=True)

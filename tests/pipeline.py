@@ -102,8 +102,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def take_leases(r: redis.Redis, run: str, indices: list[int], server: str) -> None:
     """Lease these indices to `server` the real way (enqueue.lua, then claim.lua), so a test's
     hand-set run holds leases exactly as consumers write them."""
-    from common import feed, scripts
-    from common.keys import RunKeys
+    from common.queue import feed, scripts
+    from common.queue.keys import RunKeys
 
     k, runner = RunKeys(run), scripts.ScriptRunner(r)
     assert r.llen(k.rq_queue) == 0, "take leases before queueing other jobs"
@@ -114,8 +114,8 @@ def take_leases(r: redis.Redis, run: str, indices: list[int], server: str) -> No
 
 def queue_jobs(r: redis.Redis, run: str, indices: list[int]) -> None:
     """Queue these indices as the producer does (enqueue.lua)."""
-    from common import feed, scripts
-    from common.keys import RunKeys
+    from common.queue import feed, scripts
+    from common.queue.keys import RunKeys
 
     k = RunKeys(run)
     assert feed.enqueue(r, k, indices, scripts.ScriptRunner(r)) == len(indices)

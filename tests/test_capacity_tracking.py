@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, genq
 from pipeline import ConsumerProcess, wait_for, write_dataset
 
-from common.status import read_status
+from common.report.status import read_status
 from consumer.follow import next_capacity, others, target_slots, withdrawn
 
 FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")

@@ -24,7 +24,7 @@ from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 from consumer.backoff import MAX_BACKOFF_S
 
 

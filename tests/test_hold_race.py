@@ -12,8 +12,8 @@ import asyncio
 import redis
 import redis.asyncio as aioredis
 
-from common import feed, scripts
-from common.keys import RunKeys
+from common.queue import feed, scripts
+from common.queue.keys import RunKeys
 from consumer.settings import ConsumeSettings
 from consumer.worker import Consumer
 

@@ -14,9 +14,9 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from test_monitor import Monitor
 
-from common.confidence import wilson
-from common.keys import RunKeys
-from common.status import read_status
+from common.queue.keys import RunKeys
+from common.report.confidence import wilson
+from common.report.status import read_status
 from producer.probe_stats import percentile, summarize
 
 pytestmark = pytest.mark.timeout(300)

@@ -28,8 +28,9 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegistry
 
-from common import feed, params, scripts
-from common.keys import RunKeys
+from common import params
+from common.queue import feed, scripts
+from common.queue.keys import RunKeys
 
 N = 6
 CONSUMERS = ("c0", "c1")

@@ -7,8 +7,8 @@ import pytest
 from conftest import genq
 from pipeline import write_dataset
 
-from common import scripts
-from common.keys import RunKeys
+from common.queue import scripts
+from common.queue.keys import RunKeys
 from producer.requeue_plan import extra_tokens
 
 

@@ -12,10 +12,10 @@ from conftest import genq
 from faultkit import Consumer, private_redis
 from pipeline import wait_for, write_dataset
 
-from common import feed
 from common.errors import RunStateLost
-from common.keys import RunKeys
-from common.scripts import ScriptRunner
+from common.queue import feed
+from common.queue.keys import RunKeys
+from common.queue.scripts import ScriptRunner
 
 
 def forget_run(r, k: RunKeys) -> None:
@@ -101,7 +101,7 @@ def test_status_warns_when_redis_runs_without_persistence(tmp_path, run_name):
 
 
 def test_monitor_says_when_the_run_is_lost_or_recreated(tmp_path, redis_url, r, run_name):
-    from common import run as runs
+    from common.queue import run as runs
     from monitor.service import StatusSource
 
     data = write_dataset(tmp_path / "d.jsonl", 4)

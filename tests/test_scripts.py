@@ -11,8 +11,8 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-from common import feed, scripts
-from common.keys import RunKeys
+from common.queue import feed, scripts
+from common.queue.keys import RunKeys
 
 
 def setup_run(r: redis.Redis, run: str, n: int) -> tuple[RunKeys, scripts.ScriptRunner]:

@@ -17,7 +17,7 @@ from conftest import REPO, genq, genq_env
 from faultkit import sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
-from common.keys import RunKeys, server_lease
+from common.queue.keys import RunKeys, server_lease
 
 # Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
 LEASE_S = 3.0

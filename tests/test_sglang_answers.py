@@ -15,9 +15,9 @@ from pipeline import ConsumerProcess, wait_for, write_dataset
 from sim_fixtures import SimProcess, sim_flags
 
 from common.errors import BadTask, Retryable, ServerAborted, ServerUnavailable, TryAgain, classify
-from common.keys import RunKeys
-from common.status import read_status
-from consumer.sglang_stream import (
+from common.queue.keys import RunKeys
+from common.report.status import read_status
+from common.sglang.stream import (
     Answer,
     ContextExceeded,
     error_message,

@@ -9,7 +9,7 @@ import pytest
 
 from common.errors import ServerUnavailable
 from common.net import free_port
-from consumer.sglang import SGLang
+from common.sglang.client import SGLang
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

@@ -15,8 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.errors import OutputUnavailable, Retryable
-from common.shards import (
+from common.data.shards import (
     ReadStats,
     ShardWriter,
     choose_records,
@@ -25,6 +24,7 @@ from common.shards import (
     repair_shards,
     shard_parts,
 )
+from common.errors import OutputUnavailable, Retryable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -126,7 +126,7 @@ FULL_DISK = textwrap.dedent("""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
     resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
     from common.errors import OutputUnavailable
-    from common.shards import ShardWriter
+    from common.data.shards import ShardWriter
     w = ShardWriter(sys.argv[1], "r", "c")
     written = 0
     try:
@@ -164,7 +164,7 @@ FULL_DISK_THREADS = textwrap.dedent("""
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
     from common.errors import OutputUnavailable
-    from common.shards import ShardWriter
+    from common.data.shards import ShardWriter
     w = ShardWriter(sys.argv[1], "r", "c")
     per_call = int(sys.argv[2])  # 1: write(record); more: write_many(records), as consumers do
     written, failed = [], []

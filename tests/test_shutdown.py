@@ -13,7 +13,7 @@ from conftest import REPO, genq_env
 from faultkit import VT, Consumer, check_truth, owners, private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 # --grace 2 (BASE_FLAGS), then at most 5 s for slots waiting on Redis, then the goodbye: a
 # consumer must be gone well within this. A hang shows up as a failure, not a slow test.

@@ -9,10 +9,10 @@ from pipeline import queue_jobs, take_leases
 from rich.console import Console
 
 from common.errors import UsageError
-from common.keys import RATE_BUCKET_S as B
-from common.keys import RunKeys
-from common.status import read_status
-from common.status_table import human_duration, render_table
+from common.queue.keys import RATE_BUCKET_S as B
+from common.queue.keys import RunKeys
+from common.report.status import read_status
+from common.report.status_table import human_duration, render_table
 
 A, Bsrv = "http://gpu0:30000", "http://gpu1:30000"
 

@@ -7,8 +7,8 @@ import orjson
 from conftest import genq
 from pipeline import write_dataset
 
-from common import scripts
-from common.keys import RunKeys
+from common.queue import scripts
+from common.queue.keys import RunKeys
 
 
 def ack_claimed(r, k: RunKeys, n: int, finish: str, tokens: int) -> None:

@@ -19,8 +19,8 @@ from typing import Any
 import orjson
 import redis
 
-from common.keys import RunKeys
-from common.shards import choose_records
+from common.data.shards import choose_records
+from common.queue.keys import RunKeys
 
 
 @dataclass(frozen=True, kw_only=True)

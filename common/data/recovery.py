@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 import redis
 
-from common.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
+from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens)
 Result = tuple[int, int, int, int, int]

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from common import export
+from common.store import export
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
@@ -76,7 +76,7 @@ def shard_dirs(dirs: list[str], from_s3: str | None, run: str) -> Iterator[list[
     if not from_s3:
         yield dirs
         return
-    from common import s3 as store
+    from common.store import s3 as store
 
     with tempfile.TemporaryDirectory(prefix="genq-s3-") as tmp:
         store.fetch_run(store.parse_uri(from_s3), run, tmp)
@@ -84,7 +84,7 @@ def shard_dirs(dirs: list[str], from_s3: str | None, run: str) -> Iterator[list[
 
 
 def check_uri(uri: str) -> None:
-    from common import s3 as store
+    from common.store import s3 as store
 
     store.parse_uri(uri)
 

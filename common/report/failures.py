@@ -8,7 +8,7 @@ from collections import Counter
 
 import redis
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 TOP = 5
 # Above this many failed indices, the reasons of the first CAP are counted (and said so), so a

@@ -22,9 +22,9 @@ from typing import Any
 
 import orjson
 
+from common.data.groupcommit import GroupCommit
+from common.data.shard_repair import repair_shards  # noqa: F401 (its home before the split)
 from common.errors import OutputUnavailable
-from common.groupcommit import GroupCommit
-from common.shard_repair import repair_shards  # noqa: F401 (its home before the split)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

@@ -22,10 +22,10 @@ import orjson
 import redis
 import structlog
 
-from common import s3 as store
+from common.data.shards import closed_shards
 from common.errors import REDIS_TROUBLE, StoreUnavailable
-from common.keys import RunKeys
-from common.shards import closed_shards
+from common.queue.keys import RunKeys
+from common.store import s3 as store
 
 logger = structlog.get_logger("shipper")
 

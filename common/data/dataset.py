@@ -240,7 +240,7 @@ def open_dataset(
         raise DatasetError(f"data set {p}: {e.strerror}") from None
     try:
         if p.suffix == ".parquet" or os.pread(fd, 4, 0) == b"PAR1":
-            from common.parquet import ParquetDataset  # pyarrow only when needed
+            from common.data.parquet import ParquetDataset  # pyarrow only when needed
 
             return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
     except OSError as e:  # only the magic-byte read can get here

@@ -15,7 +15,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from common.dataset import Dataset, _edge_digest
+from common.data.dataset import Dataset, _edge_digest
 from common.errors import DatasetError
 
 _ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)

@@ -19,7 +19,7 @@ import orjson
 import redis
 
 from common.errors import UsageError
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 FORMAT = 1
 REQUIRED = ("run", "dataset", "fingerprint", "total", "epoch", "params", "params_version",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 
-from common.keys import RATE_BUCKET_S
+from common.queue.keys import RATE_BUCKET_S
 
 Buckets = Mapping[int, Mapping[str, float]]
 

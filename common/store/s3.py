@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.data.shards import shard_parts
 from common.errors import GenqError, StoreUnavailable, UsageError
-from common.shards import shard_parts
 
 try:  # zstd when the package is there (it is a dependency); gzip keeps working without it
     import zstandard

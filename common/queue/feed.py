@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import redis
 
 from common.errors import RunStateLost
-from common.keys import RunKeys
-from common.scripts import ScriptRunner, enqueue_call
-from common.tasks import description, job_data
+from common.queue.keys import RunKeys
+from common.queue.scripts import ScriptRunner, enqueue_call
+from common.queue.tasks import description, job_data
 
 ENQUEUE_BATCH = 1000
 _NOT_FULL = re.compile(rb"[^\xff]")

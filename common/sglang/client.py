@@ -19,7 +19,7 @@ import structlog
 from httpx_aiohttp import AiohttpTransport
 
 from common.errors import ServerStalled, ServerUnavailable
-from consumer.sglang_stream import (
+from common.sglang.stream import (
     Answer,
     Completion,
     ContextExceeded,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 import zlib
 
-FUNC = "common.tasks.generate"
+FUNC = "common.queue.tasks.generate"
 
 
 def generate(index: int) -> None:

@@ -10,10 +10,10 @@ from typing import Any
 import orjson
 import redis
 
-from common import advice, failures, pivot, runhealth, stats
 from common.errors import UsageError, mask_tree
-from common.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.params import DEFAULTS
+from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
+from common.report import advice, failures, pivot, runhealth, stats
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S

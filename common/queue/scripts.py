@@ -16,10 +16,10 @@ from typing import Any
 
 import orjson
 
-from common.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
+from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo")
-SOURCES = {name: resources.files("common.lua").joinpath(f"{name}.lua").read_text()
+SOURCES = {name: resources.files("common.queue.lua").joinpath(f"{name}.lua").read_text()
            for name in NAMES}
 
 # rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past

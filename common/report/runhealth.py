@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import redis
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 NO_PERSISTENCE = "redis_no_persistence"
 

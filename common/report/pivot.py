@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from common import stats
-from common.confidence import wilson
+from common.report import stats
+from common.report.confidence import wilson
 
 
 def version_truncation(buckets: dict[int, dict[str, float]], version: int) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import redis
 
 from common.errors import DatasetError, UsageError
-from common.keys import PER_INDEX_BITS, RUNS, RunKeys
+from common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -12,7 +12,7 @@ import orjson
 import redis
 import redis.asyncio as aioredis
 
-from common.keys import RunKeys
+from common.queue.keys import RunKeys
 
 # The Completion fields a stored answer carries (consumer/sglang_stream.Completion).
 FIELDS = ("finish_reason", "content", "reasoning_content", "prompt_tokens",
