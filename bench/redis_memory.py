@@ -1,7 +1,6 @@
 """Redis memory of a 1,000,000-prompt run: (a) `genq produce --once`, every job enqueued up
 front, vs (b) the windowed producer (`genq produce DATA --window 512`) after it has run a few
-seconds; and (c) the per-index bitmaps and bitfields once all prompts are done (SET directly,
-as ack.lua leaves them); and (d) right after a real run: `--after-run N` prompts produced,
+seconds; and (d) right after a real run: `--after-run N` prompts produced,
 consumed by real consumers against the simulator, then everything left in Redis, by key
 pattern. Each case on a fresh private redis-server; figures are used_memory above the empty
 server's.
@@ -24,7 +23,6 @@ from pathlib import Path
 
 from _common import REPO, RedisServer, dump_json, env, genq, table, write_dataset
 from after_run import after_run, after_run_rows
-from redo_scale import build_run
 
 from common.queue.keys import RunKeys
 
@@ -86,22 +84,6 @@ def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
     return {"bytes": mem, "queued": queued, "fill_s": filled}
 
 
-def finished_state(total: int, truncated: int) -> dict:
-    with RedisServer() as rs:
-        r = rs.client()
-        empty = used(r)
-        build_run(r, RUN, total, truncated, seed=0)
-        mem = used(r) - empty
-        k = RunKeys(RUN)
-        per_key = {}
-        for name in ("done", "truncated", "pending", "claims", "spent", "acc_attempt",
-                     "acc_finish", "acc_version", "acc_tokens", "acc_ptoks", "length_hist",
-                     "counters"):
-            per_key[name] = int(r.memory_usage(getattr(k, name), samples=0) or 0)
-        r.close()
-    return {"bytes": mem, "per_key": per_key}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--total", type=int, default=1_000_000)
@@ -129,7 +111,6 @@ def main() -> int:
         print(f"wrote {a.total} rows in {time.monotonic() - t:.1f} s", file=sys.stderr)
         window = produce_window(dataset, a.window, a.settle)
         once = produce_once(dataset)
-        done = finished_state(a.total, a.total * 18 // 100)
         run = after_run(work, a.after_run, a.consumers) if a.after_run else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -141,19 +122,14 @@ def main() -> int:
         (f"(b) produce --window {a.window}: {window['queued']} jobs queued",
          f"{window['bytes'] / mb:.2f}", f"{window['bytes'] / max(1, window['queued']):.0f}",
          "1"),
-        (f"(c) per-index bitmaps/bitfields + counters, all {a.total} done",
-         f"{done['bytes'] / mb:.1f}", "-", f"{done['bytes'] / window['bytes']:.0f}"),
     ]
     print(f"\nRedis used_memory above an empty server, {a.total}-prompt run\n")
     print(table(rows, ("state", "MB", "bytes/job queued", "ratio to (b)")))
     print(f"\n(a) took {once['seconds']:.1f} s; one queued rq:job hash is "
           f"{once['job_hash_bytes']} B, the queue list {once['queue_list_bytes'] / mb:.1f} MB")
-    print("\n(c) by key (MEMORY USAGE):")
-    print(table([(name, f"{b / 1e3:.0f}") for name, b in
-                 sorted(done["per_key"].items(), key=lambda kv: -kv[1])], ("key", "KB")))
     if run:
         print(after_run_rows(run))
-    dump_json(a.json, {"total": a.total, "once": once, "window": window, "done": done,
+    dump_json(a.json, {"total": a.total, "once": once, "window": window,
                        "after_run": run})
     return 0
 
