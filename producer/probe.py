@@ -22,7 +22,7 @@ import redis
 from common import params
 from common.data.dataset import open_dataset
 from common.errors import UsageError
-from common.queue import probe_store
+from common.queue import bitmap, probe_store
 from common.queue.keys import RunKeys
 from common.report.status import read_status
 from common.sglang.client import SGLang
@@ -32,20 +32,11 @@ POPULATIONS = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done
                "none": ("truncated",)}
 
 
-def set_bits(bitmap: bytes | None) -> list[int]:
-    """Indices whose bit is 1 (Redis bit 0 is the high bit of byte 0)."""
-    out = []
-    for i, byte in enumerate(bitmap or b""):
-        if byte:
-            out += [i * 8 + b for b in range(8) if byte & (0x80 >> b)]
-    return out
-
-
 def population(r: redis.Redis, k: RunKeys, mode: str) -> list[int]:
     """The prompts the committed pivot would run again (with --redo none: the truncated)."""
     found: set[int] = set()
     for what in POPULATIONS[mode]:
-        found.update(set_bits(r.get(getattr(k, what))))
+        found.update(bitmap.set_indices(r.get(getattr(k, what))))
     return sorted(found)
 
 

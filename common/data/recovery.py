@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import redis
 
+from common.queue import bitmap
 from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens)
@@ -114,13 +115,6 @@ FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks")
 WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims")}
 
 
-def _bitmap(indices: Iterable[int], size: int) -> bytes:
-    out = bytearray((size + 7) // 8)
-    for i in indices:
-        out[i >> 3] |= 0x80 >> (i & 7)
-    return bytes(out)
-
-
 def _bitfields(results: dict[int, Result], claims: dict[int, int], size: int) -> dict:
     """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index)."""
     out = {name: bytearray(size * width) for name, width in WIDTHS.items()}
@@ -161,10 +155,11 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     fields = _bitfields(both, rec.claims, max([*both, *rec.claims], default=-1) + 1)
     counters, hist = _counters(rec.standing)
     pipe.delete(*state_keys(k))
-    pipe.set(k.done, _bitmap(rec.standing, total))
-    pipe.set(k.truncated, _bitmap((i for i, r in rec.standing.items() if r[2] == LENGTH), total))
+    pipe.set(k.done, bitmap.encode(rec.standing, total))
+    pipe.set(k.truncated, bitmap.encode((i for i, r in rec.standing.items() if r[2] == LENGTH),
+                                        total))
     if rec.kept:
-        pipe.set(k.kept, _bitmap(rec.kept, total))
+        pipe.set(k.kept, bitmap.encode(rec.kept, total))
     for name, data in fields.items():
         if data:
             pipe.set(getattr(k, name), bytes(data))

@@ -4,18 +4,17 @@ consumers so a run can top itself up."""
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Iterator
 
 import redis
 
 from common.errors import RunStateLost
+from common.queue import bitmap
 from common.queue.keys import RunKeys
 from common.queue.scripts import ScriptRunner, enqueue_call
 from common.queue.tasks import description, job_data
 
 ENQUEUE_BATCH = 1000
-_NOT_FULL = re.compile(rb"[^\xff]")
 
 
 def free_indices(r: redis.Redis, k: RunKeys, total: int) -> Iterator[int]:
@@ -23,22 +22,7 @@ def free_indices(r: redis.Redis, k: RunKeys, total: int) -> Iterator[int]:
     pipe = r.pipeline(transaction=False)
     for key in (k.done, k.failed, k.pending):
         pipe.get(key)
-    size = (total + 7) // 8
-    merged = 0
-    for raw in pipe.execute():
-        raw = (raw or b"")[:size]
-        merged |= int.from_bytes(raw.ljust(size, b"\0"), "big")
-    combined = merged.to_bytes(size, "big")
-    # Scan in C for bytes with a zero bit, then look at their bits (bit 0 is the MSB).
-    for match in _NOT_FULL.finditer(combined):
-        byte_index = match.start()
-        value = combined[byte_index]
-        for bit in range(8):
-            index = byte_index * 8 + bit
-            if index >= total:
-                return
-            if not value & (0x80 >> bit):
-                yield index
+    return bitmap.clear_indices(bitmap.union(pipe.execute(), total), total)
 
 
 def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner,

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 
 import redis
 
+from common.queue import bitmap
 from common.queue.keys import RunKeys
 
 TOP = 5
@@ -24,23 +26,12 @@ def reason_kind(text: str) -> str:
     return _POSITION.sub("…", _ROW.sub("row N", text)).strip()[:300] or "(no reason recorded)"
 
 
-def failed_indices(raw: bytes | None, limit: int) -> list[int]:
-    raw = raw or b""
-    out: list[int] = []
-    for byte_no, byte in enumerate(raw):
-        if byte:
-            out += [byte_no * 8 + bit for bit in range(8) if byte & (0x80 >> bit)]
-            if len(out) >= limit:
-                return out[:limit]
-    return out
-
-
 def top_reasons(r: redis.Redis, k: RunKeys, failed: int) -> dict:
     """{"reasons": [{"reason", "count", "example_index"}...] (most common first), "counted":
     how many failed indices were looked at (all of them up to CAP)}."""
     if not failed:
         return {"reasons": [], "counted": 0}
-    indices = failed_indices(r.get(k.failed), CAP)
+    indices = list(itertools.islice(bitmap.set_indices(r.get(k.failed)), CAP))
     texts = r.hmget(k.errors, [str(i) for i in indices]) if indices else []
     counts: Counter[str] = Counter()
     example: dict[str, int] = {}

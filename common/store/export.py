@@ -20,6 +20,7 @@ import orjson
 import redis
 
 from common.data.shards import choose_records
+from common.queue import bitmap
 from common.queue.keys import RunKeys
 
 
@@ -50,14 +51,12 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
     pipe = r.pipeline(transaction=True)
     for key in (k.done, k.acc_version, k.acc_attempt):
         pipe.get(key)
-    done_raw, version_raw, attempt_raw = pipe.execute()
-    done = done_raw or b""
+    done, version_raw, attempt_raw = pipe.execute()
     version = _bitfield_reader(version_raw, 2)
     attempt = _bitfield_reader(attempt_raw, 2)
 
     def is_done(index: int) -> bool:
-        byte = index // 8
-        return byte < len(done) and bool(done[byte] & (0x80 >> (index % 8)))
+        return bitmap.is_set(done, index)
 
     def accepted(index: int) -> tuple[int, int] | None:
         return (version(index), attempt(index)) if is_done(index) else None
@@ -67,8 +66,7 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
 
 def failed_reasons(r: redis.Redis, k: RunKeys, total: int) -> dict[int, str]:
     """index -> last error text of every failed index ("" where none was kept)."""
-    raw = r.get(k.failed) or b""
-    failed = [i for i in range(min(total, len(raw) * 8)) if raw[i // 8] & (0x80 >> (i % 8))]
+    failed = list(bitmap.set_indices(r.get(k.failed), below=total))
     if not failed:
         return {}
     texts = r.hmget(k.errors, [str(i) for i in failed])
@@ -82,8 +80,8 @@ def _failed_line(run: str, index: int, reason: str) -> bytes:
 def kept_lookup(r: redis.Redis, k: RunKeys):
     """index -> whether its result is one a redo set aside that stands again because the
     new attempt failed for good (only asked of done indices)."""
-    raw = r.get(k.kept) or b""
-    return lambda i: i // 8 < len(raw) and bool(raw[i // 8] & (0x80 >> (i % 8)))
+    raw = r.get(k.kept)
+    return lambda i: bitmap.is_set(raw, i)
 
 
 def mark_kept(line: bytes) -> bytes:

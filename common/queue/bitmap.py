@@ -1,0 +1,59 @@
+"""The per-index bitmaps (done, failed, pending, truncated, kept) as Python sees them: bit i is
+index i, and Redis's bit 0 is the high bit of byte 0 (the order of SETBIT, GETBIT and BITFIELD
+u1). Every reading of a bitmap fetched with GET, and the one writing of a whole bitmap
+(`genq recover`), goes through here."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+_ANY_SET = re.compile(rb"[^\x00]")
+_ANY_CLEAR = re.compile(rb"[^\xff]")
+
+
+def is_set(raw: bytes | None, index: int) -> bool:
+    """Whether index's bit is 1 (past the end of the string, Redis reads 0)."""
+    byte = index >> 3
+    return raw is not None and byte < len(raw) and bool(raw[byte] & (0x80 >> (index & 7)))
+
+
+def _scan(raw: bytes, pattern: re.Pattern[bytes], want: bool, stop: int | None) -> Iterator[int]:
+    # Find the bytes worth looking at in C, then look at their bits.
+    for match in pattern.finditer(raw):
+        byte_no = match.start()
+        value = raw[byte_no]
+        for bit in range(8):
+            index = byte_no * 8 + bit
+            if stop is not None and index >= stop:
+                return
+            if bool(value & (0x80 >> bit)) == want:
+                yield index
+
+
+def set_indices(raw: bytes | None, below: int | None = None) -> Iterator[int]:
+    """The indices whose bit is 1, in order (only those under `below`, given one)."""
+    return _scan(raw or b"", _ANY_SET, True, below)
+
+
+def clear_indices(raw: bytes | None, total: int) -> Iterator[int]:
+    """The indices under `total` whose bit is 0, in order."""
+    size = (total + 7) // 8
+    return _scan((raw or b"")[:size].ljust(size, b"\0"), _ANY_CLEAR, False, total)
+
+
+def union(raws: Iterable[bytes | None], total: int) -> bytes:
+    """The bitwise OR of bitmaps, as long as `total` bits need."""
+    size = (total + 7) // 8
+    merged = 0
+    for raw in raws:
+        merged |= int.from_bytes((raw or b"")[:size].ljust(size, b"\0"), "big")
+    return merged.to_bytes(size, "big")
+
+
+def encode(indices: Iterable[int], total: int) -> bytes:
+    """A bitmap of `total` bits with these indices set, as Redis would hold it."""
+    out = bytearray((total + 7) // 8)
+    for i in indices:
+        out[i >> 3] |= 0x80 >> (i & 7)
+    return bytes(out)
