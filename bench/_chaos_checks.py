@@ -8,20 +8,11 @@ from pathlib import Path
 import orjson
 import redis
 from _common import genq
+from faultkit import bits
+from pipeline import read_jsonl
 
 from common.queue.keys import FINISH_NAMES, RunKeys
 from common.report.status import read_status
-
-
-def bits(raw: bytes | None, total: int) -> set[int]:
-    data = int.from_bytes((raw or b"").ljust((total + 7) // 8, b"\0")[: (total + 7) // 8], "big")
-    width = 8 * ((total + 7) // 8)
-    return {i for i in range(total) if data >> (width - 1 - i) & 1}
-
-
-def export_records(redis_url: str, run: str, out: Path) -> list[dict]:
-    genq("export", "--out", str(out), redis_url=redis_url, run=run)
-    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
 
 
 def superseded(records: list[dict], requeues: list[dict]) -> list[int]:
@@ -57,7 +48,8 @@ def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: 
     """(checks: name -> passed, figures)."""
     k = RunKeys(run)
     done, failed = bits(r.get(k.done), total), bits(r.get(k.failed), total)
-    records = export_records(redis_url, run, workdir / "export.jsonl")
+    genq("export", "--out", str(workdir / "export.jsonl"), redis_url=redis_url, run=run)
+    records = read_jsonl(workdir / "export.jsonl")
     indices = [rec["index"] for rec in records]
     status = read_status(r, run)
     finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()

@@ -8,10 +8,12 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import httpx
-from _common import REPO, env
+from _common import REPO, genq_env
+from pipeline import wait_for
 
 from common.net import free_port, wait_port
 
@@ -91,7 +93,7 @@ class Redis(Proc):
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(data), "--save", "", "--appendonly", "yes",
                 "--appendfsync", "everysec", "--maxmemory-policy", "noeviction"]
-        super().__init__("redis", args, workdir / "redis.log", env())
+        super().__init__("redis", args, workdir / "redis.log", dict(os.environ))
         self.url = f"redis://127.0.0.1:{self.port}/0"
 
     def ready(self) -> None:
@@ -103,18 +105,15 @@ class Simulator(Proc):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, "-m", "simulator", "--port", str(self.port), *flags]
-        super().__init__(f"sim{n}", args, workdir / f"sim{n}.log", env())
+        super().__init__(f"sim{n}", args, workdir / f"sim{n}.log", dict(os.environ))
 
     def ready(self) -> None:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"{self.name} not healthy after 30 s")
+        wait_for(self.healthy, timeout=30, what=f"{self.name} healthy")
+
+    def healthy(self) -> bool:
+        with suppress(httpx.TransportError):
+            return httpx.get(self.url + "/health", timeout=1).status_code == 200
+        return False
 
     def fault(self, body: dict) -> None:
         httpx.post(self.url + "/_sim/faults", json=body, timeout=5).raise_for_status()
@@ -123,4 +122,4 @@ class Simulator(Proc):
 def genq_proc(name: str, args: list[str], workdir: Path, redis_url: str, run: str,
               marker: bytes = b"") -> Proc:
     return Proc(name, [sys.executable, "-m", "genq", *args], workdir / f"{name}.log",
-                env(redis_url, run), marker)
+                genq_env(redis_url, run), marker)

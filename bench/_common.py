@@ -1,110 +1,52 @@
-"""What every bench script shares: a private redis-server and simulator processes on free
-ports, the genq command as a subprocess, Redis INFO deltas, and a small table printer."""
+"""What the bench scripts share beyond the tests' fixtures (tests/conftest.py, faultkit.py,
+pipeline.py, sim_fixtures.py: a private redis-server, simulators on free ports, the data set,
+the genq command line): CPU and Redis INFO counters, the servers' load sampler, a table."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import redis
 
 REPO = Path(__file__).resolve().parent.parent
-# The bench scripts import genq's own modules (keys, params) without needing an install.
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (REPO, REPO / "tests"):  # genq's modules and the tests' fixtures, uninstalled
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-from common.net import free_port, wait_port  # noqa: E402
+
+from conftest import genq as _genq  # noqa: E402
+from conftest import genq_env  # noqa: E402,F401 (the scripts import it from here)
+from faultkit import private_redis  # noqa: E402,F401 (the scripts import it from here)
+from pipeline import write_dataset  # noqa: E402,F401
+from sim_fixtures import SimProcess, sim_flags  # noqa: E402,F401
+
 from common.sglang.stream import parse_load  # noqa: E402
 
 
-def env(redis_url: str | None = None, run: str | None = None) -> dict[str, str]:
-    e = dict(os.environ, PYTHONUNBUFFERED="1")
-    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-    if redis_url:
-        e["REDIS_URL"] = redis_url
-    if run:
-        e["GENQ_RUN"] = run
-    return e
+def genq(*args: str, redis_url: str, run: str, timeout: float = 1800, **kw):
+    """The real `genq` command line (the tests' helper), with a bench's longer timeout."""
+    return _genq(*args, redis_url=redis_url, run=run, timeout=timeout, **kw)
 
 
-class RedisServer:
-    """A private redis-server (no persistence, noeviction) that is killed on exit."""
-
-    def __init__(self, *extra: str) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="genq-bench-redis-"))
-        self.port = free_port()
-        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
-                "--dir", str(self.dir), "--save", "", "--appendonly", "no",
-                "--maxmemory-policy", "noeviction", *extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class Simulator:
-    """`python -m simulator` on a free port, ready once /health answers."""
-
-    def __init__(self, *flags: str, port: int | None = None) -> None:
-        self.port = port or free_port()  # a port of its own, or a restarted server's
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = Path(tempfile.mkstemp(prefix="genq-bench-sim-", suffix=".log")[1])
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "simulator", "--port", str(self.port), *flags],
-                cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"simulator exited:\n{self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=0.5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.close()
-        raise TimeoutError("simulator not healthy after 20 s")
-
-    def cpu_s(self) -> float:
-        return proc_cpu_s(self.proc.pid)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self.log.unlink(missing_ok=True)
-
-    def __enter__(self) -> Simulator:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+@contextmanager
+def simulators(n: int, *flags: str) -> Iterator[list[SimProcess]]:
+    """n `python -m simulator` processes, healthy, stopped on exit."""
+    sims = [SimProcess(*flags) for _ in range(n)]
+    try:
+        for sim in sims:
+            sim.start(timeout=30)
+        yield sims
+    finally:
+        for sim in sims:
+            sim.cleanup()
 
 
 def proc_cpu_s(pid: int) -> float:
@@ -114,7 +56,7 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def wait_rusage(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
+def wait_rusage(proc, timeout: float) -> tuple[int, float]:
     """Wait for a child and return (exit status, its user+system CPU seconds) via wait4."""
     deadline = time.monotonic() + timeout
     while True:
@@ -128,14 +70,12 @@ def wait_rusage(proc: subprocess.Popen, timeout: float) -> tuple[int, float]:
         time.sleep(0.005)
 
 
-def genq(*args: str, redis_url: str, run: str, timeout: float = 600,
-         check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "genq", *args], cwd=REPO,
-                          env=env(redis_url, run), capture_output=True, text=True,
-                          timeout=timeout)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"genq {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
-    return proc
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields) - idle) / CLK_TCK, sum(fields) / CLK_TCK
 
 
 def redis_cpu_s(r: redis.Redis) -> float:
@@ -148,21 +88,8 @@ def commandstats(r: redis.Redis) -> dict[str, int]:
             for name, v in r.info("commandstats").items()}
 
 
-def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    keys = set(after) | set(before)
-    return {k: after.get(k, 0) - before.get(k, 0) for k in keys
-            if after.get(k, 0) - before.get(k, 0)}
-
-
-def write_dataset(path: Path, n: int) -> Path:
-    """n chat rows shaped like the tests' (`id`, one user message), written fast."""
-    with open(path, "w") as f:
-        for start in range(0, n, 10000):
-            f.write("".join(
-                f'{{"id": "p{i}", "messages": [{{"role": "user", "content": '
-                f'"Write program number {i}."}}]}}\n'
-                for i in range(start, min(n, start + 10000))))
-    return path
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def table(rows: list[tuple], headers: tuple) -> str:
@@ -187,7 +114,6 @@ class LoadSampler:
     would be doing, so these samples are the GPU-side view of a run."""
 
     def __init__(self, urls: list[str], period: float = 0.1) -> None:
-        import threading
         self.urls, self.period = urls, period
         self.samples: list[list[tuple[float, int, int]]] = [[] for _ in urls]
         self.t0 = time.monotonic()
@@ -228,9 +154,8 @@ def slot_seconds(samples: list[tuple[float, int, int]], slots: int, t0: float, t
     return idle, waiting
 
 
-def machine_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far, from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields) - idle) / CLK_TCK, sum(fields) / CLK_TCK
+def full_window(samples: list[tuple[float, int, int]], slots: int) -> tuple[float, float]:
+    """From the first to the last moment the server was full: start-up and the final drain
+    (when no work is left for its slots) are outside it."""
+    full = [t for t, running, _ in samples if running >= slots]
+    return (full[0], full[-1]) if len(full) > 1 else (0.0, 0.0)

@@ -29,7 +29,8 @@ from pathlib import Path
 import redis
 from _chaos_checks import final_checks
 from _chaos_procs import Proc, Redis, Simulator, genq_proc
-from _common import dump_json, genq
+from _common import dump_json, genq, sim_flags, write_dataset
+from faultkit import produce_once, sim_kwargs
 
 from common.net import free_port
 from common.queue.keys import RunKeys
@@ -38,7 +39,6 @@ RUN = "chaos"
 STOP_BOUND_S = 30.0  # a consumer: --grace 2, then at most 5 s for slots stuck on Redis
 FAULTS = {"consumer_kill": 3, "consumer_term": 2, "consumer_pause": 1, "redis_kill": 2,
           "sim_503": 1, "sim_reset": 1, "sim_hang": 1, "sim_restart": 1, "requeue": 1}
-POISON = "__CHAOS_POISON__"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -59,15 +59,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def write_dataset(path: Path, n: int, poison: int, rng: random.Random) -> set[int]:
-    bad = set(rng.sample(range(n), min(poison, n)))
-    with open(path, "w") as f:
-        for i in range(n):
-            text = f"Write program number {i}." + (f" {POISON}" if i in bad else "")
-            f.write(f'{{"id": "p{i}", "messages": [{{"role": "user", "content": "{text}"}}]}}\n')
-    return bad
-
-
 class Soak:
     def __init__(self, a: argparse.Namespace, workdir: Path) -> None:
         self.a, self.dir, self.rng = a, workdir, random.Random(a.seed)
@@ -76,13 +67,11 @@ class Soak:
         self.r = redis.Redis.from_url(self.redis.url, socket_timeout=5)
         self.k = RunKeys(RUN)
         data = workdir / "data.jsonl"
-        self.poison = write_dataset(data, a.prompts, a.poison, self.rng)
-        # ttft 0.5 s + ~200 tokens at 87.5 tok/s = 2.8 simulated seconds per request.
-        flags = ["--time-scale", str(round(2.8 / a.request_s, 3)), "--max-running-requests",
-                 str(a.slots), "--length-dist", "lognormal:200:0.5", "--bad-marker", POISON]
+        self.poison = set(self.rng.sample(range(a.prompts), min(a.poison, a.prompts)))
+        write_dataset(data, a.prompts, poison=tuple(self.poison))  # the simulator answers 400
+        flags = sim_flags(**sim_kwargs(a.request_s, max_running_requests=a.slots))
         self.sims = [Simulator(i, workdir, flags) for i in range(a.servers)]
-        genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=self.redis.url,
-             run=RUN)
+        produce_once(data, self.redis.url, RUN)  # --max-tokens 300, as the fault tests
         self.out_dirs = [workdir / f"out{i}" for i in range(a.servers)]
         self.consumers = [self.service(f"consumer{i}", [
             "consume", "--server", sim.url, "--out", str(self.out_dirs[i]), "--name", f"c{i}",

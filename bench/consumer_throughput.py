@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -22,15 +21,15 @@ from pathlib import Path
 
 from _common import (
     REPO,
-    RedisServer,
-    Simulator,
     commandstats,
-    delta,
     dump_json,
-    env,
     genq,
+    genq_env,
+    load_average,
+    private_redis,
     proc_cpu_s,
     redis_cpu_s,
+    simulators,
     table,
     wait_rusage,
     write_dataset,
@@ -49,38 +48,26 @@ def sim_flags(request_s: float | None) -> list[str]:
             "--decode-tps", str(16 / request_s)]
 
 
-def first_line_written(out: Path) -> bool:
-    return any(p.stat().st_size > 0 for p in out.glob("*.jsonl"))
-
-
-def checkout_env(repo: Path, redis_url: str | None = None, run: str | None = None) -> dict:
-    """The environment that runs genq (or the bare client) from `repo`, not this checkout."""
-    e = env(redis_url, run)
-    e["PYTHONPATH"] = str(repo) + os.pathsep + e["PYTHONPATH"]
-    return e
-
-
-def genq_round(rs: RedisServer, sim: Simulator, dataset: Path, n: int, run: str,
-               concurrency: int, repo: Path = REPO) -> dict:
+def genq_round(rs, sim, dataset: Path, n: int, run: str, concurrency: int) -> dict:
     r = rs.client()
     genq("produce", str(dataset), "--once", redis_url=rs.url, run=run)
     out = Path(tempfile.mkdtemp(prefix="genq-bench-out-"))
     try:
         stats0, cmd0, rcpu0 = r.info("stats"), commandstats(r), redis_cpu_s(r)
-        sim0 = sim.cpu_s()
+        sim0 = proc_cpu_s(sim.proc.pid)
         flags = ["--concurrency", str(concurrency)] if concurrency else []
         t0 = time.monotonic()
         proc = subprocess.Popen(
             [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
              "--out", str(out), *flags],
-            cwd=repo, env=checkout_env(repo, rs.url, run), stdout=subprocess.DEVNULL,
+            cwd=REPO, env=genq_env(rs.url, run), stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE)
         # The first line in a shard marks the first result: up to then it is start-up (imports,
         # data set index, server probe). Watching the file keeps the bench's own Redis
         # commands out of the counts.
         t_first = c_first = None
         while proc.poll() is None:
-            if first_line_written(out):
+            if any(p.stat().st_size > 0 for p in out.glob("*.jsonl")):
                 t_first, c_first = time.monotonic(), proc_cpu_s(proc.pid)
                 break
             time.sleep(0.002)
@@ -89,13 +76,13 @@ def genq_round(rs: RedisServer, sim: Simulator, dataset: Path, n: int, run: str,
         if rc != 0:
             raise RuntimeError(f"consume exited {rc}:\n{proc.stderr.read().decode()[-3000:]}")
         stats1, cmd1, rcpu1 = r.info("stats"), commandstats(r), redis_cpu_s(r)
-        sim1 = sim.cpu_s()
+        sim1 = proc_cpu_s(sim.proc.pid)
         done = int(r.bitcount(f"genq:{run}:done"))
         lines = sum(1 for p in out.glob("*.jsonl") for _ in open(p, "rb"))
         if done != n or lines != n:
             raise RuntimeError(f"run {run}: done={done} lines={lines}, expected {n}")
-        cmds = delta(cmd1, cmd0)
-        cmds.pop("info", None)  # the bench's own INFO calls
+        cmds = {c: cmd1[c] - cmd0.get(c, 0) for c in cmd1
+                if c != "info" and cmd1[c] > cmd0.get(c, 0)}  # not the bench's own INFO calls
         total = (stats1["total_commands_processed"] - stats0["total_commands_processed"]
                  - 3)  # the three INFO calls of the second snapshot
         return {"wall_s": t1 - t0, "cpu_s": cpu, "steady_wall_s": t1 - (t_first or t0),
@@ -107,13 +94,12 @@ def genq_round(rs: RedisServer, sim: Simulator, dataset: Path, n: int, run: str,
         shutil.rmtree(out, ignore_errors=True)
 
 
-def bare_round(sim: Simulator, dataset: Path, n: int, concurrency: int,
-               repo: Path = REPO) -> dict:
-    sim0 = sim.cpu_s()
+def bare_round(sim, dataset: Path, n: int, concurrency: int) -> dict:
+    sim0 = proc_cpu_s(sim.proc.pid)
     proc = subprocess.Popen(
-        [sys.executable, str(repo / "bench" / "_bare_client.py"), "--server", sim.url,
+        [sys.executable, str(REPO / "bench" / "_bare_client.py"), "--server", sim.url,
          "--dataset", str(dataset), "--n", str(n), "--concurrency", str(concurrency)],
-        cwd=repo, env=checkout_env(repo), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
     rc, cpu = wait_rusage(proc, timeout=1800)
     t1 = time.monotonic()
@@ -122,7 +108,7 @@ def bare_round(sim: Simulator, dataset: Path, n: int, concurrency: int,
     got = json.loads(proc.stdout.read())
     return {"wall_s": t1 - t0, "cpu_s": cpu, "steady_wall_s": got["steady_wall_s"],
             "steady_cpu_s": got["steady_cpu_s"], "loop_wall_s": got["wall_s"],
-            "loop_cpu_s": got["cpu_s"], "sim_cpu_s": sim.cpu_s() - sim0,
+            "loop_cpu_s": got["cpu_s"], "sim_cpu_s": proc_cpu_s(sim.proc.pid) - sim0,
             "concurrency": got["concurrency"]}
 
 
@@ -142,66 +128,26 @@ def main() -> int:
     p.add_argument("--request-s", type=float, default=None,
                    help="pace the simulator: every request takes this long (e.g. 0.2 with "
                         "--max-running-requests 32 is 160 req/s); default: as fast as it goes")
-    p.add_argument("--checkout", action="append", default=[], metavar="LABEL=DIR",
-                   help="also run genq and the bare client from another checkout (e.g. the "
-                        "commit before a change, from `git worktree add`), rounds interleaved "
-                        "with this one; repeatable")
     p.add_argument("--json", help="also write every round's figures here")
     a = p.parse_args()
-    # Other processes on a 2-core machine move these figures; say how busy it was.
-    a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    checkouts = {"this": REPO}
-    for spec in a.checkout:
-        label, _, path = spec.partition("=")
-        if not path or not (Path(path) / "consumer" / "worker.py").is_file():
-            p.error(f"--checkout {spec!r}: expected LABEL=DIR with a genq checkout in DIR")
-        checkouts[label] = Path(path).resolve()
-
+    a.load_before = load_average()  # other processes on a small machine move these figures
     work = Path(tempfile.mkdtemp(prefix="genq-bench-"))
     try:
         dataset = write_dataset(work / "prompts.jsonl", a.n)
         flags = [*sim_flags(a.request_s), "--max-running-requests", str(a.max_running_requests)]
-        with RedisServer() as rs, Simulator(*flags) as sim:
-            got = {label: ([], []) for label in checkouts}
+        genq_rounds, bare_rounds = [], []
+        with private_redis() as rs, simulators(1, *flags) as [sim]:
             for i in range(a.rounds):
-                for label, repo in checkouts.items():
-                    genq_rounds, bare_rounds = got[label]
-                    bare_rounds.append(bare_round(sim, dataset, a.n, a.concurrency, repo))
-                    genq_rounds.append(genq_round(rs, sim, dataset, a.n, f"b{label}{i}",
-                                                  a.concurrency, repo))
-                    g, b = genq_rounds[-1], bare_rounds[-1]
-                    print(f"round {i + 1} {label}: genq {a.n / g['steady_wall_s']:.0f} tasks/s, "
-                          f"bare {a.n / b['steady_wall_s']:.0f} tasks/s", file=sys.stderr)
-        for label, (genq_rounds, bare_rounds) in got.items():
-            if len(checkouts) > 1:
-                print(f"\n## checkout {label}: {checkouts[label]}")
-            report(a, genq_rounds, bare_rounds)
-        if len(checkouts) > 1:
-            compare(a, got)
-        dump_json(a.json, {"n": a.n, "checkouts": {k: str(v) for k, v in checkouts.items()},
-                           "rounds": {k: {"genq": g, "bare": b} for k, (g, b) in got.items()}})
+                bare_rounds.append(bare_round(sim, dataset, a.n, a.concurrency))
+                genq_rounds.append(genq_round(rs, sim, dataset, a.n, f"b{i}", a.concurrency))
+                g, b = genq_rounds[-1], bare_rounds[-1]
+                print(f"round {i + 1}: genq {a.n / g['steady_wall_s']:.0f} tasks/s, "
+                      f"bare {a.n / b['steady_wall_s']:.0f} tasks/s", file=sys.stderr)
+        report(a, genq_rounds, bare_rounds)
+        dump_json(a.json, {"n": a.n, "genq": genq_rounds, "bare": bare_rounds})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0
-
-
-def compare(a: argparse.Namespace, got: dict[str, tuple[list[dict], list[dict]]]) -> None:
-    """One line per checkout, so a change reads as before/after from the same run."""
-    n, rows = a.n, []
-    first = next(iter(got))
-    for label, (g, b) in got.items():
-        rows.append((label, f"{n / med(g, 'steady_wall_s'):.0f}",
-                     f"{n / med(b, 'steady_wall_s'):.0f}",
-                     f"{med(b, 'steady_wall_s') / med(g, 'steady_wall_s'):.2f}",
-                     f"{1000 * med(g, 'steady_cpu_s') / n:.3f}",
-                     f"{1000 * med(b, 'steady_cpu_s') / n:.3f}",
-                     f"{med(g, 'steady_cpu_s') / med(got[first][0], 'steady_cpu_s'):.2f}",
-                     f"{med(g, 'redis_cmds') / n:.1f}",
-                     f"{1000 * med(g, 'redis_cpu_s') / n:.3f}"))
-    print("\n## side by side (medians, first result to exit)\n")
-    print(table(rows, ("checkout", "genq tasks/s", "bare tasks/s", "genq/bare",
-                       "genq CPU ms/task", "bare CPU ms/task", f"genq CPU / {first}",
-                       "Redis cmds/task", "Redis CPU ms/task")))
 
 
 def report(a: argparse.Namespace, g: list[dict], b: list[dict]) -> None:
@@ -236,8 +182,6 @@ def report(a: argparse.Namespace, g: list[dict], b: list[dict]) -> None:
     print("\nRedis commands per task by command (median round; script-internal calls count):")
     print(table([(name, f"{calls / n:.2f}", calls) for name, calls in breakdown],
                 ("command", "per task", "calls")))
-    print("\nFor context, DESIGN.md: rq SimpleWorker 457 jobs/s, 1.6 ms CPU, 52 commands/job; "
-          "prototype 635 jobs/s, 29 commands/job.")
 
 
 if __name__ == "__main__":

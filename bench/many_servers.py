@@ -22,15 +22,17 @@ from pathlib import Path
 from _common import (
     REPO,
     LoadSampler,
-    RedisServer,
-    Simulator,
     commandstats,
     dump_json,
-    env,
+    full_window,
     genq,
+    genq_env,
+    load_average,
     machine_cpu,
+    private_redis,
     proc_cpu_s,
     redis_cpu_s,
+    simulators,
     slot_seconds,
     table,
     write_dataset,
@@ -39,15 +41,14 @@ from _common import (
 DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
 
 
-def start_consumers(rs: RedisServer, sims: list[Simulator], work: Path, run: str
-                    ) -> list[subprocess.Popen]:
+def start_consumers(rs, sims: list, work: Path, run: str) -> list[subprocess.Popen]:
     procs = []
     for i, sim in enumerate(sims):
         log = open(work / f"consumer{i}.log", "wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
              "--out", str(work / f"out{i}"), "--name", f"c{i}"],
-            cwd=REPO, env=env(rs.url, run), stdout=log, stderr=subprocess.STDOUT))
+            cwd=REPO, env=genq_env(rs.url, run), stdout=log, stderr=subprocess.STDOUT))
         log.close()
     return procs
 
@@ -81,13 +82,6 @@ def wait_all(procs: list[subprocess.Popen], work: Path, t0: float, timeout: floa
     return [got[i] for i in range(len(procs))]
 
 
-def steady(samples: list[tuple[float, int, int]], slots: int) -> tuple[float, float]:
-    """The window from the first to the last moment the server was full: start-up and the
-    final drain (when no work is left for its slots) are outside it."""
-    full = [t for t, running, _ in samples if running >= slots]
-    return (full[0], full[-1]) if len(full) > 1 else (0.0, 0.0)
-
-
 def run_bench(a: argparse.Namespace, work: Path) -> dict:
     n = a.servers * a.per_server
     dataset = write_dataset(work / "prompts.jsonl", n)
@@ -97,42 +91,35 @@ def run_bench(a: argparse.Namespace, work: Path) -> dict:
     else:
         flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}"]
     flags += ["--max-running-requests", str(a.slots)]
-    sims = []
-    try:
-        for _ in range(a.servers):
-            sims.append(Simulator(*flags))
-        with RedisServer() as rs:
-            genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
-            r = rs.client()
-            rcpu0, (busy0, all0) = redis_cpu_s(r), machine_cpu()
-            cmds0 = sum(commandstats(r).values())
-            sim0 = [s.cpu_s() for s in sims]
-            t0 = time.monotonic()
-            with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
-                procs = start_consumers(rs, sims, work, "many")
-                consumers = wait_all(procs, work, t0, timeout=1800)
-            busy1, all1 = machine_cpu()
-            done = int(r.bitcount("genq:many:done"))
-            redis_cpu = redis_cpu_s(r) - rcpu0
-            redis_cmds = sum(commandstats(r).values()) - cmds0  # the sampler's own: none
-            r.close()
+    with simulators(a.servers, *flags) as sims, private_redis() as rs:
+        genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
+        r = rs.client()
+        rcpu0, (busy0, all0) = redis_cpu_s(r), machine_cpu()
+        cmds0 = sum(commandstats(r).values())
+        sim0 = [proc_cpu_s(s.proc.pid) for s in sims]
+        t0 = time.monotonic()
+        with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+            procs = start_consumers(rs, sims, work, "many")
+            consumers = wait_all(procs, work, t0, timeout=1800)
+        busy1, all1 = machine_cpu()
+        done = int(r.bitcount("genq:many:done"))
+        redis_cpu = redis_cpu_s(r) - rcpu0
+        redis_cmds = sum(commandstats(r).values()) - cmds0  # the sampler's own: none
+        r.close()
         for i, c in enumerate(consumers):
             if c["rc"] != 0:
                 log = (work / f"consumer{i}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"consumer {i} exited {c['rc']}:\n{log}")
             c["tasks"] = sum(1 for p in (work / f"out{i}").glob("*.jsonl") for _ in open(p, "rb"))
-            c["sim_cpu_s"] = sims[i].cpu_s() - sim0[i]
-            lo, hi = steady(sampler.samples[i], a.slots)
+            c["sim_cpu_s"] = proc_cpu_s(sims[i].proc.pid) - sim0[i]
+            lo, hi = full_window(sampler.samples[i], a.slots)
             idle, waiting = slot_seconds(sampler.samples[i], a.slots, lo, hi)
             c.update(steady_s=hi - lo, idle_slot_s=idle, waiting_req_s=waiting)
-        if done != n:
-            raise RuntimeError(f"done={done}, expected {n}")
-        return {"consumers": consumers, "redis_cpu_s": redis_cpu, "redis_cmds": redis_cmds,
-                "machine_busy_s": busy1 - busy0, "machine_all_s": all1 - all0,
-                "wall_s": max(c["wall_s"] for c in consumers), "n": n}
-    finally:
-        for sim in sims:
-            sim.close()
+    if done != n:
+        raise RuntimeError(f"done={done}, expected {n}")
+    return {"consumers": consumers, "redis_cpu_s": redis_cpu, "redis_cmds": redis_cmds,
+            "machine_busy_s": busy1 - busy0, "machine_all_s": all1 - all0,
+            "wall_s": max(c["wall_s"] for c in consumers), "n": n}
 
 
 def report(a: argparse.Namespace, got: dict) -> None:
@@ -165,7 +152,7 @@ def report(a: argparse.Namespace, got: dict) -> None:
     print(f"\nwall {wall:.1f} s; CPU seconds: consumers {cons:.1f} ({share:.1f} % of the "
           f"machine), simulators {sims:.1f}, Redis {got['redis_cpu_s']:.1f}; whole machine busy "
           f"{100 * busy:.0f} % (other sessions included); load average after: "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+          f"{load_average()}")
     n = got["n"]
     print(f"Redis for all {a.servers} consumers, start-up included: "
           f"{got['redis_cmds'] / n:.1f} commands and {1000 * got['redis_cpu_s'] / n:.3f} ms "
@@ -187,7 +174,7 @@ def main() -> int:
     p.add_argument("--sample", type=float, default=0.2, help="load sampling period, s")
     p.add_argument("--json", help="also write the raw figures here")
     a = p.parse_args()
-    a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    a.load_before = load_average()
     work = Path(tempfile.mkdtemp(prefix="genq-bench-many-"))
     try:
         got = run_bench(a, work)

@@ -4,7 +4,7 @@ its output. The issue's budget is 30 s.
 The output is built as the consumers would have left it: the run is registered by the real
 `genq produce`, its parameters changed by the real `genq requeue --set max_tokens=8192 --redo
 truncated` (so the manifest has two versions and a redo scope), and four shards are written
-with `common.records.build_record` (the consumers' own record builder): every prompt once under
+with `common.data.records.build_record` (the consumers' own record builder): every prompt once under
 v1 (1 % twice: refused zombie acks) before the requeue, the truncated ones (about 11 %) again
 under v2 after it. Then
 Redis forgets everything (FLUSHALL, as a restart without persistence does) and the real
@@ -27,7 +27,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import orjson
-from _common import RedisServer, dump_json, genq, table, write_dataset
+from _common import dump_json, genq, private_redis, table, write_dataset
 
 from common.data import manifest as manifests
 from common.data.records import build_record
@@ -123,7 +123,7 @@ def main() -> int:
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="genq-bench-recover-"))
     try:
-        with RedisServer() as srv:
+        with private_redis() as srv:
             r = srv.client()
             data = write_dataset(work / "d.jsonl", a.total)
             genq("produce", str(data), "--once", redis_url=srv.url, run=RUN)

@@ -1,87 +1,140 @@
-"""Redis memory of a 1,000,000-prompt run: (a) `genq produce --once`, every job enqueued up
-front, vs (b) the windowed producer (`genq produce DATA --window 512`) after it has run a few
-seconds; and (d) right after a real run: `--after-run N` prompts produced,
-consumed by real consumers against the simulator, then everything left in Redis, by key
-pattern. Each case on a fresh private redis-server; figures are used_memory above the empty
-server's.
+"""Redis memory of a run: (a) `genq produce --once` of a 1,000,000-prompt data set, every job
+queued up front, against (b) the windowed producer (`genq produce DATA --window 512`) a few
+seconds after it filled its window; and (c) what a real run leaves behind: `--after-run N`
+prompts produced, consumed by real `genq consume --burst` processes against the simulator,
+then every key left measured (MEMORY USAGE) and grouped by pattern, with the members of each
+collection, so a key that grows by one member per task stands out. Each case on a fresh
+private redis-server; figures are used_memory above the empty server's.
 
-    python bench/redis_memory.py                        # 1M prompts, and (d) at 20,000
-    python bench/redis_memory.py --total 200000 --window 2048
+(c) is taken twice: raw, and after CONFIG RESETSTAT on both servers. Redis 7 keeps a latency
+histogram (~24 KB) for every command type it has served, ~0.8 MB for the few dozen a run uses,
+whatever its size: server statistics, not the run's data.
+
+    python bench/redis_memory.py                        # 1M prompts, and (c) at 20,000
     python bench/redis_memory.py --only after-run --after-run 20000
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 
-from _common import REPO, RedisServer, dump_json, env, genq, table, write_dataset
-from after_run import after_run, after_run_rows
+import redis
+from _common import (
+    REPO,
+    dump_json,
+    genq,
+    genq_env,
+    private_redis,
+    simulators,
+    table,
+    write_dataset,
+)
+from faultkit import Background
 
 from common.queue.keys import RunKeys
 
 RUN = "mem"
+K = RunKeys(RUN)
+SIM_FLAGS = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16"]
+SIZE = {"list": "llen", "hash": "hlen", "zset": "zcard", "set": "scard", "stream": "xlen"}
+# One bit, byte or field per prompt: what stays of a run whatever else expires.
+PER_INDEX = {getattr(K, name) for name in (
+    "done", "failed", "pending", "truncated", "claims", "spent", "acc_attempt", "acc_version",
+    "acc_tokens", "acc_ptoks", "acc_finish")}
 
 
-def used(r) -> int:
+def used(r: redis.Redis, reset: bool = False) -> int:
+    if reset:  # without the per-command latency histograms (see the module doc)
+        r.config_resetstat()
     return int(r.info("memory")["used_memory"])
 
 
 def produce_once(dataset: Path) -> dict:
-    with RedisServer() as rs:
+    with private_redis() as rs:
         r = rs.client()
-        empty = used(r)
-        t = time.monotonic()
-        out = genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN, timeout=1800)
+        empty, t = used(r), time.monotonic()
+        genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN)
         took = time.monotonic() - t
-        k = RunKeys(RUN)
-        queued = int(r.llen(k.rq_queue))
-        mem = used(r) - empty
-        job_hash = int(r.memory_usage(k.rq_job(0)) or 0)
-        queue_list = int(r.memory_usage(k.rq_queue) or 0)
-        r.close()
-    print(f"produce --once: {out.stdout.strip()} in {took:.1f} s", file=sys.stderr)
-    return {"bytes": mem, "queued": queued, "seconds": took, "job_hash_bytes": job_hash,
-            "queue_list_bytes": queue_list}
+        return {"bytes": used(r) - empty, "queued": int(r.llen(K.rq_queue)), "seconds": took,
+                "job_hash_bytes": int(r.memory_usage(K.rq_job(0)) or 0),
+                "queue_list_bytes": int(r.memory_usage(K.rq_queue) or 0)}
 
 
 def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
-    with RedisServer() as rs:
+    with private_redis() as rs:
         r = rs.client()
-        empty = used(r)
-        k = RunKeys(RUN)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "genq", "produce", str(dataset), "--window", str(window)],
-            cwd=REPO, env=env(rs.url, RUN), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        empty, t = used(r), time.monotonic()
+        producer = Background(rs.url, RUN, "produce", str(dataset), "--window", str(window))
         try:
-            t = time.monotonic()
-            while int(r.llen(k.rq_queue)) < window:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"producer exited:\n{proc.stderr.read().decode()}")
-                if time.monotonic() - t > 300:
-                    raise TimeoutError("windowed producer never filled its window")
+            while int(r.llen(K.rq_queue)) < window:
+                if producer.proc.poll() is not None or time.monotonic() - t > 300:
+                    raise RuntimeError(f"the window never filled:\n{producer.log()[-2000:]}")
                 time.sleep(0.05)
             filled = time.monotonic() - t
             time.sleep(settle_s)  # several top-up rounds: the queue must stay at the window
-            queued = int(r.llen(k.rq_queue))
-            mem = used(r) - empty
+            got = {"bytes": used(r) - empty, "queued": int(r.llen(K.rq_queue)), "fill_s": filled}
+            producer.stop()
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        r.close()
-    print(f"produce --window {window}: {queued} queued, window filled {filled:.1f} s after "
-          "start", file=sys.stderr)
-    return {"bytes": mem, "queued": queued, "fill_s": filled}
+            producer.cleanup()
+    return got
+
+
+def by_pattern(r: redis.Redis) -> list[dict]:
+    """One row per kind of key (rq:job:mem-123 -> rq:job:mem-N), however many there are."""
+    rows: dict[str, dict] = defaultdict(lambda: {"keys": 0, "bytes": 0, "max_members": 0})
+    for raw in r.scan_iter(count=1000):
+        row = rows[re.sub(r"\d+", "N", raw.decode())]
+        row["keys"] += 1
+        row["bytes"] += int(r.memory_usage(raw, samples=0) or 0)
+        kind = r.type(raw).decode()
+        if kind in SIZE:
+            row["max_members"] = max(row["max_members"], int(getattr(r, SIZE[kind])(raw)))
+    return sorted(({"pattern": p, **v} for p, v in rows.items()), key=lambda x: -x["bytes"])
+
+
+def after_run(work: Path, n: int, consumers: int) -> dict:
+    dataset = write_dataset(work / "after-run.jsonl", n)
+    with private_redis() as rs, simulators(1, *SIM_FLAGS) as [sim]:
+        r = rs.client()
+        empty, empty_data = used(r), used(r, reset=True)
+        genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN)
+        t = time.monotonic()
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
+             "--out", str(work / f"out{i}")], cwd=REPO, env=genq_env(rs.url, RUN),
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(consumers)]
+        if any(codes := [p.wait(timeout=1800) for p in procs]):
+            raise RuntimeError(f"consumers exited {codes}")
+        took, done = time.monotonic() - t, int(r.bitcount(K.done))
+        mem, data = used(r) - empty, used(r, reset=True) - empty_data
+        per_index = sum(int(r.memory_usage(key, samples=0) or 0) for key in PER_INDEX)
+        keys = by_pattern(r)
+    return {"prompts": n, "done": done, "consume_s": took, "bytes": mem, "data_bytes": data,
+            "per_index_bytes": per_index, "key_bytes": sum(k["bytes"] for k in keys),
+            "keys": keys}
+
+
+def after_run_rows(run: dict) -> str:
+    done = max(1, run["done"])
+    head = (f"\n(c) right after a real {run['prompts']}-prompt run ({run['done']} done in "
+            f"{run['consume_s']:.1f} s), used_memory above an empty server:\n"
+            f"    run data (after CONFIG RESETSTAT): {run['data_bytes'] / 1e6:.3f} MB = "
+            f"{run['data_bytes'] / done:.1f} B per finished prompt\n"
+            f"    raw (with Redis's per-command latency histograms): {run['bytes'] / 1e6:.3f} MB "
+            f"= {run['bytes'] / done:.1f} B per finished prompt\n"
+            f"    per-index bitmaps and bitfields: {run['per_index_bytes'] / done:.1f} B per "
+            f"prompt; every key's MEMORY USAGE summed: {run['key_bytes'] / 1e6:.3f} MB\n")
+    rows = [(k["pattern"], k["keys"], f"{k['bytes'] / 1e3:.1f}", k["max_members"])
+            for k in run["keys"][:15]]
+    return head + table(rows, ("key pattern", "keys", "KB (MEMORY USAGE)", "most members"))
 
 
 def main() -> int:
@@ -91,46 +144,37 @@ def main() -> int:
     p.add_argument("--settle", type=float, default=3.0,
                    help="seconds the windowed producer runs after filling its window")
     p.add_argument("--after-run", type=int, default=20_000,
-                   help="prompts in the real run of case (d) (0: skip it)")
-    p.add_argument("--consumers", type=int, default=2, help="consumers in case (d)")
-    p.add_argument("--only", choices=("after-run",), help="run only case (d)")
+                   help="prompts in the real run of case (c) (0: skip it)")
+    p.add_argument("--consumers", type=int, default=2, help="consumers in case (c)")
+    p.add_argument("--only", choices=("after-run",), help="run only case (c)")
     p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="genq-bench-mem-"))
-    if a.only == "after-run":
-        try:
-            run = after_run(work, a.after_run, a.consumers)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        print(after_run_rows(run))
-        dump_json(a.json, {"after_run": run})
-        return 0
+    got: dict = {"total": a.total}
     try:
-        t = time.monotonic()
-        dataset = write_dataset(work / "prompts.jsonl", a.total)
-        print(f"wrote {a.total} rows in {time.monotonic() - t:.1f} s", file=sys.stderr)
-        window = produce_window(dataset, a.window, a.settle)
-        once = produce_once(dataset)
-        run = after_run(work, a.after_run, a.consumers) if a.after_run else None
+        if a.only != "after-run":
+            dataset = write_dataset(work / "prompts.jsonl", a.total)
+            got["window"] = produce_window(dataset, a.window, a.settle)
+            got["once"] = produce_once(dataset)
+        if a.after_run:
+            got["after_run"] = after_run(work, a.after_run, a.consumers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    mb = 1e6
-    rows = [
-        (f"(a) produce --once: {once['queued']} jobs queued", f"{once['bytes'] / mb:.1f}",
-         f"{once['bytes'] / max(1, once['queued']):.0f}", f"{once['bytes'] / window['bytes']:.0f}"),
-        (f"(b) produce --window {a.window}: {window['queued']} jobs queued",
-         f"{window['bytes'] / mb:.2f}", f"{window['bytes'] / max(1, window['queued']):.0f}",
-         "1"),
-    ]
-    print(f"\nRedis used_memory above an empty server, {a.total}-prompt run\n")
-    print(table(rows, ("state", "MB", "bytes/job queued", "ratio to (b)")))
-    print(f"\n(a) took {once['seconds']:.1f} s; one queued rq:job hash is "
-          f"{once['job_hash_bytes']} B, the queue list {once['queue_list_bytes'] / mb:.1f} MB")
-    if run:
-        print(after_run_rows(run))
-    dump_json(a.json, {"total": a.total, "once": once, "window": window,
-                       "after_run": run})
+    if "once" in got:
+        once, window, mb = got["once"], got["window"], 1e6
+        print(f"\nRedis used_memory above an empty server, {a.total}-prompt data set\n")
+        print(table([
+            (f"(a) produce --once: {once['queued']} jobs queued", f"{once['bytes'] / mb:.1f}",
+             f"{once['bytes'] / max(1, once['queued']):.0f}",
+             f"{once['bytes'] / window['bytes']:.0f}"),
+            (f"(b) produce --window {a.window}: {window['queued']} jobs queued",
+             f"{window['bytes'] / mb:.2f}", f"{window['bytes'] / max(1, window['queued']):.0f}",
+             "1")], ("state", "MB", "bytes/job queued", "ratio to (b)")))
+        print(f"\n(a) took {once['seconds']:.1f} s; one queued rq:job hash is "
+              f"{once['job_hash_bytes']} B, the queue list {once['queue_list_bytes'] / mb:.1f} MB")
+    if "after_run" in got:
+        print(after_run_rows(got["after_run"]))
+    dump_json(a.json, got)
     return 0
 
 

@@ -31,15 +31,18 @@ import orjson
 from _common import (
     REPO,
     LoadSampler,
-    RedisServer,
-    Simulator,
     dump_json,
-    env,
+    full_window,
     genq,
+    genq_env,
+    load_average,
+    private_redis,
+    simulators,
     slot_seconds,
     table,
     write_dataset,
 )
+from pipeline import wait_for
 
 DECODE_TPS = 87.5  # the simulator's default; a running slot makes this many tokens/s x scale
 PIVOT = ("requeue", "--set", "max_tokens=8192", "--redo", "truncated")
@@ -64,8 +67,7 @@ def pivot(redis_url: str) -> float:
 class Fleet:
     """One consumer process per server, all on one run."""
 
-    def __init__(self, a: argparse.Namespace, rs: RedisServer, sims: list[Simulator],
-                 work: Path, tag: str) -> None:
+    def __init__(self, a: argparse.Namespace, rs, sims: list, work: Path, tag: str) -> None:
         self.procs = []
         self.logs = [work / f"{tag}-consumer{i}.log" for i in range(len(sims))]
         for i, sim in enumerate(sims):
@@ -74,7 +76,7 @@ class Fleet:
                 [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
                  "--out", str(work / f"{tag}-out{i}"), "--name", f"{tag}{i}",
                  "--visibility-timeout", str(a.visibility_timeout)],
-                cwd=REPO, env=env(rs.url, "story"), stdout=log, stderr=subprocess.STDOUT))
+                cwd=REPO, env=genq_env(rs.url, "story"), stdout=log, stderr=subprocess.STDOUT))
             log.close()
 
     def kill(self) -> None:
@@ -100,47 +102,35 @@ class Fleet:
                                    + "\n".join(events[-25:]) + stacks[:4000])
 
 
-def wait_done(r, target: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while int(r.bitcount("genq:story:done")) < target:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"fewer than {target} done after {timeout}s")
-        time.sleep(0.05)
-
-
 def one_way(a: argparse.Namespace, way: str, dataset: Path, work: Path) -> dict:
     flags = ["--time-scale", str(a.time_scale), "--length-dist", "lognormal:2326:0.62",
              "--max-running-requests", str(a.slots)]
-    sims = [Simulator(*flags) for _ in range(a.servers)]
-    try:
-        with RedisServer() as rs:
-            genq("produce", str(dataset), "--once", "--max-tokens", "4096",
-                 redis_url=rs.url, run="story")
-            r = rs.client()
-            with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
-                t0 = time.monotonic()
-                fleet = Fleet(a, rs, sims, work, way)
-                wait_done(r, a.prompts // 3, timeout=a.timeout)
-                t_pivot = time.monotonic() - sampler.t0
-                if way == "genq":
-                    pivot_s = pivot(rs.url)
-                else:
-                    fleet.kill()
-                    time.sleep(a.hand_delay)
-                    pivot_s = pivot(rs.url)
-                    fleet = Fleet(a, rs, sims, work, way + "-relaunched")
-                fleet.wait(timeout=a.timeout)
-                wall = time.monotonic() - t0
-            kept = export_tokens(rs, work / f"{way}.jsonl", a.prompts)
-            r.close()
+    with simulators(a.servers, *flags) as sims, private_redis() as rs:
+        genq("produce", str(dataset), "--once", "--max-tokens", "4096",
+             redis_url=rs.url, run="story")
+        r = rs.client()
+        with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+            t0 = time.monotonic()
+            fleet = Fleet(a, rs, sims, work, way)
+            wait_for(lambda: r.bitcount("genq:story:done") >= a.prompts // 3,
+                     timeout=a.timeout, what="a third of the prompts done")
+            t_pivot = time.monotonic() - sampler.t0
+            if way == "genq":
+                pivot_s = pivot(rs.url)
+            else:
+                fleet.kill()
+                time.sleep(a.hand_delay)
+                pivot_s = pivot(rs.url)
+                fleet = Fleet(a, rs, sims, work, way + "-relaunched")
+            fleet.wait(timeout=a.timeout)
+            wall = time.monotonic() - t0
+        kept = export_tokens(rs, work / f"{way}.jsonl", a.prompts)
+        r.close()
         stats = [httpx.get(s.url + "/_sim/stats").json() for s in sims]
-    finally:
-        for sim in sims:
-            sim.close()
     return {**figures(a, way, sampler, t_pivot, wall, kept, stats), "pivot_s": pivot_s}
 
 
-def export_tokens(rs: RedisServer, out: Path, n: int) -> dict:
+def export_tokens(rs, out: Path, n: int) -> dict:
     genq("export", "--out", str(out), redis_url=rs.url, run="story")
     records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     if sorted(rec["index"] for rec in records) != list(range(n)):
@@ -156,11 +146,8 @@ def figures(a: argparse.Namespace, way: str, sampler: LoadSampler, t_pivot: floa
     idle_pivot = sum(slot_seconds(s, a.slots, lo, hi)[0] for s in sampler.samples) / a.slots
     # Over the whole run while work remained: from the first moment all slots of a server were
     # busy to the last one (the final drain, when no prompt is left, is nobody's fault).
-    idle_run = 0.0
-    for s in sampler.samples:
-        full = [t for t, running, _ in s if running >= a.slots]
-        if len(full) > 1:
-            idle_run += slot_seconds(s, a.slots, full[0], full[-1])[0] / a.slots
+    idle_run = sum(slot_seconds(s, a.slots, *full_window(s, a.slots))[0]
+                   for s in sampler.samples) / a.slots
     busy_slot_s = sum(running * (t1 - t0) for s in sampler.samples
                       for (t0, running, _), (t1, _, _) in zip(s, s[1:], strict=False))
     completed = sum(x["output_tokens"] for x in stats)
@@ -205,7 +192,7 @@ def report(a: argparse.Namespace, g: dict, h: dict) -> None:
           f"max_tokens 4096 -> 8192 after {a.prompts // 3} done, time scale {s:g}, by-hand "
           f"pause {a.hand_delay:g} s (= {a.hand_delay * s / 60:.0f} real minutes), lease "
           f"{a.visibility_timeout:g} s; {os.cpu_count()} cores, load average before: "
-          f"{a.load_before}, after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+          f"{a.load_before}, after: {load_average()}\n")
     print(table(rows, ("figure", "genq requeue", "by hand (kill, relaunch)", "genq/by hand")))
 
 
@@ -228,7 +215,7 @@ def main() -> int:
                    help="give up on a way after this many seconds (default 1800)")
     p.add_argument("--json", help="also write the raw figures here")
     a = p.parse_args()
-    a.load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    a.load_before = load_average()
     import producer.requeue  # noqa: F401  (imported now, not at the pivot)
     work = Path(tempfile.mkdtemp(prefix="genq-bench-story-"))
     try:

@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 
 import orjson
-from _common import REPO, RedisServer, Simulator, dump_json, genq, table, write_dataset
+from _common import dump_json, genq, private_redis, simulators, table, write_dataset
+from faultkit import Background
+from faultproxy import FaultProxy
 
-sys.path.insert(0, str(REPO / "tests"))
-from faultproxy import FaultProxy  # noqa: E402
-
-from common.queue.keys import RunKeys  # noqa: E402
-from common.store import s3 as store  # noqa: E402
+from common.net import free_port
+from common.queue.keys import RunKeys
+from common.store import s3 as store
 
 BUCKET = "genq-bench"
 SIM = ("--time-scale", "2000", "--ttft", "0", "--length-dist", "lognormal:2326:0.62",
@@ -55,35 +55,29 @@ def upload_round(n_shards: int, records: int, uri: store.S3Uri) -> dict:
             "sent_mb_per_s": sent / seconds / 1e6, "ratio": len(raw) * n_shards / sent}
 
 
-def consume(rs: RedisServer, sim: Simulator, data: Path, run: str, *flags: str) -> float:
+def consume(rs, sim, data: Path, run: str, *flags: str) -> float:
     genq("produce", str(data), "--once", redis_url=rs.url, run=run)
-    out = tempfile.mkdtemp(prefix="genq-bench-out-")
     started = time.monotonic()
-    genq("consume", "--server", sim.url, "--out", out, "--burst", *flags,
+    genq("consume", "--server", sim.url, "--out", str(data.parent / run), "--burst", *flags,
          redis_url=rs.url, run=run)
     return time.monotonic() - started
 
 
-def outage_round(rs: RedisServer, sim: Simulator, data: Path, n: int, proxy: FaultProxy,
-                 s3_uri: str, outage: float) -> dict:
+def outage_round(rs, sim, data: Path, n: int, proxy: FaultProxy, s3_uri: str,
+                 outage: float) -> dict:
     """A consumer shipping every 50 records; S3 refused for `outage` seconds mid-run."""
-    import subprocess
-
-    from _common import env
-
     run, r = "outage", rs.client()
     k = RunKeys(run)
     genq("produce", str(data), "--once", redis_url=rs.url, run=run)
-    out = tempfile.mkdtemp(prefix="genq-bench-out-")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--out", out, "--burst",
-         "--s3-uri", s3_uri, "--shard-records", "50"], cwd=REPO, env=env(rs.url, run),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    consumer = Background(rs.url, run, "consume", "--server", sim.url, "--out",
+                          str(data.parent / run), "--burst", "--s3-uri", s3_uri,
+                          "--shard-records", "50")
+    proc = consumer.proc
 
     def pending() -> int:
         return sum(int(v) for f, v in r.hgetall(k.ship).items() if f.startswith(b"pending|"))
 
-    while int(r.hget(k.ship, "shards") or 0) < 2:
+    while int(r.hget(k.ship, "shards") or 0) < 2 and proc.poll() is None:
         time.sleep(0.05)
     proxy.set_mode("refuse")
     cut, done_at_cut, peak = time.monotonic(), r.bitcount(k.done), 0
@@ -102,6 +96,7 @@ def outage_round(rs: RedisServer, sim: Simulator, data: Path, n: int, proxy: Fau
     drained = time.monotonic() - back
     shipped = int(r.hget(k.ship, "shards") or 0) - shipped_before
     proc.wait(timeout=300)
+    consumer.cleanup()
     return {"peak_backlog_shards": peak, "done_during_outage": done_during,
             "first_ship_s": first or drained, "drain_s": drained, "shipped_while_draining":
             shipped, "exit": proc.returncode, "total": n}
@@ -117,8 +112,6 @@ def main() -> int:
     a = p.parse_args()
     from moto.server import ThreadedMotoServer
 
-    from common.net import free_port
-
     moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
     moto.start()
     proxy = FaultProxy(moto._port).start()
@@ -127,7 +120,8 @@ def main() -> int:
     store.client().create_bucket(Bucket=BUCKET)
     uri = store.parse_uri(f"s3://{BUCKET}/bench")
     figures: dict = {"upload": upload_round(a.shards, 500, uri)}
-    with tempfile.TemporaryDirectory() as tmp, RedisServer() as rs, Simulator(*SIM) as sim:
+    with tempfile.TemporaryDirectory() as tmp, private_redis() as rs, \
+            simulators(1, *SIM) as [sim]:
         data = write_dataset(Path(tmp) / "data.jsonl", a.n)
         # ABBA order, so a load change on a shared machine falls on both sides alike.
         plain, ship = [], []

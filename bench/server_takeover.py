@@ -24,7 +24,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import REPO, RedisServer, Simulator, dump_json, env, genq, table, write_dataset
+from _common import (
+    REPO,
+    dump_json,
+    genq,
+    genq_env,
+    private_redis,
+    simulators,
+    table,
+    write_dataset,
+)
+from pipeline import wait_for
 
 
 class Replica:
@@ -34,7 +44,7 @@ class Replica:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "genq", "consume", "--out", str(out),
                  "--server-lease", str(lease), "--concurrency", "4"], cwd=REPO,
-                env={**env(redis_url, run), "GENQ_SERVERS": server},
+                env={**genq_env(redis_url, run), "GENQ_SERVERS": server},
                 stdout=log, stderr=subprocess.STDOUT)
 
     def leased_at(self) -> float | None:
@@ -51,24 +61,14 @@ class Replica:
         self.log.unlink(missing_ok=True)
 
 
-def wait(predicate, timeout: float) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing after {timeout}s")
-
-
 def rounds(lease: float, kills: int, tmp: Path) -> list[float]:
-    with RedisServer() as redis_server, Simulator("--time-scale", "5") as sim:
+    with private_redis() as redis_server, simulators(1, "--time-scale", "5") as [sim]:
         run = f"bench{int(lease * 10)}"
         genq("produce", str(write_dataset(tmp / "d.jsonl", 100000)), "--once",
              redis_url=redis_server.url, run=run)
         replicas = [Replica(redis_server.url, run, sim.url, lease, tmp / "out")]
         try:
-            wait(replicas[0].leased_at, 30)
+            wait_for(replicas[0].leased_at, 30, what="the first lease")
             replicas.append(Replica(redis_server.url, run, sim.url, lease, tmp / "out"))
             time.sleep(2)  # the spare is up and polling
             figures = []
@@ -76,7 +76,8 @@ def rounds(lease: float, kills: int, tmp: Path) -> list[float]:
                 driver, spare = replicas[-2], replicas[-1]
                 os.kill(driver.proc.pid, signal.SIGKILL)
                 killed = time.time()
-                figures.append(wait(spare.leased_at, lease * 5 + 10) - killed)
+                took = wait_for(spare.leased_at, lease * 5 + 10, what="the takeover") - killed
+                figures.append(took)
                 driver.close()
                 replicas.append(Replica(redis_server.url, run, sim.url, lease, tmp / "out"))
                 time.sleep(2)
