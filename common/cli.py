@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol, overload
 
 import redis
 import structlog
@@ -62,6 +63,12 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
+@overload
+def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
+            stop: None = None) -> redis.Redis: ...
+@overload
+def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
+            stop: threading.Event) -> redis.Redis | None: ...
 def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
             stop: threading.Event | None = None) -> redis.Redis | None:
     """A client that has answered PING, or one clear error naming the URL (masked). A service
@@ -115,7 +122,13 @@ def risky_redis_settings(r: redis.Redis) -> list[str]:
     return risks
 
 
-def guarded(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None], int]:
+class Command(Protocol):
+    """A command's main: argv, or sys.argv[1:] when called without one."""
+
+    def __call__(self, argv: list[str] | None = None) -> int: ...
+
+
+def guarded(main: Callable[[list[str] | None], int]) -> Command:
     """Wrap a command's main: GenqError and Redis trouble become one line and an exit code."""
 
     def wrapper(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ class BadTask(GenqError):
         self.index = index
         self.reason = reason
 
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self) -> tuple[type[BadTask], tuple[int, str]]:
         # Exceptions with extra __init__ arguments do not pickle by default; to_thread and
         # process pools may need to carry this one across.
         return (type(self), (self.index, self.reason))

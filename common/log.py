@@ -33,7 +33,7 @@ class SafeLogger:
     def msg(self, message: str | bytes) -> None:
         if self.broken:
             return
-        line = message + (b"\n" if isinstance(message, bytes) else "\n")
+        line = message + b"\n" if isinstance(message, bytes) else message + "\n"
         with self.lock:
             try:
                 self.stream.write(line)

@@ -15,6 +15,7 @@ import redis
 
 from common.errors import UsageError
 from common.queue.keys import RunKeys
+from common.queue.replies import text
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 4096, "temperature": 0.6, "enable_thinking": True}
 
@@ -151,7 +152,7 @@ def smallest_context(r: redis.Redis, k: RunKeys) -> tuple[str, int] | None:
     for server, raw in r.hgetall(k.servers).items():
         context = orjson.loads(raw).get("context_length")
         if context:
-            known[server.decode()] = int(context)
+            known[text(server)] = int(context)
     return min(known.items(), key=lambda item: item[1]) if known else None
 
 

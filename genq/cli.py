@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 def export_main(argv: list[str] | None = None) -> int:
     """Write the run's results, one record per done prompt index, newest version winning."""
     from common.queue import run as runs
+    from common.queue.replies import text
     from common.store import export_formats
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
@@ -62,7 +63,7 @@ def export_main(argv: list[str] | None = None) -> int:
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
-    dirs = a.shards or sorted(d.decode() for d in r.smembers(k.outdirs))
+    dirs = a.shards or sorted(text(d) for d in r.smembers(k.outdirs))
     dirs = [d for d in dirs if os.path.isdir(d)]
     if a.from_s3:
         dirs = [a.from_s3]

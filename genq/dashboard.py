@@ -30,7 +30,7 @@ def build(redis_url: str, allow_write: bool):  # -> flask.Flask (imported lazily
     app.config["DEPRECATED_OPTIONS"] = []
     if not allow_write:
         @app.before_request
-        def read_only():  # type: ignore[no-untyped-def]
+        def read_only() -> Response | None:
             # /requeue/<queue> answers GET too, so the method alone is not enough.
             if request.method not in ("GET", "HEAD") or request.path.startswith("/requeue/"):
                 return Response(WRITE_REFUSED, 403, mimetype="text/plain")

@@ -9,7 +9,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import redis
 import structlog
 
@@ -25,7 +24,7 @@ from common.cli import (
 )
 from common.data.dataset import open_dataset
 from common.errors import REDIS_TROUBLE, RunStateLost
-from common.queue import feed
+from common.queue import feed, heartbeats
 from common.queue import run as runs
 from common.queue.keys import RunKeys
 from common.queue.scripts import ScriptRunner, reap_call
@@ -131,9 +130,7 @@ def window_size(r: redis.Redis, k: RunKeys, fixed: int) -> int:
 
 def live_capacity(r: redis.Redis, k: RunKeys) -> int:
     """Requests the consumers with a live heartbeat keep in flight, together."""
-    names = r.zrange(k.consumers, 0, -1)
-    raws = r.mget([k.consumer(n.decode()) for n in names]) if names else []
-    return sum(orjson.loads(raw).get("capacity", 0) for raw in raws if raw)
+    return sum(b.get("capacity", 0) for b in heartbeats.read(r, k).values())
 
 
 def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,

@@ -24,6 +24,7 @@ from common.data import manifest as manifests
 from common.data import recovery
 from common.errors import GenqError, UsageError
 from common.queue.keys import RunKeys
+from common.queue.replies import text
 from common.store.export import shard_paths
 
 
@@ -80,7 +81,7 @@ def s3_source(uri: str, run: str) -> tuple[list[dict[str, Any]], Iterable[Iterab
 def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
     """Why the run must not be rebuilt now (it is there already, or another run holds the
     name), or None when its state is gone."""
-    meta = {key.decode(): v.decode() for key, v in r.hgetall(k.meta).items()}
+    meta = {text(key): text(v) for key, v in r.hgetall(k.meta).items()}
     if "total" not in meta:
         return None
     if meta.get("epoch") == epoch:

@@ -16,6 +16,7 @@ from common.data import manifest as manifests
 from common.errors import UsageError
 from common.queue import run as runs
 from common.queue.keys import RunKeys
+from common.queue.replies import text
 from common.queue.scripts import ScriptRunner, redo_call
 from producer import probe, requeue_plan
 
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.redo != "none":
         results, failed = redo(r, k, info.total, a.redo, version)
     # The manifest beside the shards must know this version before Redis could lose it.
-    manifests.upkeep(r, k, sorted(d.decode() for d in r.smembers(k.outdirs)), info.epoch)
+    manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
     print("\n".join(requeue_plan.render(plan)))
     if a.redo != "none":
         print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")

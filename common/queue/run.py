@@ -9,9 +9,11 @@ import time
 from dataclasses import dataclass
 
 import redis
+from redis.typing import EncodableT, FieldT
 
 from common.errors import DatasetError, UsageError
 from common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
+from common.queue.replies import text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,8 +35,9 @@ def new_epoch() -> str:
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: int) -> RunInfo:
     """Create the run, or check that an existing run is on the same data set."""
     path = os.path.abspath(dataset)
-    fields = {"dataset": path, "fingerprint": fingerprint, "total": total,
-              "queue": k.queue_name, "created_at": time.time(), "epoch": new_epoch()}
+    fields: dict[FieldT, EncodableT] = {
+        "dataset": path, "fingerprint": fingerprint, "total": total, "queue": k.queue_name,
+        "created_at": time.time(), "epoch": new_epoch()}
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         r.hset(k.meta, mapping=fields)
@@ -58,7 +61,7 @@ def preallocate(r: redis.Redis, k: RunKeys, total: int) -> None:
 
 
 def load(r: redis.Redis, k: RunKeys) -> RunInfo:
-    meta = {key.decode(): value.decode() for key, value in r.hgetall(k.meta).items()}
+    meta = {text(key): text(value) for key, value in r.hgetall(k.meta).items()}
     if "total" not in meta:
         raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
@@ -66,7 +69,7 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
         # Registered before runs had an epoch: give it one now, once (HSETNX), so every
         # service agrees on it from here on.
         r.hsetnx(k.meta, "epoch", new_epoch())
-        meta["epoch"] = (r.hget(k.meta, "epoch") or b"").decode()
+        meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
     return RunInfo(run=k.run, dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"],
                    created_at=float(meta.get("created_at") or 0))
@@ -87,4 +90,4 @@ def state_of(r: redis.Redis, k: RunKeys, epoch: str) -> str:
     current = r.hget(k.meta, "epoch")
     if current is None:
         return "lost"
-    return "ok" if current.decode() == epoch else "replaced"
+    return "ok" if text(current) == epoch else "replaced"

@@ -3,11 +3,9 @@ command that rebuilds it), and that Redis keeps it without persistence (so a res
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
 import redis
 
+from common.queue import heartbeats
 from common.queue.keys import RunKeys
 
 NO_PERSISTENCE = "redis_no_persistence"
@@ -38,15 +36,10 @@ def persistence_alert(r: redis.Redis, k: RunKeys, out_dirs: list[str]) -> dict |
     }
 
 
-def _beats(r: redis.Redis, k: RunKeys) -> list[dict[str, Any]]:
-    names = [n.decode() for n in r.zrange(k.consumers, 0, -1)]
-    raws = r.mget([k.consumer(n) for n in names]) if names else []
-    return [b for b in (orjson.loads(raw) for raw in raws if raw) if isinstance(b, dict)]
-
-
 def missing_run_message(r: redis.Redis, k: RunKeys) -> str:
     """Why the run is not in Redis, as far as Redis can still tell, and what to run."""
-    waiting = [b for b in _beats(r, k) if b.get("run_state") in ("lost", "replaced")]
+    waiting = [b for b in heartbeats.read(r, k).values()
+               if b.get("run_state") in ("lost", "replaced")]
     if not waiting:
         return (f"unknown run {k.run!r}: no genq:{k.run}:meta in Redis (start it with "
                 "`genq produce DATASET`, or pick --run/GENQ_RUN; if Redis lost it, rebuild it "

@@ -5,13 +5,14 @@ from __future__ import annotations
 import datetime as dt
 from collections import Counter
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
 
 from common.errors import UsageError, mask_tree
 from common.params import DEFAULTS
+from common.queue import heartbeats
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.report import advice, failures, pivot, runhealth, stats
 
@@ -60,7 +61,7 @@ def _timestamp(value: Any) -> float | None:
 def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
     """Every per-run figure in one MULTI, so done, counters and histogram agree exactly."""
     p = r.pipeline(transaction=True)
-    reads = {
+    reads: dict[str, tuple[Any, ...]] = {  # (pipeline method, its arguments)
         "time": (p.time,),
         "meta": (p.hgetall, k.meta),
         "done": (p.bitcount, k.done),
@@ -83,27 +84,23 @@ def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
     return dict(zip(reads, p.execute(), strict=True))
 
 
-def _read_buckets(r: redis.Redis, k: RunKeys, now_bucket: int, consumers: list[str]):
-    """The last hour of rate buckets and the consumers' heartbeats, in one pipeline."""
+def _read_buckets(r: redis.Redis, k: RunKeys, now_bucket: int) -> dict:
+    """The last hour of rate buckets, in one pipeline."""
     p = r.pipeline(transaction=False)
     span = range(now_bucket - HISTORY_BUCKETS, now_bucket + 1)
     for b in span:
         p.hgetall(k.rate_bucket(b))
-    for name in consumers:
-        p.get(k.consumer(name))
-    out = p.execute()
-    buckets = stats.merge_buckets(
-        (b, {_s(f): _num(v) for f, v in row.items()}) for b, row in zip(span, out, strict=False)
-    )
-    return buckets, [_json(v) for v in out[len(span) :]]
+    rows = zip(span, p.execute(), strict=True)
+    return stats.merge_buckets((b, {_s(f): _num(v) for f, v in row.items()}) for b, row in rows)
 
 
-def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | None) -> list:
+def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | None) -> list:
     """One row per server: leases held, recent rates, and what its consumers report."""
     leased = Counter(_s(o).split("|")[1] for o in raw["owners"] if _s(o).count("|") >= 2)
     rows: dict[str, dict] = {}
-    for (name, seen), beat in zip(raw["consumers"], beats, strict=True):
-        if not isinstance(beat, dict) or not beat.get("server"):
+    for name, seen in raw["consumers"]:
+        beat = beats.get(_s(name))
+        if not beat or not beat.get("server"):
             continue  # heartbeat expired: the consumer is gone, its leases show it anyway
         row = rows.setdefault(beat["server"], {"capacity": 0, "consumers": [], "load": None})
         row["capacity"] += int(beat.get("capacity") or 0)
@@ -123,7 +120,7 @@ def _servers(raw: dict, buckets: dict, beats: list, now: float, since: float | N
         rate = stats.rates(buckets, now, WINDOWS["5m"], since, suffix=f"|{server}")
         recent, _ = stats.window_sum(buckets, f"req|{server}", now, stats.STALL_S)
         start = first_seen.get(server)
-        known = [start * RATE_BUCKET_S] if start is not None else []
+        known: list[float] = [start * RATE_BUCKET_S] if start is not None else []
         known += [x for x in (_timestamp(row.get("started_at")), since) if x is not None]
         out.append(
             {
@@ -153,8 +150,8 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
         raise UsageError(runhealth.missing_run_message(r, k))
     now = raw["time"][0] + raw["time"][1] / 1e6
     now_bucket = int(now // RATE_BUCKET_S)
-    consumers = [_s(name) for name, _ in raw["consumers"]]
-    buckets, beats = _read_buckets(r, k, now_bucket, consumers)
+    buckets = _read_buckets(r, k, now_bucket)
+    beats = heartbeats.read(r, k, [_s(name) for name, _ in raw["consumers"]])
     status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
     found = failures.top_reasons(r, k, raw["failed"])
     status["failure_reasons"] = found["reasons"]
@@ -162,7 +159,7 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     alert = runhealth.persistence_alert(r, k, sorted(_s(d) for d in raw["outdirs"]))
     if alert:
         status["alerts"].append(alert)
-    return mask_tree(status)  # no secrets in any field
+    return cast(dict, mask_tree(status))  # no secrets in any field; still a dict
 
 
 def _shipping(raw: dict) -> dict | None:
@@ -193,7 +190,7 @@ def _params(raw: dict) -> tuple[int, dict]:
 
 
 def _assemble(
-    run: str, raw: dict, buckets: dict, beats: list, now: float, threshold: float
+    run: str, raw: dict, buckets: dict, beats: dict, now: float, threshold: float
 ) -> dict:
     meta = {_s(f): _s(v) for f, v in raw["meta"].items()}
     total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]

@@ -52,16 +52,17 @@ def jsonl_to_parquet(src: str, out: str) -> int:
 
     tmp, rows, n = f"{out}.tmp-{os.getpid()}", [], 0
     size = 0
+    arrow_schema = schema()
     try:
-        with open(src, "rb") as f, pq.ParquetWriter(tmp, schema(), compression="zstd") as w:
+        with open(src, "rb") as f, pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as w:
             for line in f:
                 rows.append(_row(orjson.loads(line)))
                 size += len(line)
                 if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
-                    w.write_table(pa.Table.from_pylist(rows, schema=w.schema))
+                    w.write_table(pa.Table.from_pylist(rows, schema=arrow_schema))
                     n, rows, size = n + len(rows), [], 0
             if rows:
-                w.write_table(pa.Table.from_pylist(rows, schema=w.schema))
+                w.write_table(pa.Table.from_pylist(rows, schema=arrow_schema))
                 n += len(rows)
         os.replace(tmp, out)
     finally:

@@ -27,12 +27,15 @@ from common.errors import GenqError, StoreUnavailable, UsageError
 
 try:  # zstd when the package is there (it is a dependency); gzip keeps working without it
     import zstandard
+    HAVE_ZSTD = True
 except ImportError:  # pragma: no cover - exercised only where zstandard is missing
-    zstandard = None
+    HAVE_ZSTD = False
 
 _DECODE_ERRORS: tuple[type[Exception], ...] = (gzip.BadGzipFile,) + (
-    (zstandard.ZstdError,) if zstandard is not None else ())
-SUFFIX = ".jsonl.zst" if zstandard is not None else ".jsonl.gz"
+    (zstandard.ZstdError,) if HAVE_ZSTD else ())
+# Reading a shard back: a damaged or foreign object.
+_READ_ERRORS: tuple[type[Exception], ...] = (OSError, EOFError, *_DECODE_ERRORS)
+SUFFIX = ".jsonl.zst" if HAVE_ZSTD else ".jsonl.gz"
 MANIFEST = "manifest.json"  # <prefix>/<run>/<consumer>/manifest.json, one per consumer
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SHARD_KEY = re.compile(r"/([^/]+)/shard-([^/]+)\.jsonl\.(zst|gz)$")
@@ -84,7 +87,7 @@ def shard_key(uri: S3Uri, path: Path) -> str:
 
 
 def compress(data: bytes) -> bytes:
-    if zstandard is not None:
+    if HAVE_ZSTD:
         return zstandard.ZstdCompressor(level=3).compress(data)
     return gzip.compress(data, compresslevel=6, mtime=0)  # mtime 0: same bytes, same object
 
@@ -139,7 +142,7 @@ def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
     """A binary stream of the object's content, decompressed by its suffix."""
     body = s3.get_object(Bucket=uri.bucket, Key=key)["Body"]
     if key.endswith(".zst"):
-        if zstandard is None:
+        if not HAVE_ZSTD:
             raise UsageError(f"{key} is zstd-compressed: pip install zstandard")
         # Buffered, so that callers can iterate lines (the bare reader cannot readline).
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(body, closefd=True),
@@ -221,6 +224,6 @@ def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None
             paths.append(path)
     except (BotoCoreError, ClientError) as e:
         raise store_error(e, f"reading {uri}/{run}") from None
-    except (OSError, EOFError, *_DECODE_ERRORS) as e:  # a damaged or foreign object
+    except _READ_ERRORS as e:
         raise GenqError(f"reading {uri}/{run}: {path.name}: {e}") from None
     return paths

@@ -31,6 +31,8 @@ logger = structlog.get_logger("shipper")
 
 BACKOFF_FIRST_S = 0.5
 BACKOFF_MAX_S = 10.0  # one cheap retry per 10 s at worst: a backlog drains soon after S3 is back
+# A failed upload: retried with backoff, the shard kept on disk meanwhile.
+SHIP_TROUBLE: tuple[type[Exception], ...] = (StoreUnavailable, *REDIS_TROUBLE)
 
 
 @dataclass
@@ -121,7 +123,7 @@ class Shipper:
             item = next(iter(self.queue.values()))
             try:
                 await self.ship(item)
-            except (StoreUnavailable, *REDIS_TROUBLE) as e:
+            except SHIP_TROUBLE as e:
                 await self.failed(item, e)
                 continue
             if self.queue.get(item.path) is item:  # not replaced by a newer version meanwhile
