@@ -163,7 +163,9 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     for name, data in fields.items():
         if data:
             pipe.set(getattr(k, name), bytes(data))
-    pipe.hset(k.counters, mapping=counters)
+    # redis-py types `mapping` with a union key type, and Mapping's key is invariant: no
+    # dict[str, int] matches it, though hset takes one (here and below).
+    pipe.hset(k.counters, mapping=counters)  # type: ignore[arg-type]
     if hist:
         pipe.hset(k.length_hist, mapping=dict(hist))
     pipe.hset(k.params, mapping={v: orjson.dumps(p) for v, p in manifest["params"].items()})
@@ -173,7 +175,7 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     pipe.rpush(k.params_history, *[orjson.dumps(h) for h in manifest["history"]])
     marks = redo_marks(manifest["history"])
     if marks:
-        pipe.hset(k.redo_marks, mapping=marks)
+        pipe.hset(k.redo_marks, mapping=marks)  # type: ignore[arg-type]
     if out_dirs:
         pipe.sadd(k.outdirs, *out_dirs)
     pipe.sadd(RUNS, k.run)
