@@ -33,7 +33,7 @@ from common.data.shards import ShardWriter, repair_shards
 from common.errors import GenqError, ServerUnavailable
 from common.queue import run as runs
 from common.sglang.client import SGLang
-from consumer import faults, runstate, servers, shipping
+from consumer import runstate, servers, shipping
 from consumer.servers import parse_servers
 from consumer.settings import ConsumeSettings
 from consumer.worker import Consumer
@@ -165,7 +165,6 @@ async def serve(s: ConsumeSettings) -> int:
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
     writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
-    sink = faults.wrap(writer, os.environ.get("GENQ_FAULT"))
     sync.sadd(k.outdirs, os.path.abspath(s.out))
     server = SGLang(s.server, request_timeout=s.request_timeout,
                     stall_timeout=s.stall_timeout)
@@ -181,23 +180,23 @@ async def serve(s: ConsumeSettings) -> int:
     rc = 0
     try:
         capacity, model, context = await wait_for_server(server, s)
-        consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset, sink=sink,
-                            server=server, capacity=capacity, model=model,
-                            runstate=runstate.RunState(k, info.epoch, s.out))
-        consumer.context_length = context
+        consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset,
+                            sink=writer, server=server, capacity=capacity, model=model,
+                            runstate=runstate.RunState(k, info.epoch, s.out),
+                            context_length=context)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, consumer.request_stop)
         if stopped.is_set():  # a signal came while starting up
             consumer.request_stop()
         logger.info("consumer_started", capacity=capacity, model=model, context_length=context,
-                    shard=str(sink.path))
+                    shard=str(writer.path))
         await consumer.run()
         logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
         if consumer.runstate.failure:
             raise GenqError(consumer.runstate.failure)
         if ship is not None:
-            sink.close()  # the last shard joins the backlog
+            writer.close()  # the last shard joins the backlog
             rc = await ship.finish(s.ship_wait if s.burst else min(s.ship_wait, s.grace))
     finally:
         if ship is not None:
@@ -205,6 +204,6 @@ async def serve(s: ConsumeSettings) -> int:
         await server.close()
         await client.aclose()
         sync.close()
-        sink.close()
+        writer.close()
         dataset.close()
     return 1 if consumer.crashed else rc

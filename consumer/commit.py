@@ -1,135 +1,141 @@
-"""Finished answers are written and acknowledged beside the slots, in batches: one fdatasync
-and one ack.lua call for every answer that finished while the previous batch was committed.
-A slot hands its answer over and claims its next task at once, so a slow disk never keeps a
-server slot empty; the task's lease stays held (and renewed) until its ack.
+"""Finished answers are written and acknowledged beside the slots, in batches: one write with
+one fdatasync, then one ack.lua call, for every answer that finished meanwhile. A slot hands
+its answer over and takes its next task at once, so a slow disk never keeps a server slot
+empty; the task stays held (its lease renewed) until its ack.
 
-While requests are running, a batch waits up to LINGER_S after the previous one began, or
-until half the slots' answers are in: a server answering 160 requests a second then shares
-each ack.lua call among ~8 answers instead of ~1.5 (with the claims' larger batches, Redis
-commands per task 33 -> 15, bench/README.md). No slot waits for it; an answer that comes
-while no other request runs, or at a stop, goes at once. The price: at a parameter change
-that aborts old work, answers that finished up to LINGER_S before it run again."""
+While other requests run, a batch waits up to LINGER_S after the previous one began, or until
+half the slots' answers are in, so a server answering many requests a second shares each
+ack among several answers. No slot waits for it; an answer that comes while no other request
+runs, or at a stop, goes at once. The price: at a parameter change that aborts old work,
+answers that finished up to LINGER_S before it run again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from common.queue.scripts import Result
+from common.sglang.stream import Completion
 from consumer.backoff import ShuttingDown
-from consumer.batch import MAX_BATCH
-from consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED
-
-if TYPE_CHECKING:
-    from consumer.worker import Consumer, Inflight
+from consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED, Inflight
 
 logger = structlog.get_logger("consumer")
 
 LINGER_S = 0.05
+MAX_BATCH = 128  # keeps one ack.lua call short (a 128-result ack runs in about a millisecond)
 
 
 @dataclass
 class Finished:
     inflight: Inflight
     record: dict[str, Any]
-    completion: Any  # common.sglang.stream.Completion
+    completion: Completion
 
 
 class Committer:
-    def __init__(self, consumer: Consumer) -> None:
-        self.c = consumer
+    """write(records) makes them durable; ack(results) acknowledges them (retried through
+    outages); on_error(task, error) settles a task whose write failed; on_done(tasks,
+    accepted) is told of each batch once it is settled; slots() and busy() say how many
+    slots there are and whether other requests are running."""
+
+    def __init__(self, write: Callable[[list[dict[str, Any]]], None],
+                 ack: Callable[[list[Result]], Awaitable[list[int]]], *,
+                 on_error: Callable[[Inflight, Exception], Awaitable[None]],
+                 on_done: Callable[[list[Inflight], int], None],
+                 slots: Callable[[], int], busy: Callable[[], bool]) -> None:
+        self.write, self.ack = write, ack
+        self.on_error, self.on_done = on_error, on_done
+        self.slots, self.busy = slots, busy
         self.pending: list[Finished] = []
-        self.task: asyncio.Task[None] | None = None
         self.room = asyncio.Event()  # cleared while a capacity of answers waits (a slow disk)
         self.room.set()
         self.hurry = asyncio.Event()  # commit the next batch without lingering
+        self.arrived = asyncio.Event()  # an answer came
+        self.closed = False
         self.last = 0.0  # when the last batch began (time.monotonic)
 
-    def add(self, inflight: Inflight, record: dict[str, Any], completion: Any) -> None:
+    def add(self, inflight: Inflight, record: dict[str, Any], completion: Completion) -> None:
         self.pending.append(Finished(inflight, record, completion))
-        if len(self.pending) >= max(1, self.c.capacity // 2) or not self.c.sending:
+        self.arrived.set()
+        if len(self.pending) >= max(1, self.slots() // 2) or not self.busy():
             self.hurry.set()
-        if len(self.pending) >= self.c.capacity:
+        if len(self.pending) >= self.slots():
             self.room.clear()
-        if self.task is None:
-            assert self.c.tg is not None  # slots only run inside Consumer.run's TaskGroup
-            self.task = self.c.tg.create_task(self.run())
+
+    def close(self) -> None:
+        """Commit what is pending at once, then end."""
+        self.closed = True
+        self.hurry.set()
+        self.arrived.set()
 
     async def run(self) -> None:
-        try:
+        while not (self.closed and not self.pending):
+            if not self.pending:
+                self.arrived.clear()
+                await self.arrived.wait()
+                continue
             await asyncio.sleep(0)  # the answers that came in this turn of the loop join
-            while self.pending:
-                await self.linger()
-                self.hurry.clear()
-                self.last = time.monotonic()
-                batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
-                try:
-                    await self.commit(batch)
-                finally:
-                    for done in batch:
-                        self.c.let_go(done.inflight)
-                    if len(self.pending) < self.c.capacity:
-                        self.room.set()
-                    if not self.c.held:
-                        self.c.wake()  # idle slots look again now: the run may be settled
-        finally:
-            self.task = None
-            self.room.set()
+            await self.linger()
+            self.hurry.clear()
+            self.last = time.monotonic()
+            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+            accepted = 0
+            try:
+                accepted = await self.commit(batch)
+            finally:
+                if len(self.pending) < self.slots():
+                    self.room.set()
+                self.on_done([done.inflight for done in batch], accepted)
 
     async def linger(self) -> None:
         """Wait for more answers to share this batch's write and ack: until LINGER_S after the
-        previous batch began, half the slots' answers, the last request's answer, or a
-        stop (Consumer.halt hurries)."""
+        previous batch began, half the slots' answers, the last request's answer, or a stop."""
         wait = self.last + LINGER_S - time.monotonic()
-        if wait <= 0 or self.hurry.is_set() or self.c.stop.is_set():
+        if wait <= 0 or self.hurry.is_set():
             return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(wait):
                 await self.hurry.wait()
 
-    async def commit(self, batch: list[Finished]) -> None:
-        """Write the records, then acknowledge them: never an ack for a result not on disk."""
+    async def commit(self, batch: list[Finished]) -> int:
+        """Write the records, then acknowledge them: never an ack for a result not on disk.
+        Returns how many were accepted."""
         try:
-            await asyncio.to_thread(self.c.sink.write_many, [done.record for done in batch])
+            await asyncio.to_thread(self.write, [done.record for done in batch])
         except Exception as e:
             for done in batch:  # the disk's trouble: each task is given back (or a bug raises)
-                await self.c.settle_error(done.inflight.lease, e)
-            return
-        results = [result(done) for done in batch]
+                await self.on_error(done.inflight, e)
+            return 0
         try:
-            outcomes = await self.c.retry(lambda: self.c.q.ack(results))
+            outcomes = await self.ack([result(done) for done in batch])
         except ShuttingDown as e:
             logger.warning("stopped_without_redis", error=str(e), unacked=len(batch),
                            consequence="held leases expire and return to the queue")
-            return
-        accepted = 0
+            return 0
         for done, outcome in zip(batch, outcomes, strict=True):
-            if outcome == ACCEPTED:
-                accepted += 1
-            else:
-                self.log_refusal(outcome, done)
-        if accepted:  # counted per batch: a log call per task was 1 % of a busy consumer
-            self.c.acked += accepted
-            self.c.pause.recovered()
-            logger.debug("tasks_acked", count=accepted)
+            if outcome != ACCEPTED:
+                log_refusal(outcome, done.inflight)
+        return outcomes.count(ACCEPTED)
 
-    def log_refusal(self, outcome: int, done: Finished) -> None:
-        """A result that was not accepted: a redo covers it, new parameters, a lost lease."""
-        lease = done.inflight.lease
-        if outcome == SET_ASIDE:
-            logger.info("result_set_aside", index=lease.index, version=lease.version,
-                        reason="a redo issued since covers it; kept until a new one is accepted")
-        elif outcome == SUPERSEDED:
-            logger.info("result_superseded", index=lease.index, version=lease.version,
-                        reason="parameters changed; the task runs again under the new ones")
-        else:
-            logger.warning("ack_refused", index=lease.index,
-                           reason="lease lost; another attempt owns the task")
+
+def log_refusal(outcome: int, inflight: Inflight) -> None:
+    """A result that was not accepted: a redo covers it, new parameters, a lost lease."""
+    lease = inflight.lease
+    if outcome == SET_ASIDE:
+        logger.info("result_set_aside", index=lease.index, version=lease.version,
+                    reason="a redo issued since covers it; kept until a new one is accepted")
+    elif outcome == SUPERSEDED:
+        logger.info("result_superseded", index=lease.index, version=lease.version,
+                    reason="parameters changed; the task runs again under the new ones")
+    else:
+        logger.warning("ack_refused", index=lease.index,
+                       reason="lease lost; another attempt owns the task")
 
 
 def result(done: Finished) -> Result:

@@ -14,45 +14,19 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
 from common.errors import ServerUnavailable
 from common.report.advice import HISTORY_SAMPLES, load_sample
-from consumer import presence
-
-if TYPE_CHECKING:
-    from consumer.worker import Consumer
+from common.sglang.client import SGLang
 
 logger = structlog.get_logger("consumer")
 
 # The load is read every second (for tracking) but kept for the monitor's chart and the
 # capacity advice only this often, so HISTORY_SAMPLES spans minutes, not seconds.
 HISTORY_PERIOD_S = 2.5
-
-
-def new_history() -> collections.deque[list[Any]]:
-    """The server's recent loads, sent with each heartbeat for the monitor's chart and advice."""
-    return collections.deque(maxlen=HISTORY_SAMPLES)
-
-
-def resize(self: Consumer) -> None:
-    """One slot per request the server runs at once. Slots above a lowered capacity end after
-    their current task (Consumer.claim_and_process checks); a raised one gets new slots here."""
-    if self.tg is None or self.stop.is_set():
-        return
-    for n in range(self.capacity):
-        if n not in self.slots:
-            self.slots[n] = self.tg.create_task(slot(self, n))
-
-
-async def slot(self: Consumer, n: int) -> None:
-    try:
-        await self.slot(n)
-    finally:
-        self.slots.pop(n, None)
 
 
 # --- tracking: pure functions ------------------------------------------------------------
@@ -100,106 +74,84 @@ def next_capacity(current: int, target: int, previous: int | None, lowered: int,
     return current
 
 
-# --- tracking: wiring --------------------------------------------------------------------
-@dataclass
-class Tracking:
-    """What tracking keeps between samples (the consumer's `tracking`)."""
+# --- the follower: what a consumer keeps of its server ------------------------------------
+class Follower:
+    """The server's load, capacity and context as this consumer last read them, and the slot
+    count they ask for. `load_tick` runs every second (every 0.5 s while a change waits for its
+    confirming sample), `server_tick` every 2.5 s; each returns a new slot count, or None."""
 
-    server_max: int | None = None  # the server's max running requests, as last read
-    previous: int | None = None  # the previous sample's target
-    kept_at: float = 0.0  # when a sample was last kept in the load history
+    def __init__(self, server: SGLang, *, capacity: int, context_length: int | None,
+                 fixed: bool) -> None:
+        self.server, self.fixed = server, fixed  # fixed: --concurrency set the slot count
+        self.capacity, self.context_length = capacity, context_length
+        self.load: dict[str, Any] | None = None
+        self.history: collections.deque[list[Any]] = collections.deque(maxlen=HISTORY_SAMPLES)
+        self.server_max: int | None = None  # the server's max running requests, as last read
+        self.previous: int | None = None  # the previous sample's target
+        self.kept_at = 0.0  # when a sample was last kept in the history
 
+    @property
+    def unconfirmed(self) -> bool:
+        """The last sample asked for another slot count that a second one must confirm."""
+        return self.previous is not None and self.previous != self.capacity
 
-def unconfirmed(self: Consumer) -> bool:
-    """The last sample asked for another slot count that a second sample must confirm: read
-    the load again at the next housekeeping tick (0.5 s) rather than a second later."""
-    previous = self.tracking.previous
-    return previous is not None and previous != self.capacity
+    async def load_tick(self, ours: int) -> int | None:
+        """Read the load: kept for the heartbeat, and the slot count follows it. `ours`: our
+        requests the server holds now."""
+        self.load = await self.server.load()
+        if not self.load:
+            return None  # a restarting server (its slots are paused anyway) or no endpoint
+        now = time.time()
+        if now - self.kept_at >= HISTORY_PERIOD_S - 0.1:
+            self.kept_at = now
+            self.history.append(load_sample(now, self.load))
+        if self.fixed or not self.load.get("max_running_requests"):
+            return None  # a server whose load does not say its max: server_tick reads it
+        return self.settle(self.track(self.load, ours))
 
+    def track(self, load: dict[str, Any], ours: int) -> int:
+        """One load sample moves the slot count toward the server's max less the others'."""
+        max_running = int(load["max_running_requests"])
+        if max_running != self.server_max:  # started, or restarted with another max
+            first, self.server_max, self.previous = self.server_max is None, max_running, None
+            if first and max_running == self.capacity:
+                return self.capacity
+            logger.info("server_capacity_changed", old=self.capacity, new=max_running)
+            return max_running
+        running, waiting = int(load["num_reqs"]), int(load["num_waiting_reqs"])
+        target = target_slots(running, waiting, max_running, ours)
+        lowered = withdrawn(self.capacity, running, waiting, max_running, ours)
+        new = next_capacity(self.capacity, target, self.previous, lowered, waiting)
+        self.previous = target
+        if new != self.capacity:
+            reason = ("others waiting" if new < self.capacity and waiting else
+                      "others running" if new < self.capacity else "others gone")
+            logger.info("slots_changed", old=self.capacity, new=new, reason=reason,
+                        server_max=max_running, running=running, waiting=waiting, ours=ours,
+                        others=others(running, waiting, ours))
+        return new
 
-def requests_at_server(self: Consumer) -> int:
-    """Our requests the server holds now: those sent and not answered. A task whose answer is
-    being written or acked no longer holds a place at the server."""
-    return sum(1 for i in self.held.values() if i.request is not None and not i.request.done())
+    def settle(self, capacity: int) -> int | None:
+        if capacity == self.capacity:
+            return None
+        self.capacity = capacity
+        return capacity
 
-
-def set_capacity(self: Consumer, capacity: int) -> None:
-    self.capacity = capacity
-    resize(self)
-
-
-def follow_max(self: Consumer, t: Tracking, max_running: int) -> bool:
-    """A server restarted with another --max-running-requests: its max becomes the slot count
-    and tracking starts over from it. True when it changed."""
-    if max_running == t.server_max:
-        return False
-    first = t.server_max is None
-    t.server_max, t.previous = max_running, None
-    if first and max_running == self.capacity:
-        return False  # the capacity read at start
-    logger.info("server_capacity_changed", old=self.capacity, new=max_running)
-    set_capacity(self, max_running)
-    return True
-
-
-def track(self: Consumer, load: dict[str, Any]) -> None:
-    """One load sample moves the slot count toward the server's max less the others' share."""
-    max_running = load.get("max_running_requests")
-    if not max_running:
-        return  # /get_load of a server that does not say its max: follow_server reads it
-    t = self.tracking
-    if follow_max(self, t, int(max_running)):
-        return
-    running, waiting = int(load["num_reqs"]), int(load["num_waiting_reqs"])
-    ours = requests_at_server(self)
-    target = target_slots(running, waiting, int(max_running), ours)
-    lowered = withdrawn(self.capacity, running, waiting, int(max_running), ours)
-    new = next_capacity(self.capacity, target, t.previous, lowered, waiting)
-    t.previous = target
-    if new == self.capacity:
-        return
-    reason = ("others waiting" if new < self.capacity and waiting else
-              "others running" if new < self.capacity else "others gone")
-    logger.info("slots_changed", old=self.capacity, new=new, reason=reason,
-                server_max=max_running, running=running, waiting=waiting, ours=ours,
-                others=others(running, waiting, ours))
-    set_capacity(self, new)
-
-
-async def follow_load(self: Consumer) -> None:
-    """Read the server's load (every second): kept for the heartbeat, and the slot count
-    follows it unless --concurrency fixed it."""
-    self.load = await self.server.load()
-    if not self.load:
-        return  # a restarting server (its slots are paused anyway) or no load endpoint
-    t = self.tracking
-    now = time.time()
-    if now - t.kept_at >= HISTORY_PERIOD_S - 0.1:
-        t.kept_at = now
-        self.load_history.append(load_sample(now, self.load))
-    if not self.s.concurrency:
-        track(self, self.load)
-
-
-async def follow_server(self: Consumer) -> None:
-    """Pick up a context length that changed (server restarted with other flags), or the
-    capacity of a server without a load endpoint, and record them where `genq requeue`
-    checks max_tokens."""
-    try:
-        capacity = None
-        if not (self.load or {}).get("max_running_requests") and not self.s.concurrency:
-            # a server whose load does not say its max (or that has no load endpoint)
-            capacity = await self.server.capacity()
-        context = await self.server.context_length()
-    except ServerUnavailable:
-        return  # a restarting server: its slots are paused anyway; try again later
-    if capacity and capacity != self.capacity:
-        logger.info("server_capacity_changed", old=self.capacity, new=capacity)
-        set_capacity(self, capacity)
-    if context != self.context_length or not self.server_recorded:
-        if context != self.context_length:
+    async def server_tick(self) -> tuple[int | None, bool]:
+        """Pick up a context length that changed (the server restarted with other flags), or
+        the capacity of a server without a load endpoint. Returns the new slot count (or None)
+        and whether the context changed (or was never recorded), for the caller to record."""
+        try:
+            capacity = None
+            if not (self.load or {}).get("max_running_requests") and not self.fixed:
+                capacity = await self.server.capacity()
+            context = await self.server.context_length()
+        except ServerUnavailable:
+            return None, False  # a restarting server: its slots are paused anyway
+        changed = context != self.context_length
+        if changed:
             logger.info("server_context_changed", old=self.context_length, new=context)
-        self.context_length = context
-        server_max = self.tracking.server_max or self.capacity
-        await presence.record_server(self.r, self.k, self.s.server, context, server_max)
-        self.server_recorded = True
+            self.context_length = context
+        if capacity and capacity != self.capacity:
+            logger.info("server_capacity_changed", old=self.capacity, new=capacity)
+        return (self.settle(capacity) if capacity else None), changed

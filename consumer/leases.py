@@ -1,10 +1,12 @@
-"""The consumer's side of the task queue: claim, renew, ack, release, fail and reap over the
-shared Lua scripts, on one redis.asyncio client."""
+"""The consumer's side of the task queue: a claimed task (Lease, Inflight) and claim, renew,
+ack, release, fail and reap over the shared Lua scripts, on one redis.asyncio client."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
@@ -20,6 +22,36 @@ class Lease:
     attempt: int
     spent: int
     version: int
+
+
+@dataclass(eq=False)
+class Inflight:
+    """A claimed task, held (its lease renewed, abortable) from its claim to its ack."""
+
+    lease: Lease
+    request: asyncio.Task | None = None  # the request to the server, once sent
+    abort: str = ""  # why it was aborted, once it was
+    started: float = field(default_factory=time.monotonic)
+
+    def sent(self, request: asyncio.Task) -> None:
+        """SGLang.chat's on_request: an abort that came before the request existed ends it."""
+        self.request = request
+        if self.abort:
+            request.cancel()
+
+    def cancel(self, reason: str) -> None:
+        """Abort the task's request; one not sent yet is never sent (its slot checks `abort`
+        before sending, and `sent` cancels it), nor is the retry of one that did not fit."""
+        if self.at_server:
+            self.abort = reason
+            self.request.cancel()  # type: ignore[union-attr]  # at_server: it exists
+        else:
+            self.abort = self.abort or reason
+
+    @property
+    def at_server(self) -> bool:
+        """Sent and not answered yet: it holds a place at the server."""
+        return self.request is not None and not self.request.done()
 
 
 # What ack.lua answers.

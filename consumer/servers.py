@@ -136,6 +136,17 @@ async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
             return
 
 
+async def supervised(keeping: Awaitable[None]) -> None:
+    """The lease keeper rides out Redis trouble itself; anything else is a bug that would leave
+    the server driven without a lease (a spare would take it): log it and stop the consumer."""
+    try:
+        await keeping
+    except Exception:
+        logger.exception("background_task_crashed", task="server_lease",
+                         consequence="the consumer stops and gives its tasks back")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 async def drive(s: ConsumeSettings, serve: Serve) -> int:
     """Lease a server, run `serve` on it while renewing the lease, release it on the way out.
     Exit code 3 when the lease was lost, so a supervisor restarts this replica as a spare."""
@@ -151,7 +162,7 @@ async def drive(s: ConsumeSettings, serve: Serve) -> int:
             return 0
         structlog.contextvars.bind_contextvars(server=url)
         lost = asyncio.Event()
-        keeper = asyncio.create_task(keep(r, url, token, s.server_lease, lost))
+        keeper = asyncio.create_task(supervised(keep(r, url, token, s.server_lease, lost)))
         try:
             code = await serve(replace(s, server=url))
         finally:

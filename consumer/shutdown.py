@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any
 
 import structlog
 
@@ -89,31 +88,3 @@ async def withdraw(body: Callable[[], Awaitable[None]]) -> None:
             await body()
     except REDIS_TROUBLE as e:  # includes TimeoutError
         logger.warning("deregister_failed", error=str(e) or type(e).__name__)
-
-
-async def drain(consumer: Any) -> None:
-    """Once the consumer stops: in-flight work gets the grace, then is given back."""
-    await consumer.stop.wait()
-    if consumer.deadline is None:
-        consumer.deadline = time.monotonic() + consumer.s.grace
-    arm_watchdog(consumer.s.grace)
-    await consumer.ready.give_back()  # tasks claimed ahead and never started
-    while consumer.held and not consumer.past_grace():
-        await asyncio.sleep(0.05)
-    consumer.abort_all("shutdown")
-    committing = consumer.committer.task
-    await bounded([*consumer.slots.values(), *([committing] if committing else [])])
-
-
-async def supervise(consumer: Any, body: Callable[[], Awaitable[None]]) -> None:
-    """Lease renewal and housekeeping run beside the slots. One that dies of anything but
-    Redis trouble (which it rides out itself) would leave the consumer acking with no renewals,
-    reaping or parameter watch; so the crash is logged with its traceback and the consumer
-    stops: claiming ends, in-flight work drains, the leases are given back."""
-    try:
-        await body()
-    except Exception:
-        consumer.crashed = body.__name__
-        logger.exception("background_task_crashed", task=body.__name__,
-                         consequence="the consumer stops and gives its tasks back")
-        consumer.request_stop()

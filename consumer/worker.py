@@ -1,17 +1,19 @@
-"""The consumer loop: one slot per request the server runs at once (follow.py resizes them),
-each holding one leased task at a time, plus lease renewal and housekeeping, in one TaskGroup.
-A slot whose answer came hands it to a commit (write, then acknowledge) and claims its next task
-at once, so the server stays exactly full; claims of many slots go to Redis together
-(consumer/batch.py), and so do their writes and acks (consumer/commit.py)."""
+"""The consumer: one worker that keeps one SGLang server exactly full.
+
+`Consumer.run` starts one slot per request the server runs at once, the prefetcher that claims
+tasks ahead for them (prefetch.py), the committer that writes and acknowledges their answers
+(commit.py) and one loop per housekeeping duty (duties.py). A slot takes a task, sends its
+request, hands the answer to the committer and takes its next task at once. A stop drains the
+slots for --grace seconds and gives back what is left (shutdown.py bounds the rest)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
+import os
+import socket
 import time
-from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -19,104 +21,113 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from common.data.dataset import Dataset
 from common.data.records import build_record
-from common.errors import (
-    BadTask,
-    Retryable,
-    TryAgain,
-    classify,
-    mask_secrets,
-)
+from common.data.shards import ShardWriter
+from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
 from common.params import DEFAULTS, request_body
+from common.queue import feed, probe_store
 from common.queue.keys import RunKeys
 from common.queue.scripts import ScriptRunner, iso_now
 from common.sglang.client import SGLang
-from consumer import background, presence, shutdown
+from common.sglang.stream import Completion
+from consumer import duties, presence, shutdown
 from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
-from consumer.batch import Batcher
 from consumer.commit import Committer
-from consumer.follow import Tracking, new_history, resize
-from consumer.leases import KEPT, Lease, TaskQueue
-from consumer.ready import Ready
-from consumer.reuse import kept_answer
-from consumer.runstate import RunState
+from consumer.follow import HISTORY_PERIOD_S, Follower
+from consumer.leases import KEPT, Inflight, Lease, TaskQueue
+from consumer.prefetch import Prefetch
+from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
 
 
-@dataclass
-class Inflight:
-    lease: Lease
-    request: asyncio.Task | None = None  # the request to the server, once sent
-    abort: str = ""
-    started: float = field(default_factory=time.monotonic)
-
-    def sent(self, request: asyncio.Task) -> None:
-        """SGLang.chat's on_request. An abort that came while the request was not sent yet
-        (a probe's kept answer was being looked up) ends it now."""
-        self.request = request
-        if self.abort:
-            request.cancel()
-
-
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
-                 sync: redis.Redis, total: int, dataset: Any, sink: Any, server: SGLang,
-                 capacity: int, model: str, runstate: RunState) -> None:
-        self.s, self.r, self.k, self.total = s, client, keys, total
-        # The producer's top-up code is synchronous; it runs on its own client in a thread.
+                 sync: redis.Redis, total: int, dataset: Dataset, sink: ShardWriter,
+                 server: SGLang, capacity: int, model: str, runstate: RunState,
+                 context_length: int | None = None) -> None:
+        self.settings, self.redis, self.keys, self.total = s, client, keys, total
+        # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts = sync, ScriptRunner(sync)
-        self.dataset, self.sink, self.server = dataset, sink, server
-        self.capacity, self.model = capacity, model
-        self.context_length: int | None = None  # the server's, as last read (follow.py)
-        self.server_recorded = False
-        self.tg: asyncio.TaskGroup | None = None
+        self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         self.runstate = runstate
-        self.q = TaskQueue(client, keys, server=s.server, worker=s.name,
-                           visibility_timeout=s.visibility_timeout)
-        self.held: dict[str, Inflight] = {}  # answers being generated, written or acked
-        self.sending = 0  # requests sent and not yet answered
-        self.ready = Ready(self)  # tasks claimed ahead for the next slots to finish
-        self.claims = Batcher(self.ready.claim_for)
-        self.committer = Committer(self)  # answers being written and acked
+        self.queue = TaskQueue(client, keys, server=s.server, worker=s.name,
+                               visibility_timeout=s.visibility_timeout)
+        self.follower = Follower(server, capacity=capacity, context_length=context_length,
+                                 fixed=bool(s.concurrency))
+        self.held: dict[str, Inflight] = {}  # claimed tasks, from their claim to their ack
         self.stop = asyncio.Event()
-        self.waker = asyncio.Event()  # ends every nap(); replaced each time it fires
+        self.prefetch = Prefetch(self.claim, self.put_back, slots=lambda: self.capacity,
+                                 poll=s.poll, paused=self.claiming_paused, stop=self.stop,
+                                 on_empty=self.on_empty)
+        self.committer = Committer(
+            lambda records: self.sink.write_many(records),
+            lambda results: self.retry(lambda: self.queue.ack(results)),
+            on_error=lambda inflight, e: self.settle_error(inflight.lease, e),
+            on_done=self.committed, slots=lambda: self.capacity, busy=lambda: self.sending > 0)
+        self.sending = 0  # requests sent and not yet answered
         self.params: dict[int, dict[str, Any]] = {}
-        self.version = 0
+        self.version = 0  # the newest parameter version seen
         self.pause = ClaimPause()
-        self.load, self.load_history = None, new_history()  # follow.py reads and keeps them
-        self.tracking = Tracking()  # the slot count following the server's load (follow.py)
-        self.probe_kept = False  # answers of `requeue --probe` to look for (reuse.py)
+        self.probe_kept = False  # answers of `requeue --probe` to look for, as last checked
         self.acked = self.started_at = 0
         self.birth = iso_now()
-        self.crashed = ""  # the background task that died, if one did
-        self.slots: dict[int, asyncio.Task] = {}  # slot number -> its task (follow.resize)
+        self.crashed = ""  # the duty that died, if one did
+        self.slots: dict[int, asyncio.Task[None]] = {}
+        self.tg: asyncio.TaskGroup | None = None
         self.deadline: float | None = None  # end of the shutdown grace, once stopping
-        self.finished = False  # the slots are done: background loops end (see cancel_and_wait)
+        self.server_recorded = False
+
+    @property
+    def capacity(self) -> int:
+        return self.follower.capacity
 
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
-        await redis_retry(self.q.preload)
-        background = [asyncio.create_task(shutdown.supervise(self, body))
-                      for body in (self.keep_leases, self.housekeeping)]
+        await redis_retry(self.queue.preload)
+        loops = [asyncio.create_task(duties.run(duty, self.crash)) for duty in self.duties()]
         try:
             async with asyncio.TaskGroup() as tg:
                 self.tg = tg
-                resize(self)
-                tg.create_task(shutdown.drain(self))
+                self.resize()
+                prefetching = tg.create_task(self.prefetch.run())
+                committing = tg.create_task(self.committer.run())
+                tg.create_task(self.drain(prefetching, committing))
         finally:
-            self.finished = True
-            await shutdown.cancel_and_wait(background)
-            await shutdown.withdraw(lambda: presence.withdraw(self.r, self.k, self.s.name))
+            await shutdown.cancel_and_wait(loops)
+            await shutdown.withdraw(
+                lambda: presence.withdraw(self.redis, self.keys, self.settings.name))
 
-    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]:
-        """A Redis operation retried through outages, except past the shutdown grace."""
-        return redis_retry(op, self.past_grace)
+    def duties(self) -> list[duties.Duty]:
+        vt = self.settings.visibility_timeout
+        return [
+            duties.Duty("renew_leases", self.renew_leases, lambda: vt / 3),
+            duties.Duty("heartbeat", self.heartbeat, lambda: 1.0),
+            duties.Duty("check_run", self.check_run, lambda: 0.5),
+            duties.Duty("watch_params", self.watch_params, lambda: 0.5),
+            duties.Duty("upkeep", self.upkeep, lambda: 1.0),
+            duties.Duty("follow_load", self.follow_load,
+                        lambda: 0.5 if self.follower.unconfirmed else 1.0),
+            duties.Duty("follow_server", self.follow_server, lambda: HISTORY_PERIOD_S),
+        ]
 
-    def past_grace(self) -> bool:
-        return self.deadline is not None and time.monotonic() >= self.deadline
+    async def drain(self, prefetching: asyncio.Task[None], committing: asyncio.Task[None]) -> None:
+        """Once stopping: in-flight work gets the grace, then is given back."""
+        await self.stop.wait()
+        if self.deadline is None:
+            self.deadline = time.monotonic() + self.settings.grace
+        shutdown.arm_watchdog(self.settings.grace)
+        await shutdown.bounded([prefetching])  # its last claim, if one was under way, lands
+        await self.prefetch.give_back()  # tasks claimed ahead and never started
+        while self.held and not self.past_grace():
+            await asyncio.sleep(0.05)
+        self.abort_all("shutdown")
+        await shutdown.bounded(list(self.slots.values()))
+        self.committer.close()
+        await shutdown.bounded([committing])
 
     def request_stop(self) -> None:
         """First SIGTERM: stop claiming and drain; a second one gives everything back now.
@@ -126,128 +137,162 @@ class Consumer:
         if again:
             self.deadline = time.monotonic()
             self.abort_all("shutdown")
-        logger.info("stopping", inflight=len(self.held), grace_s=self.s.grace)
+        logger.info("stopping", inflight=len(self.held), grace_s=self.settings.grace)
 
     def halt(self) -> None:
-        """Stop claiming; napping slots see it now, not after their nap."""
         self.stop.set()
         self.committer.hurry.set()
-        self.wake()
+        self.prefetch.wake()
 
-    def wake(self) -> None:
-        self.waker.set()
-        self.waker = asyncio.Event()
+    def crash(self, duty: str) -> None:
+        self.crashed = duty
+        self.request_stop()
 
-    async def nap(self, seconds: float) -> None:
-        """Sleep up to `seconds`; a stop, or the last held task done (a burst run may have
-        settled), ends it at once."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self.waker.wait()
+    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]:
+        """A Redis operation retried through outages, except past the shutdown grace."""
+        return redis_retry(op, self.past_grace)
+
+    def past_grace(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
 
     def abort_all(self, reason: str) -> None:
         for inflight in list(self.held.values()):
-            self.abort(inflight, reason)
-
-    def abort(self, inflight: Inflight, reason: str) -> None:
-        """Cancel the task's request; one not sent yet is not sent (generate and
-        Inflight.sent check), nor is the retry of one that did not fit the context."""
-        if inflight.request is None or inflight.request.done():
-            inflight.abort = inflight.abort or reason
-        else:
-            inflight.abort = reason
-            inflight.request.cancel()
+            inflight.cancel(reason)
 
     # --- slots -------------------------------------------------------------------------
+    def resize(self) -> None:
+        """One slot per request the server runs at once. Slots above a lowered capacity end
+        after their current task; a raised one gets new slots here."""
+        if self.tg is None or self.stop.is_set():
+            return
+        for n in range(self.capacity):
+            if n not in self.slots:
+                self.slots[n] = self.tg.create_task(self.slot(n))
+
     async def slot(self, n: int) -> None:
         try:
-            await self.claim_and_process(n)
+            while not self.stop.is_set() and n < self.capacity:
+                if self.claiming_paused():
+                    await asyncio.sleep(min(0.5, self.pause.remaining() or 0.5))
+                    continue
+                inflight = await self.prefetch.get()
+                if inflight is None:
+                    return
+                if self.version and inflight.lease.version < self.version:
+                    # Claimed under parameters changed since and not started: it runs again
+                    # under the new ones, whatever --inflight said about running requests.
+                    await self.put_back(inflight, "parameters changed before it started")
+                    continue
+                # bind/reset, not bound_contextvars(): its generator costs ~2 % of a busy slot
+                tokens = structlog.contextvars.bind_contextvars(index=inflight.lease.index)
+                try:
+                    await self.process(inflight)
+                finally:
+                    structlog.contextvars.reset_contextvars(**tokens)
         except ShuttingDown as e:
             logger.warning("stopped_without_redis", error=str(e),
                            consequence="held leases expire and return to the queue")
+        finally:
+            self.slots.pop(n, None)
 
-    async def claim_and_process(self, n: int) -> None:
-        """Slot n claims and runs tasks until the stop, or until the capacity drops below n."""
-        while not self.stop.is_set() and n < self.capacity:
-            if self.pause.remaining():
-                await self.nap(min(0.5, self.pause.remaining()))
-                continue
-            if self.runstate.paused:  # the run is gone from Redis: claim nothing until back
-                await self.nap(0.5)
-                continue
-            inflight = await self.ready.take(n)
-            if inflight is None:
-                if self.s.burst and not self.held and await self.settled():
-                    if not self.stop.is_set():
-                        logger.info("run_settled", acked=self.acked)
-                    self.halt()
-                    return
-                spread = max(1.0, self.capacity / 64)  # thousands of idle slots poll slower
-                await self.nap(self.s.poll * (0.5 + random.random()) * spread)
-                continue
-            # bind/reset, not bound_contextvars(): its generator costs ~2 % of a busy consumer
-            tokens = structlog.contextvars.bind_contextvars(index=inflight.lease.index)
-            try:
-                await self.process(inflight)
-            finally:
-                structlog.contextvars.reset_contextvars(**tokens)
+    def claiming_paused(self) -> bool:
+        """The run is gone from Redis, or the server or disk is in trouble."""
+        return self.runstate.paused or self.pause.remaining() > 0
 
-    def hold(self, lease: Lease) -> Inflight:
-        """A claimed task is held (its lease renewed, abortable) from its claim to its ack."""
-        inflight = self.held[lease.job_id] = Inflight(lease)
-        return inflight
+    async def claim(self, n: int) -> list[Inflight]:
+        """Prefetch's claim: each claimed task is held from now on (renewed, abortable)."""
+        got = []
+        for lease in await self.queue.claim(n):
+            inflight = self.held[lease.job_id] = Inflight(lease)
+            got.append(inflight)
+        return got
 
     def let_go(self, inflight: Inflight) -> None:
         """Stop holding this task, unless its job was claimed again meanwhile: a task given
         back can be claimed by another slot before this one resumes, and that claim's lease
         must stay held (renewed), or it expires under a running request."""
-        job_id = inflight.lease.job_id
-        if self.held.get(job_id) is inflight:
-            del self.held[job_id]
+        if self.held.get(inflight.lease.job_id) is inflight:
+            del self.held[inflight.lease.job_id]
+            if not self.held:
+                self.prefetch.poke()  # a burst run may have settled
 
-    def spawn(self, body: Coroutine[Any, Any, None]) -> None:
-        assert self.tg is not None  # everything a slot starts runs in Consumer.run's group
-        self.tg.create_task(body)
+    async def put_back(self, inflight: Inflight, reason: str) -> None:
+        """Release a task unspent: no request was sent for it."""
+        try:
+            await self.retry(lambda: self.queue.release(inflight.lease, refund=True,
+                                                        reason=reason))
+            logger.debug("ready_task_returned", index=inflight.lease.index, reason=reason)
+        except ShuttingDown:
+            pass  # past the grace with Redis away: the lease expires instead
+        finally:
+            self.let_go(inflight)
 
+    async def on_empty(self) -> None:
+        """Prefetch found nothing to claim: a --burst run ends once it is settled."""
+        if self.settings.burst and not self.held and await self.settled():
+            if not self.stop.is_set():
+                logger.info("run_settled", acked=self.acked)
+            self.halt()
+
+    async def settled(self) -> bool:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.bitcount(self.keys.done)
+        pipe.bitcount(self.keys.failed)
+        pipe.zcard(self.keys.leases)
+        pipe.llen(self.keys.rq_queue)
+        done, failed, leased, queued = await pipe.execute()
+        return done + failed >= self.total and not leased and not queued
+
+    def committed(self, batch: list[Inflight], accepted: int) -> None:
+        """The committer settled a batch: its tasks are let go."""
+        if accepted:  # counted per batch: a log call per task was 1 % of a busy consumer
+            self.acked += accepted
+            self.pause.recovered()
+            logger.debug("tasks_acked", count=accepted)
+        for inflight in batch:
+            self.let_go(inflight)
+
+    # --- one task ------------------------------------------------------------------------
     async def process(self, inflight: Inflight) -> None:
         lease = inflight.lease
-        committing = False
-        try:
-            if lease.spent > self.s.max_attempts:
-                last = await self.retry(lambda: self.q.last_error(lease.index))
-                reason = f"gave up after {self.s.max_attempts} attempts; last error: {last}"
-                outcome = await self.retry(lambda: self.q.fail(lease, reason))
-                logger.warning("task_failed", reason=reason,
-                               previous_result_kept=outcome == KEPT)
-                return
-            answered = await self.generate(inflight)
-            if answered is not None:
-                # The server's slot is free now: the write and ack run beside the next task,
-                # and the committer lets the lease go once acked.
-                self.committer.add(inflight, *answered)
-                committing = True
-        finally:
-            if not committing:
+        if lease.spent > self.settings.max_attempts:
+            last = await self.retry(lambda: self.queue.last_error(lease.index))
+            try:
+                await self.fail(lease, f"gave up after {self.settings.max_attempts} attempts; "
+                                       f"last error: {last}")
+            finally:
                 self.let_go(inflight)
+            return
+        answered = None
+        try:
+            answered = await self.generate(inflight)
+        finally:
+            if answered is None:
+                self.let_go(inflight)
+        if answered is None:
+            return
+        # The server's slot is free now: the write and ack run beside the next task, and the
+        # committer's on_done lets the task go once acked.
+        self.committer.add(inflight, *answered)
         await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
-    async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Any] | None:
+    async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
         """The task's record and completion, or None when it ended otherwise (failed, given
         back or aborted; Redis already says so)."""
         lease = inflight.lease
         try:
-            # A read that may block (a Parquet row group) runs off the loop: never stall renewals.
+            # A read that may block (a Parquet row group, a JSONL line) runs off the loop.
             prompt = (self.dataset.prompt(lease.index) if self.dataset.cached(lease.index)
                       else await asyncio.to_thread(self.dataset.prompt, lease.index))
-            params = await self.params_for(lease.version)
-            body = request_body(prompt.messages, params, self.model)
+            body = request_body(prompt.messages, await self.params_for(lease.version),
+                                self.model)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
-                return
-            completion = await kept_answer(self, body, lease.index)
+                return None
+            completion = await self.kept_answer(body, lease.index)
             if completion is None:
                 self.sending += 1
                 try:
@@ -256,9 +301,10 @@ class Consumer:
                 finally:
                     self.sending -= 1
             record = build_record(
-                run=self.s.run, index=lease.index, prompt_id=prompt.id, version=lease.version,
-                attempt=lease.attempt, server=self.s.server, model=body["model"],
-                completion=completion, latency_s=time.monotonic() - inflight.started)
+                run=self.settings.run, index=lease.index, prompt_id=prompt.id,
+                version=lease.version, attempt=lease.attempt, server=self.settings.server,
+                model=body["model"], completion=completion,
+                latency_s=time.monotonic() - inflight.started)
             return record, completion
         except asyncio.CancelledError:
             current = asyncio.current_task()
@@ -269,57 +315,132 @@ class Consumer:
             await self.settle_error(lease, e)
         return None
 
+    async def kept_answer(self, body: dict[str, Any], index: int) -> Completion | None:
+        """The answer a `genq requeue --probe` got for this very request, if kept (used once).
+        Looked up only while the heartbeat sees answers kept: no round trip otherwise."""
+        if not self.probe_kept:
+            return None
+        stored = await probe_store.take(self.redis, self.keys, index, body)
+        if stored is None:
+            return None
+        logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])
+        return Completion(**stored)
+
+    async def fail(self, lease: Lease, reason: str) -> None:
+        outcome = await self.retry(lambda: self.queue.fail(lease, reason))
+        logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
+
     async def settle_error(self, lease: Lease, e: Exception) -> None:
-        """Fail the task, or give it back with or without spending the attempt; an error
-        no verdict covers is a bug and crashes the consumer."""
+        """Fail the task, or give it back with or without spending the attempt; an error no
+        verdict covers is a bug and crashes the consumer."""
         verdict = classify(e)
         if verdict is BadTask:
-            reason = mask_secrets(e.reason if isinstance(e, BadTask) else str(e))
-            outcome = await self.retry(lambda: self.q.fail(lease, reason))
-            logger.warning("task_failed", reason=reason,
-                           previous_result_kept=outcome == KEPT)
+            await self.fail(lease, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)))
             return
         if verdict is not Retryable and verdict is not TryAgain:
             raise e
         # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
         error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
         refund = verdict is Retryable
-        await self.retry(lambda: self.q.release(lease, refund=refund, reason=error))
+        await self.retry(lambda: self.queue.release(lease, refund=refund, reason=error))
         if refund:
             self.pause.trouble(error)
         else:
             logger.info("task_retried", reason=error)
 
     async def after_abort(self, inflight: Inflight) -> None:
-        lease = inflight.lease
         if inflight.abort == "lost":
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
         reason = f"aborted: {inflight.abort}"
-        await self.retry(lambda: self.q.release(lease, refund=True, reason=reason))
+        await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:
         if version not in self.params:
-            raw = await self.r.hget(self.k.params, str(version))
+            raw = await self.redis.hget(self.keys.params, str(version))
             self.params[version] = orjson.loads(raw) if raw else dict(DEFAULTS)
         return self.params[version]
 
-    async def settled(self) -> bool:
-        return await redis_retry(self.count_settled, self.stop.is_set)
+    # --- duties (duties.py runs each in its own loop) ----------------------------------------
+    async def renew_leases(self) -> None:
+        """Renew every held lease; abort the tasks whose lease was lost."""
+        held = list(self.held.values())
+        lost = await self.queue.renew([i.lease for i in held])
+        for inflight in held:
+            if inflight.lease.job_id in lost:
+                inflight.cancel("lost")
 
-    async def count_settled(self) -> bool:
-        pipe = self.r.pipeline(transaction=False)
-        pipe.bitcount(self.k.done)
-        pipe.bitcount(self.k.failed)
-        pipe.zcard(self.k.leases)
-        pipe.llen(self.k.rq_queue)
-        done, failed, leased, queued = await pipe.execute()
-        return done + failed >= self.total and not leased and not queued
+    async def heartbeat(self) -> None:
+        now = (await self.redis.time())[0]
+        self.started_at = self.started_at or now
+        self.probe_kept = bool(await self.redis.exists(self.keys.probe))
+        f = self.follower
+        beat = {"name": self.settings.name, "server": self.settings.server,
+                "capacity": self.capacity, "inflight": len(self.held), "load": f.load,
+                "load_history": list(f.history), "host": socket.gethostname(),
+                "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
+                "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
+                "run_state": self.runstate.state, "probe_kept": self.probe_kept}
+        await presence.announce(self.redis, self.keys, self.settings.name, now, beat,
+                                birth=self.birth, held=list(self.held))
 
-    # --- background (consumer/background.py) ----------------------------------------------
-    async def keep_leases(self) -> None:
-        await background.keep_leases(self)
+    async def check_run(self) -> None:
+        was = self.runstate.state
+        state = await self.runstate.check(self.redis)
+        if state != OK and was == OK:
+            # Redis forgot these leases with the run: free the server now. A result written
+            # after `genq recover` would share its attempt number with the index's next claim.
+            self.abort_all("lost")
+        if state == REPLACED:
+            self.halt()  # cached parameters and data set are another run's: stop
+        elif state == OK and was != OK:
+            self.params.clear()  # versions may have been renumbered by a later requeue
+            self.version = 0
 
-    async def housekeeping(self) -> None:
-        await background.housekeeping(self)
+    async def watch_params(self) -> None:
+        if self.runstate.paused:
+            return
+        version = int(await self.redis.get(self.keys.params_version) or 1)
+        if version <= self.version:
+            return
+        previous, self.version = self.version, version
+        await self.runstate.keep_manifest(self.sync)
+        if not previous:
+            return
+        last = await self.redis.lindex(self.keys.params_history, -1)
+        policy = orjson.loads(last).get("inflight", "abort") if last else "abort"
+        logger.info("params_changed", version=version, inflight=policy)
+        if policy == "abort":
+            for inflight in list(self.held.values()):
+                if inflight.lease.version < version:
+                    inflight.cancel(f"parameters changed to version {version}")
+
+    async def upkeep(self) -> None:
+        """Reap expired leases, and queue more unfinished prompts when the queue runs low, so
+        the server stays full after a redo or with no producer running (the enqueue script
+        prevents doubles)."""
+        if self.runstate.paused:
+            return
+        await self.queue.reap()
+        if await self.redis.llen(self.keys.rq_queue) >= self.capacity:
+            return
+        with contextlib.suppress(RunStateLost):  # vanished since the last check: it says so
+            await asyncio.to_thread(feed.top_up, self.sync, self.keys, self.total,
+                                    2 * self.capacity, self.sync_scripts,
+                                    epoch=self.runstate.epoch)
+
+    async def follow_load(self) -> None:
+        ours = sum(1 for i in self.held.values() if i.at_server)
+        if await self.follower.load_tick(ours) is not None:
+            self.resize()
+
+    async def follow_server(self) -> None:
+        capacity, changed = await self.follower.server_tick()
+        if capacity is not None:
+            self.resize()
+        if changed or not self.server_recorded:
+            f = self.follower
+            await presence.record_server(self.redis, self.keys, self.settings.server,
+                                         f.context_length, f.server_max or self.capacity)
+            self.server_recorded = True

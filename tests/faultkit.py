@@ -52,7 +52,10 @@ class Consumer(ConsumerProcess):
                  vt: float = VT, concurrency: int = 4, prefix: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, name: str | None = None) -> None:
         self.log_path = Path(tempfile.mkstemp(prefix="genq-consumer-", suffix=".log")[1])
-        args = [*prefix, sys.executable, "-m", "genq", "consume", "--server", server,
+        # With GENQ_FAULT, the consumer that crashes on cue (tests/crashing_consumer.py).
+        genq = (["tests/crashing_consumer.py"] if "GENQ_FAULT" in (env or {})
+                else ["-m", "genq"])
+        args = [*prefix, sys.executable, *genq, "consume", "--server", server,
                 "--out", str(out), "--visibility-timeout", str(vt),
                 "--concurrency", str(concurrency), "--share-server", *BASE_FLAGS, *flags]
         if name:

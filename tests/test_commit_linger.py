@@ -10,8 +10,7 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, write_dataset
 
-from consumer.leases import Lease
-from consumer.worker import Inflight
+from consumer.leases import Inflight, Lease
 
 
 def evalsha_calls(r) -> int:
@@ -48,7 +47,7 @@ def test_an_abort_before_the_request_is_sent_ends_it_once_sent():
 
     async def main() -> tuple[bool, bool]:
         waiting = Inflight(lease)
-        waiting.abort = "parameters changed to version 2"  # what Consumer.abort sets
+        waiting.abort = "parameters changed to version 2"  # what Inflight.cancel sets
         request = asyncio.ensure_future(asyncio.sleep(10))
         waiting.sent(request)  # SGLang.chat's on_request
         await asyncio.gather(request, return_exceptions=True)

@@ -29,16 +29,15 @@ def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name
 
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        c = Consumer(s, client, k, sync=sync, total=1, dataset=None, sink=None, server=None,
-                     capacity=4, model="m", runstate=None)
-        [lease] = await c.q.claim(1)
-        first = c.hold(lease)  # slot A runs the task...
-        await c.q.release(lease, refund=True, reason="server unavailable")  # ...gives it back
-        [again] = await c.q.claim(1)  # slot B claims it before A has resumed
-        second = c.hold(again)
+        c = Consumer(s, client, k, sync=sync, total=1, dataset=None, sink=None,  # type: ignore
+                     server=None, capacity=4, model="m", runstate=None)
+        [first] = await c.claim(1)  # slot A runs the task...
+        lease = first.lease
+        await c.queue.release(lease, refund=True, reason="server unavailable")  # ...gives it back
+        [second] = await c.claim(1)  # slot B claims it before A has resumed
         c.let_go(first)  # A's clean-up
         assert c.held == {lease.job_id: second}
-        assert await c.q.renew([i.lease for i in c.held.values()]) == set()  # still renewed
+        assert await c.queue.renew([i.lease for i in c.held.values()]) == set()  # still renewed
         c.let_go(second)
         assert c.held == {}
         await client.aclose()

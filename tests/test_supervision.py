@@ -1,6 +1,7 @@
-"""Background tasks (lease renewal, housekeeping) are supervised: one that dies of an error
-that is not Redis trouble is logged with its traceback and the consumer stops, giving its
-tasks back, instead of acking on with no heartbeat, reaper or parameter watch."""
+"""Housekeeping duties (lease renewal, heartbeat, following the server...) are supervised: one
+that dies of an error that is not Redis trouble is logged with its traceback and the consumer
+stops, giving its tasks back, instead of acking on with no heartbeat, reaper or parameter
+watch."""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def test_housekeeping_crash_is_logged_and_stops_the_consumer(
         front.close()
     crashed = [e for e in events if e.get("event") == "background_task_crashed"]
     assert rc == 1, f"rc {rc}: a dead housekeeping task went unnoticed"
-    assert [e["task"] for e in crashed] == ["housekeeping"]
+    assert [e["task"] for e in crashed] == ["follow_server"]  # the duty that read /v1/models
     assert "ValueError" in crashed[0]["exception"]  # the traceback is in the log line
     assert "Traceback" in crashed[0]["exception"]
     assert owners(r, run_name) == {}, "the stopped consumer gives its leases back"

@@ -1,0 +1,54 @@
+"""`genq consume` that kills itself at one of the two instants no signal sent from outside can
+hit reliably, for the fault suite (tests/faultkit.py runs it when GENQ_FAULT is set):
+
+    GENQ_FAULT=torn_write:N        the Nth record is written half-way, then SIGKILL (a torn last
+                                   line, as a power cut leaves it)
+    GENQ_FAULT=kill_after_write:N  the Nth record is written and fdatasynced, then SIGKILL
+                                   before it is acknowledged
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import orjson
+
+from common.data.shards import ShardWriter
+from genq.cli import main
+
+
+def crash_at(spec: str) -> None:
+    mode, _, n = spec.partition(":")
+    if mode not in ("torn_write", "kill_after_write") or not n.isdigit() or int(n) < 1:
+        raise SystemExit(f"GENQ_FAULT={spec!r}: use torn_write:N or kill_after_write:N")
+    nth, count, lock = int(n), [0], threading.Lock()
+    write = ShardWriter.write
+
+    def crashing_write(self: ShardWriter, record: dict[str, Any]) -> None:
+        with lock:
+            count[0] += 1
+            if count[0] == nth and mode == "torn_write":
+                line = orjson.dumps(record) + b"\n"
+                fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+                os.write(fd, line[: len(line) // 2])
+                os.fdatasync(fd)
+                os.kill(os.getpid(), signal.SIGKILL)
+            write(self, record)
+            if count[0] == nth and mode == "kill_after_write":
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def one_by_one(self: ShardWriter, records: list[dict[str, Any]]) -> None:
+        for record in records:  # so that the Nth record is the one that crashes
+            crashing_write(self, record)
+
+    ShardWriter.write = crashing_write  # type: ignore[method-assign]
+    ShardWriter.write_many = one_by_one  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    crash_at(os.environ["GENQ_FAULT"])
+    sys.exit(main(sys.argv[1:]))
