@@ -114,4 +114,4 @@ class TaskQueue:
 
     async def last_error(self, index: int) -> str:
         raw = await self.r.hget(self.k.errors, str(index))
-        return raw.decode() if raw else ""
+        return raw.decode() if isinstance(raw, bytes) else raw or ""

@@ -58,12 +58,11 @@ class RunState:
 
     async def check(self, r: aioredis.Redis) -> str:
         """Read the run's epoch; log each change of state once, with what fixes it."""
-        epoch = await r.hget(self.keys.meta, "epoch")
-        now = OK if epoch is not None and epoch.decode() == self.epoch else LOST
-        if epoch is not None and now == LOST:
-            now = REPLACED
+        raw = await r.hget(self.keys.meta, "epoch")
+        epoch = raw.decode() if isinstance(raw, bytes) else raw
+        now = OK if epoch == self.epoch else LOST if epoch is None else REPLACED
         if now != self.state:
-            self._changed(now, epoch.decode() if epoch else None)
+            self._changed(now, epoch)
         self.state = now
         return now
 
@@ -86,7 +85,9 @@ class RunState:
 
     async def keep_manifest(self, sync: redis.Redis) -> None:
         """Rewrite the manifest beside the shards if the run or its parameters changed."""
-        if self.state == OK and await asyncio.to_thread(
-                manifests.upkeep, sync, self.keys, [self.out_dir], self.epoch):
+        if self.state != OK:
+            return
+        if await asyncio.to_thread(manifests.upkeep, sync, self.keys, [self.out_dir],
+                                   self.epoch):
             logger.debug("manifest_written", path=str(manifests.path(self.out_dir,
                                                                      self.keys.run)))

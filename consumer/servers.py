@@ -88,7 +88,8 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        url, owners = None, {}
+        url: str | None = None
+        owners: dict[str, str] = {}
         with contextlib.suppress(*REDIS_TROUBLE):  # a blip: the loop below tries again
             url, owners = await try_take(r, list(s.servers), token, s.server_lease)
         last: dict[str, str] = {}

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import structlog
 
@@ -36,7 +37,8 @@ def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
 def where(task: asyncio.Task) -> list[str]:
     """The whole chain of awaits a task is suspended in, innermost last (print_stack shows
     only the outermost coroutine)."""
-    chain, coro = [], task.get_coro()
+    chain: list[str] = []
+    coro: Any = task.get_coro()
     while coro is not None:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
         if frame is not None:
