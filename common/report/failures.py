@@ -11,6 +11,7 @@ import redis
 
 from common.queue import bitmap
 from common.queue.keys import RunKeys
+from common.queue.replies import blob, text
 
 TOP = 5
 # Above this many failed indices, the reasons of the first CAP are counted (and said so), so a
@@ -31,12 +32,12 @@ def top_reasons(r: redis.Redis, k: RunKeys, failed: int) -> dict:
     how many failed indices were looked at (all of them up to CAP)}."""
     if not failed:
         return {"reasons": [], "counted": 0}
-    indices = list(itertools.islice(bitmap.set_indices(r.get(k.failed)), CAP))
+    indices = list(itertools.islice(bitmap.set_indices(blob(r.get(k.failed))), CAP))
     texts = r.hmget(k.errors, [str(i) for i in indices]) if indices else []
     counts: Counter[str] = Counter()
     example: dict[str, int] = {}
-    for index, text in zip(indices, texts, strict=True):
-        kind = reason_kind((text or b"").decode(errors="replace"))
+    for index, raw in zip(indices, texts, strict=True):
+        kind = reason_kind(text(raw or b"", errors="replace"))
         counts[kind] += 1
         example.setdefault(kind, index)
     reasons = [{"reason": kind, "count": n, "example_index": example[kind]}

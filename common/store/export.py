@@ -22,6 +22,7 @@ import redis
 from common.data.shards import choose_records
 from common.queue import bitmap
 from common.queue.keys import RunKeys
+from common.queue.replies import blob, text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,11 +67,11 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
 
 def failed_reasons(r: redis.Redis, k: RunKeys, total: int) -> dict[int, str]:
     """index -> last error text of every failed index ("" where none was kept)."""
-    failed = list(bitmap.set_indices(r.get(k.failed), below=total))
+    failed = list(bitmap.set_indices(blob(r.get(k.failed)), below=total))
     if not failed:
         return {}
     texts = r.hmget(k.errors, [str(i) for i in failed])
-    return {i: (t or b"").decode(errors="replace") for i, t in zip(failed, texts, strict=True)}
+    return {i: text(t or b"", errors="replace") for i, t in zip(failed, texts, strict=True)}
 
 
 def _failed_line(run: str, index: int, reason: str) -> bytes:
@@ -80,7 +81,7 @@ def _failed_line(run: str, index: int, reason: str) -> bytes:
 def kept_lookup(r: redis.Redis, k: RunKeys):
     """index -> whether its result is one a redo set aside that stands again because the
     new attempt failed for good (only asked of done indices)."""
-    raw = r.get(k.kept)
+    raw = blob(r.get(k.kept))
     return lambda i: bitmap.is_set(raw, i)
 
 
