@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -67,6 +68,8 @@ class App:
 
     def info(self, endpoint: Callable[[Settings, Engine], Any]) -> Route:
         async def route(request: Request) -> Response:
+            while time.monotonic() < self.engine.faults.info_hang_until:  # a frozen server
+                await asyncio.sleep(0.05)
             return _json(endpoint(self.settings, self.engine))
 
         return route
@@ -112,6 +115,7 @@ class App:
 _FAULT_KEYS = {
     "status",
     "hang",
+    "info_hang",
     "reset",
     "finish",
     "for_s",
@@ -161,6 +165,8 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         faults.status_until = until if data["status"] is not None else 0.0
     if "hang" in data:
         faults.hang_until = until if data["hang"] else 0.0
+    if "info_hang" in data:
+        faults.info_hang_until = until if data["info_hang"] else 0.0
     if "reset" in data:
         faults.reset_until = until if data["reset"] else 0.0
     if "finish" in data:

@@ -55,6 +55,7 @@ class Faults:
     status: int | None = None
     status_until: float = 0.0
     hang_until: float = 0.0
+    info_hang_until: float = 0.0  # the info endpoints (load, server info) do not answer
     reset_until: float = 0.0
     finish: str = ""
     finish_until: float = 0.0
@@ -84,7 +85,8 @@ class Faults:
 
     def view(self) -> dict:
         now = time.monotonic()
-        left = {k: max(0.0, getattr(self, k + "_until") - now) for k in ("status", "hang", "reset")}
+        left = {k: max(0.0, getattr(self, k + "_until") - now)
+                for k in ("status", "hang", "reset", "info_hang")}
         return {
             "error_rate": self.error_rate,
             "hang_rate": self.hang_rate,
@@ -93,6 +95,7 @@ class Faults:
             "status_left_s": left["status"],
             "hang_left_s": left["hang"],
             "reset_left_s": left["reset"],
+            "info_hang_left_s": left["info_hang"],
             "finish": self.forced_finish() or None,
         }
 
