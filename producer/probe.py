@@ -22,7 +22,7 @@ import redis
 from common import params
 from common.data.dataset import open_dataset
 from common.errors import UsageError
-from common.queue import bitmap, probe_store
+from common.queue import bitmap, heartbeats, probe_store
 from common.queue.keys import RunKeys
 from common.report.status import read_status
 from common.sglang.client import SGLang
@@ -50,15 +50,8 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
     return [int(v) for v in field.execute()]
 
 
-def beats(r: redis.Redis, k: RunKeys) -> dict[str, dict]:
-    """The live consumers' heartbeats by name."""
-    names = [n.decode() for n in r.zrange(k.consumers, 0, -1)]
-    raws = r.mget([k.consumer(n) for n in names]) if names else []
-    return {n: orjson.loads(b) for n, b in zip(names, raws, strict=True) if b}
-
-
 def live_servers(r: redis.Redis, k: RunKeys) -> list[str]:
-    return sorted({b["server"] for b in beats(r, k).values() if b.get("server")})
+    return sorted({b["server"] for b in heartbeats.read(r, k).values() if b.get("server")})
 
 
 def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
@@ -66,7 +59,7 @@ def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
     once a second, never on a task's path); returns those that did not in time."""
     deadline = time.monotonic() + timeout
     while True:
-        blind = sorted(n for n, b in beats(r, k).items() if not b.get("probe_kept"))
+        blind = sorted(n for n, b in heartbeats.read(r, k).items() if not b.get("probe_kept"))
         if not blind or time.monotonic() > deadline:
             return blind
         time.sleep(0.2)
