@@ -14,7 +14,7 @@ import asyncio
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis
@@ -24,6 +24,7 @@ from common.data.dataset import open_dataset
 from common.errors import UsageError
 from common.queue import bitmap, heartbeats, probe_store
 from common.queue.keys import RunKeys
+from common.queue.replies import blob
 from common.report.status import read_status
 from common.sglang.client import SGLang
 from producer.probe_stats import summarize
@@ -36,7 +37,7 @@ def population(r: redis.Redis, k: RunKeys, mode: str) -> list[int]:
     """The prompts the committed pivot would run again (with --redo none: the truncated)."""
     found: set[int] = set()
     for what in POPULATIONS[mode]:
-        found.update(bitmap.set_indices(r.get(getattr(k, what))))
+        found.update(bitmap.set_indices(blob(r.get(getattr(k, what)))))
     return sorted(found)
 
 
@@ -47,7 +48,8 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
     field = r.bitfield(k.acc_tokens)
     for i in indices:
         field.get("u32", f"#{i}")
-    return [int(v) for v in field.execute()]
+    # One integer per GET; redis-py types execute() for async clients too (an Awaitable).
+    return [int(v) for v in cast(list[int], field.execute())]
 
 
 def live_servers(r: redis.Redis, k: RunKeys) -> list[str]:

@@ -13,7 +13,7 @@ import redis
 from common.queue.keys import RunKeys
 
 
-def decode(raw: bytes | None) -> dict[str, Any] | None:
+def decode(raw: bytes | str | None) -> dict[str, Any] | None:
     """One heartbeat; None where it expired or is not a JSON object."""
     try:
         beat = orjson.loads(raw) if raw is not None else None
