@@ -20,11 +20,10 @@ import structlog
 from common.data import manifest as manifests
 from common.errors import GenqError
 from common.queue.keys import RunKeys
+from common.queue.run import OK, REPLACED, judge
 from common.report import runhealth
 
 logger = structlog.get_logger("consumer")
-
-OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 
 def recover_command(run: str, out_dirs: list[str]) -> str:
@@ -60,28 +59,22 @@ class RunState:
         """Read the run's epoch; log each change of state once, with what fixes it."""
         raw = await r.hget(self.keys.meta, "epoch")
         epoch = raw.decode() if isinstance(raw, bytes) else raw
-        now = OK if epoch == self.epoch else LOST if epoch is None else REPLACED
+        now = judge(epoch, self.epoch)
         if now != self.state:
             self._changed(now, epoch)
         self.state = now
         return now
 
     def _changed(self, now: str, epoch: str | None) -> None:
-        if now == LOST:
-            logger.error("run_state_lost", epoch=self.epoch,
-                         reason="the run is no longer in Redis (restarted without persistence, "
-                                "flushed or evicted); claiming stopped, nothing is written",
-                         command=recover_command(self.keys.run, [self.out_dir]))
-        elif now == REPLACED:
-            fix = recover_command(self.keys.run, [self.out_dir])
-            self.failure = (f"run {self.keys.run!r} was registered again (epoch {epoch}, this "
-                            f"consumer started on {self.epoch}); its output in {self.out_dir} "
-                            f"is of the earlier run: `{fix} --replace` brings that one back, "
-                            "or restart this consumer with another --out for the new one")
-            logger.error("run_replaced", epoch=epoch, was=self.epoch, reason=self.failure)
-        else:
-            logger.info("run_state_back", epoch=self.epoch,
-                        reason="the run is in Redis again; claiming resumes")
+        fix = recover_command(self.keys.run, [self.out_dir])
+        reason = runhealth.report_change(
+            logger, now, run=self.keys.run, mine=self.epoch, current=epoch, service="consumer",
+            duty="claiming and writing", command=fix,
+            then=(f"its output in {self.out_dir} is of the earlier run: `{fix} --replace` "
+                  "brings that one back, or restart this consumer with another --out for the "
+                  "new one"))
+        if now == REPLACED:
+            self.failure = reason
 
     async def keep_manifest(self, sync: redis.Redis) -> None:
         """Rewrite the manifest beside the shards if the run or its parameters changed."""

@@ -12,6 +12,7 @@ import redis
 import structlog
 
 from common.errors import GenqError, mask_secrets
+from common.report import runhealth
 from common.report.status import read_status
 from monitor import metrics
 
@@ -62,11 +63,10 @@ class StatusSource:
             elif epoch != self._epoch and self._replaced is None:
                 self._replaced = {
                     "kind": "run_replaced",
-                    "message": (f"run {self.run!r} was registered again (epoch {epoch}; this "
-                                f"monitor first saw {self._epoch}): Redis lost the earlier "
-                                "run and its figures restarted; if the earlier run's output "
-                                "should continue, recover it with `genq recover --shards DIR… "
-                                "--replace`"),
+                    "message": (f"{runhealth.replaced(self.run, epoch, self._epoch, 'monitor')}"
+                                ": Redis lost the earlier run and its figures restarted; if the "
+                                "earlier run's output should continue, recover it with "
+                                f"`{runhealth.recover_command(self.run, [])} --replace`"),
                 }
             replaced = self._replaced
         if replaced:

@@ -28,6 +28,7 @@ from common.queue import feed, heartbeats
 from common.queue import run as runs
 from common.queue.keys import RunKeys
 from common.queue.scripts import ScriptRunner, reap_call
+from common.report import runhealth
 
 logger = structlog.get_logger("producer")
 
@@ -136,13 +137,13 @@ def live_capacity(r: redis.Redis, k: RunKeys) -> int:
 def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
                 runner: ScriptRunner, stop: threading.Event) -> int:
     logger.info("producer_started", run=s.run, window=s.window or "auto")
-    backoff, state = 0.0, "ok"
+    backoff, state = 0.0, runs.OK
     while not stop.is_set():
         try:
             state = watch_run(r, k, info, state)
-            if state == "replaced":
+            if state == runs.REPLACED:
                 return 1
-            if state == "ok":
+            if state == runs.OK:
                 top_up_window(r, k, s, info, runner)
             if backoff:
                 logger.info("producer_resumed", run=s.run)
@@ -179,16 +180,11 @@ def top_up_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.Run
 def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:
     """Queue nothing while Redis does not hold the run this producer registered: after a loss
     every index looks unfinished, and a re-created run is not this producer's to feed."""
-    state = runs.state_of(r, k, info.epoch)
-    if state == was:
-        return state
-    if state == "lost":
-        logger.error("run_state_lost", run=k.run, epoch=info.epoch,
-                     reason="the run is no longer in Redis; queueing stopped until it is back",
-                     command=f"genq recover --shards DIR… --run {k.run} (the consumers' --out)")
-    elif state == "replaced":
-        logger.error("run_replaced", run=k.run, epoch=info.epoch,
-                     reason="a run of the same name was registered again; this producer stops")
-    else:
-        logger.info("run_state_back", run=k.run, epoch=info.epoch)
+    current = runs.epoch_of(r, k)
+    state = runs.judge(current, info.epoch)
+    if state != was:
+        runhealth.report_change(logger, state, run=k.run, mine=info.epoch, current=current,
+                                service="producer", duty="queueing",
+                                command=runhealth.recover_command(k.run, []),
+                                then="this producer stops")
     return state

@@ -84,10 +84,19 @@ def settled_count(r: redis.Redis, k: RunKeys) -> tuple[int, int]:
     return int(done), int(failed)
 
 
-def state_of(r: redis.Redis, k: RunKeys, epoch: str) -> str:
-    """"ok" while Redis holds this run, "lost" once it forgot it, "replaced" once a run of the
-    same name but another epoch was registered in its place."""
+OK, LOST, REPLACED = "ok", "lost", "replaced"
+
+
+def epoch_of(r: redis.Redis, k: RunKeys) -> str | None:
+    """The epoch of the run Redis holds under this name now; None once it forgot the run."""
     current = r.hget(k.meta, "epoch")
+    return None if current is None else text(current)
+
+
+def judge(current: str | None, epoch: str) -> str:
+    """The state of the run a service started on (`epoch`), from the epoch Redis holds now
+    (`current`, see epoch_of): OK while it is that run, LOST once Redis forgot the run,
+    REPLACED once a run of the same name but another epoch was registered in its place."""
     if current is None:
-        return "lost"
-    return "ok" if text(current) == epoch else "replaced"
+        return LOST
+    return OK if current == epoch else REPLACED

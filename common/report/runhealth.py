@@ -1,14 +1,19 @@
-"""What status and the monitor say about the run's state itself: that Redis lost it (and the
-command that rebuilds it), and that Redis keeps it without persistence (so a restart would)."""
+"""What every service says about the run's state itself: that Redis lost it (and the command
+that rebuilds it), that a run of the same name replaced it, that it is back, and that Redis
+keeps it without persistence (so a restart would lose it)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import redis
 
 from common.queue import heartbeats
 from common.queue.keys import RunKeys
+from common.queue.run import LOST, REPLACED
 
 NO_PERSISTENCE = "redis_no_persistence"
+LOST_CAUSE = "restarted without persistence, flushed or evicted"
 
 
 def recover_command(run: str, dirs: list[str]) -> str:
@@ -36,15 +41,38 @@ def persistence_alert(r: redis.Redis, k: RunKeys, out_dirs: list[str]) -> dict |
     }
 
 
+def replaced(run: str, current: str | None, mine: str, service: str) -> str:
+    return (f"run {run!r} was registered again: it is epoch {current} now, this {service} "
+            f"was following epoch {mine}")
+
+
+def report_change(log: Any, state: str, *, run: str, mine: str, current: str | None,
+                  service: str, duty: str, command: str, then: str) -> str:
+    """Log a service's view of its run changing to `state` (judged by common.queue.run.judge)
+    once, as every service words it; returns the reason logged. `duty` is what the service
+    stops while the run is lost, `then` what it does once the run is replaced."""
+    if state == LOST:
+        reason = (f"run {run!r} is no longer in Redis ({LOST_CAUSE}); {duty} stopped until "
+                  "it is back")
+        log.error("run_state_lost", run=run, epoch=mine, reason=reason, command=command)
+    elif state == REPLACED:
+        reason = f"{replaced(run, current, mine, service)}; {then}"
+        log.error("run_replaced", run=run, epoch=current, was=mine, reason=reason)
+    else:
+        reason = f"run {run!r} is in Redis again; {duty} resumes"
+        log.info("run_state_back", run=run, epoch=mine, reason=reason)
+    return reason
+
+
 def missing_run_message(r: redis.Redis, k: RunKeys) -> str:
     """Why the run is not in Redis, as far as Redis can still tell, and what to run."""
     waiting = [b for b in heartbeats.read(r, k).values()
-               if b.get("run_state") in ("lost", "replaced")]
+               if b.get("run_state") in (LOST, REPLACED)]
     if not waiting:
         return (f"unknown run {k.run!r}: no genq:{k.run}:meta in Redis (start it with "
                 "`genq produce DATASET`, or pick --run/GENQ_RUN; if Redis lost it, rebuild it "
                 "with `genq recover --shards DIR…`)")
     dirs = sorted({b["out"] for b in waiting if b.get("out")})
-    return (f"run {k.run!r} lost its state in Redis (restarted without persistence, or "
-            f"flushed); {len(waiting)} consumer(s) wait for it, writing nothing. Rebuild it "
+    return (f"run {k.run!r} lost its state in Redis ({LOST_CAUSE}); {len(waiting)} "
+            "consumer(s) wait for it, writing nothing. Rebuild it "
             f"from the output: {recover_command(k.run, dirs)}")
