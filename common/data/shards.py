@@ -284,14 +284,14 @@ def choose_records(
     """
     chosen: dict[int, dict[str, Any]] = {}
     keys: dict[int, tuple[int, int]] = {}
-    wanted: dict[int, tuple[int, int] | None] = {}
+    wanted: dict[int, tuple[int, ...] | None] = {}  # tuple(): a list would never equal a key
     matched: set[int] = set()
     for record in records:
         index = record["index"]
         key = (record.get("params_version", 0), record.get("attempt", 0))
         if index not in wanted:
             pair = accepted(index)
-            wanted[index] = tuple(pair) if pair is not None else None  # type: ignore[assignment]
+            wanted[index] = tuple(pair) if pair is not None else None
         if key == wanted[index]:
             matched.add(index)
         elif index in matched or (index in keys and key < keys[index]):
