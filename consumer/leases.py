@@ -42,9 +42,10 @@ class Inflight:
     def cancel(self, reason: str) -> None:
         """Abort the task's request; one not sent yet is never sent (its slot checks `abort`
         before sending, and `sent` cancels it), nor is the retry of one that did not fit."""
-        if self.at_server:
+        request = self.request
+        if request is not None and not request.done():
             self.abort = reason
-            self.request.cancel()  # type: ignore[union-attr]  # at_server: it exists
+            request.cancel()
         else:
             self.abort = self.abort or reason
 
