@@ -188,9 +188,9 @@ FULL_DISK_THREADS = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("per_call", [1, 5])
-def test_full_disk_under_group_commit_keeps_exactly_the_records_reported_written(tmp_path,
+def test_full_disk_from_many_threads_keeps_exactly_the_records_reported_written(tmp_path,
                                                                                  per_call):
-    # Eight threads share fdatasyncs; when a shared write does not fit, every record in it is
+    # Eight threads write at once; when a write does not fit, every record in it is
     # reported failed and cut off again: the shard holds exactly the records whose write()
     # or write_many() returned, each line whole.
     proc = subprocess.run([sys.executable, "-c", FULL_DISK_THREADS, str(tmp_path),

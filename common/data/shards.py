@@ -22,7 +22,6 @@ from typing import Any
 
 import orjson
 
-from common.data.groupcommit import GroupCommit
 from common.data.shard_repair import repair_shards  # noqa: F401 (its home before the split)
 from common.errors import OutputUnavailable
 
@@ -46,10 +45,12 @@ def _fsync_dir(directory: Path) -> None:
 class ShardWriter:
     """Appends records to the current shard, durably, one whole line or nothing.
 
-    ``write`` may be called from several threads. With ``rotate_every=N`` a shard is closed
-    after N records and the next one is opened on the next write; each closed, non-empty shard
-    is appended to ``closed_shards`` and passed to ``on_close`` (the hook for shipping it);
-    ``rotate_if_older`` closes a shard by age, so a slow trickle still ships.
+    ``write`` and ``write_many`` may be called from several threads; each call's lines are
+    written and fdatasynced together (the consumer's committer batches its answers).
+    With ``rotate_every=N`` a shard is closed after N records and the next one is opened on
+    the next write; each closed, non-empty shard is appended to ``closed_shards`` and passed
+    to ``on_close`` (the hook for shipping it); ``rotate_if_older`` closes a shard by age, so
+    a slow trickle still ships.
     """
 
     def __init__(
@@ -67,7 +68,6 @@ class ShardWriter:
         self.on_close = on_close
         self.closed_shards: list[Path] = []
         self._lock = threading.Lock()
-        self._group = GroupCommit(self._write_batch)
         self._fd = -1
         self._path: Path | None = None
         self._size = 0
@@ -120,32 +120,25 @@ class ShardWriter:
             os.close(fd)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record and fdatasync it (one fdatasync for the records that several
-        threads write at the same time); on failure the shard is as it was before."""
-        self._group.submit(orjson.dumps(record) + b"\n")
+        """Append one record and fdatasync it; on failure the shard is as it was before."""
+        self.write_many([record])
 
     def write_many(self, records: list[dict[str, Any]]) -> None:
-        """Append several records with one fdatasync; all durable, or an error raised (some
-        of them may be on disk then, unacknowledged: they run again, as after a crash)."""
-        self._group.submit_all([orjson.dumps(record) + b"\n" for record in records])
-
-    def _write_batch(self, lines: list[bytes]) -> tuple[int, Exception | None]:
-        """GroupCommit's flush: each shard's part of the lines as one whole chunk or nothing."""
+        """Append several records with one fdatasync per shard they span; all durable, or an
+        error raised (a shard's part written before a rotation may be on disk then,
+        unacknowledged: it runs again, as after a crash)."""
+        lines = [orjson.dumps(record) + b"\n" for record in records]
         done = 0  # lines durable so far
-        try:
-            while done < len(lines):
-                with self._lock:
-                    if self._fd < 0:
-                        if self._closed:
-                            raise ValueError("ShardWriter is closed")
-                        self._open()
-                    room = len(lines) - done  # up to the next rotation, if any
-                    room = min(room, self.rotate_every - self._count) if self.rotate_every else room
-                    self._write_lines(b"".join(lines[done:done + room]), room)
-                done += room
-        except (OSError, ValueError) as e:
-            return done, e
-        return done, None
+        while done < len(lines):
+            with self._lock:
+                if self._fd < 0:
+                    if self._closed:
+                        raise ValueError("ShardWriter is closed")
+                    self._open()
+                room = len(lines) - done  # up to the next rotation, if any
+                room = min(room, self.rotate_every - self._count) if self.rotate_every else room
+                self._write_lines(b"".join(lines[done:done + room]), room)
+            done += room
 
     def _write_lines(self, data: bytes, count: int) -> None:
         """Append whole lines and fdatasync them; on failure cut them off again. Holds _lock."""
