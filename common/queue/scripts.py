@@ -2,7 +2,8 @@
 
 Each ``*_call`` function is pure: it returns the script name, KEYS and ARGV for one state
 change, so the synchronous producer/monitor and the asynchronous consumer share one definition.
-Every script lives in ``common/lua/`` with a comment saying which change it makes atomic.
+Every script lives in ``common/queue/lua/`` with a comment saying which change it makes
+atomic; the lease scripts share ``lua/prelude.lua``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,31 @@ import orjson
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo")
-SOURCES = {name: resources.files("common.queue.lua").joinpath(f"{name}.lua").read_text()
-           for name in NAMES}
+# The scripts that check and drop leases: their KEYS start with leases, lease_owner, wip, and
+# lua/prelude.lua (owns, drop_leases) goes after each one's `#!lua` line, so the fencing check
+# and the drop are written once.
+LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap")
+_LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
+
+
+def _read(name: str) -> str:
+    return resources.files("common.queue.lua").joinpath(f"{name}.lua").read_text()
+
+
+def _source(name: str) -> str:
+    text = _read(name)
+    if name not in LEASE_SCRIPTS:
+        return text
+    if _LEASE_KEYS not in text:
+        raise RuntimeError(f"{name}.lua takes the lease prelude: its KEYS must start as "
+                           f"{_LEASE_KEYS[3:]!r}")
+    first, _, rest = text.partition("\n")
+    if first.startswith("#!"):  # Redis reads flags only from the first line
+        return f"{first}\n{_read('prelude')}{rest}"
+    return _read("prelude") + text
+
+
+SOURCES = {name: _source(name) for name in NAMES}
 
 # rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past
 # its genq deadline in rq:wip so they never mistake it for abandoned work.

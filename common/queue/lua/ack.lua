@@ -29,22 +29,16 @@ local function push(list, ...)
 end
 
 local owners = redis.call('HMGET', KEYS[2], unpack(jids))
-local mine, owned, members, dels = {}, {}, {}, {}
+local mine, owned, execs = {}, {}, {}
 for i, it in ipairs(items) do
-  local owner = owners[i]
-  if owner and string.sub(owner, 1, #it.exec + 1) == it.exec .. '|' then
-    mine[#mine + 1], owned[#owned + 1] = it, it.jid
-    members[#members + 1] = it.jid .. ':' .. it.exec
-    push(dels, ARGV[5] .. it.jid .. ':' .. it.exec, ARGV[6] .. it.jid)
+  if owns(owners[i], it.exec) then
+    mine[#mine + 1], owned[#owned + 1], execs[#execs + 1] = it, it.jid, it.exec
   end
 end
 if #mine == 0 then return out end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-redis.call('HDEL', KEYS[2], unpack(owned))
-redis.call('ZREM', KEYS[1], unpack(owned))
-redis.call('ZREM', KEYS[3], unpack(members))
-redis.call('DEL', unpack(dels))
+drop_leases(owned, execs, ARGV[5], ARGV[6])
 
 local floor = tonumber(redis.call('GET', KEYS[16]) or '0')
 local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')

@@ -10,14 +10,10 @@
 -- Returns 1 if failed, 0 if the lease was no longer ours, 2 if a redo had set a result aside
 -- for this index: that result stands again (done, counted, marked kept) instead.
 local jid, idx, exec = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local owner = redis.call('HGET', KEYS[2], jid)
-if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
+if not owns(redis.call('HGET', KEYS[2], jid), exec) then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-redis.call('HDEL', KEYS[2], jid)
-redis.call('ZREM', KEYS[1], jid)
-redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
-redis.call('DEL', ARGV[10] .. jid .. ':' .. exec, ARGV[11] .. jid)
+drop_leases({jid}, {exec}, ARGV[10], ARGV[11])
 redis.call('SETBIT', KEYS[5], idx, 0)
 redis.call('HSET', KEYS[6], idx, ARGV[4])
 if redis.call('GETBIT', KEYS[8], idx) == 1 then

@@ -15,16 +15,11 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local skip = #ARGV[5] + 2
 
+-- Drops the lease on jid whoever holds it; returns the holder's server.
 local function drop_lease(jid)
   local owner = redis.call('HGET', KEYS[2], jid) or ''
   local exec, server = string.match(owner, '^([^|]*)|([^|]*)')
-  redis.call('HDEL', KEYS[2], jid)
-  redis.call('ZREM', KEYS[1], jid)
-  if exec then
-    redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
-    redis.call('DEL', ARGV[3] .. jid .. ':' .. exec)
-  end
-  redis.call('DEL', ARGV[4] .. jid)
+  drop_leases({jid}, {exec}, ARGV[3], ARGV[4])
   return server
 end
 

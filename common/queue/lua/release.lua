@@ -6,12 +6,8 @@
 --       7 execution key prefix, 8 executions key prefix
 -- Returns 1 if released, 0 if the lease was no longer ours.
 local jid, idx, exec = ARGV[1], ARGV[2], ARGV[3]
-local owner = redis.call('HGET', KEYS[2], jid)
-if not owner or string.sub(owner, 1, #exec + 1) ~= exec .. '|' then return 0 end
-redis.call('HDEL', KEYS[2], jid)
-redis.call('ZREM', KEYS[1], jid)
-redis.call('ZREM', KEYS[3], jid .. ':' .. exec)
-redis.call('DEL', ARGV[7] .. jid .. ':' .. exec, ARGV[8] .. jid)
+if not owns(redis.call('HGET', KEYS[2], jid), exec) then return 0 end
+drop_leases({jid}, {exec}, ARGV[7], ARGV[8])
 if ARGV[4] == '1' then
   redis.call('BITFIELD', KEYS[5], 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. idx, -1)
 end

@@ -9,8 +9,7 @@ local margin = tonumber(ARGV[2])
 local lost = {}
 for i = 4, #ARGV, 2 do
   local jid, exec = ARGV[i], ARGV[i + 1]
-  local owner = redis.call('HGET', KEYS[2], jid)
-  if owner and string.sub(owner, 1, #exec + 1) == exec .. '|' then
+  if owns(redis.call('HGET', KEYS[2], jid), exec) then
     redis.call('ZADD', KEYS[1], 'XX', deadline, jid)
     redis.call('ZADD', KEYS[3], 'XX', deadline + margin, jid .. ':' .. exec)
     redis.call('ZADD', ARGV[3] .. jid, 'XX', deadline + margin, exec)

@@ -1,0 +1,29 @@
+-- prelude: the lease checks the lease scripts share (scripts.LEASE_SCRIPTS), put after each
+-- one's `#!lua` line when common/queue/scripts.py loads it, so none words them on its own.
+-- Those scripts' KEYS start with 1 leases, 2 lease_owner, 3 wip.
+
+-- Whether the lease_owner entry `owner` ("exec|server|version|attempt", false when the lease
+-- is gone) is this execution's: the fencing check before any change to a leased job.
+local function owns(owner, exec)
+  return owner and string.sub(owner, 1, #exec + 1) == exec .. '|'
+end
+
+-- Drop leases from genq's structures and RQ's started state together: the owner entries, the
+-- deadlines, the wip members and RQ's execution keys. execs[i] is jids[i]'s execution id, nil
+-- where its owner entry was already gone.
+local function drop_leases(jids, execs, exec_prefix, executions_prefix)
+  local members, dels = {}, {}
+  for i, jid in ipairs(jids) do
+    local exec = execs[i]
+    if exec then
+      members[#members + 1] = jid .. ':' .. exec
+      dels[#dels + 1] = exec_prefix .. jid .. ':' .. exec
+    end
+    dels[#dels + 1] = executions_prefix .. jid
+  end
+  redis.call('HDEL', KEYS[2], unpack(jids))
+  redis.call('ZREM', KEYS[1], unpack(jids))
+  if #members > 0 then redis.call('ZREM', KEYS[3], unpack(members)) end
+  redis.call('DEL', unpack(dels))
+end
+
