@@ -15,13 +15,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from common.data.shard_repair import repair_shards
 from common.data.shards import (
     ReadStats,
     ShardWriter,
     choose_records,
     closed_shards,
     read_records,
-    repair_shards,
     shard_parts,
 )
 from common.errors import OutputUnavailable, Retryable

@@ -22,7 +22,8 @@ from typing import Any
 
 import orjson
 
-from common.data.shard_repair import repair_shards  # noqa: F401 (its home before the split)
+# Only consumer/cli.py still imports it from here; drop this once it imports shard_repair.
+from common.data.shard_repair import repair_shards  # noqa: F401
 from common.errors import OutputUnavailable
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
