@@ -89,26 +89,33 @@ class StoreUnavailable(Retryable):
 
 
 # Redis trouble that passes on its own or once an operator acts; never a reason to fail a task.
-# BusyLoadingError (Redis replaying its AOF after a restart) is a ConnectionError.
+# BusyLoadingError (Redis replaying its AOF after a restart) is a ConnectionError. The builtin
+# ConnectionError and TimeoutError are the socket's own (reset, refused, an asyncio.timeout
+# around a call); any other OSError is not Redis's and is judged by `classify`.
 REDIS_TROUBLE: tuple[type[Exception], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError,
-    OSError,
+    ConnectionError,
+    TimeoutError,
 )
 
 
 def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:
     """The one verdict on a failed task: BadTask (fail it now, with its message), TryAgain (give
     it back, spending an attempt), Retryable (give it back without spending an attempt and back
-    off), or None (a bug: let it crash)."""
+    off), or None (a bug: let it crash). An OSError that is neither Redis's nor already
+    understood (a data set file gone unreadable, EIO) spends an attempt: a task it keeps
+    hitting ends failed with its reason instead of being retried forever."""
     if isinstance(exc, BadTask):
         return BadTask
     if isinstance(exc, TryAgain):
         return TryAgain
     if isinstance(exc, (GenqError, *REDIS_TROUBLE)):
         return Retryable
+    if isinstance(exc, OSError):
+        return TryAgain
     return None
 
 
