@@ -14,6 +14,7 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from test_monitor import Monitor
 
+from common.queue import probe_store
 from common.queue.keys import RunKeys
 from common.report.confidence import wilson
 from common.report.status import read_status
@@ -78,6 +79,8 @@ def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_u
         rep = json.loads(probe.stdout)
         assert rep["probe_n"] == 30 and rep["population"] == cut
         assert rep["kept_for_commit"] == 30 and not rep["errors"]
+        # Kept for the commit, not for good: the answers expire with the probe.
+        assert 0 < r.ttl(k.probe) <= probe_store.KEEP_S
         assert rep["consumers_not_seen"] == []  # the consumer looks for them before the commit
         low, high = rep["truncation_ci"]
         assert low <= rep["truncation_rate"] <= high and rep["length_p90"] <= 8192

@@ -261,7 +261,8 @@ class RunKeys:
     @property
     def probe(self) -> str:
         """Hash: index -> JSON {digest, completion} of a `requeue --probe` answer, used once
-        by a consumer whose request body is identical (same prompt, parameters, model)."""
+        by a consumer whose request body is identical (same prompt, parameters, model);
+        expires an hour after the probe (probe_store.KEEP_S)."""
         return self.prefix + "probe"
 
     @property
