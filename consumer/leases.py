@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
+from common.data.dataset import Prompt
 from common.queue import scripts
 from common.queue.keys import RunKeys
 
@@ -31,6 +32,7 @@ class Inflight:
     lease: Lease
     request: asyncio.Task | None = None  # the request to the server, once sent
     abort: str = ""  # why it was aborted, once it was
+    prompt: Prompt | Exception | None = None  # its data set row, read with its claim
     started: float = field(default_factory=time.monotonic)
 
     def sent(self, request: asyncio.Task) -> None:

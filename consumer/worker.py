@@ -21,7 +21,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from common.data.dataset import Dataset
+from common.data.dataset import Dataset, Prompt
 from common.data.records import build_record
 from common.data.shards import ShardWriter
 from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
@@ -200,12 +200,24 @@ class Consumer:
         return self.runstate.paused or self.pause.remaining() > 0
 
     async def claim(self, n: int) -> list[Inflight]:
-        """Prefetch's claim: each claimed task is held from now on (renewed, abortable)."""
+        """Prefetch's claim: each claimed task is held from now on (renewed, abortable), and
+        its data set row is read, off the event loop unless it is in memory already."""
         got = []
         for lease in await self.queue.claim(n):
             inflight = self.held[lease.job_id] = Inflight(lease)
             got.append(inflight)
+        if all(self.dataset.cached(i.lease.index) for i in got):
+            self.read_prompts(got)
+        else:
+            await asyncio.to_thread(self.read_prompts, got)
         return got
+
+    def read_prompts(self, tasks: list[Inflight]) -> None:
+        for inflight in tasks:
+            try:
+                inflight.prompt = self.dataset.prompt(inflight.lease.index)
+            except Exception as e:  # a bad row or an unreadable file: its task settles it
+                inflight.prompt = e
 
     def let_go(self, inflight: Inflight) -> None:
         """Stop holding this task, unless its job was claimed again meanwhile: a task given
@@ -281,9 +293,9 @@ class Consumer:
         back or aborted; Redis already says so)."""
         lease = inflight.lease
         try:
-            # A read that may block (a Parquet row group, a JSONL line) runs off the loop.
-            prompt = (self.dataset.prompt(lease.index) if self.dataset.cached(lease.index)
-                      else await asyncio.to_thread(self.dataset.prompt, lease.index))
+            prompt = inflight.prompt
+            if not isinstance(prompt, Prompt):
+                raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
             body = request_body(prompt.messages, await self.params_for(lease.version),
                                 self.model)
             if inflight.abort or self.stop.is_set():

@@ -11,14 +11,16 @@ import asyncio
 
 import redis
 import redis.asyncio as aioredis
+from pipeline import write_dataset
 
+from common.data.dataset import open_dataset
 from common.queue import feed, scripts
 from common.queue.keys import RunKeys
 from consumer.settings import ConsumeSettings
 from consumer.worker import Consumer
 
 
-def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name):
+def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name, tmp_path):
     k = RunKeys(run_name)
     sync = redis.Redis.from_url(redis_url)
     sync.hset(k.meta, mapping={"total": 1, "dataset": "/x", "fingerprint": "f"})
@@ -27,9 +29,11 @@ def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name
                         visibility_timeout=30, out="/tmp", burst=True, max_attempts=3,
                         request_timeout=60, grace=1, name="w", poll=0.1, server_wait=1)
 
+    dataset = open_dataset(write_dataset(tmp_path / "d.jsonl", 1))
+
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_url)
-        c = Consumer(s, client, k, sync=sync, total=1, dataset=None, sink=None,  # type: ignore
+        c = Consumer(s, client, k, sync=sync, total=1, dataset=dataset, sink=None,  # type: ignore
                      server=None, capacity=4, model="m", runstate=None)
         [first] = await c.claim(1)  # slot A runs the task...
         lease = first.lease

@@ -94,8 +94,8 @@ class Dataset:
 
     def cached(self, index: int) -> bool:
         """Whether prompt(index) is quick (no disk read or decoding): a caller on an event loop
-        reads it inline, otherwise in a thread."""
-        return True
+        reads it inline, otherwise in a thread. A JSON-lines row is a disk read."""
+        return False
 
     def verify(self, expected: str) -> None:
         """Refuse to serve a run registered against another version of the file."""
