@@ -1,9 +1,31 @@
-"""The output record: one JSON object per completed prompt, as shards and export write it."""
+"""The output record: one JSON object per completed prompt, as shards and export write it;
+where a run's shard files are, and how one line of them reads back."""
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
+
+import orjson
+
+
+def shard_files(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
+    """The run's shards in one directory, by name (never its `{run}.manifest.json`)."""
+    return sorted(Path(out_dir).glob(f"{run}.*.jsonl"))
+
+
+def parse_line(line: bytes) -> dict[str, Any] | None:
+    """A shard line's record; None for a torn line (without its newline: a write that never
+    completed, so was never acknowledged) or one that is not a JSON object."""
+    if not line.endswith(b"\n"):
+        return None
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,

@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import redis
 
+from common.data.records import parse_line
 from common.queue import bitmap
 from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 
@@ -73,15 +74,15 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def _light(line: bytes) -> tuple[int, Result, float] | None:
-    if not line.endswith(b"\n"):
-        return None  # a write that never completed was never acknowledged
+    rec = parse_line(line)
+    if rec is None:
+        return None
     try:
-        rec = orjson.loads(line)
         result = (int(rec["params_version"]), int(rec["attempt"]),
                   finish_code(rec.get("finish_reason")), int(rec.get("completion_tokens") or 0),
                   int(rec.get("prompt_tokens") or 0))
         return int(rec["index"]), result, float(rec.get("created_at") or 0)
-    except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError):
         return None
 
 

@@ -10,16 +10,9 @@ import fcntl
 import os
 from pathlib import Path
 
-import orjson
+from common.data.records import parse_line, shard_files
 
 _TAIL_BLOCK = 64 << 10
-
-
-def _valid(line: bytes) -> bool:
-    try:
-        return isinstance(orjson.loads(line), dict)
-    except orjson.JSONDecodeError:
-        return False
 
 
 def _line_start(fd: int, end: int) -> int:
@@ -40,7 +33,7 @@ def _good_end(fd: int, size: int) -> int:
     while end > 0:
         start = _line_start(fd, end)
         line = os.pread(fd, end - start, start)
-        if line.endswith(b"\n") and _valid(line):
+        if parse_line(line) is not None:
             return end
         end = start  # torn (no newline) or garbage: drop it and look at the line before
     return 0
@@ -49,7 +42,7 @@ def _good_end(fd: int, size: int) -> int:
 def repair_shards(out_dir: str | os.PathLike[str], run: str) -> list[tuple[Path, int]]:
     """Cut torn tails off every shard of ``run`` that no live writer holds; report the cuts."""
     cuts: list[tuple[Path, int]] = []
-    for path in sorted(Path(out_dir).glob(f"{run}.*.jsonl")):
+    for path in shard_files(out_dir, run):
         try:
             fd = os.open(path, os.O_RDWR)
         except FileNotFoundError:

@@ -22,6 +22,8 @@ from typing import Any
 
 import orjson
 
+from common.data.records import parse_line, shard_files
+
 # Only consumer/cli.py still imports it from here; drop this once it imports shard_repair.
 from common.data.shard_repair import repair_shards  # noqa: F401
 from common.errors import OutputUnavailable
@@ -193,14 +195,10 @@ class ShardWriter:
         self.close()
 
 
-def _shards(out_dir: Path, run: str) -> list[Path]:
-    return sorted(out_dir.glob(f"{run}.*.jsonl"))
-
-
 def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
     """Every non-empty shard of ``run`` in ``out_dir`` that no live writer holds."""
     out: list[Path] = []
-    for path in _shards(Path(out_dir), run):
+    for path in shard_files(out_dir, run):
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -246,7 +244,7 @@ def read_records(
     if isinstance(dirs, str | os.PathLike):
         dirs = [dirs]
     for directory in dirs:
-        for path in _shards(Path(directory), run):
+        for path in shard_files(directory, run):
             yield from _read_shard(path, stats)
 
 
@@ -255,11 +253,8 @@ def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
         with open(path, "rb") as f:
             stats.shards += 1
             for line in f:
-                try:
-                    record = orjson.loads(line) if line.endswith(b"\n") else None
-                except orjson.JSONDecodeError:
-                    record = None
-                if isinstance(record, dict):
+                record = parse_line(line)
+                if record is not None:
                     stats.records += 1
                     yield record
                 elif line.strip():

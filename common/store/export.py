@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 import redis
 
+from common.data.records import parse_line, shard_files
 from common.data.shards import choose_records
 from common.queue import bitmap
 from common.queue.keys import RunKeys
@@ -93,7 +94,7 @@ def mark_kept(line: bytes) -> bytes:
 def shard_paths(dirs: list[str], run: str) -> list[Path]:
     paths: list[Path] = []
     for directory in dirs:
-        paths += sorted(Path(directory).glob(f"{run}.*.jsonl"))
+        paths += shard_files(directory, run)
     return paths
 
 
@@ -108,11 +109,8 @@ def locate(paths: list[Path], counter: list[int]) -> Iterator[dict[str, Any]]:
             offset = 0
             for line in f:
                 start, offset = offset, offset + len(line)
-                try:
-                    record = orjson.loads(line) if line.endswith(b"\n") else None
-                except orjson.JSONDecodeError:
-                    record = None
-                if not isinstance(record, dict) or "index" not in record:
+                record = parse_line(line)
+                if record is None or "index" not in record:
                     counter[0] += bool(line.strip())
                     continue
                 yield {"index": record["index"],
