@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +10,8 @@ from pathlib import Path
 
 import orjson
 import structlog
+
+from common.files import write_atomic
 
 log = structlog.get_logger("monitor")
 
@@ -54,19 +54,6 @@ class Periodic(threading.Thread):
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Readers see the old file or the new one, never a half-written one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def progress_writer(path: Path, read: Callable[[], tuple[dict | None, str | None]]):

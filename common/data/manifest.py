@@ -10,7 +10,6 @@ one from Redis, ``write`` stores it, ``read`` checks one and names what is wrong
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import orjson
 import redis
 
 from common.errors import UsageError
+from common.files import write_atomic
 from common.queue.keys import RunKeys
 
 FORMAT = 1
@@ -74,22 +74,7 @@ def write(out_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> bool:
         pass  # absent or unreadable: write a good one over it
     data = orjson.dumps({**manifest, "written_at": round(time.time(), 3)},
                         option=orjson.OPT_INDENT_2)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself must survive a crash of the machine
-    finally:
-        os.close(dir_fd)
+    write_atomic(target, data, durable=True)
     return True
 
 
