@@ -192,6 +192,7 @@ def closing_advice(out: str, run: str, url: str, private: bool) -> str:
 
 
 def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen]) -> None:
+    from common.queue import run as runs
     from common.queue.keys import RunKeys
 
     k = RunKeys(run)
@@ -203,7 +204,7 @@ def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen
         task = bar.add_task("run", total=total, rate=0.0)
         settled_at = None
         while any(c.poll() is None for c in consumers):
-            done = int(r.bitcount(k.done)) + int(r.bitcount(k.failed))
+            done = sum(runs.settled_count(r, k))
             bar.update(task, completed=done, rate=done / max(time.monotonic() - start, 1e-6))
             # Every prompt is settled; a consumer that has not exited SETTLE_WAIT_S later is
             # stuck, and waiting on it would keep the demo (and what it started) alive.
@@ -211,4 +212,4 @@ def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen
             if settled_at and time.monotonic() - settled_at > SETTLE_WAIT_S:
                 break
             time.sleep(0.5)
-        bar.update(task, completed=int(r.bitcount(k.done)) + int(r.bitcount(k.failed)))
+        bar.update(task, completed=sum(runs.settled_count(r, k)))
