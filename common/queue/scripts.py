@@ -22,8 +22,10 @@ from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, Ru
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo")
 # The scripts that check and drop leases: their KEYS start with leases, lease_owner, wip, and
 # lua/prelude.lua (owns, drop_leases) goes after each one's `#!lua` line, so the fencing check
-# and the drop are written once.
+# and the drop are written once. lua/rq_sync.lua goes likewise into the scripts that make
+# genq's bits follow what RQ's own tools did to a job.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap")
+SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
 
@@ -33,15 +35,14 @@ def _read(name: str) -> str:
 
 def _source(name: str) -> str:
     text = _read(name)
-    if name not in LEASE_SCRIPTS:
-        return text
-    if _LEASE_KEYS not in text:
+    if name in LEASE_SCRIPTS and _LEASE_KEYS not in text:
         raise RuntimeError(f"{name}.lua takes the lease prelude: its KEYS must start as "
                            f"{_LEASE_KEYS[3:]!r}")
+    shared = "".join(_read(part) for part, users in SHARED.items() if name in users)
     first, _, rest = text.partition("\n")
     if first.startswith("#!"):  # Redis reads flags only from the first line
-        return f"{first}\n{_read('prelude')}{rest}"
-    return _read("prelude") + text
+        return f"{first}\n{shared}{rest}"
+    return shared + text
 
 
 SOURCES = {name: _source(name) for name in NAMES}

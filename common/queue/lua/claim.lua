@@ -20,6 +20,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local deadline = now + vt
 local skip = #ARGV[11] + 2
+local rq = {failed = KEYS[8], pending = KEYS[10], spent = KEYS[6], errors = KEYS[11],
+  rq_failed = KEYS[12]}
 
 -- Whether a popped job runs now, after making genq's bits follow what RQ did to it.
 local function runnable(jid, idx, done, failed)
@@ -33,19 +35,11 @@ local function runnable(jid, idx, done, failed)
   end
   if failed == 1 then
     if status ~= 'queued' then return false end
-    -- rq requeued a failed job: it runs again with fresh attempts, as `--redo failed` does.
-    redis.call('SETBIT', KEYS[8], idx, 0)
-    redis.call('SETBIT', KEYS[10], idx, 1)
-    redis.call('BITFIELD', KEYS[6], 'SET', 'u8', '#' .. idx, 0)
-    redis.call('HDEL', KEYS[11], idx)
-    redis.call('ZREM', KEYS[12], jid)
+    revive_requeued(rq, idx, jid)  -- rq requeued a failed job: it runs again
     return true
   end
   if status == 'queued' or status == 'started' then return true end
-  redis.call('SETBIT', KEYS[10], idx, 0)
-  redis.call('SETBIT', KEYS[8], idx, 1)
-  redis.call('HSET', KEYS[11], idx, 'job ' .. (status or 'deleted') .. ' through RQ; '
-    .. '`genq requeue --redo failed` runs it again')
+  settle_removed(rq, idx, status)  -- deleted or cancelled through RQ
   return false
 end
 

@@ -14,6 +14,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local skip = #ARGV[5] + 2
+local rq = {failed = KEYS[7], pending = KEYS[6], spent = KEYS[9], errors = KEYS[5],
+  rq_failed = KEYS[10]}
 
 -- Drops the lease on jid whoever holds it; returns the holder's server.
 local function drop_lease(jid)
@@ -23,21 +25,18 @@ local function drop_lease(jid)
   return server
 end
 
--- A job RQ's tools deleted or cancelled settles as failed with that reason (its lease, if
--- any, is dropped so no ack lands), never runs again unasked.
-local function settle_removed(idx, jid, status)
+-- A job RQ's tools deleted or cancelled settles as failed with that reason; its lease, if
+-- any, is dropped so no ack lands.
+local function removed(idx, jid, status)
   drop_lease(jid)
-  redis.call('SETBIT', KEYS[6], idx, 0)
-  redis.call('SETBIT', KEYS[7], idx, 1)
-  redis.call('HSET', KEYS[5], idx, 'job ' .. (status or 'deleted') .. ' through RQ; '
-    .. '`genq requeue --redo failed` runs it again')
+  settle_removed(rq, idx, status)
 end
 
 for _, jid in ipairs(expired) do
   local idx = string.sub(jid, skip)
   local status = redis.call('HGET', ARGV[2] .. jid, 'status')
   if status ~= 'started' and status ~= 'queued' then
-    settle_removed(tonumber(idx), jid, status)
+    removed(tonumber(idx), jid, status)
   else
     local server = drop_lease(jid)
     redis.call('HSET', KEYS[5], idx,
@@ -51,18 +50,14 @@ end
 local function check_pending(idx)
   local jid = ARGV[5] .. '-' .. idx
   local status = redis.call('HGET', ARGV[2] .. jid, 'status')
-  if status ~= 'queued' and status ~= 'started' then settle_removed(idx, jid, status) end
+  if status ~= 'queued' and status ~= 'started' then removed(idx, jid, status) end
 end
 
 -- A failed index whose rq job is queued again was requeued through RQ: it runs again.
 local function check_failed(idx)
   local jid = ARGV[5] .. '-' .. idx
   if redis.call('HGET', ARGV[2] .. jid, 'status') ~= 'queued' then return end
-  redis.call('SETBIT', KEYS[7], idx, 0)
-  redis.call('SETBIT', KEYS[6], idx, 1)
-  redis.call('BITFIELD', KEYS[9], 'SET', 'u8', '#' .. idx, 0)
-  redis.call('HDEL', KEYS[5], idx)
-  redis.call('ZREM', KEYS[10], jid)
+  revive_requeued(rq, idx, jid)
 end
 
 -- Goes on round the bitmap from where the last sweep stopped, checking at most `budget` set
