@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import IO, Any
 
 import orjson
@@ -94,3 +95,51 @@ def say(text: str) -> None:
         print(mask_secrets(text), file=sys.stderr, flush=True)
     except (OSError, ValueError):
         silence(sys.stderr)
+
+
+class Outage:
+    """Redis (or another service) unreachable, logged for people who read days of logs: once
+    when it starts, then at a slowing pace (after 10 s, 20 s, 40 s... at most every 10 min),
+    and once when it ends, however many calls in the process fail meanwhile. Thread-safe."""
+
+    FIRST_REMINDER_S, MAX_REMINDER_S = 10.0, 600.0
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.since: float | None = None
+        self.failures = 0
+        self.remind_at = self.gap = 0.0
+        self.lock = threading.Lock()
+
+    def seen(self, error: BaseException, **fields: Any) -> None:
+        error_text = str(error) or type(error).__name__
+        with self.lock:
+            now = time.monotonic()
+            self.failures += 1
+            if self.since is None:
+                self.since, self.failures = now, 1
+                self.gap, self.remind_at = self.FIRST_REMINDER_S, now + self.FIRST_REMINDER_S
+                event = f"{self.what}_unavailable"
+            elif now >= self.remind_at:
+                self.gap = min(self.gap * 2, self.MAX_REMINDER_S)
+                self.remind_at = now + self.gap
+                event = f"{self.what}_still_unavailable"
+            else:
+                return
+            for_s = round(now - self.since, 1)
+        structlog.get_logger("genq").warning(event, error=error_text, for_s=for_s,
+                                             failures=self.failures, **fields)
+
+    def over(self) -> None:
+        if self.since is None:  # the common case, without the lock
+            return
+        with self.lock:
+            if self.since is None:
+                return
+            lasted, failures, self.since = time.monotonic() - self.since, self.failures, None
+        structlog.get_logger("genq").info(f"{self.what}_back", lasted_s=round(lasted, 1),
+                                          failures=failures)
+
+
+# One per process: every Redis call that rides out an outage reports to it.
+REDIS_OUTAGE = Outage("redis")

@@ -12,6 +12,7 @@ from typing import TypeVar
 import structlog
 
 from common.errors import REDIS_TROUBLE
+from common.log import REDIS_OUTAGE
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -47,28 +48,6 @@ class ClaimPause:
             self.backoff = 1.0
 
 
-class Outage:
-    """Log Redis trouble once when it starts, then at a slowing pace (the 2nd, 4th, 8th...
-    failure in a row), and once when it ends: a days-long run's log does not drown in it."""
-
-    def __init__(self, event: str) -> None:
-        self.event, self.failures, self.started = event, 0, 0.0
-
-    def seen(self, error: BaseException) -> None:
-        self.failures += 1
-        if self.failures == 1:
-            self.started = time.monotonic()
-        if self.failures & (self.failures - 1) == 0:  # a power of two
-            logger.warning(self.event, error=str(error) or type(error).__name__,
-                           failures=self.failures)
-
-    def over(self) -> None:
-        if self.failures:
-            logger.info(self.event.replace("_unavailable", "_back"), failures=self.failures,
-                        lasted_s=round(time.monotonic() - self.started, 1))
-            self.failures = 0
-
-
 class ShuttingDown(Exception):
     """Redis stayed unreachable while the consumer was stopping: stop waiting for it. Whatever
     the consumer still holds comes back through the lease's expiry."""
@@ -82,15 +61,15 @@ async def redis_retry(op: Callable[[], Awaitable[T]], give_up: Callable[[], bool
     """Run a Redis operation, riding through outages (0.2 s to 5 s between tries), until it
     succeeds or `give_up()` says the consumer is stopping and must not wait any longer (a
     consumer told to stop during an outage must not wait for Redis forever)."""
-    delay, outage = 0.2, Outage("redis_unavailable")
+    delay = 0.2
     while True:
         try:
             result = await op()
-            outage.over()
+            REDIS_OUTAGE.over()
             return result
         except REDIS_TROUBLE as e:
             if give_up():
                 raise ShuttingDown(str(e)) from None
-            outage.seen(e)
+            REDIS_OUTAGE.seen(e)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)

@@ -27,6 +27,7 @@ import structlog
 
 from common.cli import SERVICE_SOCKET_TIMEOUT_S
 from common.errors import REDIS_TROUBLE
+from common.log import REDIS_OUTAGE
 from common.queue.keys import RunKeys, server_lease
 from consumer.settings import ConsumeSettings
 
@@ -109,7 +110,7 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                     return None
                 url, owners = await try_take(r, list(s.servers), token, s.server_lease)
             except REDIS_TROUBLE as e:
-                logger.warning("server_lease_redis_trouble", error=str(e))
+                REDIS_OUTAGE.seen(e)
         logger.info("server_leased", leased=url, lease_s=s.server_lease, took_over=bool(last))
         return url
     finally:
@@ -128,7 +129,7 @@ async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
         try:
             kept = await r.eval(RENEW, 1, server_lease(url), token, ms)
         except REDIS_TROUBLE as e:
-            logger.warning("server_lease_redis_trouble", error=str(e))
+            REDIS_OUTAGE.seen(e)
             continue
         if not kept:
             logger.error("server_lease_lost", driven_by=owner_of(await r.get(server_lease(url))))

@@ -109,9 +109,11 @@ class Consumer:
             duties.Duty("check_run", self.check_run, lambda: 0.5),
             duties.Duty("watch_params", self.watch_params, lambda: 0.5),
             duties.Duty("upkeep", self.upkeep, lambda: 1.0),
+            # These two talk to the server, and to Redis only now and then.
             duties.Duty("follow_load", self.follow_load,
-                        lambda: 0.5 if self.follower.unconfirmed else 1.0),
-            duties.Duty("follow_server", self.follow_server, lambda: HISTORY_PERIOD_S),
+                        lambda: 0.5 if self.follower.unconfirmed else 1.0, redis=False),
+            duties.Duty("follow_server", self.follow_server, lambda: HISTORY_PERIOD_S,
+                        redis=False),
         ]
 
     async def drain(self, prefetching: asyncio.Task[None], committing: asyncio.Task[None]) -> None:

@@ -11,7 +11,9 @@ from pathlib import Path
 import orjson
 import structlog
 
+from common.errors import REDIS_TROUBLE
 from common.files import write_atomic
+from common.log import REDIS_OUTAGE
 
 log = structlog.get_logger("monitor")
 
@@ -47,6 +49,9 @@ class Periodic(threading.Thread):
     def _run_one(self, task: PeriodicTask) -> None:
         try:
             task.fn()
+            REDIS_OUTAGE.over()
+        except REDIS_TROUBLE as e:  # logged once per outage, not once per tick
+            REDIS_OUTAGE.seen(e, task=task.name)
         except Exception as e:  # a bad tick must not stop the next one (or the other tasks)
             log.error("periodic_task_failed", task=task.name, error=repr(e))
 

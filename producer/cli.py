@@ -146,6 +146,7 @@ def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunIn
             if state == runs.OK:
                 top_up_window(r, k, s, info, runner)
             if backoff:
+                log.REDIS_OUTAGE.over()
                 logger.info("producer_resumed", run=s.run)
                 backoff = 0.0
         except REDIS_TROUBLE as e:
@@ -159,7 +160,7 @@ def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunIn
                                     "nothing is evicted or lost); enqueueing resumes once "
                                     "memory is freed or maxmemory is raised")
             else:
-                logger.warning("redis_unavailable", error=str(e), retry_in_s=pause)
+                log.REDIS_OUTAGE.seen(e, retry_in_s=pause)
             stop.wait(pause)
         stop.wait(s.interval)
     logger.info("producer_stopped", run=s.run)

@@ -102,12 +102,17 @@ def test_redis_unreachable_for_30s_services_wait_reconnect_and_finish(
         assert producer.stop() == 0
         waited = [c.event_names()["redis_unavailable"] for c in consumers]
         producer_waited = sum(e.get("event") == "redis_unavailable" for e in producer.events())
+        # A 30 s outage is a few lines per process, not one per retry of every slot: its start,
+        # reminders after 10 and 30 s, its end.
+        outage_lines = [sum(n for name, n in c.event_names().items()
+                            if name.startswith("redis_")) for c in consumers]
     finally:
         proxy.stop()
         producer.cleanup()
         for c in consumers:
             c.cleanup()
     assert all(waited) and producer_waited
+    assert waited == [1, 1] and max(outage_lines) <= 5, outage_lines
     figures = check_truth(r, redis_server.url, run_name, n, tmp_path)
     record_figures("redis_unreachable_30s", recovery_s=recovery_s, outage_s=30, **figures)
 
