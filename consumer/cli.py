@@ -29,7 +29,8 @@ from common.cli import (
 )
 from common.data import manifest as manifests
 from common.data.dataset import open_dataset
-from common.data.shards import ShardWriter, repair_shards
+from common.data.shard_repair import repair_shards
+from common.data.shards import ShardWriter
 from common.errors import GenqError, ServerUnavailable
 from common.queue import run as runs
 from common.sglang.client import SGLang

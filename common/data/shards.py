@@ -25,7 +25,6 @@ import orjson
 from common.data.records import parse_line, shard_files
 
 # Only consumer/cli.py still imports it from here; drop this once it imports shard_repair.
-from common.data.shard_repair import repair_shards  # noqa: F401
 from common.errors import OutputUnavailable
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
