@@ -192,13 +192,13 @@ class Soak:
             done, failed, queued, leased = pipe.execute()
         except redis.RedisError:
             return False
-        self.done = done
-        return done + failed >= self.a.prompts and not queued and not leased
+        self.done, self.left = done, self.a.prompts - done - failed
+        return self.left <= 0 and not queued and not leased
 
     def run(self) -> dict:
         start = time.monotonic()
         next_fault, last_change, last_done, longest = start + self.a.fault_every, start, -1, 0.0
-        self.done, shown = 0, start
+        self.done, self.left, shown, was_left = 0, self.a.prompts, start, True
         while True:
             now = time.monotonic()
             self.due()
@@ -207,9 +207,9 @@ class Soak:
                 next_fault = now + self.a.fault_every * self.rng.uniform(0.5, 1.5)
             if self.settled() and not self.later and sum(self.fired.values()) >= self.a.faults:
                 break
-            if self.done != last_done:
-                longest = max(longest, now - last_change)
-                last_change, last_done = now, self.done
+            if self.done != last_done:  # a stall is time without progress while work remained
+                longest = max(longest, now - last_change) if was_left else longest
+                last_change, last_done, was_left = now, self.done, self.left > 0
             if now - shown >= 10:
                 shown = now
                 print(f"[{now - start:6.0f} s] done {self.done}/{self.a.prompts}, faults "

@@ -39,16 +39,13 @@ from _common import (
 )
 from faultkit import Background
 
-from common.queue.keys import RunKeys
+from common.queue.keys import PER_INDEX_BITS, RunKeys
 
 RUN = "mem"
 K = RunKeys(RUN)
 SIM_FLAGS = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16"]
 SIZE = {"list": "llen", "hash": "hlen", "zset": "zcard", "set": "scard", "stream": "xlen"}
-# One bit, byte or field per prompt: what stays of a run whatever else expires.
-PER_INDEX = {getattr(K, name) for name in (
-    "done", "failed", "pending", "truncated", "claims", "spent", "acc_attempt", "acc_version",
-    "acc_tokens", "acc_ptoks", "acc_finish")}
+PER_INDEX = [getattr(K, name) for name in PER_INDEX_BITS]  # what stays of a run
 
 
 def used(r: redis.Redis, reset: bool = False) -> int:
