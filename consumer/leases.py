@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from common.data.dataset import Prompt
+from common.data.rows import Prompt
 from common.queue import scripts
 from common.queue.keys import RunKeys
 

@@ -21,8 +21,8 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from common.data.dataset import Dataset, Prompt
 from common.data.records import build_record
+from common.data.rows import Dataset, Prompt
 from common.data.shards import ShardWriter
 from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
 from common.params import DEFAULTS, request_body

@@ -11,7 +11,8 @@ import redis
 import redis.asyncio as aioredis
 from pipeline import write_dataset
 
-from common.data.dataset import Prompt, open_dataset
+from common.data.dataset import open_dataset
+from common.data.rows import Prompt
 from common.errors import BadTask
 from common.queue import feed, scripts
 from common.queue.keys import RunKeys

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.data.dataset import Prompt, open_dataset
+from common.data.dataset import open_dataset
+from common.data.rows import Prompt
 from common.errors import BadTask, DatasetError, GenqError
 
 MSG = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]

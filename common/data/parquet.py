@@ -15,7 +15,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from common.data.dataset import Dataset, _edge_digest
+from common.data.rows import Dataset, edge_digest
 from common.errors import DatasetError
 
 _ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)
@@ -31,7 +31,7 @@ class ParquetDataset(Dataset):
         self._raw = os.fdopen(fd, "rb")  # owns fd from here on
         try:
             st = os.fstat(fd)
-            digest = _edge_digest(fd, st.st_size)
+            digest = edge_digest(fd, st.st_size)
             self._file = pq.ParquetFile(self._raw)
         except Exception as e:  # pyarrow raises its own types for a corrupt or foreign file
             self._raw.close()

@@ -23,8 +23,6 @@ from typing import Any
 import orjson
 
 from common.data.records import parse_line, shard_files
-
-# Only consumer/cli.py still imports it from here; drop this once it imports shard_repair.
 from common.errors import OutputUnavailable
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")

@@ -1,0 +1,97 @@
+"""What every data set shares: the chat prompt of a row, the validation that turns a decoded
+row into one, and the random-access interface (`Dataset`) that JSON lines and Parquet give."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.errors import BadTask, DatasetError
+
+_EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    index: int
+    messages: list[dict[str, Any]]
+    id: str | int | None = None
+
+
+def _row_to_prompt(index: int, row: Any) -> Prompt:
+    """Validate one decoded row; every defect becomes a BadTask naming the row."""
+    if not isinstance(row, dict):
+        raise BadTask(index, f"row {index}: not a JSON object")
+    row_id = row.get("id")
+    if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, str | int)):
+        raise BadTask(index, f"row {index}: 'id' must be a string or an integer")
+    messages = row.get("messages")
+    if messages is not None:
+        if not (
+            isinstance(messages, list)
+            and messages
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                for m in messages
+            )
+        ):
+            raise BadTask(
+                index,
+                f"row {index}: 'messages' is not a non-empty list of {{role, content}} objects",
+            )
+        return Prompt(index, messages, row_id)
+    prompt = row.get("prompt")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise BadTask(index, f"row {index}: 'prompt' is not a string")
+        return Prompt(index, [{"role": "user", "content": prompt}], row_id)
+    raise BadTask(index, f"row {index}: has neither 'messages' nor 'prompt'")
+
+
+def edge_digest(fd: int, size: int) -> str:
+    """The sha256 of the file's first and last MiB, for the fingerprint."""
+    h = hashlib.sha256(os.pread(fd, min(size, _EDGE), 0))
+    if size > _EDGE:
+        h.update(os.pread(fd, _EDGE, max(_EDGE, size - _EDGE)))
+    return h.hexdigest()[:32]
+
+
+class Dataset:
+    """A data set opened for random access; thread-safe ``prompt(index)``."""
+
+    path: Path
+    total: int
+    fingerprint: str
+
+    def prompt(self, index: int) -> Prompt:
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.total:
+            raise BadTask(index, f"row {index}: out of range (data set has {self.total} rows)")
+        return _row_to_prompt(index, self._row(index))
+
+    def cached(self, index: int) -> bool:
+        """Whether prompt(index) is quick (no disk read or decoding): a caller on an event loop
+        reads it inline, otherwise in a thread. A JSON-lines row is a disk read."""
+        return False
+
+    def verify(self, expected: str) -> None:
+        """Refuse to serve a run registered against another version of the file."""
+        if expected != self.fingerprint:
+            raise DatasetError(
+                f"data set {self.path} changed since the run was registered "
+                f"(fingerprint {self.fingerprint}, run has {expected})"
+            )
+
+    def _row(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
