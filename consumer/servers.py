@@ -5,6 +5,9 @@ A consumer is given a list of servers (``--server`` repeated, or ``GENQ_SERVERS`
 the first one nobody drives. The lease is a Redis string with a TTL, renewed every third of its
 length and deleted on exit; a consumer that dies (SIGKILL, OOM, lost host) stops renewing, the
 key expires, and a spare waiting for any of the servers takes it over within the lease time.
+A consumer relaunched in place (same host and pid namespace, the holder's process provably
+gone: killed and run again) takes its predecessor's lease at once and ends the
+predecessor's task leases, so its tasks come back at once too.
 While it waits, a spare drives nothing: two consumers on one server would each keep the
 server's full capacity in flight and show as one row in the status table.
 
@@ -18,9 +21,11 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 
 import redis.asyncio as aioredis
 import structlog
@@ -29,6 +34,7 @@ from common.cli import SERVICE_SOCKET_TIMEOUT_S
 from common.errors import REDIS_TROUBLE
 from common.log import REDIS_OUTAGE
 from common.queue.keys import RunKeys, server_lease
+from common.queue.scripts import ScriptRunner, expire_call, reap_call
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
@@ -44,6 +50,12 @@ return 0
 RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
+"""
+# Take the lease over from a holder known to be dead, unless it changed hands meanwhile.
+TAKE_OVER = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
 """
 
 Serve = Callable[[ConsumeSettings], Awaitable[int]]
@@ -62,15 +74,78 @@ def owner_of(token: bytes | str | None) -> str:
     return f"{parts[0]} (run {parts[1]})" if len(parts) > 1 else parts[0]
 
 
+def process_start(pid: int) -> str | None:
+    """When a process started (clock ticks since boot, /proc/PID/stat field 22), or None
+    when no such process exists. A pid reused by another process has another start."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""  # cannot tell: taken as alive
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def pid_space() -> str:
+    """Where a pid means the same process: this host, since this boot, in this pid namespace
+    (two containers sharing a hostname do not share pids)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""  # not Linux: no holder can be proved gone
+    return f"{socket.gethostname()}/{boot}/{namespace}"
+
+
+def new_token(name: str, run: str) -> str:
+    """name|run|pid space|pid|process start|random: enough to prove later that its holder
+    is gone."""
+    pid = os.getpid()
+    return f"{name}|{run}|{pid_space()}|{pid}|{process_start(pid)}|{uuid.uuid4().hex}"
+
+
+def provably_gone(token: bytes | str | None) -> bool:
+    """The lease holder ran in this pid space and its process no longer exists (killed and
+    relaunched in place): its lease need not be waited out. A holder on another host or in
+    another container, or one that cannot be told apart, is never displaced."""
+    if not token:
+        return False
+    parts = (token.decode() if isinstance(token, bytes) else token).split("|")
+    if len(parts) < 6 or not parts[2] or parts[2] != pid_space() or not parts[3].isdigit():
+        return False
+    pid = int(parts[3])
+    if pid == os.getpid():
+        return True  # this very process holds no lease yet: the pid was its predecessor's
+    started = process_start(pid)
+    return started is None or (started != "" and started != parts[4])
+
+
 async def try_take(r: aioredis.Redis, urls: list[str], token: str,
-                   lease_s: float) -> tuple[str | None, dict[str, str]]:
-    """The first free server, now leased to `token`; else None and who drives each one."""
+                   lease_s: float) -> tuple[str | None, dict[str, str], str | None]:
+    """The first free server, now leased to `token`, and the dead holder it was taken from
+    (or None); else None and who drives each one."""
     owners: dict[str, str] = {}
     for url in urls:
         if await r.set(server_lease(url), token, nx=True, px=int(lease_s * 1000)):
-            return url, {}
-        owners[url] = owner_of(await r.get(server_lease(url)))
-    return None, owners
+            return url, {}, None
+        holder = await r.get(server_lease(url))
+        if holder is not None and provably_gone(holder) and await r.eval(
+                TAKE_OVER, 1, server_lease(url), holder, token, int(lease_s * 1000)):
+            return url, {}, holder.decode() if isinstance(holder, bytes) else holder
+        owners[url] = owner_of(holder)
+    return None, owners, None
+
+
+async def end_leases_of(r: aioredis.Redis, k: RunKeys, url: str, predecessor: str) -> None:
+    """A dead predecessor of this run on this server: its tasks (running and claimed ahead)
+    go back to the queue now, not when their leases expire."""
+    if predecessor.split("|")[1] != k.run:
+        return  # another run's consumer: its leases live in that run and expire there
+    runner = ScriptRunner(r)
+    ended = await runner(expire_call(k, url))
+    returned = await runner(reap_call(k))
+    logger.info("server_taken_over", predecessor=owner_of(predecessor), leases_ended=ended,
+                tasks_returned=len(returned))
 
 
 async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
@@ -88,11 +163,14 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    reaper = ScriptRunner(r)
     try:
         url: str | None = None
         owners: dict[str, str] = {}
+        predecessor: str | None = None
         with contextlib.suppress(*REDIS_TROUBLE):  # a blip: the loop below tries again
-            url, owners = await try_take(r, list(s.servers), token, s.server_lease)
+            url, owners, predecessor = await try_take(r, list(s.servers), token,
+                                                      s.server_lease)
         last: dict[str, str] = {}
         while url is None:
             if owners and owners != last:
@@ -108,10 +186,18 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                 if s.burst and await settled(r, RunKeys(s.run)):
                     logger.info("run_settled", spare=True)
                     return None
-                url, owners = await try_take(r, list(s.servers), token, s.server_lease)
+                # A spare reaps while it waits: a dead consumer's tasks come back at the end
+                # of their visibility timeout even when no other process of the run reaps.
+                await reaper(reap_call(RunKeys(s.run)))
+                url, owners, predecessor = await try_take(r, list(s.servers), token,
+                                                          s.server_lease)
             except REDIS_TROUBLE as e:
                 REDIS_OUTAGE.seen(e)
-        logger.info("server_leased", leased=url, lease_s=s.server_lease, took_over=bool(last))
+        logger.info("server_leased", leased=url, lease_s=s.server_lease,
+                    took_over=bool(last or predecessor))
+        if predecessor:
+            with contextlib.suppress(*REDIS_TROUBLE):  # else the leases expire as usual
+                await end_leases_of(r, RunKeys(s.run), url, predecessor)
         return url
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -157,7 +243,7 @@ async def drive(s: ConsumeSettings, serve: Serve) -> int:
         return await serve(s)
     r = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
                                 socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
-    token = f"{s.name}|{s.run}|{uuid.uuid4().hex}"
+    token = new_token(s.name, s.run)
     try:
         url = await acquire(r, s, token)
         if url is None:

@@ -18,6 +18,7 @@ from faultkit import sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from common.queue.keys import RunKeys, server_lease
+from consumer.servers import pid_space, process_start, provably_gone
 
 # Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
 LEASE_S = 3.0
@@ -156,3 +157,58 @@ def test_a_lost_lease_stops_the_consumer(tmp_path, redis_url, r, run_name, sim_f
         assert r.get(server_lease(sim.url)) == b"other|x|1"
     finally:
         c.cleanup()
+
+
+def token_of(pid: int, start: str | None, space: str | None = None) -> str:
+    return f"c|run|{space if space is not None else pid_space()}|{pid}|{start}|0f"
+
+
+def test_a_holder_is_provably_gone_only_when_its_process_is():
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        started = process_start(alive.pid)
+        assert started  # this test runs on Linux
+        assert not provably_gone(token_of(alive.pid, started))  # alive: never displaced
+        assert provably_gone(token_of(dead.pid, "1"))  # no such process
+        assert provably_gone(token_of(alive.pid, "1"))  # its pid reused by another process
+        assert not provably_gone(token_of(dead.pid, "1", space="other-host/boot/pid:[1]"))
+        assert not provably_gone("c|run|0f")  # a token that says nothing of its process
+        assert not provably_gone(None)
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_a_consumer_killed_and_run_again_takes_over_at_once(tmp_path, redis_url, r, run_name,
+                                                           sim_factory):
+    """The restart users do most: kill -9, the same command at once. Leases of 30 s would keep
+    the server idle for 30 s if the new consumer had to wait them out."""
+    n = 120
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", n)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sim = sim_factory(**sim_kwargs(1.0, max_running_requests=8))
+    k = RunKeys(run_name)
+    slow = ("--server-lease", "30", "--visibility-timeout", "30")
+    first = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "first", *slow)
+    second = None
+    try:
+        wait_for(lambda: r.zcard(k.leases) >= 8, timeout=30, what="the first consumer busy")
+        first.kill()
+        relaunched = time.monotonic()
+        second = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "second", *slow)
+        wait_for(lambda: second.driving(), timeout=15, what="the relaunched consumer driving")
+        driving_s = time.monotonic() - relaunched
+        [taken] = second.said("server_taken_over")
+        assert taken["leases_ended"] >= 8 and taken["tasks_returned"] >= 8
+        assert "first" in taken["predecessor"]
+        assert second.wait(90) == 0, second.log()[-3000:]
+    finally:
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+    assert driving_s < 10, f"the relaunched consumer waited {driving_s:.1f} s"
+    assert int(r.bitcount(k.done)) == n
+    genq("export", "--out", str(tmp_path / "all.jsonl"), redis_url=redis_url, run=run_name)
+    assert sorted(rec["index"] for rec in read_jsonl(tmp_path / "all.jsonl")) == list(range(n))

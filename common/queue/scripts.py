@@ -19,11 +19,10 @@ import orjson
 
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
 
-NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo")
-# The scripts that check and drop leases: their KEYS start with leases, lease_owner, wip, and
-# lua/prelude.lua (owns, drop_leases) goes after each one's `#!lua` line, so the fencing check
-# and the drop are written once. lua/rq_sync.lua goes likewise into the scripts that make
-# genq's bits follow what RQ's own tools did to a job.
+NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire")
+# lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
+# script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
+# likewise into those that make genq's bits follow what RQ's own tools did to a job.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
@@ -50,18 +49,18 @@ SOURCES = {name: _source(name) for name in NAMES}
 # rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past
 # its genq deadline in rq:wip so they never mistake it for abandoned work.
 WIP_MARGIN_S = 24 * 3600
-# Finished jobs stay visible to rq's tools by number, not for a time: the last FINISHED_KEEP
-# (ack.lua trims the registry and deletes the oldest hashes), so Redis holds no hash per task
-# after a long run. 100 keeps rq's finished registry a small listpack (zsets up to 128
-# members) and costs ~60 KB; their TTL is only a backstop.
+# rq's tools see the last FINISHED_KEEP finished jobs (ack.lua trims the registry and deletes
+# older hashes), so a long run leaves no hash per task; 100 keeps the registry a small listpack
+# (zsets up to 128 members). Their TTL is only a backstop.
 FINISHED_KEEP = 100
 RESULT_TTL_S = 30 * 24 * 3600
 FAILURE_TTL_S = 365 * 24 * 3600
-# The reaper's sweep for what RQ's tools did: indices it checks per bitmap per sweep, and
-# seconds between sweeps for the whole run (however many consumers and monitors reap).
-# 250 a second goes round 900,000 queued prompts in an hour for ~260 commands a second.
+# The reaper's sweep for what RQ's tools did: indices checked per bitmap per sweep, and
+# seconds between sweeps for the whole run; 250 a second covers 900,000 prompts in an hour.
 SWEEP_BUDGET = 250
 SWEEP_EVERY_S = 1.0
+# Finish names by code, as fail.lua and redo.lua take them to undo a result's counters.
+_FINISH_ORDER = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
 
 
 @dataclass(frozen=True)
@@ -129,8 +128,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result]) -> Call:
         code = finish_code(r.finish_reason)
         rows.append([r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
                      FINISH_NAMES[code], code, r.version, r.attempt])
-    # The results go as one JSON argument: redis-py packs one bytes object instead of nine
-    # values per result (2 % of a busy consumer's CPU, bench/profile_consumer.py).
+    # One JSON argument: redis-py packs one bytes object instead of nine values per result.
     args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
                        RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows)]
     return Call("ack", keys, args)
@@ -150,9 +148,8 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
     keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
             k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
             k.acc_finish]
-    names = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
     args = [job_id, index, exec_id, reason, exc_string, worker, FAILURE_TTL_S, iso_now(),
-            *_prefixes(k), k.rq_results_prefix, *names]
+            *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
     return Call("fail", keys, args)
 
 
@@ -162,6 +159,11 @@ def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S
     keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors, k.pending, k.failed,
             k.sweep, k.spent, k.rq_failed]
     return Call("reap", keys, [limit, *_prefixes(k), k.run, sweep_budget, sweep_every_s])
+
+
+def expire_call(k: RunKeys, server: str) -> Call:
+    """End every lease of the run on `server` now (its consumer is provably gone)."""
+    return Call("expire", [k.leases, k.lease_owner], [server])
 
 
 def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
@@ -180,8 +182,7 @@ def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
             k.pending, k.kept]
-    names = [FINISH_NAMES[code] for code in sorted(FINISH_NAMES)]
-    return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *names])
+    return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
 
 
 class ScriptRunner:
