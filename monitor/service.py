@@ -21,18 +21,12 @@ log = structlog.get_logger("monitor")
 PAGE = resources.files("monitor").joinpath("page.html").read_bytes()
 
 
-def redact(url: str) -> str:
-    """The Redis URL without its password, fit for logs and pages."""
-    return mask_secrets(url)
-
-
 class StatusSource:
     """Reads the status on demand and remembers whether the last read worked, to log changes."""
 
-    def __init__(
-        self, client: redis.Redis, run: str, *, url: str, truncation_threshold: float
-    ) -> None:
-        self.client, self.run, self.url = client, run, redact(url)
+    def __init__(self, client: redis.Redis, run: str, *, url: str,
+                 truncation_threshold: float) -> None:
+        self.client, self.run, self.url = client, run, mask_secrets(url)
         self.threshold = truncation_threshold
         self._lock = threading.Lock()
         self._last_error: str | None = ""  # "" = not read yet, None = last read worked
@@ -113,11 +107,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._json(200, status, head)
         elif path == "/metrics":
             status, error = self.server.source.read()
-            text = (
-                metrics.render(status)
-                if status is not None
-                else metrics.render_down(self.server.source.run, error or "unknown")
-            )
+            text = (metrics.render(status) if status is not None
+                    else metrics.render_down(self.server.source.run, error or "unknown"))
             self._send(200, text.encode(), metrics.CONTENT_TYPE, head)
         else:
             self._json(404, {"error": f"no such page {path}"}, head)

@@ -18,13 +18,12 @@ WATCH_INTERVAL_S = 2.0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="genq status", description="Where the run stands.")
-    add_common(parser)
-    parser.add_argument("--json", action="store_true", help="print the status JSON (CLI.md)")
-    parser.add_argument(
-        "--watch", action="store_true", help=f"refresh every {WATCH_INTERVAL_S:g} s until Ctrl-C"
-    )
-    return parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog="genq status", description="Where the run stands.")
+    add_common(p)
+    p.add_argument("--json", action="store_true", help="print the status JSON (CLI.md)")
+    p.add_argument("--watch", action="store_true",
+                   help=f"refresh every {WATCH_INTERVAL_S:g} s until Ctrl-C")
+    return p.parse_args(argv)
 
 
 def _client(url: str) -> redis.Redis:
@@ -41,31 +40,25 @@ def _read(client: redis.Redis, url: str, run: str) -> dict:
         raise GenqError(f"cannot reach Redis at {url}: {e}") from None
 
 
-def _progress(status: dict):
+def _view(status: dict):
+    """The live view: a progress bar over the status table."""
+    from rich.console import Group
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn
 
-    bar = Progress(
-        "[bold]done",
-        BarColumn(bar_width=None),
-        MofNCompleteColumn(),
-        TaskProgressColumn(),
-        expand=True,
-    )
+    bar = Progress("[bold]done", BarColumn(bar_width=None), MofNCompleteColumn(),
+                   TaskProgressColumn(), expand=True)
     bar.add_task("done", total=status["total"] or None, completed=status["done"])
-    return bar
+    return Group(bar, render_table(status))
 
 
 def _watch(client: redis.Redis, url: str, run: str) -> int:
-    from rich.console import Group
     from rich.live import Live
 
-    status = _read(client, url, run)
-    with Live(Group(_progress(status), render_table(status)), auto_refresh=False) as live:
+    with Live(_view(_read(client, url, run)), auto_refresh=False) as live:
         try:
             while True:
                 time.sleep(WATCH_INTERVAL_S)
-                status = _read(client, url, run)
-                live.update(Group(_progress(status), render_table(status)), refresh=True)
+                live.update(_view(_read(client, url, run)), refresh=True)
         except KeyboardInterrupt:
             return 0
 
