@@ -1,7 +1,6 @@
-"""The consumers' heartbeats as every reader sees them: status and the monitor (per-server
-rows), the producer (its window), the probe (live servers) and the missing-run message.
-consumer/presence.py writes each one: a JSON object under the consumer's key, expiring, and
-the consumer's name in the run's consumers set, scored with its last beat."""
+"""The consumers' heartbeats as every reader sees them (status, monitor, producer, probe).
+consumer/presence.py writes each one: an expiring JSON object under the consumer's key, and
+its name in the run's consumers set, scored with its last beat."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ def decode(raw: bytes | str | None) -> dict[str, Any] | None:
 def read(r: redis.Redis, k: RunKeys, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
     """The live heartbeats by consumer name: of these names, or of every consumer in the set."""
     if names is None:
-        # Members only, without scores (redis-py's annotation covers both forms of ZRANGE).
+        # cast: redis-py's annotation covers ZRANGE with and without scores.
         names = [n.decode() for n in cast(list[bytes], r.zrange(k.consumers, 0, -1))]
     raws = r.mget([k.consumer(n) for n in names]) if names else []
     beats = {n: decode(raw) for n, raw in zip(names, raws, strict=True)}

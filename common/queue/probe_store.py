@@ -1,9 +1,7 @@
 """Answers of `genq requeue --probe`, kept so committing the pivot does not generate them
-again. A stored answer is used only for a request whose body (prompt, every parameter, model)
-hashes the same as the probe's, so it is exactly the answer the consumer would have asked for;
-it is used once and dropped. The probe never touches a result: it only writes this hash, which
-expires KEEP_S after the probe: consumers look for answers only while it exists, and an
-uncommitted probe must not cost them a Redis round trip per task for the rest of the run."""
+again. An answer is used once, and only for a request whose body (prompt, every parameter,
+model) hashes the same as the probe's. The probe writes nothing but this hash, which expires
+KEEP_S after it, so an uncommitted probe does not cost consumers a lookup per task for long."""
 
 from __future__ import annotations
 
@@ -16,9 +14,8 @@ import redis.asyncio as aioredis
 
 from common.queue.keys import RunKeys
 
-# The Completion fields a stored answer carries (consumer/sglang_stream.Completion).
 KEEP_S = 3600  # a probe's answers wait this long for the pivot to be committed
-
+# The Completion fields a stored answer carries (common.sglang.stream.Completion).
 FIELDS = ("finish_reason", "content", "reasoning_content", "prompt_tokens",
           "completion_tokens", "max_tokens")
 

@@ -65,9 +65,7 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     if "total" not in meta:
         raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
-    if not meta.get("epoch"):
-        # Registered before runs had an epoch: give it one now, once (HSETNX), so every
-        # service agrees on it from here on.
+    if not meta.get("epoch"):  # registered before runs had one: HSETNX, so all agree
         r.hsetnx(k.meta, "epoch", new_epoch())
         meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
     return RunInfo(run=k.run, dataset=meta["dataset"], fingerprint=meta["fingerprint"],
