@@ -56,8 +56,9 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
                    help="drive the first server even if another consumer already does")
     p.add_argument("--concurrency", type=int,
                    help="requests kept in flight (default: the server's max_running_requests)")
-    p.add_argument("--visibility-timeout", type=float, default=60.0,
-                   help="lease length in seconds, renewed every third of it (default 60)")
+    p.add_argument("--visibility-timeout", type=float, default=15.0,
+                   help="task lease length in seconds, renewed every third of it; a consumer "
+                        "that dies unseen has its tasks back this long after (default 15)")
     p.add_argument("--out", default="out", help="directory for output shards (default ./out)")
     p.add_argument("--burst", action="store_true",
                    help="exit once every prompt of the run is done or failed")
