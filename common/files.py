@@ -23,8 +23,13 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     if durable:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself must survive a crash of the machine
-        finally:
-            os.close(dir_fd)
+        fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries (a file created or renamed in it) survive a crash."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -6,11 +6,7 @@ removed or edited near either end (a same-size edit in the middle goes unnoticed
 
 JSONL row offsets are indexed once per file version into ``PATH.genq-idx`` (or, when the data
 set's directory is not writable, ``~/.cache/genq/<hash>.genq-idx``; ``index_dir=`` or
-``GENQ_INDEX_DIR`` choose the directory explicitly).
-
-What every data set shares lives in common/data/rows.py, Parquet in
-common/data/parquet.py. A read that is not ``cached`` may block (disk, decoding): callers on
-an event loop run it in a thread.
+``GENQ_INDEX_DIR`` choose the directory explicitly). Parquet lives in common/data/parquet.py.
 """
 
 from __future__ import annotations
@@ -143,9 +139,8 @@ def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) ->
                 tmp.unlink()
 
 
-def open_dataset(
-    path: str | os.PathLike[str], index_dir: str | os.PathLike[str] | None = None
-) -> Dataset:
+def open_dataset(path: str | os.PathLike[str],
+                 index_dir: str | os.PathLike[str] | None = None) -> Dataset:
     """Open a data set; Parquet by suffix or magic bytes, JSON lines otherwise."""
     p = Path(path).expanduser().absolute()
     if p.is_dir():
@@ -161,10 +156,6 @@ def open_dataset(
             from common.data.parquet import ParquetDataset  # pyarrow only when needed
 
             return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
-    except OSError as e:  # only the magic-byte read can get here
-        os.close(fd)
-        raise DatasetError(f"data set {p}: {e.strerror}") from None
-    try:
         return JsonlDataset(p, fd, Path(index_dir) if index_dir is not None else None)
     except OSError as e:
         os.close(fd)

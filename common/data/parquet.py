@@ -1,8 +1,8 @@
 """Parquet data sets: random access by row index without stalling the caller.
 
-A row group is decoded into an Arrow table (in C++, the GIL released; the two most recent are
-kept) and converted to Python in batches of 1,024 rows, so one read costs milliseconds even when
-a file is one row group of millions of rows (converting such a group whole took seconds).
+A row group is decoded into an Arrow table (in C++, the GIL released) and converted to Python
+in batches of 1,024 rows, so one read costs milliseconds even when a file is one row group of
+millions of rows, which would take seconds to convert whole.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import bisect
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,17 @@ from common.errors import DatasetError
 _ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)
 _BATCH_ROWS = 1024  # rows converted to Python at once
 _BATCHES_CACHED = 64
+
+
+def _cached(cache: OrderedDict, key: Hashable, make: Callable[[], Any], keep: int) -> Any:
+    """cache[key], made when absent; only the `keep` most recently used entries stay."""
+    if key in cache:
+        cache.move_to_end(key)
+        return cache[key]
+    value = cache[key] = make()
+    if len(cache) > keep:
+        cache.popitem(last=False)
+    return value
 
 
 class ParquetDataset(Dataset):
@@ -39,9 +51,8 @@ class ParquetDataset(Dataset):
         meta = self._file.metadata
         self.total = meta.num_rows
         self.fingerprint = f"{self.total}r-{st.st_size}b-{digest}"
-        self._starts = list(
-            accumulate((meta.row_group(i).num_rows for i in range(meta.num_row_groups)), initial=0)
-        )
+        self._starts = list(accumulate((meta.row_group(i).num_rows
+                                        for i in range(meta.num_row_groups)), initial=0))
         names = set(self._file.schema_arrow.names)
         self._columns = [c for c in ("messages", "prompt", "id") if c in names]
         self._tables: OrderedDict[int, Any] = OrderedDict()
@@ -49,48 +60,37 @@ class ParquetDataset(Dataset):
         self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
 
     def _table(self, group: int) -> Any:
-        """One row group as an Arrow table (decoded in C++, GIL released); the two most recent
-        are kept. Callers hold the lock."""
-        table = self._tables.get(group)
-        if table is None:
+        """One row group as an Arrow table. Callers hold the lock."""
+        def read() -> Any:
             try:
-                table = self._file.read_row_group(group, columns=self._columns)
+                return self._file.read_row_group(group, columns=self._columns)
             except Exception as e:  # pyarrow's own error types; the file is at fault
                 raise DatasetError(f"data set {self.path}: {e}") from e
-            self._tables[group] = table
-            if len(self._tables) > _ROW_GROUPS_CACHED:
-                self._tables.popitem(last=False)
-        else:
-            self._tables.move_to_end(group)
-        return table
+
+        return _cached(self._tables, group, read, _ROW_GROUPS_CACHED)
 
     def _batch(self, group: int, first: int) -> dict[str, list[Any]]:
-        """Rows first..first+_BATCH_ROWS of a row group as Python values. Converting a whole
-        row group (200k rows of messages: seconds) at once would stall the caller; a batch
-        costs milliseconds, however large the row group is."""
+        """Rows first..first+_BATCH_ROWS of a row group as Python values."""
+        def convert() -> dict[str, list[Any]]:
+            rows = self._table(group).slice(first, _BATCH_ROWS)
+            return {c: rows.column(c).to_pylist() for c in self._columns}
+
         with self._lock:
-            key = (group, first)
-            batch = self._batches.get(key)
-            if batch is None:
-                rows = self._table(group).slice(first, _BATCH_ROWS)
-                batch = {c: rows.column(c).to_pylist() for c in self._columns}
-                self._batches[key] = batch
-                if len(self._batches) > _BATCHES_CACHED:
-                    self._batches.popitem(last=False)
-            else:
-                self._batches.move_to_end(key)
-            return batch
+            return _cached(self._batches, (group, first), convert, _BATCHES_CACHED)
+
+    def _place(self, index: int) -> tuple[int, int]:
+        """(row group, offset in it) of a row."""
+        group = bisect.bisect_right(self._starts, index) - 1
+        return group, index - self._starts[group]
 
     def cached(self, index: int) -> bool:
         if not 0 <= index < self.total:
             return True  # prompt() refuses it at once
-        group = bisect.bisect_right(self._starts, index) - 1
-        offset = index - self._starts[group]
+        group, offset = self._place(index)
         return (group, offset - offset % _BATCH_ROWS) in self._batches
 
     def _row(self, index: int) -> Any:
-        group = bisect.bisect_right(self._starts, index) - 1
-        offset = index - self._starts[group]
+        group, offset = self._place(index)
         first = offset - offset % _BATCH_ROWS
         columns = self._batch(group, first)
         return {c: v[offset - first] for c, v in columns.items() if v[offset - first] is not None}

@@ -30,18 +30,11 @@ def _row_to_prompt(index: int, row: Any) -> Prompt:
         raise BadTask(index, f"row {index}: 'id' must be a string or an integer")
     messages = row.get("messages")
     if messages is not None:
-        if not (
-            isinstance(messages, list)
-            and messages
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
-                for m in messages
-            )
-        ):
-            raise BadTask(
-                index,
-                f"row {index}: 'messages' is not a non-empty list of {{role, content}} objects",
-            )
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
+                        for m in messages)):
+            raise BadTask(index, f"row {index}: 'messages' is not a non-empty list of "
+                                 "{role, content} objects")
         return Prompt(index, messages, row_id)
     prompt = row.get("prompt")
     if prompt is not None:
@@ -79,10 +72,8 @@ class Dataset:
     def verify(self, expected: str) -> None:
         """Refuse to serve a run registered against another version of the file."""
         if expected != self.fingerprint:
-            raise DatasetError(
-                f"data set {self.path} changed since the run was registered "
-                f"(fingerprint {self.fingerprint}, run has {expected})"
-            )
+            raise DatasetError(f"data set {self.path} changed since the run was registered "
+                               f"(fingerprint {self.fingerprint}, run has {expected})")
 
     def _row(self, index: int) -> Any:
         raise NotImplementedError

@@ -24,6 +24,7 @@ import orjson
 
 from common.data.records import parse_line, shard_files
 from common.errors import OutputUnavailable
+from common.files import fsync_dir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
@@ -31,15 +32,6 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
     reason = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
     return OutputUnavailable(f"output directory {out_dir}: {reason}")
-
-
-def _fsync_dir(directory: Path) -> None:
-    # fdatasync on the file does not make its directory entry durable; do that once per shard.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -53,14 +45,9 @@ class ShardWriter:
     a slow trickle still ships.
     """
 
-    def __init__(
-        self,
-        out_dir: str | os.PathLike[str],
-        run: str,
-        name: str,
-        rotate_every: int | None = None,
-        on_close: Callable[[Path], None] | None = None,
-    ) -> None:
+    def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
+                 rotate_every: int | None = None,
+                 on_close: Callable[[Path], None] | None = None) -> None:
         self.out_dir = Path(out_dir)
         self.run = run
         self.name = _UNSAFE.sub("_", name) or "consumer"
@@ -99,7 +86,7 @@ class ShardWriter:
             raise _out_error(self.out_dir, e) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            _fsync_dir(self.out_dir)
+            fsync_dir(self.out_dir)  # fdatasync on the file does not cover its name
         except OSError as e:
             os.close(fd)
             raise _out_error(self.out_dir, e) from e
@@ -227,16 +214,10 @@ class ReadStats:
     skipped: int = 0
 
 
-def read_records(
-    dirs: str | os.PathLike[str] | Iterable[str | os.PathLike[str]],
-    run: str,
-    stats: ReadStats | None = None,
-) -> Iterator[dict[str, Any]]:
-    """Every record in every shard of ``run`` in ``dirs``; unparsable lines are counted, skipped.
-
-    A last line without its newline is a write that never completed (so was never acked) and is
-    skipped too, even if it happens to parse.
-    """
+def read_records(dirs: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], run: str,
+                 stats: ReadStats | None = None) -> Iterator[dict[str, Any]]:
+    """Every record in every shard of ``run`` in ``dirs``; unparsable and torn lines (see
+    parse_line) are counted in ``stats`` and skipped."""
     stats = stats if stats is not None else ReadStats()
     if isinstance(dirs, str | os.PathLike):
         dirs = [dirs]
@@ -260,14 +241,11 @@ def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
         return  # shipped and removed since the directory was listed
 
 
-def choose_records(
-    records: Iterable[dict[str, Any]], accepted: Callable[[int], tuple[int, int] | None]
-) -> dict[int, dict[str, Any]]:
-    """One record per index: the accepted (params_version, attempt) if present, else the newest.
-
-    Newest means highest ``params_version``, then highest ``attempt``, then last seen.
-    ``accepted`` is called at most once per index.
-    """
+def choose_records(records: Iterable[dict[str, Any]],
+                   accepted: Callable[[int], tuple[int, int] | None]) -> dict[int, dict[str, Any]]:
+    """One record per index: the accepted (params_version, attempt) if present, else the newest
+    (highest params_version, then attempt, then last seen). ``accepted`` is called at most once
+    per index."""
     chosen: dict[int, dict[str, Any]] = {}
     keys: dict[int, tuple[int, int]] = {}
     wanted: dict[int, tuple[int, ...] | None] = {}  # tuple(): a list would never equal a key
