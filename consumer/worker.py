@@ -80,6 +80,7 @@ class Consumer:
         self.tg: asyncio.TaskGroup | None = None
         self.deadline: float | None = None  # end of the shutdown grace, once stopping
         self.server_recorded = False
+        self.finished_said = False  # run_finished was logged for the run as it stands
 
     @property
     def capacity(self) -> int:
@@ -208,6 +209,7 @@ class Consumer:
         for lease in await self.queue.claim(n):
             inflight = self.held[lease.job_id] = Inflight(lease)
             got.append(inflight)
+            self.finished_said = False  # work again (a redo): its end is said again
         if all(self.dataset.cached(i.lease.index) for i in got):
             self.read_prompts(got)
         else:
@@ -242,11 +244,20 @@ class Consumer:
             self.let_go(inflight)
 
     async def on_empty(self) -> None:
-        """Prefetch found nothing to claim: a --burst run ends once it is settled."""
-        if self.settings.burst and not self.held and await self.settled():
+        """Prefetch found nothing to claim: a --burst consumer ends once the run is settled;
+        a long-running one says once that the run is finished, and waits for more work."""
+        if self.held or (self.finished_said and not self.settings.burst):
+            return
+        if not await self.settled():
+            return
+        if self.settings.burst:
             if not self.stop.is_set():
                 logger.info("run_settled", acked=self.acked)
             self.halt()
+        elif not self.finished_said:
+            logger.info("run_finished", acked=self.acked,
+                        reason="every prompt is done or failed; waiting for a requeue")
+            self.finished_said = True
 
     async def settled(self) -> bool:
         pipe = self.redis.pipeline(transaction=False)
@@ -390,8 +401,11 @@ class Consumer:
         self.started_at = self.started_at or now
         self.probe_kept = bool(await self.redis.exists(self.keys.probe))
         f = self.follower
+        # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,
-                "capacity": self.capacity, "inflight": len(self.held), "load": f.load,
+                "capacity": self.capacity, "inflight": len(self.held),
+                "running": sum(1 for i in self.held.values() if i.at_server),
+                "ahead": len(self.prefetch.ready), "load": f.load,
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
