@@ -66,11 +66,8 @@ def parse(argv: list[str] | None) -> ProduceSettings:
     p.add_argument("--interval", type=float, default=0.5, help="top-up period, seconds")
     add_common(p)
     a = p.parse_args(argv)
-    sets = list(a.set)
-    for flag, key in ((a.max_tokens, "max_tokens"), (a.temperature, "temperature"),
-                      (a.model, "model")):
-        if flag is not None:
-            sets.append(f"{key}={flag}")
+    named = {"max_tokens": a.max_tokens, "temperature": a.temperature, "model": a.model}
+    sets = [*a.set, *(f"{key}={value}" for key, value in named.items() if value is not None)]
     changes = params.parse_sets(sets, a.raw)
     if a.window < 0:
         p.error("--window must be >= 0")

@@ -1,11 +1,9 @@
 """`genq requeue --probe N --set KEY=VALUE`: try a pivot on a sample before committing it.
 
-The probe itself calls the run's servers (those its live consumers use) with a few requests
-at a time, rather than going through the queue: that is the simplest way that touches no
-result (no claim, no ack, no counter, no shard) and cannot be mistaken for the run's work,
-and a few requests among a server's tens of slots are a small share of its capacity. Its
-answers are kept in Redis (common/probe_store.py) so the consumers use them, unchanged, when
-the pivot is committed with the same parameters.
+The probe calls the run's servers (those its live consumers use) directly, a few requests at
+a time, rather than through the queue, so it touches no result, counter or shard. Its answers
+are kept in Redis (common/queue/probe_store.py): committing the pivot with the same parameters
+lets the consumers use them unchanged.
 """
 
 from __future__ import annotations
@@ -28,9 +26,9 @@ from common.queue.replies import blob
 from common.report.status import read_status
 from common.sglang.client import SGLang
 from producer.probe_stats import summarize
+from producer.requeue_plan import REDO_PASSES
 
-POPULATIONS = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done", "failed"),
-               "none": ("truncated",)}
+POPULATIONS = {**REDO_PASSES, "none": ("truncated",)}
 
 
 def population(r: redis.Redis, k: RunKeys, mode: str) -> list[int]:
@@ -84,10 +82,8 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
 
     clients = [SGLang(url, request_timeout=3600.0, connections=concurrency) for url in servers]
     try:
-        models = [await c.model() for c in clients]
-        gates = [asyncio.Semaphore(concurrency) for _ in clients]
-        await asyncio.gather(*(one(clients[n % len(clients)], models[n % len(clients)],
-                                   gates[n % len(clients)], i, p)
+        slots = [(c, await c.model(), asyncio.Semaphore(concurrency)) for c in clients]
+        await asyncio.gather(*(one(*slots[n % len(slots)], i, p)
                                for n, (i, p) in enumerate(jobs)))
     finally:
         for c in clients:
@@ -96,8 +92,7 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
 
 
 def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: int,
-              changes: dict[str, Any], mode: str, concurrency: int,
-              seed: int = 0) -> dict[str, Any]:
+              changes: dict[str, Any], mode: str, concurrency: int) -> dict[str, Any]:
     """Probe n prompts of the redo's population under the changed parameters; the report."""
     pool = population(r, k, mode)
     if not pool:
@@ -106,7 +101,7 @@ def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: 
     if not servers:
         raise UsageError("no live consumer: the probe runs on the servers the run's "
                          "consumers use; start `genq consume` first")
-    sample = sorted(random.Random(seed).sample(pool, min(n, len(pool))))
+    sample = sorted(random.Random(0).sample(pool, min(n, len(pool))))
     data = open_dataset(dataset)
     data.verify(fingerprint)
     jobs = [(i, data.prompt(i)) for i in sample]

@@ -31,8 +31,6 @@ from common.store.export import shard_paths
 @dataclass(frozen=True)
 class Outcome:
     recovered: bool
-    done: int
-    kept: int
     message: str
 
 
@@ -71,13 +69,6 @@ def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
             yield f
 
 
-def s3_source(uri: str, run: str) -> tuple[list[dict[str, Any]], Iterable[Iterable[bytes]]]:
-    """Shipped output: every consumer's manifest and the shards as line streams (docs/S3.md)."""
-    from common.store import s3 as store
-
-    return store.run_source(uri, run, manifests.parse)
-
-
 def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
     """Why the run must not be rebuilt now (it is there already, or another run holds the
     name), or None when its state is gone."""
@@ -99,8 +90,7 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
         raise UsageError(f"the manifest is of run {manifest['run']!r}, not {k.run!r}")
     state = present(r, k, manifest["epoch"])
     if state == "present":
-        return Outcome(False, int(r.bitcount(k.done)), 0,
-                       f"run {k.run!r} is in Redis already: nothing to recover")
+        return Outcome(False, f"run {k.run!r} is in Redis already: nothing to recover")
     if state is not None and not replace:
         raise GenqError(state)
     rec = recovery.rebuild(manifest, streams)
@@ -108,21 +98,20 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
         try:
             pipe.watch(k.meta)  # two recovers at once: the second sees the first's meta
             if present(pipe, k, manifest["epoch"]) == "present":
-                return Outcome(False, len(rec.standing), 0,
-                               f"run {k.run!r} was recovered meanwhile: nothing to do")
+                return Outcome(False, f"run {k.run!r} was recovered meanwhile: nothing to do")
             pipe.multi()
             if replace:
                 pipe.delete(k.meta)
             recovery.restore(pipe, k, manifest, rec, out_dirs)
             pipe.execute()
         except redis.WatchError:
-            return Outcome(False, len(rec.standing), 0,
+            return Outcome(False,
                            f"run {k.run!r} changed while recovering; run genq recover again")
     message = (f"recovered run {k.run!r}: {len(rec.standing)} of {manifest['total']} done, "
                f"{len(rec.kept)} results kept aside by a redo, parameters "
                f"v{manifest['params_version']}, from {rec.lines} shard lines"
                + (f" ({rec.skipped} unreadable skipped)" if rec.skipped else ""))
-    return Outcome(True, len(rec.standing), len(rec.kept), message)
+    return Outcome(True, message)
 
 
 @guarded
@@ -132,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     dirs = [os.path.abspath(d) for d in a.shards]
     found = local_manifests(dirs, k.run)
     streams: list[Iterable[Iterable[bytes]]] = [local_streams(dirs, k.run)]
-    if a.from_s3:
-        shipped, s3_streams = s3_source(a.from_s3, k.run)
+    if a.from_s3:  # shipped output (docs/DEPLOY.md): every consumer's manifest, the shards
+        from common.store import s3 as store
+
+        shipped, s3_streams = store.run_source(a.from_s3, k.run, manifests.parse)
         found += shipped
         streams.append(s3_streams)
     if not found:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
 
 import redis
 from rich.progress import Progress
@@ -20,11 +19,10 @@ from common.queue.replies import text
 from common.queue.scripts import ScriptRunner, redo_call
 from producer import probe, requeue_plan
 
-# Indices made runnable per redo script call: each call is atomic and exact, and at about
-# 9 us an index (bench/redo_scale.py) holds Redis for under 0.1 s, so acks are not held up.
+# Indices made runnable per redo script call: each call is atomic, so a bounded slice holds
+# Redis only briefly and the consumers' acks are not held up.
 REDO_LIMIT = 10_000
-# What each --redo mode walks: result bitmaps to undo, then failed prompts to revive.
-REDO_PASSES = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done", "failed")}
+
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="genq requeue", description=__doc__)
@@ -46,18 +44,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe", type=_positive, metavar="N",
                    help="change nothing: run N of the prompts the redo would run (default: "
                         "the truncated) under --set, report truncation, lengths, cost and "
-                        "ETA, and keep the answers for the commit (docs/CLI-EXTENSIONS.md)")
+                        "ETA, and keep the answers for the commit (docs/REFERENCE.md)")
     p.add_argument("--probe-concurrency", type=_positive, default=4, metavar="C",
                    help="probe requests at once per server (default 4)")
     p.add_argument("--json", action="store_true", help="with --probe: one JSON object")
     add_common(p)
     return p.parse_args(argv)
-
-
-def check(r: redis.Redis, k: RunKeys, new_params: dict[str, Any]) -> None:
-    """Refuse parameters that cannot work before any version is made, so a refused requeue
-    undoes no result: max_tokens against the context length the servers reported."""
-    params.check_fits(r, k, int(new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]))
 
 
 def _positive(value: str) -> int:
@@ -86,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
                                   inflight=inflight)
     if not plan.diff and a.redo == "none":
         raise UsageError("nothing to change: the parameters already have these values")
-    check(r, k, plan.new_params)
+    # Refused before any version is made, so a refused requeue undoes no result.
+    max_tokens = plan.new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]
+    params.check_fits(r, k, int(max_tokens))
     if a.probe:
         return probe.main_probe(a, changes, r, k, info)
     if a.dry_run:
@@ -112,7 +106,7 @@ def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple
     runner = ScriptRunner(r)
     counts = {"truncated": 0, "done": 0, "failed": 0}
     with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
-        for what in REDO_PASSES[mode]:
+        for what in requeue_plan.REDO_PASSES[mode]:
             task = bar.add_task(f"redo {what}", total=total)
             pos = 0
             while pos < total:

@@ -5,7 +5,7 @@ every requeue prints it after acting."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -14,6 +14,9 @@ from common import params
 from common.queue.keys import RunKeys
 from common.report.status import read_status
 from common.report.status_table import human_duration
+
+# What each --redo mode walks: result bitmaps to undo, then failed prompts to revive.
+REDO_PASSES = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done", "failed")}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,7 +33,6 @@ class Plan:
     aborted: int  # requests in flight that are aborted and queued again
     tokens: tuple[int, int]  # extra output tokens, low and high estimate
     tok_per_s: float
-    notes: list[str] = field(default_factory=list)
 
 
 def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: float,
@@ -97,4 +99,4 @@ def render(plan: Plan) -> list[str]:
                  f"at the current {plan.tok_per_s:,.0f} tok/s")
     else:
         cost += " (no current rate to turn into time)"
-    return [*lines, cost, *plan.notes]
+    return [*lines, cost]
