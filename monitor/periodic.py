@@ -41,10 +41,7 @@ class Periodic(threading.Thread):
                 if now >= due[task.name]:
                     due[task.name] = now + task.interval_s
                     self._run_one(task)
-            if due:
-                self._stop_event.wait(max(0.0, min(due.values()) - time.monotonic()))
-            else:
-                self._stop_event.wait()
+            self._stop_event.wait(max(0.0, min(due.values()) - time.monotonic()))
 
     def _run_one(self, task: PeriodicTask) -> None:
         try:
