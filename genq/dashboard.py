@@ -1,9 +1,8 @@
 """`python -m genq.dashboard`: rq-dashboard on the run's Redis, read-only unless asked.
 
-rq-dashboard's buttons (requeue, delete, empty, compact) move RQ's lists behind genq's back:
-a job requeued there is queued again while genq's bitmaps still call its index failed, and an
-emptied registry loses leases the consumers hold. rq-dashboard's own --disable-delete gates only
-delete and empty, so every write is refused here (HTTP 403) unless --allow-write is given; the
+rq-dashboard's buttons (requeue, delete, empty, compact) change RQ's lists behind genq's back
+(docs/REFERENCE.md says what genq then does), so every write is refused here (HTTP 403) unless
+--allow-write is given; rq-dashboard's own --disable-delete gates only delete and empty. The
 genq way to redo work is `genq requeue --redo failed`.
 """
 
@@ -15,8 +14,8 @@ import os
 
 from common.cli import DEFAULT_REDIS_URL
 
-WRITE_REFUSED = ("rq-dashboard is read-only here: its actions bypass genq's state. "
-                 "Use `genq requeue --redo failed`, or start it with --allow-write.\n")
+WRITE_REFUSED = ("rq-dashboard is read-only here: its buttons change RQ's lists behind genq's "
+                 "back. Use `genq requeue --redo failed`, or start it with --allow-write.\n")
 
 
 def build(redis_url: str, allow_write: bool):  # -> flask.Flask (imported lazily: optional)
