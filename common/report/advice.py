@@ -2,9 +2,8 @@
 consumer records from /v1/loads. Advice names its evidence and never changes a server.
 
 A server whose every slot is busy, with nothing waiting and its KV cache mostly free, could
-run more requests at once: the run genq is built for went from ~2,000 to ~3,500 output tok/s
-per GPU by raising --max-running-requests from 16 to 40 with the KV cache 2-3 % used. The
-opposite (requests waiting inside the server, or the KV cache near full) says to lower it.
+run more requests at once (raise --max-running-requests); requests waiting inside the server,
+or a KV cache near full, say to lower it.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ STALE_S = 30.0  # samples older than this at the window's end: the consumer is g
 
 
 def load_sample(t: float, load: dict[str, Any]) -> list[Any]:
-    """A compact sample of a parsed /v1/loads answer (consumer/sglang_stream.parse_load)."""
+    """A compact sample of a parsed /v1/loads answer (common.sglang.stream.parse_load)."""
     return [round(t, 1), load.get("num_reqs"), load.get("max_running_requests"),
             load.get("num_waiting_reqs"), load.get("num_used_tokens"),
             load.get("max_total_num_tokens"), load.get("gen_throughput")]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from common.queue.keys import RATE_BUCKET_S
+from common.report.confidence import wilson
 
 Buckets = Mapping[int, Mapping[str, float]]
 
@@ -17,11 +19,9 @@ STALL_S = 300
 
 
 def activity_start(buckets: Buckets, created_at: float | None = None) -> float | None:
-    """When the run began producing results, as precisely as the buckets and meta allow.
-
-    The earliest bucket with completions bounds it to RATE_BUCKET_S; the run's own creation
-    time refines it when it falls inside that bucket (it cannot be later than the first result).
-    """
+    """When the run began producing results: the earliest bucket with completions, refined by
+    the run's creation time when that falls inside it (it cannot be later than the first
+    result)."""
     active = [b for b, f in buckets.items() if f.get("req", 0) > 0]
     if not active:
         return created_at
@@ -31,9 +31,8 @@ def activity_start(buckets: Buckets, created_at: float | None = None) -> float |
     return float(first)
 
 
-def window_sum(
-    buckets: Buckets, field: str, now: float, window_s: float, since: float | None = None
-) -> tuple[float, float]:
+def window_sum(buckets: Buckets, field: str, now: float, window_s: float,
+               since: float | None = None) -> tuple[float, float]:
     """Sum of ``field`` over [max(now - window_s, since), now] and that span's length in s.
 
     A bucket only partly inside the window counts in proportion to its overlap, so the rate
@@ -58,18 +57,15 @@ def window_sum(
     return total, now - start
 
 
-def window_rate(
-    buckets: Buckets, field: str, now: float, window_s: float, since: float | None = None
-) -> float:
-    """Events of ``field`` per second over the window (see window_sum); 0 with no time covered."""
+def window_rate(buckets: Buckets, field: str, now: float, window_s: float,
+                since: float | None = None) -> float:
+    """Events of ``field`` per second over the window; 0 under one second of history."""
     total, covered = window_sum(buckets, field, now, window_s, since)
-    # Under one second of history a rate is meaningless (and would divide by ~0).
     return total / covered if covered >= 1.0 else 0.0
 
 
-def rates(
-    buckets: Buckets, now: float, window_s: float, since: float | None = None, suffix: str = ""
-) -> dict[str, float]:
+def rates(buckets: Buckets, now: float, window_s: float, since: float | None = None,
+          suffix: str = "") -> dict[str, float]:
     """{req_per_s, tok_per_s} over the window; ``suffix`` selects a server (``"|<server>"``)."""
     return {
         "req_per_s": round(window_rate(buckets, "req" + suffix, now, window_s, since), 4),
@@ -127,10 +123,9 @@ def truncation_rate(length: int, done: int) -> float:
     return round(length / done, 4) if done > 0 else 0.0
 
 
-def recent_truncation(
-    buckets: Buckets, now: float, window_s: float = RECENT_S, since: float | None = None,
-    version: int | None = None,
-) -> tuple[float, float]:
+def recent_truncation(buckets: Buckets, now: float, window_s: float = RECENT_S,
+                      since: float | None = None,
+                      version: int | None = None) -> tuple[float, float]:
     """(share of recent completions truncated, number of recent completions); with a version,
     of that parameter version's results only."""
     length_field, req_field = ("fin|length", "req") if version is None else (
@@ -140,9 +135,8 @@ def recent_truncation(
     return (round(length / req, 4) if req > 0 else 0.0), req
 
 
-def throughput_series(
-    buckets: Buckets, now_bucket: int, points: int = 60, group: int = 6
-) -> list[dict[str, float]]:
+def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
+                      group: int = 6) -> list[dict[str, float]]:
     """Per-``group``-bucket rates ending before the (incomplete) current bucket, oldest first."""
     out = []
     span = group * RATE_BUCKET_S
@@ -150,13 +144,8 @@ def throughput_series(
         first = now_bucket - p * group
         req = sum(buckets.get(b, {}).get("req", 0) for b in range(first, first + group))
         tok = sum(buckets.get(b, {}).get("tok", 0) for b in range(first, first + group))
-        out.append(
-            {
-                "t": first * RATE_BUCKET_S,
-                "req_per_s": round(req / span, 4),
-                "tok_per_s": round(tok / span, 2),
-            }
-        )
+        out.append({"t": first * RATE_BUCKET_S, "req_per_s": round(req / span, 4),
+                    "tok_per_s": round(tok / span, 2)})
     return out
 
 
@@ -169,59 +158,64 @@ def requeue_command(max_tokens: int | None, run: str) -> str | None:
     return cmd if run == "default" else f"{cmd} --run {run}"
 
 
-def truncation_alert(
-    recent_rate: float,
-    samples: float,
-    max_tokens: int | None,
-    run: str,
-    threshold: float = TRUNCATION_THRESHOLD,
-    min_samples: float = TRUNCATION_MIN_SAMPLES,
-) -> dict | None:
-    """An alert when recent completions hit max_tokens more often than ``threshold``."""
-    if samples < min_samples or recent_rate <= threshold:
-        return None
-    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
-    alert: dict = {
-        "kind": "truncation",
-        "message": (
-            f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
-            f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated ones"
-        ),
-    }
+def _truncation(message: str, max_tokens: int | None, run: str) -> dict:
+    """A truncation alert, with the command that fixes it where the limit is known."""
+    alert: dict = {"kind": "truncation", "message": message}
     cmd = requeue_command(max_tokens, run)
     if cmd:
         alert["command"] = cmd
     return alert
 
 
-def stall_alerts(
-    recent_req: Mapping[str, float],
-    known_for_s: Mapping[str, float],
-    remaining: int,
-    window_s: float = STALL_S,
-) -> list[dict]:
-    """Alerts for servers with no completions in ``window_s`` while work remains.
+def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None, run: str,
+                     threshold: float = TRUNCATION_THRESHOLD) -> dict | None:
+    """An alert when recent completions hit max_tokens more often than ``threshold``."""
+    if samples < TRUNCATION_MIN_SAMPLES or recent_rate <= threshold:
+        return None
+    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
+    return _truncation(f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
+                       f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated "
+                       "ones", max_tokens, run)
 
-    A server seen for less than the window is not judged yet: its first long generations may
-    simply not have finished.
-    """
+
+def version_truncation(buckets: Buckets, version: int) -> dict[str, Any]:
+    """Is the new limit enough? Completions and truncations under `version` over the buckets
+    read (the last hour; ack.lua counts vreq|<version> and vlen|<version>), with a Wilson
+    interval."""
+    n = int(sum(b.get(f"vreq|{version}", 0) for b in buckets.values()))
+    k = int(sum(b.get(f"vlen|{version}", 0) for b in buckets.values()))
+    low, high = wilson(k, n)
+    return {"version": version, "completions": n, "truncated": k,
+            "rate": round(k / n, 4) if n else None,
+            "ci": [round(low, 4), round(high, 4)] if n else None}
+
+
+def version_alert(vt: dict[str, Any], max_tokens: int | None, run: str,
+                  threshold: float) -> dict | None:
+    """After a pivot: the new version's own truncation rate, if still above the threshold."""
+    if (vt["version"] <= 1 or vt["completions"] < TRUNCATION_MIN_SAMPLES
+            or vt["rate"] <= threshold):
+        return None
+    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
+    low, high = vt["ci"]
+    return _truncation(f"{vt['rate']:.0%} (95% CI {low:.0%}-{high:.0%}) of the "
+                       f"{vt['completions']} completions under v{vt['version']} ({limit}) "
+                       f"still hit the limit (threshold {threshold:.0%}); raise it and redo "
+                       "the truncated ones", max_tokens, run)
+
+
+def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],
+                 remaining: int, window_s: float = STALL_S) -> list[dict]:
+    """Alerts for servers with no completions in ``window_s`` while work remains. A server
+    seen for less than the window is not judged yet: its first long generations may simply
+    not have finished."""
     if remaining <= 0:
         return []
-    alerts = []
-    for server in sorted(recent_req):
-        if recent_req[server] > 0 or known_for_s.get(server, 0.0) < window_s:
-            continue
-        alerts.append(
-            {
-                "kind": "stalled_server",
-                "server": server,
-                "message": (
-                    f"{server} completed nothing in the last {window_s / 60:g} min "
-                    f"while {remaining} prompts remain; check the server and its consumer"
-                ),
-            }
-        )
-    return alerts
+    return [{"kind": "stalled_server", "server": server,
+             "message": f"{server} completed nothing in the last {window_s / 60:g} min while "
+                        f"{remaining} prompts remain; check the server and its consumer"}
+            for server in sorted(recent_req)
+            if recent_req[server] <= 0 and known_for_s.get(server, 0.0) >= window_s]
 
 
 def merge_buckets(rows: Iterable[tuple[int, Mapping[str, float]]]) -> dict[int, dict[str, float]]:

@@ -1,7 +1,8 @@
-"""Where a run stands, read from Redis in two pipelines and derived with common.stats."""
+"""Where a run stands, read from Redis in two pipelines and derived with common.report.stats."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections import Counter
 from functools import partial
@@ -10,11 +11,12 @@ from typing import Any, cast
 import orjson
 import redis
 
+from common.cli import run_keys
 from common.errors import UsageError, mask_tree
 from common.params import DEFAULTS
 from common.queue import heartbeats
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
-from common.report import advice, failures, pivot, runhealth, stats
+from common.report import advice, failures, runhealth, stats
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S
@@ -45,17 +47,13 @@ def _timestamp(value: Any) -> float | None:
     if value is None:
         return None
     text = _s(value)
-    try:
+    with contextlib.suppress(ValueError):
         return float(text)
-    except ValueError:
-        pass
     try:
         parsed = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
         return None
-    if parsed.tzinfo is None:
-        parsed = parsed.replace(tzinfo=dt.UTC)
-    return parsed.timestamp()
+    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)).timestamp()
 
 
 def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
@@ -122,29 +120,17 @@ def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | N
         start = first_seen.get(server)
         known: list[float] = [start * RATE_BUCKET_S] if start is not None else []
         known += [x for x in (_timestamp(row.get("started_at")), since) if x is not None]
-        out.append(
-            {
-                "server": server,
-                "inflight": leased.get(server, 0),
-                **rate,
-                "capacity": row["capacity"],
-                "load": row["load"],
-                "consumer": ",".join(row["consumers"]) or None,
-                "last_seen_s": row.get("last_seen_s"),
-                "_history": row.get("_history"),
-                "_recent": recent,
-                "_known_s": now - min(known) if known else 0.0,
-            }
-        )
+        out.append({"server": server, "inflight": leased.get(server, 0), **rate,
+                    "capacity": row["capacity"], "load": row["load"],
+                    "consumer": ",".join(row["consumers"]) or None,
+                    "last_seen_s": row.get("last_seen_s"), "_history": row.get("_history"),
+                    "_recent": recent, "_known_s": now - min(known) if known else 0.0})
     return out
 
 
 def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05) -> dict:
     """The run's figures as `genq status --json` shows them (CLI.md), plus monitor extras."""
-    try:
-        k = RunKeys(run)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    k = run_keys(run)
     raw = _read(r, k)
     if not raw["meta"]:
         raise UsageError(runhealth.missing_run_message(r, k))
@@ -189,9 +175,8 @@ def _params(raw: dict) -> tuple[int, dict]:
     return version, stored if isinstance(stored, dict) else dict(DEFAULTS)
 
 
-def _assemble(
-    run: str, raw: dict, buckets: dict, beats: dict, now: float, threshold: float
-) -> dict:
+def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
+              threshold: float) -> dict:
     meta = {_s(f): _s(v) for f, v in raw["meta"].items()}
     total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]
     remaining = max(0, total - done - failed)
@@ -200,15 +185,15 @@ def _assemble(
     since = stats.activity_start(buckets, _timestamp(meta.get("created_at")))
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
     version, params = _params(raw)
-    recent, samples = stats.recent_truncation(buckets, now, since=since)
+    recent, _ = stats.recent_truncation(buckets, now, since=since)
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
     # Judged on the current parameters' results only: right after raising max_tokens the old
     # limit's hits must not read as hits at the new one (and advise doubling it again). After a
     # pivot the new version's own rate answers "is the new limit enough?".
     current, current_n = stats.recent_truncation(buckets, now, since=since, version=version)
-    vt = pivot.version_truncation(buckets, version)
-    alert = pivot.version_alert(vt, params.get("max_tokens"), run, threshold) or \
+    vt = stats.version_truncation(buckets, version)
+    alert = stats.version_alert(vt, params.get("max_tokens"), run, threshold) or \
         stats.truncation_alert(current, current_n, params.get("max_tokens"), run, threshold)
     alerts = ([alert] if alert else []) + stats.stall_alerts(
         {s["server"]: s.pop("_recent") for s in servers},

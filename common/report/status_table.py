@@ -36,19 +36,11 @@ def _server_table(status: dict) -> Any:
         table.add_column(col, justify="right", no_wrap=True)
     for s in status["servers"]:
         load = s.get("load") or {}
-        run_wait = (
-            f"{load.get('num_reqs', '?')}/{load.get('num_waiting_reqs', '?')}" if load else "—"
-        )
+        run_wait = f"{load.get('num_reqs', '?')}/{load.get('num_waiting_reqs', '?')}"
         seen = s.get("last_seen_s")
-        table.add_row(
-            s["server"],
-            f"{s['req_per_s']:.2f}",
-            f"{s['tok_per_s']:,.0f}",
-            f"{s['inflight']}/{s['capacity'] or '?'}",
-            run_wait,
-            kv_cell(load),
-            f"{seen:.0f}s ago" if seen is not None else "gone",
-        )
+        table.add_row(s["server"], f"{s['req_per_s']:.2f}", f"{s['tok_per_s']:,.0f}",
+                      f"{s['inflight']}/{s['capacity'] or '?'}", run_wait if load else "—",
+                      kv_cell(load), f"{seen:.0f}s ago" if seen is not None else "gone")
     return table
 
 
@@ -81,27 +73,19 @@ def render_table(status: dict) -> Any:
     total, done = status["total"], status["done"]
     frac = done / total if total else 0.0
     rate, tok = status["rate"]["req_per_s"], status["rate"]["tok_per_s"]
-    lines = [
+    kept = status.get("kept")
+    mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
+    lines: list[Any] = [
         Text(f"run {status['run']}  params v{status['params_version']}", style="bold"),
         Text(f"{_bar(frac)} {frac:6.2%}  {done:,} / {total:,} done"),
-        Text(
-            f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
-            f"failed {status['failed']:,}  remaining {status['remaining']:,}"
-            + (f"  kept {status['kept']:,} (redo failed, previous result stands)"
-               if status.get("kept") else "")
-        ),
-        Text(
-            f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
-            f"ETA {human_duration(status['eta_s'])}"
-        ),
+        Text(f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
+             f"failed {status['failed']:,}  remaining {status['remaining']:,}"
+             + (f"  kept {kept:,} (redo failed, previous result stands)" if kept else "")),
+        Text(f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
+             f"ETA {human_duration(status['eta_s'])}"),
+        Text(f"finish {mix}  truncated {status['truncation_rate']:.1%} "
+             f"(last 5 min {status['recent_truncation_rate']:.1%})"),
     ]
-    mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
-    lines.append(
-        Text(
-            f"finish {mix}  truncated {status['truncation_rate']:.1%} "
-            f"(last 5 min {status['recent_truncation_rate']:.1%})"
-        )
-    )
     vt = status.get("version_truncation") or {}
     if vt.get("rate") is not None and status["params_version"] > 1:
         low, high = vt["ci"]
@@ -110,12 +94,8 @@ def render_table(status: dict) -> Any:
             f"of {vt['completions']:,} completions, last hour"))
     o = status["output_tokens"]
     if o["max"] is not None:
-        lines.append(
-            Text(
-                f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
-                f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"
-            )
-        )
+        lines.append(Text(f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
+                          f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"))
     for row in status.get("failure_reasons", []):
         lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
                           f"(e.g. index {row['example_index']})", style="yellow"))
@@ -130,15 +110,14 @@ def render_table(status: dict) -> Any:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(status["recovered_at"]))
         lines.append(Text(f"  rebuilt from its output by genq recover at {when}Z "
                           "(Redis had lost it)", style="dim"))
-    parts: list[Any] = [*lines]
     if status["servers"]:
-        parts.append(_server_table(status))
+        lines.append(_server_table(status))
     for a in status.get("advice") or []:
-        parts.append(Text(f"advice ({a['kind']}): {a['message']}", style="bold yellow"))
+        lines.append(Text(f"advice ({a['kind']}): {a['message']}", style="bold yellow"))
     for alert in status["alerts"]:
         if alert.get("kind") == "capacity":
             continue  # shown once above, as advice
-        parts.append(Text(f"! {alert['message']}", style="bold red"))
+        lines.append(Text(f"! {alert['message']}", style="bold red"))
         if alert.get("command"):
-            parts.append(Text(f"  {alert['command']}", style="bold"))
-    return Group(*parts)
+            lines.append(Text(f"  {alert['command']}", style="bold"))
+    return Group(*lines)
