@@ -92,10 +92,7 @@ def mark_kept(line: bytes) -> bytes:
 
 
 def shard_paths(dirs: list[str], run: str) -> list[Path]:
-    paths: list[Path] = []
-    for directory in dirs:
-        paths += shard_files(directory, run)
-    return paths
+    return [path for directory in dirs for path in shard_files(directory, run)]
 
 
 def locate(paths: list[Path], counter: list[int]) -> Iterator[dict[str, Any]]:

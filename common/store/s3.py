@@ -92,10 +92,6 @@ def compress(data: bytes) -> bytes:
     return gzip.compress(data, compresslevel=6, mtime=0)  # mtime 0: same bytes, same object
 
 
-def _b64(digest: bytes) -> str:
-    return base64.b64encode(digest).decode()
-
-
 def store_error(e: Exception, what: str) -> StoreUnavailable:
     return StoreUnavailable(f"{what}: {type(e).__name__}: {e}")
 
@@ -117,7 +113,8 @@ def put_verified(s3: Any, uri: S3Uri, key: str, body: bytes, meta: dict[str, str
     must show the same length, MD5 (where the ETag is one) and SHA-256."""
     md5 = hashlib.md5(body, usedforsecurity=False)
     sha = hashlib.sha256(body).hexdigest()
-    s3.put_object(Bucket=uri.bucket, Key=key, Body=body, ContentMD5=_b64(md5.digest()),
+    s3.put_object(Bucket=uri.bucket, Key=key, Body=body,
+                  ContentMD5=base64.b64encode(md5.digest()).decode(),
                   Metadata={**meta, "sha256": sha})
     got = head(s3, uri, key) or {}
     etag = str(got.get("ETag", "")).strip('"')
@@ -128,14 +125,17 @@ def put_verified(s3: Any, uri: S3Uri, key: str, body: bytes, meta: dict[str, str
                                "what was sent (length or checksum)")
 
 
-def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
-    """Every shard object of ``run`` under the URI, sorted."""
-    keys: list[str] = []
+def _run_keys(s3: Any, uri: S3Uri, run: str) -> Iterator[str]:
+    """Every object key under the run's prefix."""
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket,
                                                          Prefix=uri.key(run) + "/")
     for page in pages:
-        keys += [o["Key"] for o in page.get("Contents", []) if _SHARD_KEY.search(o["Key"])]
-    return sorted(keys)
+        yield from (o["Key"] for o in page.get("Contents", []))
+
+
+def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
+    """Every shard object of ``run`` under the URI, sorted."""
+    return sorted(key for key in _run_keys(s3, uri, run) if _SHARD_KEY.search(key))
 
 
 def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
@@ -180,18 +180,11 @@ def manifest_objects(s3: Any, uri: S3Uri, run: str) -> list[tuple[str, bytes]]:
     consumer ships its own, so one that missed a requeue never hides a newer one."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    prefix = uri.key(run) + "/"
-    out = []
     try:
-        for page in s3.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket,
-                                                                 Prefix=prefix):
-            for obj in page.get("Contents", []):
-                if obj["Key"].endswith("/" + MANIFEST):
-                    body = s3.get_object(Bucket=uri.bucket, Key=obj["Key"])["Body"].read()
-                    out.append((obj["Key"], body))
+        return sorted((key, s3.get_object(Bucket=uri.bucket, Key=key)["Body"].read())
+                      for key in _run_keys(s3, uri, run) if key.endswith("/" + MANIFEST))
     except (BotoCoreError, ClientError) as e:
         raise store_error(e, f"reading the manifests under {uri}/{run}") from None
-    return sorted(out)
 
 
 def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
@@ -205,13 +198,13 @@ def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
     return found, (stream for _, _, stream in iter_shards(s3, parsed, run))
 
 
-def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str], s3: Any = None) -> list[Path]:
+def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str]) -> list[Path]:
     """Download and decompress every shard of ``run`` into ``dest`` as
     ``{run}.{consumer}.{shard id}.jsonl``: the layout of a consumer's output directory, which
     export reads."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    s3 = s3 or client()
+    s3 = client()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
