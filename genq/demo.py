@@ -140,7 +140,11 @@ def run_demo(a: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]
     servers = []
     for _ in range(a.servers):
         port = free_port()
-        spawn("sim", "--port", str(port), "--time-scale", str(a.time_scale))
+        # A chunk per 0.2 simulated seconds: a chunk per token, at this speed, is more than
+        # a simulator on a laptop can send on time.
+        interval = max(1, round(0.2 * 87.5 * a.time_scale))
+        spawn("sim", "--port", str(port), "--time-scale", str(a.time_scale),
+              "--stream-interval", str(interval))
         servers.append(f"http://127.0.0.1:{port}")
     for server in servers:
         wait_port(int(server.rsplit(":", 1)[1]))

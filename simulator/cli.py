@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to the first token",
     )
     p.add_argument(
+        "--stream-interval",
+        type=positive_int,
+        default=1,
+        help="tokens per streamed chunk, as SGLang's --stream-interval (default 1: a chunk "
+        "per token); a simulator that cannot keep the pace says so (simulator_behind)",
+    )
+    p.add_argument(
         "--time-scale",
         type=positive,
         default=1.0,

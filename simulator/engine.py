@@ -9,14 +9,18 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import structlog
+
 from simulator.httpserver import ResetConnection
 from simulator.kv import Slots
 from simulator.model import Completion
 from simulator.settings import Settings
 
+log = structlog.get_logger()
+
 # A streamed answer sends what was decoded about this often (real seconds), like SGLang's
 # per-step chunks but cheap enough for hundreds of streams on two cores.
-STREAM_STEP_S = 0.2
+BEHIND_WARN_S = 1.0  # a stream this far behind its schedule is worth a warning
 
 Emit = Callable[[int], None]
 
@@ -43,6 +47,9 @@ class Stats:
     resets: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # The most a stream fell behind its schedule (real seconds): the simulator could not keep
+    # the pace --time-scale and --stream-interval ask for.
+    behind_s: float = 0.0
 
 
 @dataclass
@@ -118,6 +125,7 @@ class Engine:
         self._active: dict[int, _Running] = {}
         self._ids = itertools.count()
         self.started = time.time()
+        self._said_behind = False
 
     def initial_faults(self) -> Faults:
         s = self.settings
@@ -168,16 +176,25 @@ class Engine:
             self.slots.release(cost)
 
     async def _decode_steps(self, tokens: int, emit: Emit) -> None:
+        """Emit every --stream-interval tokens on the schedule --decode-tps and --time-scale
+        set; never fewer, larger chunks: a simulator too slow for the pace falls behind and
+        says so (`simulator_behind` once, `behind_s` in /_sim/stats)."""
         s = self.settings
         await asyncio.sleep(s.ttft / s.time_scale)
         per_s = s.decode_tps * s.time_scale
-        step = max(1, round(STREAM_STEP_S * per_s))
         done = min(1, tokens)  # the first token comes with the prefill, as in SGLang
         emit(done)
+        start = time.monotonic()
         while done < tokens:
-            n = min(step, tokens - done)
-            await asyncio.sleep(n / per_s)
-            done += n
+            done += min(s.stream_interval, tokens - done)
+            late = time.monotonic() - (start + (done - 1) / per_s)
+            await asyncio.sleep(max(0.0, -late))  # 0: still yields to the other streams
+            if late > self.stats.behind_s:
+                self.stats.behind_s = late
+                if late > BEHIND_WARN_S and not self._said_behind:
+                    self._said_behind = True
+                    log.warning("simulator_behind", behind_s=round(late, 2),
+                                hint="lower --time-scale or raise --stream-interval")
             emit(done)
 
     def tokens_in_use(self) -> int:

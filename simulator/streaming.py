@@ -1,6 +1,7 @@
 """`stream: true` chat answers as SGLang 0.5 sends them: server-sent events, one
-`chat.completion.chunk` per decode step (here: per STREAM_STEP_S), a chunk with the finish
-reason, a usage chunk when `stream_options.include_usage` asks for it, then `data: [DONE]`.
+`chat.completion.chunk` per --stream-interval decode steps (default 1: a chunk per token), a
+chunk with the finish reason, a usage chunk when `stream_options.include_usage` asks for it,
+then `data: [DONE]`.
 
 Like SGLang, the first chunk is awaited before the HTTP status is sent, so a request refused
 or faulted before its first token still gets a plain HTTP error, and a hung one gets nothing."""
@@ -16,9 +17,17 @@ from typing import Any
 import orjson
 
 from simulator.engine import Engine
-from simulator.model import STOP_TOKEN_ID, Completion, texts, usage
+from simulator.model import ANSWER_WORD, STOP_TOKEN_ID, THINK_WORD, Completion, texts, usage
 
 _END = -1
+
+
+def _words(word: str, start: int, end: int) -> str:
+    """Words start..end of a text of `word`s joined by single spaces."""
+    if end <= start:
+        return ""
+    word = word.strip()
+    return ("" if start else word) + (" " + word) * (end - start - (0 if start else 1))
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -32,7 +41,8 @@ class _Chunks:
         self.done, self.model, self.parser = done, model, parser
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
-        self.sent: tuple[str, str] = ("", "")
+        self.at = 0  # tokens shaped so far
+        self.sent = [0, 0]  # characters of reasoning_content and content sent so far
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         choice = {
@@ -57,16 +67,34 @@ class _Chunks:
         return self.chunk({"reasoning_content": None, "role": "assistant", "content": ""})
 
     def upto(self, tokens: int) -> bytes | None:
-        """The text decoded since the last chunk, or None when there is none."""
-        reasoning, content = texts(self.done, self.parser, tokens)
-        reasoning = reasoning or ""
+        """The text decoded since the last chunk, or None when there is none. Built from the
+        tokens added alone (a chunk per token must not rebuild the answer every time); the
+        last chunk takes whatever the whole answer (model.texts) adds, so the deltas always
+        sum to exactly the non-streamed answer."""
+        if tokens >= self.done.tokens:
+            reasoning, content = texts(self.done, self.parser)
+            pieces = ((reasoning or "")[self.sent[0]:], content[self.sent[1]:])
+        else:
+            pieces = self.pieces(self.at, tokens)
+        self.at = tokens
         delta: dict[str, Any] = {}
-        if len(reasoning) > len(self.sent[0]):
-            delta["reasoning_content"] = reasoning[len(self.sent[0]) :]
-        if len(content) > len(self.sent[1]):
-            delta["content"] = content[len(self.sent[1]) :]
-        self.sent = (reasoning, content)
+        for n, (key, text) in enumerate(zip(("reasoning_content", "content"), pieces,
+                                            strict=True)):
+            if text:
+                delta[key] = text
+                self.sent[n] += len(text)
         return self.chunk(delta) if delta else None
+
+    def pieces(self, a: int, b: int) -> tuple[str, str]:
+        """(reasoning, content) text that tokens a..b add, as model.texts shapes a prefix."""
+        think = self.done.reasoning_tokens
+        t1, t2 = min(a, think), min(b, think)
+        thinking, answer = _words(THINK_WORD, t1, t2), _words(ANSWER_WORD, a - t1, b - t2)
+        if not self.done.thinking or self.parser:
+            return thinking, answer
+        opened = "<think>" if a == 0 < b else ""
+        closed = "</think>\n\n" if a - t1 == 0 < b - t2 else ""
+        return "", opened + thinking + closed + answer
 
     def finish(self) -> bytes:
         reason = self.done.finish_reason

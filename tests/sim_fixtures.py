@@ -88,13 +88,24 @@ class SimProcess:
 def sim_flags(**kwargs: object) -> list[str]:
     """`max_running_requests=8` → `--max-running-requests 8`; True gives a bare flag."""
     flags: list[str] = []
-    for key, value in kwargs.items():
+    for key, value in coarse_stream(kwargs).items():
         flag = "--" + key.replace("_", "-")
         if value is True:
             flags.append(flag)
         elif value is not None and value is not False:
             flags += [flag, str(value)]
     return flags
+
+
+def coarse_stream(kwargs: dict[str, object]) -> dict[str, object]:
+    """Unless a test asks for its own --stream-interval: a chunk per 0.2 simulated seconds. At
+    the time scales tests run at, a chunk per token would be more chunks than a Python
+    simulator can send on time; the tests that check chunk shapes set the interval."""
+    if "stream_interval" in kwargs:
+        return kwargs
+    tokens_per_s = float(str(kwargs.get("decode_tps", 87.5))) * float(
+        str(kwargs.get("time_scale", 1)))
+    return {**kwargs, "stream_interval": max(1, round(0.2 * tokens_per_s))}
 
 
 @pytest.fixture

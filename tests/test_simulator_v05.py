@@ -116,6 +116,30 @@ def test_a_streamed_answer_adds_up_to_the_plain_one(sim_factory, parser, max_tok
     assert all("usage" not in e for e in no_usage[:-1]) and no_usage[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("parser", [None, "qwen3"])
+def test_a_chunk_per_token_as_sglang_sends_them(sim_factory, parser):
+    """--stream-interval 1 (the default, as SGLang's): one chunk per decoded token, thinking
+    in reasoning_content with a parser; the chunks add up to the plain answer."""
+    sim = sim_factory(reasoning_parser=parser, time_scale=20, length_dist="fixed:60",
+                      stream_interval=1)
+    plain = chat(sim.url, "q", max_tokens=50).json()["choices"][0]["message"]
+    _, events = stream(sim.url, "q", max_tokens=50)
+    texts = [e["choices"][0]["delta"] for e in events[1:-2]]  # between role and finish chunks
+    assert len(texts) == 50 and all(len(d) == 1 for d in texts)  # one token, one field each
+    if parser:
+        thinking = [d["reasoning_content"] for d in texts if "reasoning_content" in d]
+        assert len(thinking) == 42 and thinking[:2] == ["hmm", " hmm"]  # 70 % of 60 thinks
+    assert (joined(events, "content") or "") == plain["content"]
+    assert joined(events, "reasoning_content") == (plain["reasoning_content"] or None)
+
+
+def test_a_simulator_too_slow_for_the_pace_says_so_and_never_merges_chunks(sim_factory):
+    sim = sim_factory(time_scale=100_000, length_dist="fixed:3000", stream_interval=1)
+    _, events = stream(sim.url, "q", max_tokens=3000)
+    assert len(events) == 1 + 3000 + 2  # role, a chunk per token, finish, [DONE]
+    assert httpx.get(sim.url + "/_sim/stats").json()["behind_s"] > 0
+
+
 def test_leaving_a_stream_aborts_the_request(sim_factory):
     sim = sim_factory(time_scale=1, ttft=0, decode_tps=20, length_dist="fixed:2000")
     payload = {"messages": [{"role": "user", "content": "q"}], "stream": True,
