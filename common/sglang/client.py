@@ -1,7 +1,7 @@
-"""The SGLang HTTP client. With consumer/sglang_stream.py it is the only code that knows the
-server's wire format: where capacity, load and context length live in each SGLang version, the
-streamed chat answer, and which failed request is a bad task, a retry, or infrastructure
-trouble. What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
+"""The SGLang HTTP client: where capacity, load and context length live in each SGLang version,
+a streamed chat answer under a stall watchdog, and retrying one that overflows the context.
+With common/sglang/stream.py it is the only code that knows the server's wire format; what
+real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
 
 from __future__ import annotations
 
@@ -56,8 +56,7 @@ class SGLang:
         # One connection per request in flight: a pool smaller than the server's capacity
         # would queue requests here, where the stall watchdog would take them for a hang.
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=1024)
-        # httpx's API on aiohttp's connection pool: a fifth of the client CPU per request of
-        # httpx's own transport at 64 in flight (bench/http_transport.py, bench/README.md).
+        # httpx's API on aiohttp's connection pool, which costs far less CPU per request.
         base, auth = httpx.URL(self.url), None
         if base.userinfo:
             # aiohttp refuses credentials in the URL beside the Authorization header httpx
@@ -66,8 +65,7 @@ class SGLang:
             base = base.copy_with(userinfo=b"")
         self.http = httpx.AsyncClient(base_url=base, auth=auth, timeout=timeout, limits=limits,
                                       transport=AiohttpTransport(limits=limits))
-        # Parsed once: merging a relative path into base_url re-parses it on every request,
-        # 8 % of a busy consumer's CPU (bench/profile_consumer.py).
+        # Parsed once: merging a relative path into base_url re-parses it on every request.
         self.chat_url = self.http.base_url.join("v1/chat/completions")
         self.json_headers = {"content-type": "application/json"}
         self.load_path: str | None = None  # the load endpoint this server has, once known
@@ -224,6 +222,3 @@ class SGLang:
             raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
                 from None
         return answer.completion(self.url, thinking=thinking_on(body))
-
-
-__all__ = ["Completion", "SGLang"]

@@ -1,5 +1,5 @@
-"""The SGLang wire format, part two (consumer/sglang.py is part one): the streamed chat answer,
-the load answers of each version, and the verdict on an HTTP error. Pure functions of what the
+"""The SGLang wire format (common/sglang/client.py speaks it): the streamed chat answer, the
+load answers of each version, and the verdict on an HTTP error. Pure functions of what the
 server sent, so tests can feed them the real server's answers."""
 
 from __future__ import annotations
