@@ -106,8 +106,8 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
 
 
 def risky_redis_settings(r: redis.Redis) -> list[str]:
-    """What in this Redis's configuration can lose a run's state (DESIGN.md: appendonly yes,
-    maxmemory-policy noeviction). Empty when CONFIG is not allowed (managed Redis)."""
+    """What in this Redis's configuration can lose a run's state (docs/RELIABILITY.md:
+    appendonly yes, maxmemory-policy noeviction). Empty when CONFIG is not allowed."""
     try:
         config = r.config_get("appendonly")
         config.update(r.config_get("maxmemory-policy"))
@@ -134,12 +134,9 @@ def guarded(main: Callable[[list[str] | None], int]) -> Command:
     def wrapper(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
-        except UsageError as e:
-            say(f"genq: error: {e}")
-            return 2
         except GenqError as e:
             say(f"genq: error: {e}")
-            return 1
+            return 2 if isinstance(e, UsageError) else 1
         except (redis.ConnectionError, redis.TimeoutError) as e:
             say(f"genq: error: lost Redis: {e}")
             return 1

@@ -1,22 +1,8 @@
 """The exceptions genq raises on purpose, one small tree shared by every service.
 
-    GenqError                      # base; str(e) is one clear line for the user
-    ├── UsageError                 # bad flag / bad --set value / unknown run (CLI exits 2)
-    ├── DatasetError               # missing/unreadable data set, fingerprint mismatch
-    ├── RunStateLost               # Redis no longer holds the run (or holds a re-created one)
-    ├── BadTask                    # this task can never succeed: malformed row, HTTP 400
-    ├── TryAgain                   # no usable answer this time: run it again, spending an attempt
-    └── Retryable                  # infrastructure trouble: release without spending an attempt
-        ├── ServerUnavailable      # 5xx, connect refused/reset, timeouts
-        │   ├── ServerAborted      # the server ended the generation itself (finish "abort")
-        │   └── ServerStalled      # the answer went silent for --stall-timeout
-        ├── OutputUnavailable      # disk full / output dir unwritable
-        └── StoreUnavailable       # S3 unreachable, refusing, or storing other bytes than sent
-
-Classify once, where the failure is first understood; callers then only ask "BadTask or
-Retryable?" (``classify``) to decide between failing the task and giving it back. Redis trouble
-(``REDIS_TROUBLE``: unreachable, timed out, loading after a restart, read-only replica, or at
-maxmemory with noeviction) is infrastructure trouble too: wait and retry, never fail a task.
+Classify once, where the failure is first understood; callers then only ask ``classify`` whether
+to fail the task, run it again, or give it back. Redis trouble (``REDIS_TROUBLE``) is
+infrastructure trouble too: wait and retry, never fail a task.
 """
 
 from __future__ import annotations
@@ -31,7 +17,7 @@ class GenqError(Exception):
 
 
 class UsageError(GenqError):
-    """The user asked for something that cannot be done as asked (the CLI exits 2)."""
+    """A bad flag, --set value or run name: cannot be done as asked (the CLI exits 2)."""
 
 
 class DatasetError(GenqError):
@@ -44,7 +30,7 @@ class RunStateLost(GenqError):
 
 
 class BadTask(GenqError):
-    """This task can never succeed, however often it is retried."""
+    """This task can never succeed, however often it is retried (malformed row, HTTP 400)."""
 
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
@@ -88,10 +74,10 @@ class StoreUnavailable(Retryable):
     """S3 cannot take or give a shard now; the shard stays on disk and is shipped later."""
 
 
-# Redis trouble that passes on its own or once an operator acts; never a reason to fail a task.
-# BusyLoadingError (Redis replaying its AOF after a restart) is a ConnectionError. The builtin
-# ConnectionError and TimeoutError are the socket's own (reset, refused, an asyncio.timeout
-# around a call); any other OSError is not Redis's and is judged by `classify`.
+# Redis trouble that passes on its own or once an operator acts: unreachable, timed out,
+# loading its AOF (BusyLoadingError is a ConnectionError), at maxmemory, a read-only replica.
+# The builtin ConnectionError and TimeoutError are the socket's own (reset, refused, an
+# asyncio.timeout around a call); any other OSError is judged by `classify`.
 REDIS_TROUBLE: tuple[type[Exception], ...] = (
     redis.ConnectionError,
     redis.TimeoutError,

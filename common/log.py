@@ -1,11 +1,9 @@
 """structlog configured once per process: JSON lines (orjson) off a terminal, readable on one.
 
-Logging must never stop a service. A consumer run as `genq consume ... | tee log` loses its
-stdout and stderr when `tee` dies (Ctrl-C reaches the whole pipeline): every later write fails
-with EPIPE. A log call that raised there would break whatever called it, the SIGTERM handler
-included, so a consumer could no longer be stopped. Writes that fail are therefore swallowed,
-and the broken descriptor is pointed at /dev/null so that nothing else that writes to it
-later (a traceback, faulthandler, the interpreter's flush at exit) fails either.
+Logging must never stop a service: once stderr is a dead pipe (`genq consume ... | tee log`
+after Ctrl-C), a log call that raised would break its caller, the SIGTERM handler included.
+Failed writes are swallowed, and the descriptor is pointed at /dev/null so that nothing else
+written to it later (a traceback, the flush at exit) fails either.
 """
 
 from __future__ import annotations

@@ -20,25 +20,16 @@ from common.queue.replies import text
 DEFAULTS: dict[str, Any] = {"max_tokens": 4096, "temperature": 0.6, "enable_thinking": True}
 
 
-def _positive_int(value: str) -> int:
-    n = int(value)
-    if n <= 0:
-        raise ValueError("must be a positive integer")
-    return n
+def _checked(cast: Callable[[str], Any], ok: Callable[[Any], bool],
+             must: str) -> Callable[[str], Any]:
+    """A parser that refuses a value `ok` rejects (nan fails every test), saying what it must be."""
+    def parse(value: str) -> Any:
+        parsed = cast(value)
+        if not ok(parsed):
+            raise ValueError(must)
+        return parsed
 
-
-def _non_negative_float(value: str) -> float:
-    f = float(value)
-    if not f >= 0:  # also rejects nan
-        raise ValueError("must be a number >= 0")
-    return f
-
-
-def _unit_float(value: str) -> float:
-    f = float(value)
-    if not 0 < f <= 1:
-        raise ValueError("must be a number in (0, 1]")
-    return f
+    return parse
 
 
 def _bool(value: str) -> bool:
@@ -50,20 +41,17 @@ def _bool(value: str) -> bool:
     raise ValueError("must be true or false")
 
 
-def _int(value: str) -> int:
-    return int(value)
-
-
+_NON_NEGATIVE = _checked(float, lambda f: f >= 0, "must be a number >= 0")
 KNOWN: dict[str, Callable[[str], Any]] = {
-    "max_tokens": _positive_int,
-    "temperature": _non_negative_float,
-    "top_p": _unit_float,
-    "top_k": _int,
-    "min_p": _non_negative_float,
+    "max_tokens": _checked(int, lambda n: n > 0, "must be a positive integer"),
+    "temperature": _NON_NEGATIVE,
+    "top_p": _checked(float, lambda f: 0 < f <= 1, "must be a number in (0, 1]"),
+    "top_k": int,
+    "min_p": _NON_NEGATIVE,
     "presence_penalty": float,
     "frequency_penalty": float,
-    "repetition_penalty": _non_negative_float,
-    "seed": _int,
+    "repetition_penalty": _NON_NEGATIVE,
+    "seed": int,
     "model": str,
     "enable_thinking": _bool,
 }
