@@ -122,11 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def quiet_gc() -> None:
-    """Each task allocates short-lived objects by the hundred, and with Python's default
-    thresholds the cyclic collector ran a full collection every ~1,000 tasks, walking all that
-    start-up loaded: 12 % of a busy consumer's CPU (bench/README.md, section 6). What is loaded
-    by now stays out of collections, and the youngest generation is collected every 10,000
-    allocations instead of 700."""
+    """Each task allocates short-lived objects by the hundred; with Python's default thresholds
+    the cyclic collector makes a full collection every ~1,000 tasks, walking everything
+    start-up loaded. What is loaded by now stays out of collections, and the youngest
+    generation is collected every 10,000 allocations instead of 700."""
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
 
