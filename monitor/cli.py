@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -24,18 +23,7 @@ from monitor.service import MonitorServer, StatusSource
 log = structlog.get_logger("monitor")
 
 
-@dataclass(frozen=True, kw_only=True)
-class Settings:
-    redis_url: str
-    run: str
-    host: str
-    port: int
-    progress_file: Path
-    interval_s: float
-    truncation_threshold: float
-
-
-def parse(argv: list[str] | None) -> Settings:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="genq monitor", description="Serve the run's status: a web page at /, JSON at "
         "/api/status, Prometheus text at /metrics; keep a progress file current.")
@@ -54,20 +42,18 @@ def parse(argv: list[str] | None) -> Settings:
         p.error(f"run name {a.run!r} must be 1-64 letters, digits, '_' or '-'")
     if a.interval <= 0:
         p.error("--interval must be > 0")
-    return Settings(redis_url=a.redis_url, run=a.run, host=a.host, port=a.port,
-                    progress_file=a.progress_file, interval_s=a.interval,
-                    truncation_threshold=a.truncation_threshold)
+    return a
 
 
-def periodic_tasks(s: Settings, client: redis.Redis, source: StatusSource) -> list[PeriodicTask]:
-    """Everything the monitor does on a timer: the progress file, alerts, and the lease reaper,
-    so expired leases return to the queue even when every consumer is gone
-    (docs/RELIABILITY.md)."""
+def periodic_tasks(s: argparse.Namespace, client: redis.Redis,
+                   source: StatusSource) -> list[PeriodicTask]:
+    """The progress file, alert logging, and the lease reaper: expired leases return to the
+    queue even when every consumer is gone (docs/RELIABILITY.md)."""
     runner, keys = ScriptRunner(client), RunKeys(s.run)
     return [
-        PeriodicTask(name="progress_file", interval_s=s.interval_s,
+        PeriodicTask(name="progress_file", interval_s=s.interval,
                      fn=progress_writer(s.progress_file, source.read)),
-        PeriodicTask(name="alerts", interval_s=s.interval_s, fn=alert_logger(source.read)),
+        PeriodicTask(name="alerts", interval_s=s.interval, fn=alert_logger(source.read)),
         PeriodicTask(name="reaper", interval_s=1.0, fn=lambda: runner(reap_call(keys))),
     ]
 
@@ -90,12 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
         return 1
     source.read()  # at start, Redis or run trouble gives one clear log line, then we serve on
-    _serve(server, Periodic(periodic_tasks(s, client, source)), s)
-    client.close()
-    return 0
+    periodic = Periodic(periodic_tasks(s, client, source))
 
-
-def _serve(server: MonitorServer, periodic: Periodic, s: Settings) -> None:
     def stop(signum: int, _frame: object) -> None:
         # shutdown() waits for serve_forever to return, so it cannot run on the serving thread.
         threading.Thread(target=server.shutdown, daemon=True).start()
@@ -110,4 +92,6 @@ def _serve(server: MonitorServer, periodic: Periodic, s: Settings) -> None:
     finally:
         periodic.stop()
         server.server_close()
+        client.close()
         log.info("monitor_stopped", run=s.run)
+    return 0

@@ -127,8 +127,7 @@ class Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        # http.server writes every request to stderr; per-request lines would drown the logs.
-        pass
+        """Silent: http.server would write every request to stderr and drown the logs."""
 
 
 class MonitorServer(ThreadingHTTPServer):

@@ -26,13 +26,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _client(url: str) -> redis.Redis:
-    try:
-        return redis.Redis.from_url(url, socket_connect_timeout=5, socket_timeout=10)
-    except ValueError as e:
-        raise GenqError(f"bad Redis URL {url}: {e}") from None
-
-
 def _read(client: redis.Redis, url: str, run: str) -> dict:
     try:
         return read_status(client, run)
@@ -66,7 +59,10 @@ def _watch(client: redis.Redis, url: str, run: str) -> int:
 @guarded
 def status_main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
-    client = _client(args.redis_url)
+    try:
+        client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
+    except ValueError as e:
+        raise GenqError(f"bad Redis URL {args.redis_url}: {e}") from None
     try:
         if args.watch:
             return _watch(client, args.redis_url, args.run)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import random
 import threading
-from dataclasses import dataclass
-from typing import Any
 
 import redis
 import structlog
@@ -36,18 +34,8 @@ MIN_WINDOW = 64
 MAX_BACKOFF_S = 30.0
 
 
-@dataclass(frozen=True, kw_only=True)
-class ProduceSettings:
-    redis_url: str
-    run: str
-    dataset: str
-    params: dict[str, Any]
-    window: int
-    once: bool
-    interval: float
-
-
-def parse(argv: list[str] | None) -> ProduceSettings:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, with `params` the run's generation parameters (defaults, then changes)."""
     p = argparse.ArgumentParser(prog="genq produce", description=__doc__)
     p.add_argument("dataset", help="JSONL or Parquet; rows have `messages` or `prompt`")
     p.add_argument("--max-tokens", type=int, help="generation limit (default 4096)")
@@ -68,12 +56,10 @@ def parse(argv: list[str] | None) -> ProduceSettings:
     a = p.parse_args(argv)
     named = {"max_tokens": a.max_tokens, "temperature": a.temperature, "model": a.model}
     sets = [*a.set, *(f"{key}={value}" for key, value in named.items() if value is not None)]
-    changes = params.parse_sets(sets, a.raw)
+    a.params = {**params.DEFAULTS, **params.parse_sets(sets, a.raw)}
     if a.window < 0:
         p.error("--window must be >= 0")
-    return ProduceSettings(redis_url=a.redis_url, run=a.run, dataset=a.dataset,
-                           params={**params.DEFAULTS, **changes},
-                           window=a.window, once=a.once, interval=a.interval)
+    return a
 
 
 @guarded
@@ -105,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     return keep_window(r, k, s, info, runner, stop)
 
 
-def enqueue_once(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+def enqueue_once(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,
                  runner: ScriptRunner) -> int:
     """Every unfinished index, unless consumers are working the run: then only a window, so
     a large data set is not dumped into Redis at once (a million RQ jobs is gigabytes);
@@ -131,7 +117,7 @@ def live_capacity(r: redis.Redis, k: RunKeys) -> int:
     return sum(b.get("capacity", 0) for b in heartbeats.read(r, k).values())
 
 
-def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+def keep_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,
                 runner: ScriptRunner, stop: threading.Event) -> int:
     logger.info("producer_started", run=s.run, window=s.window or "auto")
     backoff, state = 0.0, runs.OK
@@ -164,7 +150,7 @@ def keep_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunIn
     return 0
 
 
-def top_up_window(r: redis.Redis, k: RunKeys, s: ProduceSettings, info: runs.RunInfo,
+def top_up_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,
                   runner: ScriptRunner) -> None:
     runner(reap_call(k))
     want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))

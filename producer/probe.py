@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import sys
 import time
 from typing import Any, cast
 
@@ -150,8 +149,5 @@ def describe(rep: dict[str, Any]) -> str:
 def main_probe(a: Any, changes: dict[str, Any], r: redis.Redis, k: RunKeys, info: Any) -> int:
     report = run_probe(r, k, dataset=info.dataset, fingerprint=info.fingerprint, n=a.probe,
                        changes=changes, mode=a.redo, concurrency=a.probe_concurrency)
-    if a.json:
-        sys.stdout.write(orjson.dumps(report).decode() + "\n")
-    else:
-        print(describe(report))
+    print(orjson.dumps(report).decode() if a.json else describe(report))
     return 0

@@ -84,8 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.probe:
         return probe.main_probe(a, changes, r, k, info)
     if a.dry_run:
-        print("dry run, nothing changed:")
-        print("\n".join(requeue_plan.render(plan)))
+        print("\n".join(["dry run, nothing changed:", *requeue_plan.render(plan)]))
         return 0
     # A redo always makes a version, even without parameter changes: its scope is "results
     # of versions before this one", which must not include what runs after it.
