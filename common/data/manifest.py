@@ -1,10 +1,7 @@
 """The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
-lost. It lives beside the shards as ``{out_dir}/{run}.manifest.json`` and is rewritten (atomically)
-whenever the run or its parameters change: the data set and fingerprint, the run's identity
-(epoch), every parameter version and the history of requeues with their redo scopes.
-
-A manifest is plain JSON so it can be shipped, read and diffed by people; ``snapshot`` builds
-one from Redis, ``write`` stores it, ``read`` checks one and names what is wrong with it.
+lost (data set, fingerprint, epoch, every parameter version, the requeue history). Plain JSON
+beside the shards as ``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or
+its parameters change.
 """
 
 from __future__ import annotations
@@ -44,16 +41,11 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
     if "total" not in meta or not meta.get("epoch"):
         return None
     return {
-        "format": FORMAT,
-        "run": k.run,
-        "dataset": meta["dataset"],
-        "fingerprint": meta["fingerprint"],
-        "total": int(meta["total"]),
-        "created_at": float(meta.get("created_at") or 0),
-        "epoch": meta["epoch"],
+        "format": FORMAT, "run": k.run, "dataset": meta["dataset"],
+        "fingerprint": meta["fingerprint"], "total": int(meta["total"]),
+        "created_at": float(meta.get("created_at") or 0), "epoch": meta["epoch"],
         "params": {v.decode(): orjson.loads(p) for v, p in params_raw.items()},
-        "params_version": int(version or 1),
-        "params_floor": int(floor or 0),
+        "params_version": int(version or 1), "params_floor": int(floor or 0),
         "history": [orjson.loads(h) for h in history],
     }
 

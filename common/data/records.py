@@ -3,8 +3,10 @@ where a run's shard files are, and how one line of them reads back."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,24 @@ import orjson
 def shard_files(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
     """The run's shards in one directory, by name (never its `{run}.manifest.json`)."""
     return sorted(Path(out_dir).glob(f"{run}.*.jsonl"))
+
+
+def unheld_shards(out_dir: str | os.PathLike[str], run: str, mode: int,
+                  lock: int) -> Iterator[tuple[Path, int]]:
+    """(path, fd opened with `mode`) of each shard of the run that no live writer holds, with
+    `lock` (LOCK_SH or LOCK_EX) taken on it; the fd is closed when the next one is asked for."""
+    for path in shard_files(out_dir, run):
+        try:
+            fd = os.open(path, mode)
+        except FileNotFoundError:
+            continue  # shipped and removed since the directory was listed
+        try:
+            fcntl.flock(fd, lock | fcntl.LOCK_NB)
+            yield path, fd
+        except BlockingIOError:
+            pass  # a live writer holds it: its tail is in progress, not torn
+        finally:
+            os.close(fd)
 
 
 def parse_line(line: bytes) -> dict[str, Any] | None:
@@ -33,20 +53,13 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
     record: dict[str, Any] = {"index": index}
     if prompt_id is not None:
         record["id"] = prompt_id
-    record.update(
-        run=run,
-        params_version=version,
-        attempt=attempt,
-        finish_reason=completion.finish_reason,
-        prompt_tokens=completion.prompt_tokens,
-        completion_tokens=completion.completion_tokens,
-        reasoning_content=completion.reasoning_content,
-        content=completion.content,
-        server=server,
-        model=model,
-        latency_s=round(latency_s, 3),
-        created_at=round(time.time(), 3),
-    )
+    record.update(run=run, params_version=version, attempt=attempt,
+                  finish_reason=completion.finish_reason,
+                  prompt_tokens=completion.prompt_tokens,
+                  completion_tokens=completion.completion_tokens,
+                  reasoning_content=completion.reasoning_content, content=completion.content,
+                  server=server, model=model, latency_s=round(latency_s, 3),
+                  created_at=round(time.time(), 3))
     if getattr(completion, "max_tokens", None):  # lowered to fit the model's context
         record["max_tokens_used"] = completion.max_tokens
     return record

@@ -26,6 +26,7 @@ import orjson
 import redis
 
 from common.data.records import parse_line
+from common.params import REDO_SCOPES
 from common.queue import bitmap
 from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 
@@ -67,8 +68,7 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
     """Redo scope -> the newest version a redo of that scope was issued with."""
     marks: dict[str, int] = {}
     for h in history:
-        scopes = {"truncated": ("truncated",), "all": ("done",)}.get(h.get("redo") or "", ())
-        for scope in scopes:
+        for scope in REDO_SCOPES.get(h.get("redo") or "", ()):
             marks[scope] = max(marks.get(scope, 0), int(h["version"]))
     return marks
 

@@ -1,8 +1,4 @@
-"""Torn-tail repair: cut a shard back to its last complete, valid line after a crash.
-
-A shard that a live writer holds (its ``flock``) is left alone: its tail is in progress, not
-torn.
-"""
+"""Torn-tail repair: cut a shard back to its last complete, valid line after a crash."""
 
 from __future__ import annotations
 
@@ -10,7 +6,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from common.data.records import parse_line, shard_files
+from common.data.records import parse_line, unheld_shards
 
 _TAIL_BLOCK = 64 << 10
 
@@ -42,22 +38,11 @@ def _good_end(fd: int, size: int) -> int:
 def repair_shards(out_dir: str | os.PathLike[str], run: str) -> list[tuple[Path, int]]:
     """Cut torn tails off every shard of ``run`` that no live writer holds; report the cuts."""
     cuts: list[tuple[Path, int]] = []
-    for path in shard_files(out_dir, run):
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue  # shipped and removed since we listed the directory
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live writer owns it; its tail is not torn, just in progress
-            size = os.fstat(fd).st_size
-            end = _good_end(fd, size)
-            if end < size:
-                os.ftruncate(fd, end)
-                os.fsync(fd)
-                cuts.append((path, size - end))
-        finally:
-            os.close(fd)
+    for path, fd in unheld_shards(out_dir, run, os.O_RDWR, fcntl.LOCK_EX):
+        size = os.fstat(fd).st_size
+        end = _good_end(fd, size)
+        if end < size:
+            os.ftruncate(fd, end)
+            os.fsync(fd)
+            cuts.append((path, size - end))
     return cuts

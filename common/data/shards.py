@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from common.data.records import parse_line, shard_files
+from common.data.records import parse_line, shard_files, unheld_shards
 from common.errors import OutputUnavailable
 from common.files import fsync_dir
 
@@ -35,14 +35,11 @@ def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
 
 
 class ShardWriter:
-    """Appends records to the current shard, durably, one whole line or nothing.
+    """Appends records to the current shard, durably, one whole line or nothing; thread-safe.
 
-    ``write`` and ``write_many`` may be called from several threads; each call's lines are
-    written and fdatasynced together (the consumer's committer batches its answers).
-    With ``rotate_every=N`` a shard is closed after N records and the next one is opened on
-    the next write; each closed, non-empty shard is appended to ``closed_shards`` and passed
-    to ``on_close`` (the hook for shipping it); ``rotate_if_older`` closes a shard by age, so
-    a slow trickle still ships.
+    With ``rotate_every=N`` a shard is closed after N records (``rotate_if_older`` closes one
+    by age, so a slow trickle still ships); each closed, non-empty shard is appended to
+    ``closed_shards`` and passed to ``on_close``, the hook for shipping it.
     """
 
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
@@ -181,21 +178,8 @@ class ShardWriter:
 
 def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
     """Every non-empty shard of ``run`` in ``out_dir`` that no live writer holds."""
-    out: list[Path] = []
-    for path in shard_files(out_dir, run):
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            if os.fstat(fd).st_size:
-                out.append(path)
-        except BlockingIOError:
-            pass  # being written
-        finally:
-            os.close(fd)
-    return out
+    return [path for path, fd in unheld_shards(out_dir, run, os.O_RDONLY, fcntl.LOCK_SH)
+            if os.fstat(fd).st_size]
 
 
 def shard_parts(path: Path) -> tuple[str, str, str]:
