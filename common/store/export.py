@@ -38,30 +38,24 @@ class ExportResult:
     failed_written: int
 
 
-def _bitfield_reader(raw: bytes | None, width_bytes: int):
-    data = raw or b""
-
-    def value(index: int) -> int:
-        chunk = data[index * width_bytes:(index + 1) * width_bytes]
-        return int.from_bytes(chunk.ljust(width_bytes, b"\0"), "big")
-
-    return value
+def _u16(raw: bytes | None, index: int) -> int:
+    """Index's value in a BITFIELD of u16 (0 past the end, as Redis reads it)."""
+    return int.from_bytes((raw or b"")[2 * index:2 * index + 2].ljust(2, b"\0"), "big")
 
 
 def accepted_lookup(r: redis.Redis, k: RunKeys):
-    """index -> (params_version, attempt) of its accepted result, or None if not done."""
+    """(accepted, is_done): index -> (params_version, attempt) of its accepted result, or None
+    if not done; index -> whether it is done."""
     pipe = r.pipeline(transaction=True)
     for key in (k.done, k.acc_version, k.acc_attempt):
         pipe.get(key)
-    done, version_raw, attempt_raw = pipe.execute()
-    version = _bitfield_reader(version_raw, 2)
-    attempt = _bitfield_reader(attempt_raw, 2)
+    done, versions, attempts = pipe.execute()
 
     def is_done(index: int) -> bool:
         return bitmap.is_set(done, index)
 
     def accepted(index: int) -> tuple[int, int] | None:
-        return (version(index), attempt(index)) if is_done(index) else None
+        return (_u16(versions, index), _u16(attempts, index)) if is_done(index) else None
 
     return accepted, is_done
 

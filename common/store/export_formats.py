@@ -50,8 +50,7 @@ def jsonl_to_parquet(src: str, out: str) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tmp, rows, n = f"{out}.tmp-{os.getpid()}", [], 0
-    size = 0
+    tmp, rows, n, size = f"{out}.tmp-{os.getpid()}", [], 0, 0
     arrow_schema = schema()
     try:
         with open(src, "rb") as f, pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as w:

@@ -31,10 +31,9 @@ try:  # zstd when the package is there (it is a dependency); gzip keeps working 
 except ImportError:  # pragma: no cover - exercised only where zstandard is missing
     HAVE_ZSTD = False
 
-_DECODE_ERRORS: tuple[type[Exception], ...] = (gzip.BadGzipFile,) + (
-    (zstandard.ZstdError,) if HAVE_ZSTD else ())
 # Reading a shard back: a damaged or foreign object.
-_READ_ERRORS: tuple[type[Exception], ...] = (OSError, EOFError, *_DECODE_ERRORS)
+_READ_ERRORS: tuple[type[Exception], ...] = (
+    OSError, EOFError, gzip.BadGzipFile, *((zstandard.ZstdError,) if HAVE_ZSTD else ()))
 SUFFIX = ".jsonl.zst" if HAVE_ZSTD else ".jsonl.gz"
 MANIFEST = "manifest.json"  # <prefix>/<run>/<consumer>/manifest.json, one per consumer
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
