@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping
+from itertools import accumulate
 from typing import Any
 
 from common.queue.keys import RATE_BUCKET_S
@@ -89,15 +91,11 @@ def percentiles(hist: Mapping[int, int]) -> dict[str, float | int | None]:
     if n == 0:
         return {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
     out: dict[str, float | int | None] = {"mean": round(sum(v * c for v, c in items) / n, 1)}
+    at_or_below = list(accumulate(c for _, c in items))
     for name, q in (("p50", 0.50), ("p90", 0.90), ("p99", 0.99)):
         # Nearest rank: the smallest value with at least ceil(q * n) results at or below it.
         rank = max(1, math.ceil(q * n - 1e-9))
-        seen = 0
-        for v, c in items:
-            seen += c
-            if seen >= rank:
-                out[name] = v
-                break
+        out[name] = items[bisect.bisect_left(at_or_below, rank)][0]
     out["max"] = items[-1][0]
     return out
 
