@@ -42,10 +42,9 @@ def run_keys(run: str) -> RunKeys:
         raise UsageError(str(e)) from None
 
 
-# redis-py retries a failed command 10 times by itself, with backoff up to 10 s, before the
-# caller hears of it: a minute or more inside one call while Redis is down, deaf to SIGTERM and
-# silent in the log. Services retry with their own backoff (logged, and ended by a stop), so the
-# client makes one immediate retry only: enough to reconnect a connection Redis dropped.
+# redis-py's own retries (10, backoff up to 10 s) would hold one call a minute or more while
+# Redis is down, deaf to SIGTERM and silent in the log. Services retry with their own logged
+# backoff, so the client retries once at once: enough to reconnect a dropped connection.
 def service_retry() -> Retry:
     return Retry(NoBackoff(), 1)
 
@@ -94,11 +93,11 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
                 logger.warning("waiting_for_redis", redis=mask_secrets(url), error=str(e),
                                hint="retrying with backoff until Redis answers")
             waited = True
-            if stop is not None and stop.wait(delay):
-                client.close()
-                return None
             if stop is None:
                 time.sleep(delay)
+            elif stop.wait(delay):
+                client.close()
+                return None
             delay = min(delay * 2, RETRY_MAX_S)
     if waited:
         logger.info("redis_available", redis=mask_secrets(url))

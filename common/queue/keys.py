@@ -107,9 +107,8 @@ class RunKeys:
     pending = _Own("Bitmap: the index has a live RQ job (queued or leased).")
     truncated = _Own("Bitmap: the index's latest accepted result ended with finish_reason "
                      "length.")
-    kept = _Own("Bitmap: the index's acc_* fields hold a result a redo set aside; it stands "
-                "again if the new attempt fails for good (then the index is done and stays "
-                "in this bitmap).")
+    kept = _Own("Bitmap: the acc_* fields hold a result a redo set aside; it stands again (and the "
+                "index is done) if the new attempt fails for good.")
     leases = _Own("Sorted set: job id -> lease deadline (Redis TIME seconds).")
     lease_owner = _Own('Hash: job id -> "<execution id>|<server>|<params version>", the '
                        "fencing token.")
@@ -139,9 +138,8 @@ class RunKeys:
                    "last read it.")
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes (pending, "
                  "failed).")
-    probe = _Own("Hash: index -> JSON {digest, completion} of a `requeue --probe` answer, "
-                 "used once by a consumer whose request body is identical; expires "
-                 "probe_store.KEEP_S after the probe.")
+    probe = _Own("Hash: index -> JSON {digest, completion} of a `requeue --probe` answer "
+                 "(common/queue/probe_store.py).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} of every shard "
                    "shipped.")

@@ -45,10 +45,9 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
         preallocate(r, k, total)
     info = load(r, k)
     if info.fingerprint != fingerprint:
-        raise DatasetError(
-            f"run {k.run!r} is registered with data set {info.dataset} (fingerprint "
-            f"{info.fingerprint[:16]}); {path} differs: use another --run for a new data set"
-        )
+        raise DatasetError(f"run {k.run!r} is registered with data set {info.dataset} "
+                           f"(fingerprint {info.fingerprint[:16]}); {path} differs: use another "
+                           "--run for a new data set")
     return info
 
 

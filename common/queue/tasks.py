@@ -10,9 +10,7 @@ FUNC = "common.queue.tasks.generate"
 
 
 def generate(index: int) -> None:
-    raise RuntimeError(
-        f"genq task {index} must be run by `genq consume`, not by an rq worker"
-    )
+    raise RuntimeError(f"genq task {index} must be run by `genq consume`, not by an rq worker")
 
 
 def job_data(index: int) -> bytes:
