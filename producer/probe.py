@@ -110,15 +110,13 @@ def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: 
     blind = wait_seen(r, k) if answers else []
     probed = sorted(answers)
     status = read_status(r, k.run)
-    out = status["output_tokens"]
     report = summarize(
         [(answers[i][1].completion_tokens, answers[i][1].finish_reason) for i in probed],
         old_tokens(r, k, probed), population=len(pool), remaining=status["remaining"],
-        remaining_mean=out["mean"] or 0.0, tok_per_s=status["rate"]["tok_per_s"],
-        servers=len(servers))
+        remaining_mean=status["output_tokens"]["mean"] or 0.0,
+        tok_per_s=status["rate"]["tok_per_s"], servers=len(servers))
     return {**report, "changes": changes, "population_mode": mode, "errors": errors,
-            "servers": servers, "kept_for_commit": len(answers),
-            "consumers_not_seen": blind}
+            "servers": servers, "kept_for_commit": len(answers), "consumers_not_seen": blind}
 
 
 def describe(rep: dict[str, Any]) -> str:
