@@ -44,10 +44,8 @@ class BadTask(GenqError):
 
 
 class TryAgain(GenqError):
-    """The server answered, but with no finished result (finish_reason missing or unknown), or
-    the prompt alone is longer than this server's context. Neither says the prompt is bad (a
-    context-length refusal never does), so the task runs again, spending an attempt: one that
-    never works ends failed with this reason, and `--redo failed` can bring it back."""
+    """No finished result (finish_reason missing or unknown), or a prompt longer than this
+    server's context: not proof of a bad prompt, so the task runs again, spending an attempt."""
 
 
 class Retryable(GenqError):
@@ -89,11 +87,9 @@ REDIS_TROUBLE: tuple[type[Exception], ...] = (
 
 
 def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:
-    """The one verdict on a failed task: BadTask (fail it now, with its message), TryAgain (give
-    it back, spending an attempt), Retryable (give it back without spending an attempt and back
-    off), or None (a bug: let it crash). An OSError that is neither Redis's nor already
-    understood (a data set file gone unreadable, EIO) spends an attempt: a task it keeps
-    hitting ends failed with its reason instead of being retried forever."""
+    """The one verdict on a failed task: BadTask (fail it now), TryAgain (give it back, spending
+    an attempt), Retryable (give it back without spending one, and back off), or None (a bug:
+    let it crash). Any other OSError (EIO on the data set) spends an attempt, so it ends."""
     if isinstance(exc, BadTask):
         return BadTask
     if isinstance(exc, TryAgain):
@@ -116,8 +112,7 @@ def mask_secrets(text: str) -> str:
 
 
 def mask_tree(value: object) -> object:
-    """mask_secrets over every string (and key) of a JSON-like value: the status that `genq
-    status`, the monitor's page, API, metrics and progress file show."""
+    """mask_secrets over every string (and key) of a JSON-like value, such as the status."""
     if isinstance(value, str):
         return mask_secrets(value) if "@" in value else value
     if isinstance(value, dict):

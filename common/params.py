@@ -174,11 +174,9 @@ REDO_SCOPES = {"truncated": ("truncated",), "all": ("done",)}
 
 def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, inflight: str,
          unset: Iterable[str] = ()) -> tuple[int, dict[str, list[Any]]]:
-    """Make a new current version from the current one plus `changes`; returns (version,
-    what changed as {key: [old, new]}). With inflight="abort", acks of older versions are
-    refused from now on, so no old-parameter result is accepted after the switch. A redo's
-    scope is recorded with the version in the same step, so a result of an older version
-    accepted later (still in flight now) falls under it too (ack.lua)."""
+    """Make a new current version from the current one plus `changes`; returns (version, what
+    changed). With inflight="abort" acks of older versions are refused from now on. The redo
+    scope is recorded in the same step, so an older result acked later falls under it too."""
     with r.pipeline() as pipe:
         while True:
             try:

@@ -110,9 +110,8 @@ def newest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def upkeep(r: redis.Redis, k: RunKeys, out_dirs: list[str], epoch: str) -> int:
-    """Rewrite the manifest in every local output directory of the run; returns how many
-    changed. Directories that are not on this machine are left to their consumers. Nothing
-    is written unless Redis still holds the run of this epoch: a re-created run's manifest
+    """Rewrite the manifest in every output directory of the run on this machine; returns how
+    many changed. Only while Redis holds the run of this epoch: a re-created run's manifest
     must never replace the one an earlier run's shards need."""
     manifest = snapshot(r, k)
     if manifest is None or manifest["epoch"] != epoch:

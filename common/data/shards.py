@@ -52,12 +52,8 @@ class ShardWriter:
         self.on_close = on_close
         self.closed_shards: list[Path] = []
         self._lock = threading.Lock()
-        self._fd = -1
         self._path: Path | None = None
-        self._size = 0
-        self._count = 0
-        self._opened = 0.0
-        self._closed = False
+        self._fd, self._size, self._count, self._opened, self._closed = -1, 0, 0, 0.0, False
         self._open()  # at once, so an unwritable --out fails at start, not at the first result
 
     @property
@@ -109,8 +105,7 @@ class ShardWriter:
 
     def write_many(self, records: list[dict[str, Any]]) -> None:
         """Append several records with one fdatasync per shard they span; all durable, or an
-        error raised (a shard's part written before a rotation may be on disk then,
-        unacknowledged: it runs again, as after a crash)."""
+        error raised (lines written before a rotation then run again, as after a crash)."""
         lines = [orjson.dumps(record) + b"\n" for record in records]
         done = 0  # lines durable so far
         while done < len(lines):
@@ -228,8 +223,7 @@ def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
 def choose_records(records: Iterable[dict[str, Any]],
                    accepted: Callable[[int], tuple[int, int] | None]) -> dict[int, dict[str, Any]]:
     """One record per index: the accepted (params_version, attempt) if present, else the newest
-    (highest params_version, then attempt, then last seen). ``accepted`` is called at most once
-    per index."""
+    (by version, attempt, then last seen); ``accepted`` is called once per index."""
     chosen: dict[int, dict[str, Any]] = {}
     keys: dict[int, tuple[int, int]] = {}
     wanted: dict[int, tuple[int, ...] | None] = {}  # tuple(): a list would never equal a key

@@ -91,9 +91,8 @@ def epoch_of(r: redis.Redis, k: RunKeys) -> str | None:
 
 
 def judge(current: str | None, epoch: str) -> str:
-    """The state of the run a service started on (`epoch`), from the epoch Redis holds now
-    (`current`, see epoch_of): OK while it is that run, LOST once Redis forgot the run,
-    REPLACED once a run of the same name but another epoch was registered in its place."""
+    """OK while Redis holds the run a service started on (`epoch`), LOST once it forgot it,
+    REPLACED once another run of the name was registered; `current` comes from epoch_of."""
     if current is None:
         return LOST
     return OK if current == epoch else REPLACED

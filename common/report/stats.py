@@ -21,9 +21,8 @@ STALL_S = 300
 
 
 def activity_start(buckets: Buckets, created_at: float | None = None) -> float | None:
-    """When the run began producing results: the earliest bucket with completions, refined by
-    the run's creation time when that falls inside it (it cannot be later than the first
-    result)."""
+    """When the run began producing results: the earliest bucket with completions, or the
+    run's creation time when that falls inside it."""
     active = [b for b, f in buckets.items() if f.get("req", 0) > 0]
     if not active:
         return created_at
@@ -177,9 +176,8 @@ def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None,
 
 
 def version_truncation(buckets: Buckets, version: int) -> dict[str, Any]:
-    """Is the new limit enough? Completions and truncations under `version` over the buckets
-    read (the last hour; ack.lua counts vreq|<version> and vlen|<version>), with a Wilson
-    interval."""
+    """Is the new limit enough? Completions and truncations under `version` in the buckets
+    read (the last hour), with a Wilson interval."""
     n = int(sum(b.get(f"vreq|{version}", 0) for b in buckets.values()))
     k = int(sum(b.get(f"vlen|{version}", 0) for b in buckets.values()))
     low, high = wilson(k, n)

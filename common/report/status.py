@@ -60,22 +60,15 @@ def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
     """Every per-run figure in one MULTI, so done, counters and histogram agree exactly."""
     p = r.pipeline(transaction=True)
     reads: dict[str, tuple[Any, ...]] = {  # (pipeline method, its arguments)
-        "time": (p.time,),
-        "meta": (p.hgetall, k.meta),
-        "done": (p.bitcount, k.done),
-        "failed": (p.bitcount, k.failed),
-        "truncated": (p.bitcount, k.truncated),
-        "queued": (p.llen, k.rq_queue),
-        "inflight": (p.zcard, k.leases),
-        "owners": (p.hvals, k.lease_owner),
-        "counters": (p.hgetall, k.counters),
-        "hist": (p.hgetall, k.length_hist),
-        "version": (p.get, k.params_version),
-        "params": (p.hgetall, k.params),
+        "time": (p.time,), "meta": (p.hgetall, k.meta),
+        "done": (p.bitcount, k.done), "failed": (p.bitcount, k.failed),
+        "truncated": (p.bitcount, k.truncated), "queued": (p.llen, k.rq_queue),
+        "inflight": (p.zcard, k.leases), "owners": (p.hvals, k.lease_owner),
+        "counters": (p.hgetall, k.counters), "hist": (p.hgetall, k.length_hist),
+        "version": (p.get, k.params_version), "params": (p.hgetall, k.params),
         "history": (p.lrange, k.params_history, -HISTORY_LIMIT, -1),
         "consumers": (partial(p.zrange, withscores=True), k.consumers, 0, -1),
-        "outdirs": (p.smembers, k.outdirs),
-        "ship": (p.hgetall, k.ship),
+        "outdirs": (p.smembers, k.outdirs), "ship": (p.hgetall, k.ship),
     }
     for call, *args in reads.values():
         call(*args)

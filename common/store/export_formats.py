@@ -17,6 +17,7 @@ from typing import Any
 import orjson
 
 from common.store import export
+from common.store import s3 as store
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
@@ -76,16 +77,12 @@ def shard_dirs(dirs: list[str], from_s3: str | None, run: str) -> Iterator[list[
     if not from_s3:
         yield dirs
         return
-    from common.store import s3 as store
-
     with tempfile.TemporaryDirectory(prefix="genq-s3-") as tmp:
         store.fetch_run(store.parse_uri(from_s3), run, tmp)
         yield [tmp]
 
 
 def check_uri(uri: str) -> None:
-    from common.store import s3 as store
-
     store.parse_uri(uri)
 
 

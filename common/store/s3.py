@@ -152,9 +152,8 @@ def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
 
 
 def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]:
-    """(consumer, shard id, decompressed binary stream; iterating it gives lines) for each
-    shard of the run: the reading interface that export and recover share. Each stream is
-    closed once the next is asked for."""
+    """(consumer, shard id, decompressed stream of lines) for each shard of the run; each
+    stream is closed once the next is asked for."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     try:
@@ -188,9 +187,8 @@ def manifest_objects(s3: Any, uri: S3Uri, run: str) -> list[tuple[str, bytes]]:
 
 def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
                ) -> tuple[list[Any], Iterator[Any]]:
-    """What `genq recover --from-s3 URI` reads: every consumer's manifest, parsed and checked
-    by ``parse_manifest(content, where)``, and the run's shards as streams of lines (opened
-    one at a time, as they are read)."""
+    """What `genq recover --from-s3 URI` reads: every consumer's manifest, checked by
+    ``parse_manifest(content, where)``, and the run's shards as streams of lines."""
     parsed, s3 = parse_uri(uri), client()
     found = [parse_manifest(body, f"s3://{parsed.bucket}/{key}")
              for key, body in manifest_objects(s3, parsed, run)]
@@ -198,9 +196,8 @@ def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
 
 
 def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str]) -> list[Path]:
-    """Download and decompress every shard of ``run`` into ``dest`` as
-    ``{run}.{consumer}.{shard id}.jsonl``: the layout of a consumer's output directory, which
-    export reads."""
+    """Download every shard of ``run`` into ``dest`` as ``{run}.{consumer}.{shard id}.jsonl``,
+    laid out like a consumer's output directory."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     s3 = client()

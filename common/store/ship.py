@@ -1,11 +1,9 @@
 """Ship closed shards (and any other run file, such as the manifest) to S3 in the background.
 
-One asyncio task per consumer; compression and every boto3 call run in threads
-(``asyncio.to_thread``) on one shared client, so generation never waits for S3. A shard is
-uploaded under its deterministic key, verified, then recorded in ``genq:<run>:shipped``; only
-then may its local copy be removed. When S3 fails, shards stay on disk, the upload is retried
-with backoff, and the backlog is written to ``genq:<run>:ship`` for status and the monitor.
-A consumer started on a directory with unshipped shards ships them first.
+One asyncio task per consumer; compression and boto3 calls run in threads, so generation never
+waits for S3. A shard is uploaded under its deterministic key, verified, then recorded in
+``genq:<run>:shipped``; only then may its local copy go. When S3 fails, shards stay on disk and
+are retried with backoff, and the backlog is reported in ``genq:<run>:ship``.
 """
 
 from __future__ import annotations
@@ -57,16 +55,15 @@ def _prepare(item: Item) -> tuple[bytes, dict[str, str]]:
 
 class Shipper:
     def __init__(self, uri: store.S3Uri, keys: RunKeys, consumer: str, out_dir: str | Path,
-                 r: Any, *, keep_local: bool = True, s3: Any = None) -> None:
+                 r: Any, *, keep_local: bool = True) -> None:
         self.uri, self.k, self.consumer, self.out = uri, keys, consumer, Path(out_dir)
         self.r, self.keep_local = r, keep_local
-        self.s3 = s3 or store.client()
+        self.s3 = store.client()
         self.queue: dict[Path, Item] = {}
         self.wake = asyncio.Event()
         self.loop = asyncio.get_running_loop()
-        self.shipped = self.bytes = 0
+        self.shipped = self.bytes = self.failures = 0
         self.last_error: str | None = None
-        self.failures = 0
         self.watched: dict[Path, str] = {}
         self.sent: dict[Path, tuple[int, int]] = {}
 
@@ -98,9 +95,8 @@ class Shipper:
                 self.queue[path] = Item(path, key, False, st.st_size, version)
 
     def scan(self) -> int:
-        """Queue every finished shard of the run in the output directory (left unshipped by
-        a consumer that stopped or died); those already shipped are skipped when their turn
-        comes, after one look at Redis."""
+        """Queue every finished shard of the run in the output directory (left by a consumer
+        that stopped or died); those already shipped are skipped after one look at Redis."""
         found = closed_shards(self.out, self.k.run)
         for path in found:
             self.add_shard(path)
