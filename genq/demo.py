@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
+from common.errors import mask_secrets
 from common.net import free_port, wait_port
 
 # How long consumers get to exit once every prompt is settled (--burst exits within seconds).
@@ -52,7 +53,8 @@ def redis_url(procs: list[subprocess.Popen], workdir: Path) -> tuple[str, bool]:
         try:
             redis.Redis.from_url(url, socket_connect_timeout=2).ping()
         except (redis.RedisError, ValueError) as e:
-            raise SystemExit(f"genq demo: error: cannot reach Redis at REDIS_URL={url}: {e}") \
+            raise SystemExit(f"genq demo: error: cannot reach Redis at "
+                             f"REDIS_URL={mask_secrets(url)}: {mask_secrets(str(e))}") \
                 from None
         return url, False
     if not shutil.which("redis-server"):
@@ -138,11 +140,11 @@ def run_demo(a: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]
     data = workdir / "prompts.jsonl"
     write_dataset(data, a.prompts)
     servers = []
+    # A chunk per 0.2 simulated seconds: a chunk per token, at this speed, is more than a
+    # simulator on a laptop can send on time.
+    interval = max(1, round(0.2 * 87.5 * a.time_scale))
     for _ in range(a.servers):
         port = free_port()
-        # A chunk per 0.2 simulated seconds: a chunk per token, at this speed, is more than
-        # a simulator on a laptop can send on time.
-        interval = max(1, round(0.2 * 87.5 * a.time_scale))
         spawn("sim", "--port", str(port), "--time-scale", str(a.time_scale),
               "--stream-interval", str(interval))
         servers.append(f"http://127.0.0.1:{port}")
