@@ -70,9 +70,8 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
             stop: threading.Event) -> redis.Redis | None: ...
 def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
             stop: threading.Event | None = None) -> redis.Redis | None:
-    """A client that has answered PING, or one clear error naming the URL (masked). A service
-    (`wait=True`) started before Redis, or while Redis loads its data, waits for it instead:
-    one line when it starts waiting, one when Redis answers; None if `stop` is set meanwhile."""
+    """A client that has answered PING, or one clear error naming the URL (masked); with
+    `wait=True` it waits for Redis, logging as it starts and ends (None if `stop` is set)."""
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30,
                                       socket_timeout=socket_timeout, retry=service_retry())

@@ -25,8 +25,7 @@ class DatasetError(GenqError):
 
 
 class RunStateLost(GenqError):
-    """Redis forgot the run (restarted without persistence, flushed) or holds a different run
-    of the same name; services wait for `genq recover` rather than act on cached state."""
+    """Redis forgot the run, or holds another of its name: services wait for `genq recover`."""
 
 
 class BadTask(GenqError):

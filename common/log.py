@@ -96,9 +96,8 @@ def say(text: str) -> None:
 
 
 class Outage:
-    """Redis (or another service) unreachable, logged for people who read days of logs: once
-    when it starts, then at a slowing pace (after 10 s, 20 s, 40 s... at most every 10 min),
-    and once when it ends, however many calls in the process fail meanwhile. Thread-safe."""
+    """An outage of Redis (or another service), logged once when it starts, then at a slowing
+    pace (10 s, 20 s, 40 s... at most every 10 min), and once when it ends. Thread-safe."""
 
     FIRST_REMINDER_S, MAX_REMINDER_S = 10.0, 600.0
 

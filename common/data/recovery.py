@@ -10,8 +10,7 @@ The rules are the ones Redis applies while the run lives:
 - of what remains, the newest (params_version, attempt) decides: it stands, or, if a redo
   covers it, it is kept aside and the index runs again.
 
-``rebuild`` takes the manifest and any iterable of shard line streams (local files, or objects
-read from S3), so where the output lives is the caller's business.
+``rebuild`` takes the manifest and shard line streams from anywhere (local files, S3).
 """
 
 from __future__ import annotations

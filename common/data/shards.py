@@ -1,10 +1,9 @@
-"""Output shards: the consumer's durable JSON-lines sink, their repair, and reading them back.
+"""Output shards: the consumer's durable JSON-lines sink, and reading shards back.
 
 A shard is ``{out_dir}/{run}.{name}.{start_ts}-{pid}.{seq:06d}.jsonl``, written by one process
-that holds an exclusive ``flock`` on it for as long as it is open; a shard nobody holds is
-finished (or was left by a dead consumer) and may be repaired, shipped or read. ``seq`` counts
-the shards of one consumer name in one directory (``.{run}.{name}.seq`` keeps the count, so it
-never repeats even after shipped shards are removed); it names the shard's S3 object.
+that holds an exclusive ``flock`` on it while it is open; a shard nobody holds is finished and
+may be repaired, shipped or read. ``seq`` counts the shards of one consumer name in one
+directory, durably (``.{run}.{name}.seq``), so it never repeats; it names the S3 object.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""The per-index bitmaps (done, failed, pending, truncated, kept) as Python sees them: bit i is
-index i, and Redis's bit 0 is the high bit of byte 0 (the order of SETBIT, GETBIT and BITFIELD
-u1). Every reading of a bitmap fetched with GET, and the one writing of a whole bitmap
-(`genq recover`), goes through here."""
+"""The per-index bitmaps (done, failed, pending, truncated, kept) as Python reads and writes them
+whole: bit i is index i, and Redis's bit 0 is the high bit of byte 0 (as SETBIT and GETBIT)."""
 
 from __future__ import annotations
 

@@ -105,44 +105,35 @@ class RunKeys:
     done = _Own("Bitmap: the index's latest result is written and acknowledged (the truth).")
     failed = _Own("Bitmap: the index ran out of attempts or is a bad task.")
     pending = _Own("Bitmap: the index has a live RQ job (queued or leased).")
-    truncated = _Own("Bitmap: the index's latest accepted result ended with finish_reason "
-                     "length.")
+    truncated = _Own("Bitmap: the index's latest accepted result ended with finish length.")
     kept = _Own("Bitmap: the acc_* fields hold a result a redo set aside; it stands again (and the "
                 "index is done) if the new attempt fails for good.")
     leases = _Own("Sorted set: job id -> lease deadline (Redis TIME seconds).")
-    lease_owner = _Own('Hash: job id -> "<execution id>|<server>|<params version>", the '
-                       "fencing token.")
+    lease_owner = _Own('Hash: job id -> "<exec id>|<server>|<params version>" (fencing token).')
     claims = _Own("BITFIELD u16 per index: claims so far, monotonic; the record's attempt.")
     spent = _Own("BITFIELD u8 per index: attempts spent towards --max-attempts.")
     acc_attempt = _Own("BITFIELD u16 per index: the attempt whose result was accepted.")
     acc_version = _Own("BITFIELD u16 per index: the parameter version of the accepted result.")
     acc_tokens = _Own("BITFIELD u32 per index: completion_tokens of the accepted result.")
     acc_ptoks = _Own("BITFIELD u32 per index: prompt_tokens of the accepted result.")
-    acc_finish = _Own("BITFIELD u8 per index: finish code (FINISH_CODES) of the accepted "
-                      "result.")
-    counters = _Own("Hash of exact totals over done results: finish:<name>, ctok_sum, "
-                    "ptok_sum.")
+    acc_finish = _Own("BITFIELD u8 per index: FINISH_CODES code of the accepted result.")
+    counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum.")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
     errors = _Own("Hash: index -> last error text of a failed index.")
     params = _Own("Hash: version -> JSON parameters.")
     params_version = _Own("String: the current parameter version.")
-    params_floor = _Own("Lowest parameter version whose results are still accepted (raised "
-                        "by an abort).")
+    params_floor = _Own("String: the oldest parameter version still accepted; an abort raises it.")
     params_history = _Own("List of JSON entries {version, changes, redo, inflight, at}.")
-    redo_marks = _Own('Hash, at most 2 fields: redo scope ("truncated", "done") -> the '
-                      "version it was issued with; a result of an older version accepted "
-                      "later still falls under it.")
+    redo_marks = _Own('Hash: redo scope ("truncated", "done") -> the version it was issued '
+                      "with; an older result acked later still falls under it.")
     events = _Own("Pub/sub channel: parameter changes, so consumers react within a second.")
     consumers = _Own("Sorted set: consumer name -> last heartbeat (Redis TIME).")
-    servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} as its consumer "
-                   "last read it.")
-    sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes (pending, "
-                 "failed).")
+    servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} from its consumer.")
+    sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")
     probe = _Own("Hash: index -> JSON {digest, completion} of a `requeue --probe` answer "
                  "(common/queue/probe_store.py).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
-    shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} of every shard "
-                   "shipped.")
+    shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "
                 "pending_bytes|<consumer>, error|<consumer>, error_at|<consumer> while a "
                 "consumer has a backlog or trouble.")

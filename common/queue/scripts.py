@@ -2,8 +2,7 @@
 
 Each ``*_call`` function is pure: it returns the script name, KEYS and ARGV for one state
 change, so the synchronous producer/monitor and the asynchronous consumer share one definition.
-Every script lives in ``common/queue/lua/`` with a comment saying which change it makes
-atomic; the lease scripts share ``lua/prelude.lua``.
+Every script lives in ``common/queue/lua/`` with a comment saying which change it makes atomic.
 """
 
 from __future__ import annotations

@@ -44,9 +44,8 @@ def as_dicts(history: list[Any] | None) -> list[dict[str, Any]]:
 
 
 def window(samples: list[dict], now: float, window_s: float) -> list[dict]:
-    """The samples since the last one taken before the window began, all under the capacity
-    in force now; [] when they do not yet cover the window (too young, capacity changed,
-    consumer gone)."""
+    """The samples since the last one before the window began, all under the capacity in force
+    now; [] when they do not cover the window (too young, capacity changed, consumer gone)."""
     if not samples or now - samples[-1]["t"] > STALE_S:
         return []
     current = samples[-1]["max_running"]

@@ -48,9 +48,8 @@ def replaced(run: str, current: str | None, mine: str, service: str) -> str:
 
 def report_change(log: Any, state: str, *, run: str, mine: str, current: str | None,
                   service: str, duty: str, command: str, then: str) -> str:
-    """Log a service's view of its run changing to `state` (judged by common.queue.run.judge)
-    once, as every service words it; returns the reason logged. `duty` is what the service
-    stops while the run is lost, `then` what it does once the run is replaced."""
+    """Log once that the run changed to `state` (common.queue.run.judge); returns the reason.
+    `duty` is what the service stops while the run is lost, `then` what it does if replaced."""
     if state == LOST:
         reason = (f"run {run!r} is no longer in Redis ({LOST_CAUSE}); {duty} stopped until "
                   "it is back")

@@ -202,9 +202,8 @@ def version_alert(vt: dict[str, Any], max_tokens: int | None, run: str,
 
 def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],
                  remaining: int, window_s: float = STALL_S) -> list[dict]:
-    """Alerts for servers with no completions in ``window_s`` while work remains. A server
-    seen for less than the window is not judged yet: its first long generations may simply
-    not have finished."""
+    """Alerts for servers with no completions in ``window_s`` while work remains; one seen for
+    less than the window is not judged yet (its first long answers may still be running)."""
     if remaining <= 0:
         return []
     return [{"kind": "stalled_server", "server": server,

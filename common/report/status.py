@@ -182,17 +182,14 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}
     # Judged on the current parameters' results only: right after raising max_tokens the old
-    # limit's hits must not read as hits at the new one (and advise doubling it again). After a
-    # pivot the new version's own rate answers "is the new limit enough?".
+    # limit's hits must not read as hits at the new one (and advise doubling it again).
     current, current_n = stats.recent_truncation(buckets, now, since=since, version=version)
     vt = stats.version_truncation(buckets, version)
     alert = stats.version_alert(vt, params.get("max_tokens"), run, threshold) or \
         stats.truncation_alert(current, current_n, params.get("max_tokens"), run, threshold)
     alerts = ([alert] if alert else []) + stats.stall_alerts(
         {s["server"]: s.pop("_recent") for s in servers},
-        {s["server"]: s.pop("_known_s") for s in servers},
-        remaining,
-    )
+        {s["server"]: s.pop("_known_s") for s in servers}, remaining)
     server_advice = advice.annotate(servers, now)
     alerts += [advice.advice_alert(a) for a in server_advice]
     return {

@@ -37,17 +37,13 @@ def _server_table(status: dict) -> Any:
     for s in status["servers"]:
         load = s.get("load") or {}
         run_wait = f"{load.get('num_reqs', '?')}/{load.get('num_waiting_reqs', '?')}"
+        usage, pool = load.get("token_usage"), load.get("max_total_num_tokens")
+        kv = f"{usage:.1%} of {pool:,}" if usage is not None and pool else "—"
         seen = s.get("last_seen_s")
         table.add_row(s["server"], f"{s['req_per_s']:.2f}", f"{s['tok_per_s']:,.0f}",
                       f"{s['inflight']}/{s['capacity'] or '?'}", run_wait if load else "—",
-                      kv_cell(load), f"{seen:.0f}s ago" if seen is not None else "gone")
+                      kv, f"{seen:.0f}s ago" if seen is not None else "gone")
     return table
-
-
-def kv_cell(load: dict) -> str:
-    """'2.1% of 1,000,000' — the server's KV-cache use, or — when it does not say."""
-    usage, pool = load.get("token_usage"), load.get("max_total_num_tokens")
-    return f"{usage:.1%} of {pool:,}" if usage is not None and pool else "—"
 
 
 def history_lines(status: dict) -> list[str]:

@@ -1,11 +1,10 @@
 """`genq export`: one record per done index from every shard, the accepted attempt first.
 
-Two passes keep memory small however large the outputs: the first reads only each line's
-index, version and attempt with its location; the second copies the chosen lines in index
-order. Redis says which (version, attempt) was accepted for each done index. When the accepted
-line is missing from the shards, the newest line for the index is written instead, and that
-is counted and reported (`not_accepted`), never silent. With include_failed, each failed index
-gets a record too: {"index", "run", "status": "failed", "error"}.
+Two passes keep memory small: the first keeps only each line's index, version, attempt and
+location; the second copies the chosen lines in index order. Where the (version, attempt) Redis
+accepted is missing from the shards, the newest line is written instead and reported
+(`not_accepted`). With include_failed, each failed index gets a record too:
+{"index", "run", "status": "failed", "error"}.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """genq's view of S3: ``s3://bucket/prefix`` URIs, deterministic object keys, compressed and
-verified uploads, and reading a run's shards back into a directory that the local readers
-(export, recover) already understand.
+verified uploads, and reading a run's shards back for export and recover.
 
-Credentials, region and ``AWS_ENDPOINT_URL`` (for S3-compatible stores) come from boto3's own
-resolution (environment, config files, instance roles); genq adds only timeouts and a single
-attempt per call, so that an unreachable store fails fast and the shipper's own backoff
-decides when to try again.
+Credentials, region and ``AWS_ENDPOINT_URL`` come from boto3's own resolution; genq adds only
+timeouts and a single attempt per call, so the shipper's own backoff decides when to retry.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import random
 import time
 from dataclasses import dataclass
@@ -43,8 +44,6 @@ class Item:
 
 
 def _prepare(item: Item) -> tuple[bytes, dict[str, str]]:
-    import hashlib
-
     raw = item.path.read_bytes()
     meta = {"raw-sha256": hashlib.sha256(raw).hexdigest(), "source": item.path.name}
     if not item.shard:
