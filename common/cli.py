@@ -54,8 +54,7 @@ RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0
 
 
 def stop_on_signals() -> threading.Event:
-    """An event SIGTERM and SIGINT set: a service told to stop while it waits at start exits
-    cleanly (0) instead of dying of the signal."""
+    """An event SIGTERM and SIGINT set, so a service stopped while it starts exits cleanly."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -67,8 +67,7 @@ def _split(pair: str, flag: str) -> tuple[str, str]:
 
 def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]:
     """Typed values from --set KEY=VALUE (known parameters only: a typo must not make a new
-    version and abort every request in flight) and --raw KEY=VALUE (passed to the server
-    as-is, on purpose; the value is parsed as JSON where it parses)."""
+    version) and --raw KEY=VALUE (passed to the server as-is; JSON where it parses)."""
     changes: dict[str, Any] = {}
     for pair in pairs:
         key, raw = _split(pair, "--set")

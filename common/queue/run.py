@@ -22,8 +22,7 @@ class RunInfo:
     dataset: str
     fingerprint: str
     total: int
-    # A fresh token per registration: a run re-created under the same name (after Redis lost
-    # its state) has the same name and data set but a different epoch, so services notice.
+    # A fresh token per registration, so services notice a run re-created under its name.
     epoch: str = ""
     created_at: float = 0.0
 

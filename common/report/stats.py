@@ -35,11 +35,8 @@ def activity_start(buckets: Buckets, created_at: float | None = None) -> float |
 def window_sum(buckets: Buckets, field: str, now: float, window_s: float,
                since: float | None = None) -> tuple[float, float]:
     """Sum of ``field`` over [max(now - window_s, since), now] and that span's length in s.
-
-    A bucket only partly inside the window counts in proportion to its overlap, so the rate
-    slides smoothly; the current bucket holds exactly what happened in [its start, now], so it
-    counts whole. A run younger than the window is measured over the time it has existed.
-    """
+    A bucket partly inside the window counts in proportion, so the rate slides smoothly (the
+    current one whole: it holds exactly [its start, now]); a young run counts from `since`."""
     since = min(since, now) if since is not None else None
     start = now - window_s if since is None else max(now - window_s, since)
     total = 0.0
@@ -68,10 +65,8 @@ def window_rate(buckets: Buckets, field: str, now: float, window_s: float,
 def rates(buckets: Buckets, now: float, window_s: float, since: float | None = None,
           suffix: str = "") -> dict[str, float]:
     """{req_per_s, tok_per_s} over the window; ``suffix`` selects a server (``"|<server>"``)."""
-    return {
-        "req_per_s": round(window_rate(buckets, "req" + suffix, now, window_s, since), 4),
-        "tok_per_s": round(window_rate(buckets, "tok" + suffix, now, window_s, since), 2),
-    }
+    return {"req_per_s": round(window_rate(buckets, "req" + suffix, now, window_s, since), 4),
+            "tok_per_s": round(window_rate(buckets, "tok" + suffix, now, window_s, since), 2)}
 
 
 def eta_seconds(remaining: int, req_per_s: float) -> float | None:

@@ -100,19 +100,18 @@ def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | N
         row["_history"] = beat.get("load_history") or row.get("_history")
         row["last_seen_s"] = round(min(row.get("last_seen_s", 1e18), now - seen), 1)
         row["started_at"] = beat.get("started_at")
-    first_seen: dict[str, int] = {}
+    first_seen: dict[str, float] = {}  # server -> start of its first bucket with a result
     for b in sorted(buckets):
         for field in buckets[b]:
             if field.startswith("req|"):
-                first_seen.setdefault(field[4:], b)
+                first_seen.setdefault(field[4:], b * RATE_BUCKET_S)
     out = []
     for server in sorted(set(rows) | set(leased) | set(first_seen)):
         row = rows.get(server, {"capacity": None, "consumers": [], "load": None})
         rate = stats.rates(buckets, now, WINDOWS["5m"], since, suffix=f"|{server}")
         recent, _ = stats.window_sum(buckets, f"req|{server}", now, stats.STALL_S)
-        start = first_seen.get(server)
-        known: list[float] = [start * RATE_BUCKET_S] if start is not None else []
-        known += [x for x in (_timestamp(row.get("started_at")), since) if x is not None]
+        known = [t for t in (first_seen.get(server), _timestamp(row.get("started_at")), since)
+                 if t is not None]
         out.append({"server": server, "inflight": leased.get(server, 0), **rate,
                     "capacity": row["capacity"], "load": row["load"],
                     "consumer": ",".join(row["consumers"]) or None,

@@ -123,7 +123,6 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
                 if (chosen[i]["params_version"], chosen[i]["attempt"]) != accepted(i)]
     failed = failed_reasons(r, k, total) if include_failed else {}
     order = sorted(set(wanted) | set(failed))
-    done = len(done_indices)
     tmp = f"{out}.tmp-{os.getpid()}"
     handles: dict[int, Any] = {}
     try:
@@ -148,6 +147,6 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
             handle.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return ExportResult(written=len(wanted), done=done, missing=missing[:20],
+    return ExportResult(written=len(wanted), done=len(done_indices), missing=missing[:20],
                         torn_lines=torn[0], shards=len(paths), not_accepted=fallback[:20],
                         not_accepted_count=len(fallback), failed_written=len(failed))

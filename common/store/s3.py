@@ -197,13 +197,12 @@ def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str]) -> list[Path]:
     laid out like a consumer's output directory."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    s3 = client()
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     paths: list[Path] = []
     path = dest
     try:
-        for consumer, shard_id, stream in iter_shards(s3, uri, run):
+        for consumer, shard_id, stream in iter_shards(client(), uri, run):
             path = dest / f"{run}.{consumer}.{shard_id}.jsonl"
             with open(path, "wb") as f:
                 shutil.copyfileobj(stream, f, 1 << 20)
