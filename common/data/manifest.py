@@ -116,8 +116,4 @@ def upkeep(r: redis.Redis, k: RunKeys, out_dirs: list[str], epoch: str) -> int:
     manifest = snapshot(r, k)
     if manifest is None or manifest["epoch"] != epoch:
         return 0
-    written = 0
-    for directory in out_dirs:
-        if os.path.isdir(directory):
-            written += write(directory, manifest)
-    return written
+    return sum(write(directory, manifest) for directory in out_dirs if os.path.isdir(directory))

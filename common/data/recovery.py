@@ -58,9 +58,9 @@ class Rules:
         return any(v > version and created_at >= at for v, at in self.aborts)
 
     def covered(self, version: int, code: int) -> bool:
-        if version < self.redo_marks.get("done", 0):
-            return True
-        return code == LENGTH and version < self.redo_marks.get("truncated", 0)
+        marks = self.redo_marks
+        return version < marks.get("done", 0) or (code == LENGTH
+                                                   and version < marks.get("truncated", 0))
 
 
 def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:

@@ -44,11 +44,8 @@ class ShardWriter:
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
                  rotate_every: int | None = None,
                  on_close: Callable[[Path], None] | None = None) -> None:
-        self.out_dir = Path(out_dir)
-        self.run = run
-        self.name = _UNSAFE.sub("_", name) or "consumer"
-        self.rotate_every = rotate_every
-        self.on_close = on_close
+        self.out_dir, self.run, self.name = Path(out_dir), run, _UNSAFE.sub("_", name) or "consumer"
+        self.rotate_every, self.on_close = rotate_every, on_close
         self.closed_shards: list[Path] = []
         self._lock = threading.Lock()
         self._path: Path | None = None
