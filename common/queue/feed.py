@@ -31,8 +31,7 @@ def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner
     Raises RunStateLost if the run in Redis is not of this epoch (given one)."""
     count = 0
     for start in range(0, len(indices), ENQUEUE_BATCH):
-        batch = indices[start:start + ENQUEUE_BATCH]
-        jobs = [(i, job_data(i), description(i)) for i in batch]
+        jobs = [(i, job_data(i), description(i)) for i in indices[start:start + ENQUEUE_BATCH]]
         added = int(runner(enqueue_call(k, jobs, epoch)))
         if added < 0:
             raise RunStateLost(f"run {k.run!r} is no longer in Redis as epoch {epoch}")

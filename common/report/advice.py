@@ -23,9 +23,7 @@ BUSY = 0.9  # mean running / max running at or above this: every slot is busy
 KV_FREE = 0.5  # KV usage never above this: the pool has room for more requests
 KV_FULL = 0.9  # median KV usage at or above this: the pool is the limit
 KV_TARGET = 0.8  # the usage a suggested value aims for, leaving room for long answers
-# A running request is on average about half way through its answer, so its tokens at the
-# end are about twice what a sample shows.
-GROWTH = 2.0
+GROWTH = 2.0  # a running request is half way through its answer on average: it ends at ~2x
 MAX_STEP = 2.5  # raise by at most this factor at a time: compute limits too; check, repeat
 STALE_S = 30.0  # samples older than this at the window's end: the consumer is gone
 
@@ -70,8 +68,7 @@ def evidence(recent: list[dict]) -> dict[str, Any]:
     # What the server really runs when it has more than that to run.
     held_back = [s["running"] or 0 for s in recent if (s["waiting"] or 0) > 0]
     return {
-        "window_s": round(recent[-1]["t"] - recent[0]["t"], 1),
-        "samples": len(recent),
+        "window_s": round(recent[-1]["t"] - recent[0]["t"], 1), "samples": len(recent),
         "max_running": recent[-1]["max_running"],
         "running_mean": round(fmean(s["running"] or 0 for s in recent), 2),
         "waiting_mean": round(fmean(s["waiting"] or 0 for s in recent), 2),
