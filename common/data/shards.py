@@ -126,10 +126,8 @@ class ShardWriter:
             # Cut the lines so no reader sees a torn record; the tasks are not acked, run again.
             try:
                 os.ftruncate(self._fd, self._size)
-            except OSError:
-                # The next line would be glued to the torn one; leave this shard to
-                # repair_shards and start a fresh one on the next write.
-                self._close_current()
+            except OSError:  # else the next line would be glued to the torn one
+                self._close_current()  # repair_shards cuts it; the next write opens a new one
             raise _out_error(self.out_dir, e) from e
         self._size += len(data)
         self._count += count

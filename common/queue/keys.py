@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 RUN_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
-# Seconds per rate bucket; the monitor's 1/5/15-minute rates are sums of these buckets.
-RATE_BUCKET_S = 10
-# How long a rate bucket lives: long enough for the 15-minute rate and a throughput chart.
-RATE_BUCKET_TTL_S = 6 * 3600
+RATE_BUCKET_S = 10  # seconds per rate bucket; the 1/5/15-minute rates are sums of buckets
+RATE_BUCKET_TTL_S = 6 * 3600  # long enough for the 15-minute rate and the throughput chart
 
 # Finish reasons are stored per index as a small code so a redo can undo its counters.
 FINISH_CODES = {"stop": 1, "length": 2, "abort": 3}

@@ -14,9 +14,7 @@ from common.queue.keys import RunKeys
 from common.queue.replies import blob, text
 
 TOP = 5
-# Above this many failed indices, the reasons of the first CAP are counted (and said so), so a
-# status poll never reads an unbounded hash.
-CAP = 20_000
+CAP = 20_000  # reasons of the first CAP failed indices only (said so): a bounded read per poll
 _ROW = re.compile(r"\brow \d+\b")
 _POSITION = re.compile(r"line \d+ column \d+ \(char \d+\)|\(char \d+\)")
 

@@ -1,6 +1,5 @@
-"""What every service says about the run's state itself: that Redis lost it (and the command
-that rebuilds it), that a run of the same name replaced it, that it is back, and that Redis
-keeps it without persistence (so a restart would lose it)."""
+"""What every service says about the run's state itself: lost by Redis (and the command that
+rebuilds it), replaced by a run of its name, back, or kept without persistence."""
 
 from __future__ import annotations
 
