@@ -73,8 +73,7 @@ class SGLang:
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)
 
     async def close(self) -> None:
-        # aiohttp's close waits for every connection to report closed; a connection that
-        # never does must not keep a finished consumer from exiting.
+        # aiohttp waits for each connection to close; one that never does must not hold up exit.
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.http.aclose(), timeout=5.0)
 
@@ -159,10 +158,9 @@ class SGLang:
     # --- one generation ------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], index: int,
                    on_request: Callable[[asyncio.Task], None] | None = None) -> Completion:
-        """One streamed chat completion. When prompt + max_tokens exceed the context, run it
-        again with the tokens that fit (what SGLang's --allow-auto-truncate would do).
-        on_request gets the task of each request sent: cancelling it aborts the request, and
-        chat() raises CancelledError."""
+        """One streamed chat completion, run again with the max_tokens that fit when prompt +
+        max_tokens exceed the context. on_request gets the task of each request sent:
+        cancelling it aborts the request, and chat() raises CancelledError."""
         try:
             return await self._watched(body, index, on_request)
         except ContextExceeded as e:
@@ -196,8 +194,7 @@ class SGLang:
             raise ServerUnavailable(f"{self.url}: no whole answer within --request-timeout "
                                     f"{self.request_timeout:g} s")
         silent = now - progress.last
-        # Before its first token a request may be waiting in the server's queue: that is
-        # the server at work, not a hang.
+        # Before its first token a request may wait in the server's queue: that is not a hang.
         if silent < self.stall_timeout or (not progress.chunks and await self.queued()):
             return
         raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
