@@ -1,6 +1,5 @@
-"""The consumers' heartbeats as every reader sees them (status, monitor, producer, probe).
-consumer/presence.py writes each one: an expiring JSON object under the consumer's key, and
-its name in the run's consumers set, scored with its last beat."""
+"""The consumers' heartbeats as every reader sees them; consumer/presence.py writes each one
+(an expiring JSON object, and the name in the run's consumers set scored with its last beat)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Answers of `genq requeue --probe`, kept so committing the pivot does not generate them
-again. An answer is used once, and only for a request whose body (prompt, every parameter,
-model) hashes the same as the probe's. The probe writes nothing but this hash, which expires
-KEEP_S after it, so an uncommitted probe does not cost consumers a lookup per task for long."""
+again: each used once, for a request whose body hashes the same as the probe's. The hash
+expires KEEP_S after the probe, so an uncommitted one stops costing consumers a lookup."""
 
 from __future__ import annotations
 
