@@ -98,6 +98,8 @@ class Prefetch:
 
     async def nap(self, seconds: float | None) -> None:
         """Until wanted (a slot waits, a poke, a stop) or `seconds` pass."""
+        if self.stop.is_set():
+            return  # stopped meanwhile (on_empty may have halted the consumer)
         self.wanted.clear()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
