@@ -52,7 +52,12 @@ class Retryable(GenqError):
 
 
 class ServerUnavailable(Retryable):
-    """The LLM server answered 5xx, refused or reset the connection, or timed out."""
+    """The LLM server answered 5xx, refused or reset the connection, or timed out.
+    `retry_after`: the seconds the server asked to wait (its Retry-After header), if it did."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ServerAborted(ServerUnavailable):

@@ -1,4 +1,4 @@
-"""How a consumer rides through trouble: pausing claims while a server or the disk is in
+"""How a consumer rides through trouble: pausing new requests while a server or the disk is in
 trouble, and retrying Redis operations until Redis answers again."""
 
 from __future__ import annotations
@@ -17,35 +17,47 @@ from common.log import REDIS_OUTAGE
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
 
-# Longest pause of claiming while trouble lasts: a dead server costs one round of claims and
-# releases per pause, and a server that comes back is used again within this.
+# The first pause after a refusal: a server that refuses one request in twenty (a 503 under
+# load) costs each refused request a moment, not the whole consumer a second.
+FIRST_PAUSE_S = 0.1
+# Longest pause while trouble lasts: a dead server costs one round of claims and releases per
+# pause, and a server that comes back is used again within this.
 MAX_BACKOFF_S = 10.0
+# Pauses this long or longer are logged; shorter ones are the ordinary cost of a busy server.
+LOGGED_PAUSE_S = 0.5
 
 
 class ClaimPause:
-    """Jittered exponential pause of claiming. Requests already in flight that fail during a
-    pause do not lengthen it; only a failed try after it does."""
+    """Jittered exponential pause of new requests, as long as the server asks (Retry-After)
+    or else FIRST_PAUSE_S doubled for each failure in a row (no success between) up to
+    MAX_BACKOFF_S. Requests already in flight that fail during a pause do not lengthen it."""
 
     def __init__(self) -> None:
         self.until = 0.0
-        self.backoff = 1.0
+        self.failures = 0  # in a row, since the last success
+        self.said = False  # a pause was logged: its end is logged too
 
     def remaining(self) -> float:
         return max(0.0, self.until - time.monotonic())
 
-    def trouble(self, error: str) -> None:
+    def trouble(self, error: str, retry_after: float | None = None) -> None:
         now = time.monotonic()
         if self.until > now:
             return
-        pause = self.backoff * (0.5 + random.random())
-        logger.warning("claiming_paused", error=error, pause_s=round(pause, 2))
+        self.failures += 1
+        backoff = min(FIRST_PAUSE_S * 2 ** (self.failures - 1), MAX_BACKOFF_S)
+        pause = retry_after if retry_after is not None else backoff * (0.5 + random.random())
         self.until = now + pause
-        self.backoff = min(self.backoff * 2, MAX_BACKOFF_S)
+        if pause >= LOGGED_PAUSE_S:
+            logger.warning("claiming_paused", error=error, pause_s=round(pause, 2),
+                           failures_in_a_row=self.failures)
+            self.said = True
 
     def recovered(self) -> None:
-        if self.backoff > 1.0:
+        self.failures = 0
+        if self.said:
             logger.info("claiming_resumed")
-            self.backoff = 1.0
+            self.said = False
 
 
 class ShuttingDown(Exception):

@@ -369,7 +369,7 @@ class Consumer:
         refund = verdict is Retryable
         await self.retry(lambda: self.queue.release(lease, refund=refund, reason=error))
         if refund:
-            self.pause.trouble(error)
+            self.pause.trouble(error, getattr(e, "retry_after", None))
         else:
             logger.info("task_retried", reason=error)
 

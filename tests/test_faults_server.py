@@ -91,10 +91,8 @@ def test_server_that_never_answers_times_out_keeps_the_lease_and_redoes_the_task
         # Past the visibility timeout the hung requests' leases are still held, same token.
         assert hung_leases & set(owners(r, run_name).items())
         assert c.wait(60) == 0, c.log()[-3000:]
-        seen = c.event_names()
     finally:
         c.cleanup()
-    assert seen["claiming_paused"] >= 1
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     redone = [i for i, a in enumerate(claims(r, run_name, n)) if a > 1]
     assert redone and not r.bitcount(RunKeys(run_name).failed)

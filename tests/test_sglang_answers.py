@@ -58,7 +58,7 @@ def test_load_and_capacity_from_real_v1_loads_and_the_old_get_load():
 
 def test_a_real_streamed_answer_is_read_whole():
     answer = Answer()
-    lines = (REAL / "stream_parser_thinking.txt").read_text().strip().splitlines()
+    lines = (REAL / "stream_parser_thinking.txt").read_bytes().strip().splitlines()
     ended = [answer.feed(line, 7, URL) for line in lines]
     assert ended[-1] and not any(ended[:-1])
     done = answer.completion(URL, thinking=True)
@@ -87,12 +87,12 @@ def test_the_real_context_length_400_lowers_max_tokens_and_is_never_a_bad_task()
 def test_no_finished_result_is_never_accepted(finish, verdict):
     answer = Answer()
     chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": finish}]}
-    answer.feed("data: " + orjson.dumps(chunk).decode(), 0, URL)
-    answer.feed("data: [DONE]", 0, URL)
+    answer.feed(b"data: " + orjson.dumps(chunk), 0, URL)
+    answer.feed(b"data: [DONE]", 0, URL)
     with pytest.raises(verdict):
         answer.completion(URL, thinking=True)
     cut = Answer()
-    cut.feed("data: " + orjson.dumps(chunk).decode(), 0, URL)
+    cut.feed(b"data: " + orjson.dumps(chunk), 0, URL)
     with pytest.raises(ServerUnavailable):  # no [DONE]: the connection broke
         cut.completion(URL, thinking=True)
 

@@ -208,13 +208,19 @@ class SGLang:
                 if resp.status_code != 200:
                     await resp.aread()
                     message = error_message(resp.content)
-                    raise status_error(resp.status_code, message, index, self.url)
-                answer = Answer()
-                async for line in resp.aiter_lines():
+                    raise status_error(resp.status_code, message, index, self.url,
+                                       resp.headers.get("retry-after"))
+                # Raw bytes split into lines here: httpx's text and line decoders cost more per
+                # chunk than the parsing itself, and a chunk comes for every token.
+                answer, rest = Answer(), b""
+                async for data in resp.aiter_raw():
                     progress.last = time.monotonic()
                     progress.chunks += 1
-                    if answer.feed(line, index, self.url):
+                    *lines, rest = (rest + data).split(b"\n")
+                    if any(answer.feed(line, index, self.url) for line in lines):
                         break
+                else:
+                    answer.feed(rest, index, self.url)  # a last line without its newline
         except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
                 from None

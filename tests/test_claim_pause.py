@@ -1,0 +1,51 @@
+"""How long a server's refusals pause new requests (consumer/backoff.py ClaimPause): a
+moment for a refusal between successes (a 503 under load), as long as the server asks when
+it sends Retry-After, and doubling up to MAX_BACKOFF_S while failures come in a row (a dead
+server); only pauses worth a person's attention are logged."""
+
+from __future__ import annotations
+
+import structlog
+
+from consumer import backoff
+from consumer.backoff import FIRST_PAUSE_S, MAX_BACKOFF_S, ClaimPause
+
+
+def test_a_refusal_between_successes_costs_a_moment(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(backoff.time, "monotonic", lambda: clock[0])
+    pause = ClaimPause()
+    with structlog.testing.capture_logs() as lines:
+        for _ in range(50):  # one refusal, then successes, fifty times over
+            pause.trouble("HTTP 503")
+            assert 0.5 * FIRST_PAUSE_S <= pause.remaining() <= 1.5 * FIRST_PAUSE_S
+            clock[0] += 1.0
+            pause.recovered()
+    assert lines == []  # the ordinary cost of a busy server is not news
+
+
+def test_failures_in_a_row_double_the_pause_up_to_the_cap_and_are_logged(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(backoff.time, "monotonic", lambda: clock[0])
+    pause = ClaimPause()
+    pauses = []
+    with structlog.testing.capture_logs() as lines:
+        for _ in range(12):
+            pause.trouble("connection refused")
+            pause.trouble("connection refused")  # in flight during the pause: not counted
+            pauses.append(pause.remaining())
+            clock[0] += pause.remaining()
+        pause.recovered()
+    for i, got in enumerate(pauses):  # doubling, jittered by half either way, up to the cap
+        base = min(FIRST_PAUSE_S * 2 ** i, MAX_BACKOFF_S)
+        assert 0.5 * base <= got <= 1.5 * base, (i, got)
+    events = [line["event"] for line in lines]
+    assert events[-1] == "claiming_resumed" and "claiming_paused" in events
+
+
+def test_retry_after_is_the_pause(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(backoff.time, "monotonic", lambda: clock[0])
+    pause = ClaimPause()
+    pause.trouble("HTTP 503", retry_after=3.0)
+    assert pause.remaining() == 3.0
