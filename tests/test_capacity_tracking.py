@@ -89,11 +89,11 @@ def test_never_raised_while_the_server_has_a_queue():
 
 # --- a consumer beside a neighbour -------------------------------------------------------
 class Neighbour:
-    """bench/_foreign_client.py: another client keeping K requests in flight on the server."""
+    """tests/foreign_client.py: another client keeping K requests in flight on the server."""
 
     def __init__(self, url: str, inflight: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(REPO / "bench" / "_foreign_client.py"), "--server", url,
+            [sys.executable, str(REPO / "tests" / "foreign_client.py"), "--server", url,
              "--inflight", str(inflight)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def leave(self) -> str:

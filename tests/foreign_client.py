@@ -1,7 +1,7 @@
-"""Another client on the same server, for bench/capacity_tracking.py and
-tests/test_capacity_tracking.py: keeps --inflight chat requests in flight for --seconds (or
-until SIGTERM), then lets those in flight finish and prints one JSON line: requests answered
-and their mean latency (what a neighbour feels of a waiting queue on the server)."""
+"""Another client on the same server, for tests/test_capacity_tracking.py: keeps --inflight chat
+requests in flight for --seconds (or until SIGTERM), then lets those in flight finish and
+prints one JSON line: requests answered and their mean latency (what a neighbour feels of a
+waiting queue on the server)."""
 
 from __future__ import annotations
 

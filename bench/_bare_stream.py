@@ -1,0 +1,142 @@
+"""The bare streaming client of bench/throughput.py and bench/stream_path.py: straight to the
+server, the prompts in memory, one streamed chat request per slot at a time, each answer
+parsed and kept (content and thinking joined, usage read) and nothing else: no Redis, no disk.
+It gets genq's GC settings (consumer/cli.py quiet_gc) and the same interpreter, so it differs
+from genq only by what genq does. --path picks how the stream is read: aiohttp's own lines
+(the default), or httpx's API on aiohttp's pool reading lines or raw bytes. With --retry a
+refused request (503) is sent again after a short pause. Prints one JSON line of figures."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import random
+import resource
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import httpx
+import orjson
+from httpx_aiohttp import AiohttpTransport
+
+
+def cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+async def raw_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
+    rest = b""
+    async for data in resp.aiter_raw():
+        *lines, rest = (rest + data).split(b"\n")
+        for line in lines:
+            yield line
+
+
+class Stream:
+    """One way to send a request and read its answer's lines: (status, lines)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        if path == "aiohttp":
+            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                 timeout=aiohttp.ClientTimeout(total=None))
+        else:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
+            self.client = httpx.AsyncClient(transport=AiohttpTransport(limits=limits),
+                                            timeout=None)
+
+    @contextlib.asynccontextmanager
+    async def post(self, url: str, body: bytes) -> AsyncIterator[tuple[int, Any]]:
+        headers = {"content-type": "application/json"}
+        if self.path == "aiohttp":
+            async with self.session.post(url, data=body, headers=headers) as resp:
+                yield resp.status, resp.content
+        else:
+            async with self.client.stream("POST", url, content=body, headers=headers) as resp:
+                yield resp.status_code, (resp.aiter_lines() if self.path == "httpx-lines"
+                                    else raw_lines(resp))
+
+    async def close(self) -> None:
+        await (self.session.close() if self.path == "aiohttp" else self.client.aclose())
+
+
+async def main(a: argparse.Namespace) -> dict:
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+    with open(a.dataset, "rb") as f:
+        rows = [orjson.loads(line) for _, line in zip(range(a.n), f, strict=False)]
+    url = a.server + "/v1/chat/completions"
+    tokens = retries = chunks = 0
+    todo = iter(range(len(rows)))
+
+    async def one(stream: Stream, index: int) -> int:
+        nonlocal retries, chunks
+        row = rows[index]
+        messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        body = orjson.dumps({"model": "default", "messages": messages,
+                             "max_tokens": a.max_tokens, "stream": True,
+                             "stream_options": {"include_usage": True}})
+        while True:
+            async with stream.post(url, body) as (status, lines):
+                if status != 200:
+                    if not a.retry:
+                        raise RuntimeError(f"HTTP {status}")
+                    retries += 1
+                    await asyncio.sleep(0.1 + 0.2 * random.random())  # refused: again shortly
+                    continue
+                content: list[str] = []
+                reasoning: list[str] = []
+                usage: dict = {}
+                async for line in lines:
+                    if isinstance(line, str):
+                        line = line.encode()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = orjson.loads(data)
+                    chunks += 1
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk["choices"]:
+                        delta = choice["delta"]
+                        if delta.get("content"):
+                            content.append(delta["content"])
+                        if delta.get("reasoning_content"):
+                            reasoning.append(delta["reasoning_content"])
+                "".join(content), "".join(reasoning)  # the answer, as a client would keep it
+                return int(usage.get("completion_tokens") or 0)
+
+    async def slot(stream: Stream) -> None:
+        nonlocal tokens
+        for index in todo:
+            got = await one(stream, index)  # not `tokens += await ...`: a lost update
+            tokens += got
+
+    t0, c0 = time.monotonic(), cpu_s()
+    stream = Stream(a.path)
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(min(a.concurrency, len(rows))):
+            tg.create_task(slot(stream))
+    await stream.close()
+    return {"n": len(rows), "tokens": tokens, "chunks": chunks, "retries": retries,
+            "wall_s": time.monotonic() - t0, "cpu_s": cpu_s() - c0}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--server", required=True)
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--n", type=int, required=True)
+    p.add_argument("--concurrency", type=int, required=True)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--path", choices=("aiohttp", "httpx-lines", "httpx-raw"),
+                   default="aiohttp")
+    p.add_argument("--retry", action="store_true")
+    print(json.dumps(asyncio.run(main(p.parse_args()))))
