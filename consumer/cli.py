@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import socket
+import tempfile
 import time
 
 import redis.asyncio as aioredis
@@ -108,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     s = parse(argv)
     log.setup()
     structlog.contextvars.bind_contextvars(run=s.run)
+    check_writable(s.out)
     # Started before Redis (compose, restart loops): wait for it here, before the server
     # lease below needs it; a stop while waiting exits cleanly with nothing claimed.
     probe = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
@@ -119,6 +121,21 @@ def main(argv: list[str] | None = None) -> int:
     quiet_gc()
     # One free server of the list, leased for as long as serve() runs (consumer/servers.py).
     return asyncio.run(servers.drive(s, serve))
+
+
+def check_writable(out: str) -> None:
+    """An output directory this user cannot write fails at start, in one line naming the fix,
+    before anything is claimed (not as a traceback from the first shard or manifest)."""
+    path = os.path.abspath(out)
+    while not os.path.isdir(path):  # made later; its nearest existing parent must allow that
+        path = os.path.dirname(path)
+    try:
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        uid = os.getuid()
+        raise GenqError(f"cannot write to the output directory {out} as uid {uid}: {e.strerror}; "
+                        f"make it writable by uid {uid} (e.g. chown {uid} on the host) or "
+                        "choose another --out") from None
 
 
 def quiet_gc() -> None:
