@@ -39,9 +39,30 @@ def run_bench(name: str, *args: str, timeout: float = 150) -> subprocess.Complet
     return proc
 
 
+# Runs against a real SGLang server: smoke-run in the real-server tier, below.
+REAL_TIER = {"real_stream_cost.py"}
+
+
 def test_every_bench_script_is_smoke_run() -> None:
     scripts = {p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_")}
-    assert scripts == set(SCRIPTS)
+    assert scripts == set(SCRIPTS) | REAL_TIER
+
+
+@pytest.mark.real_sglang
+@pytest.mark.timeout(900)
+def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
+    from sglang_servers import RealServer
+
+    server = RealServer("tuned")
+    try:
+        out = tmp_path / "figures.json"
+        run_bench("real_stream_cost.py", "--port", str(server.port), "--n", "8",
+                  "--concurrency", "4", "--max-tokens", "32", "--rounds", "1",
+                  "--json", str(out), timeout=600)
+        figures = json.loads(out.read_text())
+        assert figures["stream"][0]["tokens"] > 0 and figures["plain"][0]["tokens"] > 0
+    finally:
+        server.close()
 
 
 @pytest.mark.timeout(180)
