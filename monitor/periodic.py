@@ -72,13 +72,19 @@ def progress_writer(path: Path, read: Callable[[], tuple[dict | None, str | None
 
 def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
     """A task body that logs each alert once when it appears (with its fix command) and once
-    when it clears, so the log says what the page and the status table say."""
+    when it clears, and the run's end once, so the log says what the page and the status table
+    say."""
     active: dict[str, dict] = {}
+    finished = [False]
 
     def tick() -> None:
         status, _error = read()
         if status is None:
             return
+        if status.get("finished") and not finished[0]:  # once per end of the run
+            log.info("run_finished", run=status["run"], done=status["done"],
+                     failed=status["failed"], total=status["total"])
+        finished[0] = bool(status.get("finished"))
         now = {f"{a['kind']}|{a.get('server', '')}": a for a in status["alerts"]}
         for key, alert in now.items():
             if key not in active:

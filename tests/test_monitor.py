@@ -75,6 +75,8 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
                 "server": SERVER,
                 "capacity": 40,
                 "inflight": 7,
+                "running": 5,
+                "ahead": 1,
                 "load": {"num_reqs": 7, "num_waiting_reqs": 0},
                 "host": "h",
                 "pid": 1,
@@ -313,7 +315,7 @@ def test_page_shows_the_status(monitor):
     assert shown["truncation-rate"] == "20.0%"
     assert num(shown["len-p50"]) == 1000 and num(shown["len-p90"]) == 4096
     assert alert == s["alerts"][0]["command"]
-    assert "7 / 40" in row
+    assert "5+1 / 40" in row and "(+1 other)" in row  # running + ahead, and a lease besides
     # The failure reason is shown with its count, as text: its markup is never parsed.
     assert s["failure_reasons"] == [{"reason": REASON, "count": 1, "example_index": 999}]
     assert REASON in reasons and reasons.startswith("1") and not injected

@@ -117,6 +117,8 @@ def populate(
                 "server": A,
                 "capacity": 40,
                 "inflight": 3,
+                "running": 2,
+                "ahead": 1,
                 "load": {"num_reqs": 38, "num_waiting_reqs": 1},
                 "host": "h",
                 "pid": 1,
@@ -316,13 +318,44 @@ def test_failure_reasons_top_with_counts(r, run_name):
     assert "failed 1 x server refused the request (HTTP 400): [bad] <b>" in text
 
 
+def test_in_flight_is_split_into_running_and_claimed_ahead(r, run_name):
+    populate(r, run_name)
+    s = read_status(r, run_name)
+    by = {row["server"]: row for row in s["servers"]}
+    assert (by[A]["running"], by[A]["claimed_ahead"], by[A]["inflight"]) == (2, 1, 3)
+    assert (s["running"], s["claimed_ahead"], s["inflight"]) == (2, 1, 5)
+    assert "in flight 5 (running 2, claimed ahead 1)" in rendered(s)
+
+
+def test_an_80_column_terminal_keeps_the_server_column(r, run_name):
+    populate(r, run_name)
+    console = Console(width=80, record=True, color_system=None)
+    console.print(render_table(read_status(r, run_name)))
+    text = console.export_text()
+    for server in (A, Bsrv):
+        assert server.split("://")[1] in text, text  # the server column, whole
+    assert "seen" in text and max(len(line) for line in text.splitlines()) <= 80
+
+
+def test_a_finished_run_says_so(r, run_name):
+    k = RunKeys(run_name)
+    r.hset(k.meta, mapping={"total": 3, "dataset": "/d.jsonl", "fingerprint": "f",
+                            "created_at": redis_now(r)})
+    for i in range(3):
+        r.setbit(k.done, i, 1)
+    s = read_status(r, run_name)
+    assert s["finished"] and "finished" in rendered(s)
+    r.setbit(k.done, 2, 0)
+    assert not read_status(r, run_name)["finished"]
+
+
 def test_render_table_is_readable(r, run_name):
     populate(r, run_name, length_per_bucket=4)
     s = read_status(r, run_name)
     text = rendered(s)
     assert "100 / 1,000 done" in text and "10.00%" in text
     assert "stop 83" in text and "length 17" in text and "p90 4,096" in text
-    assert A in text and "3/40" in text and "38/1" in text
+    assert A.split("://")[1] in text and "2+1/40" in text and "38/1" in text
     assert "genq requeue --set max_tokens=8192 --redo truncated" in text
     assert human_duration(s["eta_s"]) in text
 

@@ -80,6 +80,18 @@ def settled_count(r: redis.Redis, k: RunKeys) -> tuple[int, int]:
     return int(done), int(failed)
 
 
+def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
+    """Every prompt done or failed, nothing queued or leased: the run has ended (until a
+    requeue brings work back)."""
+    pipe = r.pipeline(transaction=False)
+    pipe.bitcount(k.done)
+    pipe.bitcount(k.failed)
+    pipe.llen(k.rq_queue)
+    pipe.zcard(k.leases)
+    done, failed, queued, leased = pipe.execute()
+    return int(done) + int(failed) >= total and not queued and not leased
+
+
 OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 

@@ -93,8 +93,11 @@ def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | N
         beat = beats.get(_s(name))
         if not beat or not beat.get("server"):
             continue  # heartbeat expired: the consumer is gone, its leases show it anyway
-        row = rows.setdefault(beat["server"], {"capacity": 0, "consumers": [], "load": None})
+        row = rows.setdefault(beat["server"], {"capacity": 0, "consumers": [], "load": None,
+                                               "running": 0, "claimed_ahead": 0})
         row["capacity"] += int(beat.get("capacity") or 0)
+        row["running"] += int(beat.get("running") or 0)
+        row["claimed_ahead"] += int(beat.get("ahead") or 0)
         row["consumers"].append(_s(name))
         row["load"] = beat.get("load") or row["load"]
         row["_history"] = beat.get("load_history") or row.get("_history")
@@ -112,7 +115,10 @@ def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | N
         recent, _ = stats.window_sum(buckets, f"req|{server}", now, stats.STALL_S)
         known = [t for t in (first_seen.get(server), _timestamp(row.get("started_at")), since)
                  if t is not None]
+        # inflight: every lease on the server (a dead consumer's too, until it expires);
+        # running: requests at the server now; claimed_ahead: leased, waiting for a slot.
         out.append({"server": server, "inflight": leased.get(server, 0), **rate,
+                    "running": row.get("running"), "claimed_ahead": row.get("claimed_ahead"),
                     "capacity": row["capacity"], "load": row["load"],
                     "consumer": ",".join(row["consumers"]) or None,
                     "last_seen_s": row.get("last_seen_s"), "_history": row.get("_history"),
@@ -194,6 +200,9 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
     return {
         "run": run, "total": total, "done": done, "queued": raw["queued"],
         "inflight": raw["inflight"], "failed": failed, "params_version": version,
+        "running": sum(s["running"] or 0 for s in servers),
+        "claimed_ahead": sum(s["claimed_ahead"] or 0 for s in servers),
+        "finished": total > 0 and remaining == 0 and not raw["queued"] and not raw["inflight"],
         "rate": rates["5m"], "eta_s": stats.eta_seconds(remaining, rates["5m"]["req_per_s"]),
         "finish_reasons": {n: c for n, c in finish.items() if c},
         "truncation_rate": stats.truncation_rate(finish["length"], done),

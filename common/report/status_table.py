@@ -29,20 +29,27 @@ def _bar(fraction: float, width: int = 30) -> str:
 def _server_table(status: dict) -> Any:
     from rich.table import Table
 
-    table = Table(title="servers", title_justify="left", expand=False)
-    # The URL is what a person acts on: fold it rather than cut it off on a narrow terminal.
-    table.add_column("server", overflow="fold")
-    for col in ("req/s", "tok/s", "in flight/cap", "server run/wait", "KV used", "seen"):
+    table = Table(title="servers (run+ahead: requests at the server + tasks claimed for the "
+                        "next free slots; other: leases being committed or of a dead consumer)",
+                  title_justify="left", expand=False, padding=(0, 0))
+    # The server is what a person acts on: short (no scheme), folded rather than dropped on
+    # a narrow terminal (80 columns).
+    table.add_column("server", overflow="fold", min_width=12)
+    for col in (" req/s", " tok/s", " run+ahead/cap", " other", " srv run/wait", " KV",
+                " seen"):
         table.add_column(col, justify="right", no_wrap=True)
     for s in status["servers"]:
         load = s.get("load") or {}
         run_wait = f"{load.get('num_reqs', '?')}/{load.get('num_waiting_reqs', '?')}"
-        usage, pool = load.get("token_usage"), load.get("max_total_num_tokens")
-        kv = f"{usage:.1%} of {pool:,}" if usage is not None and pool else "—"
+        usage = load.get("token_usage")
         seen = s.get("last_seen_s")
-        table.add_row(s["server"], f"{s['req_per_s']:.2f}", f"{s['tok_per_s']:,.0f}",
-                      f"{s['inflight']}/{s['capacity'] or '?'}", run_wait if load else "—",
-                      kv, f"{seen:.0f}s ago" if seen is not None else "gone")
+        running, ahead = s.get("running") or 0, s.get("claimed_ahead") or 0
+        other = max(0, s["inflight"] - running - ahead)  # committing, or a dead consumer's
+        table.add_row(s["server"].split("://", 1)[-1], f"{s['req_per_s']:.2f}",
+                      f"{s['tok_per_s']:,.0f}", f"{running}+{ahead}/{s['capacity'] or '?'}",
+                      str(other), run_wait if load else "—",
+                      f"{usage:.0%}" if usage is not None else "—",
+                      f"{seen:.0f}s" if seen is not None else "gone")
     return table
 
 
@@ -72,9 +79,12 @@ def render_table(status: dict) -> Any:
     kept = status.get("kept")
     mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
     lines: list[Any] = [
-        Text(f"run {status['run']}  params v{status['params_version']}", style="bold"),
+        Text(f"run {status['run']}  params v{status['params_version']}"
+             + ("  finished: every prompt is done or failed" if status.get("finished") else ""),
+             style="bold"),
         Text(f"{_bar(frac)} {frac:6.2%}  {done:,} / {total:,} done"),
-        Text(f"queued {status['queued']:,}  in flight {status['inflight']:,}  "
+        Text(f"queued {status['queued']:,}  in flight {status['inflight']:,} (running "
+             f"{status.get('running', 0):,}, claimed ahead {status.get('claimed_ahead', 0):,})  "
              f"failed {status['failed']:,}  remaining {status['remaining']:,}"
              + (f"  kept {kept:,} (redo failed, previous result stands)" if kept else "")),
         Text(f"rate {rate:.2f} req/s  {tok:,.0f} tok/s (5 min)  "
