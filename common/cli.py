@@ -17,7 +17,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.errors import GenqError, UsageError, mask_secrets
-from common.log import say
+from common.log import Outage, say
 from common.queue.keys import RunKeys
 
 logger = structlog.get_logger("genq")
@@ -26,6 +26,14 @@ DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # Long-running services (producer, consumer) give every Redis reply this long: without a read
 # timeout a command sent into a network partition would wait for the TCP stack, for many minutes.
 SERVICE_SOCKET_TIMEOUT_S = 10.0
+
+
+def add_redis_wait(parser: argparse.ArgumentParser, mode: str) -> None:
+    """--redis-wait: how long a run-to-the-end command (--once, --burst) waits for Redis."""
+    parser.add_argument("--redis-wait", type=float, default=30.0, metavar="S",
+                        help=f"with {mode}: give up after S seconds without Redis, with one "
+                             "line and exit 1 (default 30); without it a service waits for "
+                             "Redis as long as it takes")
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -63,20 +71,22 @@ def stop_on_signals() -> threading.Event:
 
 @overload
 def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
-            stop: None = None) -> redis.Redis: ...
+            stop: None = None, give_up_after: float | None = None) -> redis.Redis: ...
 @overload
 def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
-            stop: threading.Event) -> redis.Redis | None: ...
+            stop: threading.Event, give_up_after: float | None = None) -> redis.Redis | None: ...
 def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
-            stop: threading.Event | None = None) -> redis.Redis | None:
+            stop: threading.Event | None = None,
+            give_up_after: float | None = None) -> redis.Redis | None:
     """A client that has answered PING, or one clear error naming the URL (masked); with
-    `wait=True` it waits for Redis, logging as it starts and ends (None if `stop` is set)."""
+    `wait=True` it waits for Redis, logging once as it starts, at a slowing pace meanwhile and
+    once at its end (None if `stop` is set), for at most `give_up_after` seconds if given."""
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30,
                                       socket_timeout=socket_timeout, retry=service_retry())
     except ValueError as e:
         raise UsageError(f"bad Redis URL {mask_secrets(url)}: {e}") from None
-    delay, waited = RETRY_FIRST_S, False
+    delay, waited, started = RETRY_FIRST_S, False, time.monotonic()
     while True:
         try:
             client.ping()
@@ -85,11 +95,20 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
             raise GenqError(f"Redis at {mask_secrets(url)} refused the credentials: {e}") \
                 from None
         except (redis.ConnectionError, redis.TimeoutError) as e:
-            if not wait:
-                raise GenqError(f"cannot reach Redis at {mask_secrets(url)}: {e}") from None
+            waited_s = time.monotonic() - started
+            if not wait or (give_up_after is not None and waited_s >= give_up_after):
+                after = f" after {give_up_after:g} s (--redis-wait)" if wait else ""
+                raise GenqError(f"cannot reach Redis at {mask_secrets(url)}{after}: {e}") \
+                    from None
             if not waited:
                 logger.warning("waiting_for_redis", redis=mask_secrets(url), error=str(e),
                                hint="retrying with backoff until Redis answers")
+                gap = remind = Outage.FIRST_REMINDER_S
+            elif waited_s >= remind:  # reminders at a slowing pace, not a line per retry
+                logger.warning("still_waiting_for_redis", redis=mask_secrets(url),
+                               waited_s=round(waited_s), error=str(e))
+                gap = min(2 * gap, Outage.MAX_REMINDER_S)
+                remind = waited_s + gap
             waited = True
             if stop is None:
                 time.sleep(delay)

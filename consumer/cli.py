@@ -22,6 +22,7 @@ from common import log
 from common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
+    add_redis_wait,
     connect,
     guarded,
     risky_redis_settings,
@@ -77,6 +78,7 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     p.add_argument("--name", help="consumer name shown in status (default host-pid)")
     p.add_argument("--poll", type=float, default=0.2, help="idle poll period, seconds")
     shipping.add_flags(p)
+    add_redis_wait(p, "--burst")
     add_common(p)
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
@@ -99,7 +101,7 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         concurrency=a.concurrency, visibility_timeout=a.visibility_timeout, out=a.out,
         burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
         grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
-        stall_timeout=a.stall_timeout,
+        redis_wait=a.redis_wait, stall_timeout=a.stall_timeout,
         servers=tuple(urls), server_lease=a.server_lease, share_server=a.share_server,
         **shipping.settings(p, a))
 
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     # Started before Redis (compose, restart loops): wait for it here, before the server
     # lease below needs it; a stop while waiting exits cleanly with nothing claimed.
     probe = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
-                    stop=stop_on_signals())
+                    stop=stop_on_signals(), give_up_after=s.redis_wait if s.burst else None)
     if probe is None:
         logger.info("consumer_stopped", acked=0)
         return 0
@@ -169,7 +171,7 @@ async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
     stopped = stop_on_signals()  # until the loop's own handlers take over, below
     sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
-                   stop=stopped)
+                   stop=stopped, give_up_after=s.redis_wait if s.burst else None)
     if sync is None:  # stopped while waiting for Redis; nothing was claimed
         logger.info("consumer_stopped", acked=0)
         return 0

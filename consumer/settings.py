@@ -20,6 +20,7 @@ class ConsumeSettings:
     name: str
     poll: float
     server_wait: float
+    redis_wait: float = 30.0  # --burst gives up on an unreachable Redis after this
     stall_timeout: float = 60.0
     # The servers this consumer may drive (consumer/servers.py leases one); `server` is the
     # leased one once serving.

@@ -54,7 +54,8 @@ def periodic_tasks(s: argparse.Namespace, client: redis.Redis,
         PeriodicTask(name="progress_file", interval_s=s.interval,
                      fn=progress_writer(s.progress_file, source.read)),
         PeriodicTask(name="alerts", interval_s=s.interval, fn=alert_logger(source.read)),
-        PeriodicTask(name="reaper", interval_s=1.0, fn=lambda: runner(reap_call(keys))),
+        PeriodicTask(name="reaper", interval_s=1.0, fn=lambda: runner(reap_call(keys)),
+                     redis=True),
     ]
 
 

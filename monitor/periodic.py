@@ -23,6 +23,9 @@ class PeriodicTask:
     name: str
     interval_s: float
     fn: Callable[[], None]
+    # It calls Redis itself, so a run that works ends an outage (the status reads report their
+    # own trouble, once per change).
+    redis: bool = False
 
 
 class Periodic(threading.Thread):
@@ -46,7 +49,8 @@ class Periodic(threading.Thread):
     def _run_one(self, task: PeriodicTask) -> None:
         try:
             task.fn()
-            REDIS_OUTAGE.over()
+            if task.redis:
+                REDIS_OUTAGE.over()
         except REDIS_TROUBLE as e:  # logged once per outage, not once per tick
             REDIS_OUTAGE.seen(e, task=task.name)
         except Exception as e:  # a bad tick must not stop the next one (or the other tasks)

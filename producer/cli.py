@@ -14,6 +14,7 @@ from common import log, params
 from common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
+    add_redis_wait,
     connect,
     guarded,
     risky_redis_settings,
@@ -52,6 +53,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--once", action="store_true",
                    help="enqueue every unfinished index, then exit")
     p.add_argument("--interval", type=float, default=0.5, help="top-up period, seconds")
+    add_redis_wait(p, "--once")
     add_common(p)
     a = p.parse_args(argv)
     named = {"max_tokens": a.max_tokens, "temperature": a.temperature, "model": a.model}
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ds = open_dataset(s.dataset)
     # --once stays interruptible as any command; the windowed producer stops cleanly.
     stop = threading.Event() if s.once else stop_on_signals()
-    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop)
+    r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,
+                give_up_after=s.redis_wait if s.once else None)
     if r is None:  # stopped while waiting for Redis
         logger.info("producer_stopped", run=s.run)
         return 0

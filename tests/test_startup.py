@@ -7,7 +7,7 @@ import signal
 import time
 
 import orjson
-from conftest import free_port
+from conftest import free_port, genq
 from faultkit import Background, Consumer, check_truth, private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 from test_monitor import Monitor
@@ -67,3 +67,38 @@ def test_services_stopped_while_waiting_for_redis_exit_cleanly(tmp_path, run_nam
     finally:
         consumer.cleanup()
         producer.cleanup()
+
+
+def test_run_to_the_end_commands_give_up_on_an_unreachable_redis(tmp_path, run_name):
+    """--once and --burst are run by a person or a script that waits for them: an unreachable
+    Redis ends them after --redis-wait with one line and exit 1, not a wait forever."""
+    nobody = f"redis://127.0.0.1:{free_port()}/0"
+    data = write_dataset(tmp_path / "d.jsonl", 5)
+    commands = {
+        "produce": ("produce", str(data), "--once", "--redis-wait", "2"),
+        "consume": ("consume", "--server", "http://127.0.0.1:9", "--burst", "--redis-wait", "2",
+                    "--out", str(tmp_path / "out")),
+    }
+    for name, args in commands.items():
+        started = time.monotonic()
+        proc = genq(*args, redis_url=nobody, run=run_name, check=False, timeout=60)
+        took = time.monotonic() - started
+        lines = proc.stderr.splitlines()
+        errors = [line for line in lines if not line.startswith("{")]  # not log lines
+        assert proc.returncode == 1, (name, proc.stderr[-2000:])
+        assert len(errors) == 1 and "cannot reach Redis" in errors[0], (name, proc.stderr)
+        assert "after 2 s (--redis-wait)" in errors[0] and took < 30, (name, took)
+
+
+def test_a_monitor_without_redis_logs_its_outage_at_a_slowing_pace(tmp_path, run_name):
+    nobody = f"redis://127.0.0.1:{free_port()}/0"
+    monitor = Monitor(nobody, run_name, tmp_path, interval=0.2)
+    try:
+        time.sleep(12)
+    finally:
+        log = monitor.stop()
+    events = [orjson.loads(line).get("event") for line in log.splitlines()
+              if line.startswith("{")]
+    # Ticks five times a second for 12 s: its start, one reminder after 10 s.
+    assert events.count("redis_unavailable") == 1, events
+    assert len(events) <= 6, events
