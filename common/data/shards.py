@@ -14,7 +14,8 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from array import array
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,9 @@ def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
 def choose_records(records: Iterable[dict[str, Any]],
                    accepted: Callable[[int], tuple[int, int] | None]) -> dict[int, dict[str, Any]]:
     """One record per index: the accepted (params_version, attempt) if present, else the newest
-    (by version, attempt, then last seen); ``accepted`` is called once per index."""
+    (by version, attempt, then last seen); ``accepted`` is called once per index.
+
+    The rules of every reader; ``Picks`` applies the same ones to line locations in arrays."""
     chosen: dict[int, dict[str, Any]] = {}
     keys: dict[int, tuple[int, int]] = {}
     wanted: dict[int, tuple[int, ...] | None] = {}  # tuple(): a list would never equal a key
@@ -234,3 +237,87 @@ def choose_records(records: Iterable[dict[str, Any]],
             continue
         chosen[index], keys[index] = record, key
     return chosen
+
+
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far; the accepted
+
+
+class Picks:
+    """choose_records over line locations, for indices 0 ≤ index < total: per index the
+    (shard number, offset, length) of the line it keeps, in flat arrays (38 bytes an index,
+    whatever the records hold), so a run of any size is chosen in bounded memory."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.state = bytearray(total)  # NONE, NEWEST or ACCEPTED
+        self.version = array("q", bytes(8 * total))
+        self.attempt = array("q", bytes(8 * total))
+        self.file = array("i", bytes(4 * total))
+        self.offset = array("q", bytes(8 * total))
+        self.length = array("q", bytes(8 * total))
+
+    def offer(self, index: int, version: int, attempt: int, wanted: tuple[int, int] | None,
+              file_no: int, offset: int, length: int) -> None:
+        """A line of ``index`` with this (version, attempt) at (file_no, offset, length), in
+        the order choose_records would see it; ``wanted`` is the index's accepted pair."""
+        state = self.state[index]
+        if (version, attempt) == wanted:
+            state = ACCEPTED
+        elif state == ACCEPTED or (state == NEWEST and (version, attempt)
+                                   < (self.version[index], self.attempt[index])):
+            return
+        else:
+            state = NEWEST
+        self.state[index] = state
+        self.version[index], self.attempt[index] = version, attempt
+        self.file[index], self.offset[index], self.length[index] = file_no, offset, length
+
+    def drop_keys(self) -> None:
+        """Free the (version, attempt) arrays once every line has been offered."""
+        self.version = self.attempt = array("q")
+
+
+@dataclass
+class PickStats:
+    """What ``pick_lines`` saw: lines skipped as torn or unparsable (not counting blank ones)."""
+
+    torn: int = 0
+
+
+def pick_lines(paths: Sequence[Path], total: int,
+               accepted: Callable[[int], tuple[int, int] | None],
+               wanted: Callable[[int], bool] = lambda index: True,
+               stats: PickStats | None = None) -> Picks:
+    """The first pass of an export: every line of every shard, one shard open at a time, in
+    (file, offset) order, offered to ``Picks`` by choose_records' rules. Only indices
+    0 ≤ index < total for which ``wanted(index)`` holds are kept; ``accepted`` is asked once a
+    line. A line that is torn, not JSON or without an index counts in ``stats.torn``; one whose
+    index, params_version or attempt is not a 64-bit integer is passed over (genq never
+    writes one)."""
+    stats = stats if stats is not None else PickStats()
+    picks = Picks(total)
+    low, high = _INT64
+    for file_no, path in enumerate(paths):
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            continue  # shipped and removed since the directory was listed
+        with f:
+            offset = 0
+            for line in f:
+                start, offset = offset, offset + len(line)
+                record = parse_line(line)
+                if record is None or "index" not in record:
+                    stats.torn += bool(line.strip())
+                    continue
+                index = record["index"]
+                if type(index) is not int or not 0 <= index < total or not wanted(index):
+                    continue
+                version, attempt = record.get("params_version", 0), record.get("attempt", 0)
+                if (type(version) is not int or type(attempt) is not int
+                        or not low <= version <= high or not low <= attempt <= high):
+                    continue
+                picks.offer(index, version, attempt, accepted(index), file_no, start,
+                            len(line))
+    return picks

@@ -1,25 +1,31 @@
 """`genq export`: one record per done index from every shard, the accepted attempt first.
 
-Two passes keep memory small: the first keeps only each line's index, version, attempt and
-location; the second copies the chosen lines in index order. Where the (version, attempt) Redis
-accepted is missing from the shards, the newest line is written instead and reported
-(`not_accepted`). With include_failed, each failed index gets a record too:
-{"index", "run", "status": "failed", "error"}.
+Any number of shards with a fixed number of open files, and memory of a few dozen bytes an
+index: the first pass reads the shards one at a time and keeps only where each index's chosen
+line is (common.data.shards.pick_lines); the second lays the output out in index order (each
+line's length is known) and copies the chosen lines into place shard by shard, each shard opened
+once, with one descriptor for the output. Where the (version, attempt) Redis accepted is missing
+from the shards, the newest line is written instead and reported (`not_accepted`). With
+include_failed, each failed index gets a record too: {"index", "run", "status": "failed",
+"error"}.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import tempfile
+from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import redis
 
-from common.data.records import parse_line, shard_files
-from common.data.shards import choose_records
+from common.data.records import shard_files
+from common.data.shards import NEWEST, NONE, Picks, PickStats, pick_lines
+from common.errors import GenqError
 from common.queue import bitmap
 from common.queue.keys import RunKeys
 from common.queue.replies import blob, text
@@ -45,18 +51,34 @@ def _u16(raw: bytes | None, index: int) -> int:
 def accepted_lookup(r: redis.Redis, k: RunKeys):
     """(accepted, is_done): index -> (params_version, attempt) of its accepted result, or None
     if not done; index -> whether it is done."""
+    accepted, is_done, _ = _accepted_state(r, k)
+    return accepted, is_done
+
+
+def _accepted_state(r: redis.Redis, k: RunKeys):
+    """accepted_lookup's pair, and the done bitmap they were read with."""
     pipe = r.pipeline(transaction=True)
     for key in (k.done, k.acc_version, k.acc_attempt):
         pipe.get(key)
     done, versions, attempts = pipe.execute()
+    done = blob(done)
+    # Padded once (2 bytes an index) so each lookup is two byte reads: a done index is below
+    # 8 * len(done), and past a BITFIELD's end Redis reads 0, as the padding does.
+    size = 16 * len(done)
+    vs, ats = (blob(raw)[:size].ljust(size, b"\0") for raw in (versions, attempts))
 
     def is_done(index: int) -> bool:
         return bitmap.is_set(done, index)
 
     def accepted(index: int) -> tuple[int, int] | None:
-        return (_u16(versions, index), _u16(attempts, index)) if is_done(index) else None
+        if not is_done(index):
+            return None
+        if index < 0:  # bitmap.is_set reads those from the end
+            return _u16(versions, index), _u16(attempts, index)
+        j = 2 * index
+        return vs[j] << 8 | vs[j + 1], ats[j] << 8 | ats[j + 1]
 
-    return accepted, is_done
+    return accepted, is_done, done
 
 
 def failed_reasons(r: redis.Redis, k: RunKeys, total: int) -> dict[int, str]:
@@ -88,65 +110,175 @@ def shard_paths(dirs: list[str], run: str) -> list[Path]:
     return [path for directory in dirs for path in shard_files(directory, run)]
 
 
-def locate(paths: list[Path], counter: list[int]) -> Iterator[dict[str, Any]]:
-    """Light records (index, version, attempt, location) of every complete line."""
+_FAILED_BATCH = 5_000  # error texts fetched per HMGET
+
+
+def _spill_failed(r: redis.Redis, k: RunKeys, total: int, spill: IO[bytes]) -> array:
+    """Write each failed index's record (in index order) to ``spill``; returns the indices.
+    Reasons are fetched a batch at a time, so memory holds one batch of error texts."""
+    indices = array("q", bitmap.set_indices(blob(r.get(k.failed)), below=total))
+    for lo in range(0, len(indices), _FAILED_BATCH):
+        batch = indices[lo:lo + _FAILED_BATCH]
+        texts = r.hmget(k.errors, [str(i) for i in batch])
+        for index, t in zip(batch, texts, strict=True):
+            spill.write(_failed_line(k.run, index, text(t or b"", errors="replace")))
+    spill.seek(0)
+    return indices
+
+
+def _read_at(fd: int, length: int, offset: int, path: Path) -> bytes:
+    data = os.pread(fd, length, offset)
+    if len(data) != length or not data.endswith(b"\n"):
+        raise GenqError(f"shard {path} changed while it was exported (a line read in the first "
+                        "pass is not there now); export again")
+    return data
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _open_shard(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise GenqError(f"shard {path} was removed while it was exported (a consumer with "
+                        "--delete-shipped?); export again, or --from-s3") from None
+
+
+def _layout(picks: Picks, failed: array, failed_lengths: array, paths: list[Path],
+            kept: Callable[[int], bool]) -> tuple[array, int, set[int]]:
+    """Where each written index starts in the output, the output's size, and the indices whose
+    line gets the kept mark: failed records and chosen lines, in index order."""
+    starts = array("q", bytes(8 * picks.total))
+    state, lengths = picks.state, picks.length
+    marked: set[int] = set()  # a redo's result kept when the redo failed: few
+    pos, f, n_failed = 0, 0, len(failed)
+    next_failed = failed[0] if n_failed else -1
+    for index in range(picks.total):
+        if index == next_failed:
+            starts[index] = pos
+            pos += failed_lengths[f]
+            f += 1
+            next_failed = failed[f] if f < n_failed else -1
+        elif state[index] != NONE:
+            starts[index] = pos
+            length = lengths[index]
+            if kept(index):
+                path = paths[picks.file[index]]
+                fd = _open_shard(path)
+                try:
+                    length = len(mark_kept(_read_at(fd, length, picks.offset[index], path)))
+                finally:
+                    os.close(fd)
+                marked.add(index)
+            pos += length
+    return starts, pos, marked
+
+
+def _by_shard(picks: Picks, n_files: int) -> tuple[array, array]:
+    """The indices to copy from shards grouped by shard (a counting sort): the indices, and
+    where each shard's run of them starts."""
+    state, files = picks.state, picks.file
+    bounds = array("q", bytes(8 * (n_files + 1)))
+    for index in range(picks.total):
+        if state[index] != NONE:
+            bounds[files[index] + 1] += 1
+    for f in range(n_files):
+        bounds[f + 1] += bounds[f]
+    fill = array("q", bounds)
+    grouped = array("q", bytes(8 * bounds[n_files]))
+    for index in range(picks.total):
+        if state[index] != NONE:
+            f = files[index]
+            grouped[fill[f]] = index
+            fill[f] += 1
+    return grouped, bounds
+
+
+class _Progress:
+    def __init__(self, progress: Any, count: int) -> None:
+        self.progress, self.count, self.n = progress, count, 0
+
+    def step(self) -> None:
+        if self.progress is not None and self.n % 1000 == 0:
+            self.progress(self.n, self.count)
+        self.n += 1
+
+
+def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst: int,
+          progress: _Progress) -> None:
+    """Copy each chosen line from its shard to its place in the output, one shard open at a
+    time, reading each shard's lines in file order."""
+    grouped, bounds = _by_shard(picks, len(paths))
+    offsets, lengths = picks.offset, picks.length
     for file_no, path in enumerate(paths):
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
+        group = sorted(grouped[bounds[file_no]:bounds[file_no + 1]], key=offsets.__getitem__)
+        if not group:
             continue
-        with f:
-            offset = 0
-            for line in f:
-                start, offset = offset, offset + len(line)
-                record = parse_line(line)
-                if record is None or "index" not in record:
-                    counter[0] += bool(line.strip())
-                    continue
-                yield {"index": record["index"],
-                       "params_version": record.get("params_version", 0),
-                       "attempt": record.get("attempt", 0),
-                       "loc": (file_no, start, len(line))}
+        src = _open_shard(path)
+        try:
+            for index in group:
+                progress.step()
+                line = _read_at(src, lengths[index], offsets[index], path)
+                _pwrite_all(dst, mark_kept(line) if index in marked else line, starts[index])
+        finally:
+            os.close(src)
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
            progress: Any = None, *, include_failed: bool = False) -> ExportResult:
-    accepted, is_done = accepted_lookup(r, k)
+    accepted, is_done, done_raw = _accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
-    torn = [0]
-    chosen = choose_records(locate(paths, torn), accepted)
-    done_indices = [i for i in range(total) if is_done(i)]
+    stats = PickStats()
+    picks = pick_lines(paths, total, accepted, is_done, stats)  # done indices only
+    picks.drop_keys()
     kept = kept_lookup(r, k)
-    wanted = [i for i in done_indices if i in chosen]
-    missing = [i for i in done_indices if i not in chosen]
-    fallback = [i for i in wanted
-                if (chosen[i]["params_version"], chosen[i]["attempt"]) != accepted(i)]
-    failed = failed_reasons(r, k, total) if include_failed else {}
-    order = sorted(set(wanted) | set(failed))
+    done = written = fallback_count = 0
+    missing: list[int] = []
+    fallback: list[int] = []
+    for index in bitmap.set_indices(done_raw, below=total):
+        done += 1
+        state = picks.state[index]
+        if state == NONE:
+            if len(missing) < 20:
+                missing.append(index)
+            continue
+        written += 1
+        if state == NEWEST:  # the accepted line is not in the shards
+            fallback_count += 1
+            if len(fallback) < 20:
+                fallback.append(index)
     tmp = f"{out}.tmp-{os.getpid()}"
-    handles: dict[int, Any] = {}
     try:
-        with open(tmp, "wb") as dst:
-            for n, index in enumerate(order):
-                if index in failed:
-                    dst.write(_failed_line(k.run, index, failed[index]))
-                    continue
-                file_no, start, length = chosen[index]["loc"]
-                if file_no not in handles:
-                    handles[file_no] = open(paths[file_no], "rb")
-                src = handles[file_no]
-                src.seek(start)
-                dst.write(mark_kept(src.read(length)) if kept(index) else src.read(length))
-                if progress is not None and n % 1000 == 0:
-                    progress(n, len(order))
-            dst.flush()
-            os.fsync(dst.fileno())
+        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))) as spill:
+            failed = _spill_failed(r, k, total, spill) if include_failed else array("q")
+            failed_lengths = array("q", (len(line) for line in spill))
+            spill.seek(0)
+            for index in failed:  # a failed record stands for the index, not a shard line
+                picks.state[index] = NONE
+            starts, size, marked = _layout(picks, failed, failed_lengths, paths, kept)
+            copies = sum(1 for index in range(total) if picks.state[index] != NONE)
+            steps = _Progress(progress, copies + len(failed))
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+            try:
+                _copy(picks, paths, starts, marked, dst, steps)
+                for index, length in zip(failed, failed_lengths, strict=True):
+                    steps.step()
+                    _pwrite_all(dst, spill.read(length), starts[index])
+                if os.fstat(dst).st_size != size:  # every line has its place: no holes
+                    raise GenqError(f"export to {out}: wrote {os.fstat(dst).st_size} of "
+                                    f"{size} bytes")
+                os.fsync(dst)
+            finally:
+                os.close(dst)
         os.replace(tmp, out)
     finally:
-        for handle in handles.values():
-            handle.close()
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return ExportResult(written=len(wanted), done=len(done_indices), missing=missing[:20],
-                        torn_lines=torn[0], shards=len(paths), not_accepted=fallback[:20],
-                        not_accepted_count=len(fallback), failed_written=len(failed))
+    return ExportResult(written=written, done=done, missing=missing, torn_lines=stats.torn,
+                        shards=len(paths), not_accepted=fallback,
+                        not_accepted_count=fallback_count, failed_written=len(failed))
