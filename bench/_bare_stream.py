@@ -1,10 +1,9 @@
-"""The bare streaming client of bench/throughput.py and bench/stream_path.py: straight to the
-server, the prompts in memory, one streamed chat request per slot at a time, each answer
-parsed and kept (content and thinking joined, usage read) and nothing else: no Redis, no disk.
-It gets genq's GC settings (consumer/cli.py quiet_gc) and the same interpreter, so it differs
-from genq only by what genq does. --path picks how the stream is read: aiohttp's own lines
-(the default), or httpx's API on aiohttp's pool reading lines or raw bytes. With --retry a
-refused request (503) is sent again after a short pause. Prints one JSON line of figures."""
+"""The bare streaming client of bench/throughput.py and bench/stream_path.py: the prompts in
+memory, one streamed chat request per slot at a time, each answer parsed and kept (content and
+thinking joined, usage read), no Redis, no disk; genq's GC settings (consumer/cli.py quiet_gc)
+and interpreter, so it differs from genq only by what genq does. --path: aiohttp's own lines
+(default), or httpx's API on aiohttp's pool reading lines or raw bytes. --retry: a refused
+request (503) is sent again after a short pause. Prints one JSON line of figures."""
 
 from __future__ import annotations
 
@@ -90,9 +89,7 @@ async def main(a: argparse.Namespace) -> dict:
                     retries += 1
                     await asyncio.sleep(0.1 + 0.2 * random.random())  # refused: again shortly
                     continue
-                content: list[str] = []
-                reasoning: list[str] = []
-                usage: dict = {}
+                content, reasoning, usage = [], [], {}
                 async for line in lines:
                     if isinstance(line, str):
                         line = line.encode()
@@ -105,11 +102,10 @@ async def main(a: argparse.Namespace) -> dict:
                     chunks += 1
                     usage = chunk.get("usage") or usage
                     for choice in chunk["choices"]:
-                        delta = choice["delta"]
-                        if delta.get("content"):
-                            content.append(delta["content"])
-                        if delta.get("reasoning_content"):
-                            reasoning.append(delta["reasoning_content"])
+                        if text := choice["delta"].get("content"):
+                            content.append(text)
+                        if text := choice["delta"].get("reasoning_content"):
+                            reasoning.append(text)
                 "".join(content), "".join(reasoning)  # the answer, as a client would keep it
                 return int(usage.get("completion_tokens") or 0)
 
@@ -136,7 +132,6 @@ if __name__ == "__main__":
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--concurrency", type=int, required=True)
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--path", choices=("aiohttp", "httpx-lines", "httpx-raw"),
-                   default="aiohttp")
+    p.add_argument("--path", choices=("aiohttp", "httpx-lines", "httpx-raw"), default="aiohttp")
     p.add_argument("--retry", action="store_true")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

@@ -1,12 +1,17 @@
 """What the bench scripts share beyond the tests' fixtures (tests/conftest.py, faultkit.py,
 pipeline.py, sim_fixtures.py: a private redis-server, simulators on free ports, the data set,
-the genq command line): CPU and Redis INFO counters, the servers' load sampler, a table."""
+the genq command line): consumers, CPU and Redis INFO counters, the servers' load sampler, a
+table, the parser and the work directory."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +39,44 @@ from common.sglang.stream import parse_load  # noqa: E402
 def genq(*args: str, redis_url: str, run: str, timeout: float = 1800, **kw):
     """The real `genq` command line (the tests' helper), with a bench's longer timeout."""
     return _genq(*args, redis_url=redis_url, run=run, timeout=timeout, **kw)
+
+
+def consumer(redis_url: str, run: str, *args: str, log: Path | None = None,
+             env: dict | None = None) -> subprocess.Popen:
+    """A `genq consume *args` process on the run; its output to `log` (appended) or nowhere."""
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    try:
+        return subprocess.Popen([sys.executable, "-m", "genq", "consume", *args], cwd=REPO,
+                                env={**genq_env(redis_url, run), **(env or {})}, stdout=out,
+                                stderr=subprocess.STDOUT)
+    finally:
+        if log:
+            out.close()
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """The docstring as written; every default there is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        unset = any(action.default is x for x in (None, False, argparse.SUPPRESS))
+        return (action.help or "") + ("" if unset else " (default: %(default)s)")
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A script's parser: its docstring as the description, and --json."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=_Help)
+    p.add_argument("--json", help="also write every figure, raw, to this file")
+    return p
+
+
+@contextmanager
+def workdir(prefix: str = "genq-bench-") -> Iterator[Path]:
+    """A temporary directory, removed on the way out whatever happened."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextmanager

@@ -2,21 +2,17 @@
 producer and the monitor) while random faults hit it: consumers SIGKILLed, stopped with SIGTERM
 and paused; Redis SIGKILLed and restarted from its AOF; servers answering 503, resetting
 connections, hanging, or killed and restarted; parameters changed under it (`genq requeue`).
-It ends with the checks a user cares about and exits 1 if any fails:
-
-  nothing lost (every index done or failed), each index once in the export, no result under
-  superseded parameters, `genq status` equal to the export, every process stopped on SIGTERM.
+It ends with the checks a user cares about, and exits 1 if any fails: nothing lost (every index
+done or failed), each index once in the export, no result under superseded parameters, `genq
+status` equal to the export, every process stopped on SIGTERM. The seed fixes the draws; a draw
+whose target is busy (down, paused) is drawn again, so the mix varies a little with timing.
 
     python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
     python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
-
-The seed fixes the draws; a draw whose target is busy (down, paused) is drawn again, so the mix
-of faults varies a little with timing.
 """
 
 from __future__ import annotations
 
-import argparse
 import random
 import shutil
 import signal
@@ -29,7 +25,7 @@ from pathlib import Path
 import redis
 from _chaos_checks import final_checks
 from _chaos_procs import Proc, Redis, Simulator, genq_proc
-from _common import dump_json, genq, sim_flags, write_dataset
+from _common import dump_json, genq, parser, sim_flags, write_dataset
 from faultkit import produce_once, sim_kwargs
 
 from common.net import free_port
@@ -39,11 +35,12 @@ RUN = "chaos"
 STOP_BOUND_S = 30.0  # a consumer: --grace 2, then at most 5 s for slots stuck on Redis
 FAULTS = {"consumer_kill": 3, "consumer_term": 2, "consumer_pause": 1, "redis_kill": 2,
           "sim_503": 1, "sim_reset": 1, "sim_hang": 1, "sim_restart": 1, "requeue": 1}
+SIM_FAULTS = {"sim_503": ({"status": 503}, 4), "sim_reset": ({"reset": True}, 3),
+              "sim_hang": ({"hang": True}, 3)}  # kind: (the simulator's fault, longest s)
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: list[str] | None):
+    p = parser(__doc__)
     p.add_argument("--prompts", type=int, default=20000)
     p.add_argument("--faults", type=int, default=60)
     p.add_argument("--seed", type=int, default=1)
@@ -54,13 +51,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--poison", type=int, default=5, help="rows every server refuses (HTTP 400)")
     p.add_argument("--vt", type=float, default=4.0, help="consumer visibility timeout")
     p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--json", help="write the figures here")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args(argv)
 
 
 class Soak:
-    def __init__(self, a: argparse.Namespace, workdir: Path) -> None:
+    def __init__(self, a, workdir: Path) -> None:
         self.a, self.dir, self.rng = a, workdir, random.Random(a.seed)
         self.redis = Redis(workdir)
         self.redis.start()
@@ -97,7 +93,7 @@ class Soak:
         kinds, weights = zip(*FAULTS.items(), strict=True)
         for _ in range(20):  # a kind whose target is busy (down, paused) is drawn again
             kind = self.rng.choices(kinds, weights)[0]
-            if getattr(self, kind)():
+            if self.sim_fault(kind) if kind in SIM_FAULTS else getattr(self, kind)():
                 self.fired[kind] += 1
                 return
 
@@ -138,19 +134,12 @@ class Soak:
             return True
         return False
 
-    def sim_fault(self, body: dict) -> bool:
+    def sim_fault(self, kind: str) -> bool:
+        fault, longest = SIM_FAULTS[kind]
+        fault = {**fault, "for_s": self.rng.uniform(1, longest)}  # before the target, as seeded
         if s := self.free(self.sims):
-            s.fault(body)
+            s.fault(fault)
         return s is not None
-
-    def sim_503(self) -> bool:
-        return self.sim_fault({"status": 503, "for_s": self.rng.uniform(1, 4)})
-
-    def sim_reset(self) -> bool:
-        return self.sim_fault({"reset": True, "for_s": self.rng.uniform(1, 3)})
-
-    def sim_hang(self) -> bool:
-        return self.sim_fault({"hang": True, "for_s": self.rng.uniform(1, 3)})
 
     def sim_restart(self) -> bool:
         if s := self.free(self.sims):
@@ -233,7 +222,7 @@ class Soak:
             p.kill()
 
 
-def report(a: argparse.Namespace, soak: Soak, timing: dict, stops: dict) -> dict:
+def report(a, soak: Soak, timing: dict, stops: dict) -> dict:
     checks, figures = final_checks(soak.r, soak.redis.url, RUN, a.prompts, soak.dir,
                                    soak.requeues, soak.out_dirs)
     terms = [*soak.term_exits, *stops.values()]

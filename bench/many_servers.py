@@ -10,47 +10,15 @@ while work remained, against the server's ideal rate), and the headroom left.
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _common import (
-    REPO,
-    LoadSampler,
-    commandstats,
-    dump_json,
-    full_window,
-    genq,
-    genq_env,
-    load_average,
-    machine_cpu,
-    private_redis,
-    proc_cpu_s,
-    redis_cpu_s,
-    simulators,
-    slot_seconds,
-    table,
-    write_dataset,
-)
+import _common as kit
 
 DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
-
-
-def start_consumers(rs, sims: list, work: Path, run: str) -> list[subprocess.Popen]:
-    procs = []
-    for i, sim in enumerate(sims):
-        log = open(work / f"consumer{i}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
-             "--out", str(work / f"out{i}"), "--name", f"c{i}"],
-            cwd=REPO, env=genq_env(rs.url, run), stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    return procs
 
 
 def wait_all(procs: list[subprocess.Popen], work: Path, t0: float, timeout: float
@@ -66,7 +34,7 @@ def wait_all(procs: list[subprocess.Popen], work: Path, t0: float, timeout: floa
                 continue
             shards = (work / f"out{i}").glob("*.jsonl")
             if i not in first and any(f.stat().st_size for f in shards):
-                first[i] = (time.monotonic() - t0, proc_cpu_s(proc.pid))
+                first[i] = (time.monotonic() - t0, kit.proc_cpu_s(proc.pid))
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
             if pid:
                 proc.returncode = os.waitstatus_to_exitcode(status)
@@ -82,38 +50,40 @@ def wait_all(procs: list[subprocess.Popen], work: Path, t0: float, timeout: floa
     return [got[i] for i in range(len(procs))]
 
 
-def run_bench(a: argparse.Namespace, work: Path) -> dict:
+def run_bench(a, work: Path) -> dict:
     n = a.servers * a.per_server
-    dataset = write_dataset(work / "prompts.jsonl", n)
+    dataset = kit.write_dataset(work / "prompts.jsonl", n)
     if a.request_s:  # every request takes request_s: 16 tokens streamed over that time
         flags = ["--time-scale", "1", "--ttft", "0", "--length-dist", "fixed:16",
                  "--decode-tps", str(16 / a.request_s)]
     else:
         flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}"]
     flags += ["--max-running-requests", str(a.slots)]
-    with simulators(a.servers, *flags) as sims, private_redis() as rs:
-        genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
+    with kit.simulators(a.servers, *flags) as sims, kit.private_redis() as rs:
+        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
         r = rs.client()
-        rcpu0, (busy0, all0) = redis_cpu_s(r), machine_cpu()
-        cmds0 = sum(commandstats(r).values())
-        sim0 = [proc_cpu_s(s.proc.pid) for s in sims]
+        rcpu0, (busy0, all0) = kit.redis_cpu_s(r), kit.machine_cpu()
+        cmds0 = sum(kit.commandstats(r).values())
+        sim0 = [kit.proc_cpu_s(s.proc.pid) for s in sims]
         t0 = time.monotonic()
-        with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
-            procs = start_consumers(rs, sims, work, "many")
+        with kit.LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+            procs = [kit.consumer(rs.url, "many", "--server", sim.url, "--burst", "--out",
+                                  str(work / f"out{i}"), "--name", f"c{i}",
+                                  log=work / f"consumer{i}.log") for i, sim in enumerate(sims)]
             consumers = wait_all(procs, work, t0, timeout=1800)
-        busy1, all1 = machine_cpu()
+        busy1, all1 = kit.machine_cpu()
         done = int(r.bitcount("genq:many:done"))
-        redis_cpu = redis_cpu_s(r) - rcpu0
-        redis_cmds = sum(commandstats(r).values()) - cmds0  # the sampler's own: none
+        redis_cpu = kit.redis_cpu_s(r) - rcpu0
+        redis_cmds = sum(kit.commandstats(r).values()) - cmds0  # the sampler's own: none
         r.close()
         for i, c in enumerate(consumers):
             if c["rc"] != 0:
                 log = (work / f"consumer{i}.log").read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"consumer {i} exited {c['rc']}:\n{log}")
             c["tasks"] = sum(1 for p in (work / f"out{i}").glob("*.jsonl") for _ in open(p, "rb"))
-            c["sim_cpu_s"] = proc_cpu_s(sims[i].proc.pid) - sim0[i]
-            lo, hi = full_window(sampler.samples[i], a.slots)
-            idle, waiting = slot_seconds(sampler.samples[i], a.slots, lo, hi)
+            c["sim_cpu_s"] = kit.proc_cpu_s(sims[i].proc.pid) - sim0[i]
+            lo, hi = kit.full_window(sampler.samples[i], a.slots)
+            idle, waiting = kit.slot_seconds(sampler.samples[i], a.slots, lo, hi)
             c.update(steady_s=hi - lo, idle_slot_s=idle, waiting_req_s=waiting)
     if done != n:
         raise RuntimeError(f"done={done}, expected {n}")
@@ -122,7 +92,7 @@ def run_bench(a: argparse.Namespace, work: Path) -> dict:
             "wall_s": max(c["wall_s"] for c in consumers), "n": n}
 
 
-def report(a: argparse.Namespace, got: dict) -> None:
+def report(a, got: dict) -> None:
     d = a.request_s or (TTFT + a.tokens / DECODE_TPS) / a.time_scale
     ideal = a.slots / d
     rows = []
@@ -141,18 +111,16 @@ def report(a: argparse.Namespace, got: dict) -> None:
           f"of {d:.2f} s (ideal {ideal:.1f} req/s per server); load average before: "
           f"{a.load_before}\n")
     print("tasks/s, CPU: from the consumer's first result to its exit (start-up left out)")
-    print(table(rows, ("server", "tasks", "tasks/s", "of ideal", "slots busy % (steady)",
-                       "waiting req-s", "consumer CPU % of a core", "CPU ms/task",
-                       "servers like it per core", "tasks/s a core could take")))
-    cons = sum(c["cpu_s"] for c in got["consumers"])
-    sims = sum(c["sim_cpu_s"] for c in got["consumers"])
-    wall = got["wall_s"]
-    busy = got["machine_busy_s"] / got["machine_all_s"]
+    print(kit.table(rows, ("server", "tasks", "tasks/s", "of ideal", "slots busy % (steady)",
+                           "waiting req-s", "consumer CPU % of a core", "CPU ms/task",
+                           "servers like it per core", "tasks/s a core could take")))
+    cons, sims = (sum(c[k] for c in got["consumers"]) for k in ("cpu_s", "sim_cpu_s"))
+    wall, busy = got["wall_s"], got["machine_busy_s"] / got["machine_all_s"]
     share = 100 * cons / wall / (os.cpu_count() or 1)
     print(f"\nwall {wall:.1f} s; CPU seconds: consumers {cons:.1f} ({share:.1f} % of the "
           f"machine), simulators {sims:.1f}, Redis {got['redis_cpu_s']:.1f}; whole machine busy "
           f"{100 * busy:.0f} % (other sessions included); load average after: "
-          f"{load_average()}")
+          f"{kit.load_average()}")
     n = got["n"]
     print(f"Redis for all {a.servers} consumers, start-up included: "
           f"{got['redis_cmds'] / n:.1f} commands and {1000 * got['redis_cpu_s'] / n:.3f} ms "
@@ -160,28 +128,22 @@ def report(a: argparse.Namespace, got: dict) -> None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--servers", type=int, default=8, help="simulated servers (default 8)")
-    p.add_argument("--slots", type=int, default=64, help="slots per server (default 64)")
-    p.add_argument("--per-server", type=int, default=1000,
-                   help="prompts per server (default 1000)")
-    p.add_argument("--tokens", type=int, default=2000, help="tokens per completion (2000)")
+    p = kit.parser(__doc__)
+    p.add_argument("--servers", type=int, default=8, help="simulated servers")
+    p.add_argument("--slots", type=int, default=64, help="slots per server")
+    p.add_argument("--per-server", type=int, default=1000, help="prompts per server")
+    p.add_argument("--tokens", type=int, default=2000, help="tokens per completion")
     p.add_argument("--time-scale", type=float, default=20.0,
-                   help="simulator speed-up (default 20: 1.2 s requests, ~55 req/s/server)")
-    p.add_argument("--request-s", type=float, default=None,
-                   help="instead of --tokens/--time-scale: every request takes this long "
-                        "(0.2 with --slots 32 is 160 req/s per server)")
+                   help="simulator speed-up: 1.2 s requests, ~55 req/s per server at 20")
+    p.add_argument("--request-s", type=float, help="instead of --tokens and --time-scale: every "
+                   "request takes this long (0.2 with --slots 32: 160 req/s per server)")
     p.add_argument("--sample", type=float, default=0.2, help="load sampling period, s")
-    p.add_argument("--json", help="also write the raw figures here")
     a = p.parse_args()
-    a.load_before = load_average()
-    work = Path(tempfile.mkdtemp(prefix="genq-bench-many-"))
-    try:
+    a.load_before = kit.load_average()
+    with kit.workdir() as work:
         got = run_bench(a, work)
-        report(a, got)
-        dump_json(a.json, got)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    report(a, got)
+    kit.dump_json(a.json, got)
     return 0
 
 

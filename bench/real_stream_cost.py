@@ -8,7 +8,6 @@ sglang:generation_tokens_total) and the CPU its processes used.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import re
@@ -17,7 +16,7 @@ import sys
 import time
 
 import httpx
-from _common import dump_json, load_average, table
+from _common import dump_json, load_average, parser, table
 
 GENERATED = re.compile(r'^sglang:generation_tokens_total\{[^}]*\} ([0-9.e+]+)$', re.M)
 
@@ -48,13 +47,12 @@ async def batch(url: str, n: int, concurrency: int, max_tokens: int, stream: boo
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser(__doc__)
     p.add_argument("--port", type=int, default=31555)
     p.add_argument("--n", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
     url, load, got = f"http://127.0.0.1:{a.port}", load_average(), {True: [], False: []}
     for _ in range(a.rounds):

@@ -1,15 +1,11 @@
 """`genq recover` at scale: a run of 100,000 prompts, all done, lost by Redis and rebuilt from
-its output. The issue's budget is 30 s.
-
-The output is built as the consumers would have left it: the run is registered by the real
-`genq produce`, its parameters changed by the real `genq requeue --set max_tokens=8192 --redo
-truncated` (so the manifest has two versions and a redo scope), and four shards are written
-with `common.data.records.build_record` (the consumers' own record builder): every prompt once under
-v1 (1 % twice: refused zombie acks) before the requeue, the truncated ones (about 11 %) again
-under v2 after it. Then
-Redis forgets everything (FLUSHALL, as a restart without persistence does) and the real
-`genq recover` is timed as a subprocess. Baseline side by side: `genq export` of the recovered
-run, which reads the same shard bytes once.
+its output (the issue's budget: 30 s). The output is built as consumers would have left it:
+the run registered by the real `genq produce` and requeued by the real `genq requeue --set
+max_tokens=8192 --redo truncated` (two versions and a redo scope in the manifest); four shards
+written with the consumers' own `common.data.records.build_record`, every prompt under v1 (1 %
+twice: refused zombie acks), the truncated ones (~11 %) again under v2. Then FLUSHALL (what a
+restart without persistence leaves) and the real `genq recover`, timed as a subprocess, against
+`genq export` of the recovered run, which reads the same shard bytes once.
 
     python bench/recover_scale.py                    # 100k prompts, ~6 KB of text a record
     python bench/recover_scale.py --total 400000 --chars 3000
@@ -17,17 +13,14 @@ run, which reads the same shard bytes once.
 
 from __future__ import annotations
 
-import argparse
 import random
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import orjson
-from _common import dump_json, genq, private_redis, table, write_dataset
+from _common import dump_json, genq, parser, private_redis, table, workdir, write_dataset
 
 from common.data import manifest as manifests
 from common.data.records import build_record
@@ -113,35 +106,29 @@ def measure(url: str, dirs: list[Path], rounds: int, r) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser(__doc__)
     p.add_argument("--total", type=int, default=100_000)
     p.add_argument("--chars", type=int, default=6000, help="text per record (mean)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--json", help="write every round's figures here")
     a = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="genq-bench-recover-"))
-    try:
-        with private_redis() as srv:
-            r = srv.client()
-            data = write_dataset(work / "d.jsonl", a.total)
-            genq("produce", str(data), "--once", redis_url=srv.url, run=RUN)
-            dirs = [work / f"out{n}" for n in range(4)]
-            rng, started = random.Random(a.seed), time.monotonic()
-            results = first_pass(dirs, a.total, a.chars, rng)
-            genq("requeue", "--set", "max_tokens=8192", "--redo", "truncated",
-                 redis_url=srv.url, run=RUN)
-            redo_pass(dirs, results, a.chars, rng)
-            snap = manifests.snapshot(r, RunKeys(RUN))
-            for d in dirs:
-                manifests.write(d, snap)
-            built_s, expected = time.monotonic() - started, expected_state(results)
-            files = [f for d in dirs for f in d.glob("*.jsonl")]
-            size = sum(f.stat().st_size for f in files)
-            rounds = measure(srv.url, dirs, a.rounds, r)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with workdir() as work, private_redis() as srv:
+        r = srv.client()
+        data = write_dataset(work / "d.jsonl", a.total)
+        genq("produce", str(data), "--once", redis_url=srv.url, run=RUN)
+        dirs = [work / f"out{n}" for n in range(4)]
+        rng, started = random.Random(a.seed), time.monotonic()
+        results = first_pass(dirs, a.total, a.chars, rng)
+        genq("requeue", "--set", "max_tokens=8192", "--redo", "truncated",
+             redis_url=srv.url, run=RUN)
+        redo_pass(dirs, results, a.chars, rng)
+        snap = manifests.snapshot(r, RunKeys(RUN))
+        for d in dirs:
+            manifests.write(d, snap)
+        built_s, expected = time.monotonic() - started, expected_state(results)
+        files = [f for d in dirs for f in d.glob("*.jsonl")]
+        size = sum(f.stat().st_size for f in files)
+        rounds = measure(srv.url, dirs, a.rounds, r)
     for rd in rounds:
         c = rd["counters"]
         ok = (rd["done"] == rd["exported"] == a.total

@@ -1,14 +1,11 @@
-"""Redis memory of a run: (a) `genq produce --once` of a 1,000,000-prompt data set, every job
-queued up front, against (b) the windowed producer (`genq produce DATA --window 512`) a few
-seconds after it filled its window; and (c) what a real run leaves behind: `--after-run N`
-prompts produced, consumed by real `genq consume --burst` processes against the simulator,
-then every key left measured (MEMORY USAGE) and grouped by pattern, with the members of each
-collection, so a key that grows by one member per task stands out. Each case on a fresh
-private redis-server; figures are used_memory above the empty server's.
-
-(c) is taken twice: raw, and after CONFIG RESETSTAT on both servers. Redis 7 keeps a latency
-histogram (~24 KB) for every command type it has served, ~0.8 MB for the few dozen a run uses,
-whatever its size: server statistics, not the run's data.
+"""Redis memory of a run, each case on a fresh private redis-server, used_memory above the
+empty server's: (a) `genq produce --once` of 1,000,000 prompts, every job queued up front,
+against (b) `genq produce DATA --window 512` a few seconds after it filled its window; (c) what
+a real run leaves: `--after-run N` prompts consumed by real `genq consume --burst` processes on
+the simulator, then every key left measured (MEMORY USAGE) and grouped by pattern with its
+members, so a key that grows by one member per task stands out. (c) is taken raw and after
+CONFIG RESETSTAT: Redis 7 keeps a latency histogram (~24 KB) per command type served, ~0.8 MB
+for a run's few dozen whatever its size: server statistics, not the run's data.
 
     python bench/redis_memory.py                        # 1M prompts, and (c) at 20,000
     python bench/redis_memory.py --only after-run --after-run 20000
@@ -16,27 +13,14 @@ whatever its size: server statistics, not the run's data.
 
 from __future__ import annotations
 
-import argparse
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import _common as kit
 import redis
-from _common import (
-    REPO,
-    dump_json,
-    genq,
-    genq_env,
-    private_redis,
-    simulators,
-    table,
-    write_dataset,
-)
 from faultkit import Background
 
 from common.queue.keys import PER_INDEX_BITS, RunKeys
@@ -55,10 +39,10 @@ def used(r: redis.Redis, reset: bool = False) -> int:
 
 
 def produce_once(dataset: Path) -> dict:
-    with private_redis() as rs:
+    with kit.private_redis() as rs:
         r = rs.client()
         empty, t = used(r), time.monotonic()
-        genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN)
+        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN)
         took = time.monotonic() - t
         return {"bytes": used(r) - empty, "queued": int(r.llen(K.rq_queue)), "seconds": took,
                 "job_hash_bytes": int(r.memory_usage(K.rq_job(0)) or 0),
@@ -66,7 +50,7 @@ def produce_once(dataset: Path) -> dict:
 
 
 def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
-    with private_redis() as rs:
+    with kit.private_redis() as rs:
         r = rs.client()
         empty, t = used(r), time.monotonic()
         producer = Background(rs.url, RUN, "produce", str(dataset), "--window", str(window))
@@ -98,16 +82,14 @@ def by_pattern(r: redis.Redis) -> list[dict]:
 
 
 def after_run(work: Path, n: int, consumers: int) -> dict:
-    dataset = write_dataset(work / "after-run.jsonl", n)
-    with private_redis() as rs, simulators(1, *SIM_FLAGS) as [sim]:
+    dataset = kit.write_dataset(work / "after-run.jsonl", n)
+    with kit.private_redis() as rs, kit.simulators(1, *SIM_FLAGS) as [sim]:
         r = rs.client()
         empty, empty_data = used(r), used(r, reset=True)
-        genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN)
+        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run=RUN)
         t = time.monotonic()
-        procs = [subprocess.Popen(
-            [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
-             "--out", str(work / f"out{i}")], cwd=REPO, env=genq_env(rs.url, RUN),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(consumers)]
+        procs = [kit.consumer(rs.url, RUN, "--server", sim.url, "--burst", "--out",
+                              str(work / f"out{i}")) for i in range(consumers)]
         if any(codes := [p.wait(timeout=1800) for p in procs]):
             raise RuntimeError(f"consumers exited {codes}")
         took, done = time.monotonic() - t, int(r.bitcount(K.done))
@@ -131,11 +113,11 @@ def after_run_rows(run: dict) -> str:
             f"prompt; every key's MEMORY USAGE summed: {run['key_bytes'] / 1e6:.3f} MB\n")
     rows = [(k["pattern"], k["keys"], f"{k['bytes'] / 1e3:.1f}", k["max_members"])
             for k in run["keys"][:15]]
-    return head + table(rows, ("key pattern", "keys", "KB (MEMORY USAGE)", "most members"))
+    return head + kit.table(rows, ("key pattern", "keys", "KB (MEMORY USAGE)", "most members"))
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = kit.parser(__doc__)
     p.add_argument("--total", type=int, default=1_000_000)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--settle", type=float, default=3.0,
@@ -144,23 +126,19 @@ def main() -> int:
                    help="prompts in the real run of case (c) (0: skip it)")
     p.add_argument("--consumers", type=int, default=2, help="consumers in case (c)")
     p.add_argument("--only", choices=("after-run",), help="run only case (c)")
-    p.add_argument("--json", help="also write the figures here")
     a = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="genq-bench-mem-"))
     got: dict = {"total": a.total}
-    try:
+    with kit.workdir() as work:
         if a.only != "after-run":
-            dataset = write_dataset(work / "prompts.jsonl", a.total)
+            dataset = kit.write_dataset(work / "prompts.jsonl", a.total)
             got["window"] = produce_window(dataset, a.window, a.settle)
             got["once"] = produce_once(dataset)
         if a.after_run:
             got["after_run"] = after_run(work, a.after_run, a.consumers)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     if "once" in got:
         once, window, mb = got["once"], got["window"], 1e6
         print(f"\nRedis used_memory above an empty server, {a.total}-prompt data set\n")
-        print(table([
+        print(kit.table([
             (f"(a) produce --once: {once['queued']} jobs queued", f"{once['bytes'] / mb:.1f}",
              f"{once['bytes'] / max(1, once['queued']):.0f}",
              f"{once['bytes'] / window['bytes']:.0f}"),
@@ -171,7 +149,7 @@ def main() -> int:
               f"{once['job_hash_bytes']} B, the queue list {once['queue_list_bytes'] / mb:.1f} MB")
     if "after_run" in got:
         print(after_run_rows(got["after_run"]))
-    dump_json(a.json, got)
+    kit.dump_json(a.json, got)
     return 0
 
 

@@ -1,12 +1,8 @@
 """The run genq is built for, replayed time-scaled on the simulator: 7 servers x 40 slots, the
-seed run's length distribution (lognormal:2326:0.62; ~18 % truncated at max_tokens 4096), and
-the pivot to max_tokens 8192 a third of the way in. Two ways of pivoting, one after the other
-on fresh servers and Redis, same prompts:
-
-- genq: one `genq requeue --set max_tokens=8192 --redo truncated` on the live run;
-- by hand: SIGKILL every consumer, a human's pause, the same requeue (the new limit, the
-  truncated prompts made runnable again), relaunch every consumer.
-
+seed run's lengths (lognormal:2326:0.62; ~18 % truncated at max_tokens 4096), and the pivot to
+max_tokens 8192 a third of the way in, two ways, one after the other on fresh servers and Redis,
+same prompts. genq: one `genq requeue --set max_tokens=8192 --redo truncated` on the live run.
+By hand: SIGKILL every consumer, a human's pause, the same requeue, relaunch every consumer.
 Reports wall time to the finished data set, GPU-idle seconds around the pivot and over the run
 (from the servers' own running counts), and tokens generated and thrown away.
 
@@ -16,32 +12,16 @@ Reports wall time to the finished data set, GPU-idle seconds around the pivot an
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import _common as kit
 import httpx
 import orjson
-from _common import (
-    REPO,
-    LoadSampler,
-    dump_json,
-    full_window,
-    genq,
-    genq_env,
-    load_average,
-    private_redis,
-    simulators,
-    slot_seconds,
-    table,
-    write_dataset,
-)
 from pipeline import wait_for
 
 DECODE_TPS = 87.5  # the simulator's default; a running slot makes this many tokens/s x scale
@@ -67,17 +47,12 @@ def pivot(redis_url: str) -> float:
 class Fleet:
     """One consumer process per server, all on one run."""
 
-    def __init__(self, a: argparse.Namespace, rs, sims: list, work: Path, tag: str) -> None:
-        self.procs = []
+    def __init__(self, a, rs, sims: list, work: Path, tag: str) -> None:
         self.logs = [work / f"{tag}-consumer{i}.log" for i in range(len(sims))]
-        for i, sim in enumerate(sims):
-            log = open(work / f"{tag}-consumer{i}.log", "wb")
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-m", "genq", "consume", "--server", sim.url, "--burst",
-                 "--out", str(work / f"{tag}-out{i}"), "--name", f"{tag}{i}",
-                 "--visibility-timeout", str(a.visibility_timeout)],
-                cwd=REPO, env=genq_env(rs.url, "story"), stdout=log, stderr=subprocess.STDOUT))
-            log.close()
+        self.procs = [kit.consumer(rs.url, "story", "--server", sim.url, "--burst", "--out",
+                                   str(work / f"{tag}-out{i}"), "--name", f"{tag}{i}",
+                                   "--visibility-timeout", str(a.visibility_timeout), log=log)
+                      for i, (sim, log) in enumerate(zip(sims, self.logs, strict=True))]
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -102,25 +77,24 @@ class Fleet:
                                    + "\n".join(events[-25:]) + stacks[:4000])
 
 
-def one_way(a: argparse.Namespace, way: str, dataset: Path, work: Path) -> dict:
+def one_way(a, way: str, dataset: Path, work: Path) -> dict:
     flags = ["--time-scale", str(a.time_scale), "--length-dist", "lognormal:2326:0.62",
              "--max-running-requests", str(a.slots)]
-    with simulators(a.servers, *flags) as sims, private_redis() as rs:
-        genq("produce", str(dataset), "--once", "--max-tokens", "4096",
-             redis_url=rs.url, run="story")
+    with kit.simulators(a.servers, *flags) as sims, kit.private_redis() as rs:
+        kit.genq("produce", str(dataset), "--once", "--max-tokens", "4096",
+                 redis_url=rs.url, run="story")
         r = rs.client()
-        with LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+        with kit.LoadSampler([s.url for s in sims], period=a.sample) as sampler:
             t0 = time.monotonic()
             fleet = Fleet(a, rs, sims, work, way)
             wait_for(lambda: r.bitcount("genq:story:done") >= a.prompts // 3,
                      timeout=a.timeout, what="a third of the prompts done")
             t_pivot = time.monotonic() - sampler.t0
-            if way == "genq":
-                pivot_s = pivot(rs.url)
-            else:
+            if way == "hand":
                 fleet.kill()
                 time.sleep(a.hand_delay)
-                pivot_s = pivot(rs.url)
+            pivot_s = pivot(rs.url)
+            if way == "hand":
                 fleet = Fleet(a, rs, sims, work, way + "-relaunched")
             fleet.wait(timeout=a.timeout)
             wall = time.monotonic() - t0
@@ -131,7 +105,7 @@ def one_way(a: argparse.Namespace, way: str, dataset: Path, work: Path) -> dict:
 
 
 def export_tokens(rs, out: Path, n: int) -> dict:
-    genq("export", "--out", str(out), redis_url=rs.url, run="story")
+    kit.genq("export", "--out", str(out), redis_url=rs.url, run="story")
     records = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     if sorted(rec["index"] for rec in records) != list(range(n)):
         raise RuntimeError(f"export holds {len(records)} records, expected every one of {n}")
@@ -140,13 +114,13 @@ def export_tokens(rs, out: Path, n: int) -> dict:
             "length": sum(rec["finish_reason"] == "length" for rec in records)}
 
 
-def figures(a: argparse.Namespace, way: str, sampler: LoadSampler, t_pivot: float,
+def figures(a, way: str, sampler: kit.LoadSampler, t_pivot: float,
             wall: float, kept: dict, stats: list[dict]) -> dict:
     lo, hi = t_pivot - a.around / 2, t_pivot + a.around
-    idle_pivot = sum(slot_seconds(s, a.slots, lo, hi)[0] for s in sampler.samples) / a.slots
+    idle_pivot = sum(kit.slot_seconds(s, a.slots, lo, hi)[0] for s in sampler.samples) / a.slots
     # Over the whole run while work remained: from the first moment all slots of a server were
     # busy to the last one (the final drain, when no prompt is left, is nobody's fault).
-    idle_run = sum(slot_seconds(s, a.slots, *full_window(s, a.slots))[0]
+    idle_run = sum(kit.slot_seconds(s, a.slots, *kit.full_window(s, a.slots))[0]
                    for s in sampler.samples) / a.slots
     busy_slot_s = sum(running * (t1 - t0) for s in sampler.samples
                       for (t0, running, _), (t1, _, _) in zip(s, s[1:], strict=False))
@@ -159,7 +133,7 @@ def figures(a: argparse.Namespace, way: str, sampler: LoadSampler, t_pivot: floa
             "requests": sum(x["received"] for x in stats), **kept}
 
 
-def report(a: argparse.Namespace, g: dict, h: dict) -> None:
+def report(a, g: dict, h: dict) -> None:
     s = a.time_scale
 
     def row(label: str, key: str, fmt: str, scale: float = 1.0) -> tuple:
@@ -192,42 +166,36 @@ def report(a: argparse.Namespace, g: dict, h: dict) -> None:
           f"max_tokens 4096 -> 8192 after {a.prompts // 3} done, time scale {s:g}, by-hand "
           f"pause {a.hand_delay:g} s (= {a.hand_delay * s / 60:.0f} real minutes), lease "
           f"{a.visibility_timeout:g} s; {os.cpu_count()} cores, load average before: "
-          f"{a.load_before}, after: {load_average()}\n")
-    print(table(rows, ("figure", "genq requeue", "by hand (kill, relaunch)", "genq/by hand")))
+          f"{a.load_before}, after: {kit.load_average()}\n")
+    print(kit.table(rows, ("figure", "genq requeue", "by hand (kill, relaunch)", "genq/by hand")))
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=4200, help="prompts (default 4200)")
-    p.add_argument("--servers", type=int, default=7, help="servers (default 7)")
-    p.add_argument("--slots", type=int, default=40, help="slots per server (default 40)")
+    p = kit.parser(__doc__)
+    p.add_argument("--prompts", type=int, default=4200, help="prompts")
+    p.add_argument("--servers", type=int, default=7, help="servers")
+    p.add_argument("--slots", type=int, default=40, help="slots per server")
     p.add_argument("--time-scale", type=float, default=20.0,
-                   help="simulator speed-up (default 20: a median request takes ~1.4 s)")
-    p.add_argument("--hand-delay", type=float, default=6.0,
-                   help="seconds between killing and relaunching by hand (default 6: two "
-                        "real minutes at time scale 20)")
+                   help="simulator speed-up: a median request takes ~1.4 s at 20")
+    p.add_argument("--hand-delay", type=float, default=6.0, help="seconds between killing and "
+                   "relaunching by hand: 6 is two real minutes at time scale 20")
     p.add_argument("--visibility-timeout", type=float, default=10.0,
-                   help="consumers' lease length, both ways (default 10)")
+                   help="consumers' lease length, both ways")
     p.add_argument("--around", type=float, default=10.0,
                    help="seconds after the pivot counted as around it (half of it before)")
     p.add_argument("--sample", type=float, default=0.1, help="load sampling period, s")
-    p.add_argument("--timeout", type=float, default=1800,
-                   help="give up on a way after this many seconds (default 1800)")
-    p.add_argument("--json", help="also write the raw figures here")
+    p.add_argument("--timeout", type=float, default=1800, help="give up on a way after this, s")
     a = p.parse_args()
-    a.load_before = load_average()
+    a.load_before = kit.load_average()
     import producer.requeue  # noqa: F401  (imported now, not at the pivot)
-    work = Path(tempfile.mkdtemp(prefix="genq-bench-story-"))
-    try:
-        dataset = write_dataset(work / "prompts.jsonl", a.prompts)
+    with kit.workdir() as work:
+        dataset = kit.write_dataset(work / "prompts.jsonl", a.prompts)
         g = one_way(a, "genq", dataset, work)
         print(f"genq: {g['wall_s']:.1f} s", file=sys.stderr)
         h = one_way(a, "hand", dataset, work)
         print(f"by hand: {h['wall_s']:.1f} s", file=sys.stderr)
-        report(a, g, h)
-        dump_json(a.json, {"genq": g, "hand": h, "args": vars(a)})
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    report(a, g, h)
+    kit.dump_json(a.json, {"genq": g, "hand": h, "args": vars(a)})
     return 0
 
 

@@ -10,17 +10,15 @@ measure genq's side (compression, checksums, Redis marking), not a real S3's ban
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import string
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import _common as kit
 import orjson
-from _common import dump_json, genq, private_redis, simulators, table, write_dataset
 from faultkit import Background
 from faultproxy import FaultProxy
 
@@ -56,10 +54,10 @@ def upload_round(n_shards: int, records: int, uri: store.S3Uri) -> dict:
 
 
 def consume(rs, sim, data: Path, run: str, *flags: str) -> float:
-    genq("produce", str(data), "--once", redis_url=rs.url, run=run)
+    kit.genq("produce", str(data), "--once", redis_url=rs.url, run=run)
     started = time.monotonic()
-    genq("consume", "--server", sim.url, "--out", str(data.parent / run), "--burst", *flags,
-         redis_url=rs.url, run=run)
+    kit.genq("consume", "--server", sim.url, "--out", str(data.parent / run), "--burst", *flags,
+             redis_url=rs.url, run=run)
     return time.monotonic() - started
 
 
@@ -68,7 +66,7 @@ def outage_round(rs, sim, data: Path, n: int, proxy: FaultProxy, s3_uri: str,
     """A consumer shipping every 50 records; S3 refused for `outage` seconds mid-run."""
     run, r = "outage", rs.client()
     k = RunKeys(run)
-    genq("produce", str(data), "--once", redis_url=rs.url, run=run)
+    kit.genq("produce", str(data), "--once", redis_url=rs.url, run=run)
     consumer = Background(rs.url, run, "consume", "--server", sim.url, "--out",
                           str(data.parent / run), "--burst", "--s3-uri", s3_uri,
                           "--shard-records", "50")
@@ -103,12 +101,11 @@ def outage_round(rs, sim, data: Path, n: int, proxy: FaultProxy, s3_uri: str,
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = kit.parser(__doc__)
     p.add_argument("--n", type=int, default=4000, help="prompts per consumer run")
     p.add_argument("--shards", type=int, default=20, help="shards in the upload round")
     p.add_argument("--outage", type=float, default=10.0, help="seconds S3 is refused")
     p.add_argument("--rounds", type=int, default=1, help="ABBA rounds of the rate comparison")
-    p.add_argument("--json", help="write the raw figures here")
     a = p.parse_args()
     from moto.server import ThreadedMotoServer
 
@@ -120,42 +117,38 @@ def main() -> int:
     store.client().create_bucket(Bucket=BUCKET)
     uri = store.parse_uri(f"s3://{BUCKET}/bench")
     figures: dict = {"upload": upload_round(a.shards, 500, uri)}
-    with tempfile.TemporaryDirectory() as tmp, private_redis() as rs, \
-            simulators(1, *SIM) as [sim]:
-        data = write_dataset(Path(tmp) / "data.jsonl", a.n)
+    with kit.workdir() as tmp, kit.private_redis() as rs, kit.simulators(1, *SIM) as [sim]:
+        data = kit.write_dataset(tmp / "data.jsonl", a.n)
         # ABBA order, so a load change on a shared machine falls on both sides alike.
-        plain, ship = [], []
-        for n, side in enumerate("ABBA" * a.rounds):
-            if side == "A":
-                plain.append(consume(rs, sim, data, f"plain{n}"))
-            else:
-                ship.append(consume(rs, sim, data, f"ship{n}", "--s3-uri", str(uri)))
-        figures["plain_s"], figures["shipping_s"] = sum(plain), sum(ship)
-        figures["runs_each"] = len(plain)
+        got: dict = {"plain": [], "ship": []}
+        for n, side in enumerate(("plain", "ship", "ship", "plain") * a.rounds):
+            flags = ("--s3-uri", str(uri)) if side == "ship" else ()
+            got[side].append(consume(rs, sim, data, f"{side}{n}", *flags))
+        figures.update(plain_s=sum(got["plain"]), shipping_s=sum(got["ship"]),
+                       runs_each=len(got["plain"]))
         figures["outage"] = outage_round(rs, sim, data, a.n, proxy, str(uri), a.outage)
     proxy.stop()
     moto.stop()
     report(a, figures)
-    dump_json(a.json, figures)
+    kit.dump_json(a.json, figures)
     return 0
 
 
-def report(a: argparse.Namespace, f: dict) -> None:
+def report(a, f: dict) -> None:
     u, o = f["upload"], f["outage"]
     print(f"upload, {a.shards} shards of 500 records (~{u['ratio']:.1f}x compression):")
-    print(table([(f"{u['shards_per_s']:.1f}", f"{u['raw_mb_per_s']:.1f}",
-                  f"{u['sent_mb_per_s']:.2f}")],
-                ("shards/s", "raw MB/s", "compressed MB/s")))
+    print(kit.table([(f"{u['shards_per_s']:.1f}", f"{u['raw_mb_per_s']:.1f}",
+                      f"{u['sent_mb_per_s']:.2f}")], ("shards/s", "raw MB/s", "compressed MB/s")))
     runs = f["runs_each"]
     print(f"\nconsume --burst, {a.n} prompts, {runs} runs each (ABBA):")
-    print(table([(f"{runs * a.n / f['plain_s']:.0f}", f"{runs * a.n / f['shipping_s']:.0f}",
-                  f"{f['plain_s'] / f['shipping_s']:.2f}")],
-                ("tasks/s, no S3", "tasks/s, --s3-uri", "ratio")))
+    print(kit.table([(f"{runs * a.n / f['plain_s']:.0f}", f"{runs * a.n / f['shipping_s']:.0f}",
+                      f"{f['plain_s'] / f['shipping_s']:.2f}")],
+                    ("tasks/s, no S3", "tasks/s, --s3-uri", "ratio")))
     print(f"\nS3 refused for {a.outage:g} s mid-run (shards of 50 records):")
-    print(table([(o["peak_backlog_shards"], o["done_during_outage"], f"{o['first_ship_s']:.1f}",
-                  f"{o['drain_s']:.1f}", o["shipped_while_draining"], o["exit"])],
-                ("peak backlog (shards)", "done during outage", "first upload after (s)",
-                 "backlog 0 after (s)", "shards shipped meanwhile", "exit")))
+    print(kit.table([(o["peak_backlog_shards"], o["done_during_outage"], f"{o['first_ship_s']:.1f}",
+                      f"{o['drain_s']:.1f}", o["shipped_while_draining"], o["exit"])],
+                    ("peak backlog (shards)", "done during outage", "first upload after (s)",
+                     "backlog 0 after (s)", "shards shipped meanwhile", "exit")))
 
 
 if __name__ == "__main__":

@@ -12,40 +12,25 @@ one waits as a spare). Each round kills the driver and times the moment the spar
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _common import (
-    REPO,
-    dump_json,
-    genq,
-    genq_env,
-    private_redis,
-    simulators,
-    table,
-    write_dataset,
-)
+import _common as kit
 from pipeline import wait_for
 
 
 class Replica:
-    def __init__(self, redis_url: str, run: str, server: str, lease: float, out: Path) -> None:
-        self.log = Path(tempfile.mkstemp(prefix="genq-bench-replica-", suffix=".log")[1])
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "genq", "consume", "--out", str(out),
-                 "--server-lease", str(lease), "--concurrency", "4"], cwd=REPO,
-                env={**genq_env(redis_url, run), "GENQ_SERVERS": server},
-                stdout=log, stderr=subprocess.STDOUT)
+    def __init__(self, redis_url: str, run: str, server: str, lease: float, tmp: Path) -> None:
+        self.log = Path(tempfile.mkstemp(dir=tmp, prefix="replica-", suffix=".log")[1])
+        self.proc = kit.consumer(redis_url, run, "--out", str(tmp / "out"), "--server-lease",
+                                 str(lease), "--concurrency", "4", log=self.log,
+                                 env={"GENQ_SERVERS": server})
 
     def leased_at(self) -> float | None:
         for line in self.log.read_text(errors="replace").splitlines():
@@ -62,14 +47,14 @@ class Replica:
 
 
 def rounds(lease: float, kills: int, tmp: Path) -> list[float]:
-    with private_redis() as redis_server, simulators(1, "--time-scale", "5") as [sim]:
+    with kit.private_redis() as rs, kit.simulators(1, "--time-scale", "5") as [sim]:
         run = f"bench{int(lease * 10)}"
-        genq("produce", str(write_dataset(tmp / "d.jsonl", 100000)), "--once",
-             redis_url=redis_server.url, run=run)
-        replicas = [Replica(redis_server.url, run, sim.url, lease, tmp / "out")]
+        kit.genq("produce", str(kit.write_dataset(tmp / "d.jsonl", 100000)), "--once",
+                 redis_url=rs.url, run=run)
+        replicas = [Replica(rs.url, run, sim.url, lease, tmp)]
         try:
             wait_for(replicas[0].leased_at, 30, what="the first lease")
-            replicas.append(Replica(redis_server.url, run, sim.url, lease, tmp / "out"))
+            replicas.append(Replica(rs.url, run, sim.url, lease, tmp))
             time.sleep(2)  # the spare is up and polling
             figures = []
             for _ in range(kills):
@@ -79,7 +64,7 @@ def rounds(lease: float, kills: int, tmp: Path) -> list[float]:
                 took = wait_for(spare.leased_at, lease * 5 + 10, what="the takeover") - killed
                 figures.append(took)
                 driver.close()
-                replicas.append(Replica(redis_server.url, run, sim.url, lease, tmp / "out"))
+                replicas.append(Replica(rs.url, run, sim.url, lease, tmp))
                 time.sleep(2)
             return figures
         finally:
@@ -88,22 +73,20 @@ def rounds(lease: float, kills: int, tmp: Path) -> list[float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = kit.parser(__doc__)
     p.add_argument("--leases", type=float, nargs="+", default=[1.0, 2.0, 5.0])
     p.add_argument("--kills", type=int, default=3)
-    p.add_argument("--json", help="write every round's figures here")
     a = p.parse_args()
     rows, raw = [], {}
-    with tempfile.TemporaryDirectory(prefix="genq-bench-takeover-") as tmp:
+    with kit.workdir() as tmp:
         for lease in a.leases:
-            figures = rounds(lease, a.kills, Path(tmp))
+            figures = rounds(lease, a.kills, tmp)
             raw[str(lease)] = figures
             med = statistics.median(figures)
             rows.append((f"{lease:g} s", f"{med:.2f} s", f"{min(figures):.2f}-{max(figures):.2f} s",
                          f"{med / lease:.2f}"))
-    print(table(rows, ("lease", "takeover (median)", "range", "takeover/lease")))
-    dump_json(a.json, {"takeover_s": raw})
+    print(kit.table(rows, ("lease", "takeover (median)", "range", "takeover/lease")))
+    kit.dump_json(a.json, {"takeover_s": raw})
 
 
 if __name__ == "__main__":
