@@ -10,15 +10,18 @@ The rules are the ones Redis applies while the run lives:
 - of what remains, the newest (params_version, attempt) decides: it stands, or, if a redo
   covers it, it is kept aside and the index runs again.
 
-``rebuild`` takes the manifest and shard line streams from anywhere (local files, S3).
+``rebuild`` takes the manifest and shard line streams from anywhere (local files, S3), read
+one at a time, and keeps what it decides in flat arrays: about 50 bytes an index of the data
+set, whatever the number of shards or lines.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from array import array
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -34,14 +37,83 @@ Result = tuple[int, int, int, int, int]
 LENGTH = finish_code("length")
 
 
-@dataclass
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+_NONE, _STANDING, _KEPT = 0, 1, 2
+
+
+class _Results:
+    """Per index of the data set: none, a standing or a kept Result, in arrays."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.state = bytearray(total)  # _NONE, _STANDING or _KEPT
+        self.columns = [array("q", bytes(8 * total)) for _ in range(5)]  # one per Result field
+
+    def row(self, index: int) -> Result:
+        v, a, f, c, p = (column[index] for column in self.columns)
+        return v, a, f, c, p
+
+
+def _where(flags: bytearray, value: int) -> Iterator[int]:
+    """The positions holding ``value``, in order (found in C)."""
+    needle = bytes([value])
+    pos = flags.find(needle)
+    while pos >= 0:
+        yield pos
+        pos = flags.find(needle, pos + 1)
+
+
+class _ResultView(Mapping[int, Result]):
+    """index -> Result of one state (standing or kept), read from _Results."""
+
+    def __init__(self, results: _Results, state: int) -> None:
+        self._results, self._state = results, state
+
+    def __getitem__(self, index: int) -> Result:
+        results = self._results
+        if type(index) is not int or not 0 <= index < results.total \
+                or results.state[index] != self._state:
+            raise KeyError(index)
+        return results.row(index)
+
+    def __iter__(self) -> Iterator[int]:
+        return _where(self._results.state, self._state)
+
+    def __len__(self) -> int:
+        return self._results.state.count(self._state)
+
+
+class _Claims(Mapping[int, int]):
+    """index -> the highest attempt seen, in an array."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.seen = bytearray(total)
+        self.attempt = array("q", bytes(8 * total))
+
+    def __getitem__(self, index: int) -> int:
+        if type(index) is not int or not 0 <= index < self.total or not self.seen[index]:
+            raise KeyError(index)
+        return self.attempt[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return _where(self.seen, 1)
+
+    def __len__(self) -> int:
+        return self.seen.count(1)
+
+
 class Recovered:
-    standing: dict[int, Result] = field(default_factory=dict)
-    kept: dict[int, Result] = field(default_factory=dict)  # set aside by a redo, not done
-    claims: dict[int, int] = field(default_factory=dict)  # highest attempt seen per index
-    lines: int = 0
-    skipped: int = 0  # torn, unparsable, or outside the data set
-    refused: int = 0  # written after an abort switch under older parameters
+    """What ``rebuild`` decided, per index of the data set (0 ≤ index < total)."""
+
+    def __init__(self, total: int = 0) -> None:
+        self.results = _Results(total)
+        self.standing = _ResultView(self.results, _STANDING)  # index -> the Result that stands
+        self.kept = _ResultView(self.results, _KEPT)  # set aside by a redo, not done
+        self.claims = _Claims(total)  # index -> the highest attempt seen
+        self.lines = 0
+        self.skipped = 0  # torn, unparsable, or outside the data set
+        self.refused = 0  # written after an abort switch under older parameters
 
 
 class Rules:
@@ -80,6 +152,8 @@ def _light(line: bytes) -> tuple[int, Result, float] | None:
         result = (int(rec["params_version"]), int(rec["attempt"]),
                   finish_code(rec.get("finish_reason")), int(rec.get("completion_tokens") or 0),
                   int(rec.get("prompt_tokens") or 0))
+        if min(result) < _INT64[0] or max(result) > _INT64[1]:
+            return None  # no 64-bit counter holds it: not a line genq wrote
         return int(rec["index"]), result, float(rec.get("created_at") or 0)
     except (KeyError, TypeError, ValueError):
         return None
@@ -87,7 +161,11 @@ def _light(line: bytes) -> tuple[int, Result, float] | None:
 
 def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Recovered:
     """Every index's standing (or kept) result from every line of every shard stream."""
-    rules, total, out = Rules(manifest), int(manifest["total"]), Recovered()
+    rules, total = Rules(manifest), int(manifest["total"])
+    out = Recovered(total)
+    state, columns = out.results.state, out.results.columns
+    versions, attempts = columns[0], columns[1]
+    seen, claimed = out.claims.seen, out.claims.attempt
     for stream in streams:
         for line in stream:
             out.lines += 1
@@ -96,17 +174,26 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
                 out.skipped += bool(line.strip())
                 continue
             index, result, created_at = parsed
-            out.claims[index] = max(out.claims.get(index, 0), result[1])
+            attempt = result[1]
+            if not seen[index]:
+                seen[index], claimed[index] = 1, max(0, attempt)
+            elif attempt > claimed[index]:
+                claimed[index] = attempt
             if rules.refused(result[0], created_at):
                 out.refused += 1
                 continue
-            best = out.standing.get(index)
-            if best is None or result[:2] > best[:2]:
-                out.standing[index] = result
+            if state[index] == _NONE:
+                state[index] = _STANDING
+            elif result[:2] <= (versions[index], attempts[index]):
+                continue  # the newest (version, attempt) stands; on a tie, the first seen
+            for column, value in zip(columns, result, strict=True):
+                column[index] = value
     # The newest result decides: if a redo covers it, the index is not done and the result is
     # only kept (an older one cannot stand in for it: it was superseded when this one was).
-    for index in [i for i, r in out.standing.items() if rules.covered(r[0], r[2])]:
-        out.kept[index] = out.standing.pop(index)
+    finish = columns[2]
+    for index in _where(state, _STANDING):
+        if rules.covered(versions[index], finish[index]):
+            state[index] = _KEPT
     return out
 
 
@@ -115,28 +202,44 @@ FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks")
 WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims")}
 
 
-def _bitfields(results: dict[int, Result], claims: dict[int, int], size: int) -> dict:
-    """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index)."""
-    out = {name: bytearray(size * width) for name, width in WIDTHS.items()}
-    def put(name: str, index: int, value: int) -> None:
-        width = WIDTHS[name]
-        value = min(value, (1 << (8 * width)) - 1)  # saturate as BITFIELD ... SAT would
-        out[name][index * width:(index + 1) * width] = value.to_bytes(width, "big")
+def _packed(values: Iterable[int], width: int) -> bytes:
+    """Big-endian unsigned ``width``-byte values, saturated as BITFIELD ... SAT would."""
+    top = (1 << (8 * width)) - 1
+    code = next(c for c in "BHIL" if array(c).itemsize == width)
+    out = array(code, [v if v <= top else top for v in values])
+    if sys.byteorder == "little":
+        out.byteswap()
+    return out.tobytes()
 
-    for index, result in results.items():
-        for name, value in zip(FIELDS, result, strict=True):
-            put(name, index, value)
-    for index, attempt in claims.items():
-        put("claims", index, attempt)
+
+def _bitfields(rec: Recovered) -> dict[str, bytes]:
+    """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), as long
+    as the highest index with a result or a claim needs; 0 where an index has none."""
+    results, claims = rec.results, rec.claims
+    size = max(len(results.state.rstrip(b"\0")), len(claims.seen.rstrip(b"\0")))
+    # Columns hold 0 wherever no result (or claim) was ever put, as Redis would.
+    out = {name: _packed(column[:size], WIDTHS[name])
+           for name, column in zip(FIELDS, results.columns, strict=True)}
+    out["claims"] = _packed(claims.attempt[:size], WIDTHS["claims"])
     return out
 
 
-def _counters(standing: dict[int, Result]) -> tuple[dict[str, int], Counter]:
-    names = Counter(FINISH_NAMES.get(r[2], "other") for r in standing.values())
+def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
+    """The run's counters (finish reasons, token sums) and its completion-length histogram,
+    over the standing results."""
+    finish, ctoks, ptoks = rec.results.columns[2:]
+    names: Counter = Counter()
+    hist: Counter = Counter()
+    ctok_sum = ptok_sum = 0
+    for index in rec.standing:
+        names[FINISH_NAMES.get(finish[index], "other")] += 1
+        hist[ctoks[index]] += 1
+        ctok_sum += ctoks[index]
+        ptok_sum += ptoks[index]
     counters = {f"finish:{name}": n for name, n in names.items()}
-    counters["ctok_sum"] = sum(r[3] for r in standing.values())
-    counters["ptok_sum"] = sum(r[4] for r in standing.values())
-    return counters, Counter(r[3] for r in standing.values())
+    counters["ctok_sum"] = ctok_sum
+    counters["ptok_sum"] = ptok_sum
+    return counters, hist
 
 
 def state_keys(k: RunKeys) -> list[str]:
@@ -151,13 +254,12 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
             rec: Recovered, out_dirs: list[str]) -> None:
     """Queue the writes that put the run back, meta last, onto a MULTI pipeline."""
     total = int(manifest["total"])
-    both = {**rec.kept, **rec.standing}
-    fields = _bitfields(both, rec.claims, max([*both, *rec.claims], default=-1) + 1)
-    counters, hist = _counters(rec.standing)
+    fields = _bitfields(rec)
+    counters, hist = _counters(rec)
+    finish = rec.results.columns[2]
     pipe.delete(*state_keys(k))
     pipe.set(k.done, bitmap.encode(rec.standing, total))
-    pipe.set(k.truncated, bitmap.encode((i for i, r in rec.standing.items() if r[2] == LENGTH),
-                                        total))
+    pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:
         pipe.set(k.kept, bitmap.encode(rec.kept, total))
     for name, data in fields.items():
