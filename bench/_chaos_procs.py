@@ -46,8 +46,7 @@ class Proc:
 
     @property
     def started(self) -> bool:
-        """Up, and past its start-up (its log shows the marker since the last start): a
-        SIGTERM during the imports would only show the interpreter's default handling."""
+        """Up, and its log shows the marker since the last start (a SIGTERM before is moot)."""
         if self.up and not self.seen:
             with open(self.log, "rb") as f:
                 f.seek(self.offset)
@@ -69,8 +68,7 @@ class Proc:
             self.proc.wait(30)
 
     def stop(self, bound_s: float) -> tuple[int | None, float]:
-        """SIGTERM; (exit status, seconds to exit), or (None, bound) if it did not exit in
-        time (then it is killed)."""
+        """SIGTERM: (exit status, seconds to exit), or (None, bound) and a SIGKILL if too slow."""
         if not self.up:
             return self.proc.returncode if self.proc else 0, 0.0
         self.signal(signal.SIGCONT)  # a paused process must be able to hear the SIGTERM

@@ -152,9 +152,8 @@ def dump_json(path: str | None, data: dict) -> None:
 
 
 class LoadSampler:
-    """Polls each server's /v1/loads every `period` seconds from a thread: (t, running,
-    waiting) per server, t in seconds since start. The simulator counts exactly what a GPU
-    would be doing, so these samples are the GPU-side view of a run."""
+    """Polls each server's /v1/loads every `period` seconds from a thread: (t since start,
+    running, waiting) per server, the GPU-side view of a run (the simulator counts as a GPU)."""
 
     def __init__(self, urls: list[str], period: float = 0.1) -> None:
         self.urls, self.period = urls, period

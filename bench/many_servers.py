@@ -1,10 +1,9 @@
 """Many servers from one machine: N simulated servers x S slots, one `genq consume --burst`
-process per server, all on one run, on this machine. Reports per server what its consumer
-costs (CPU share of one core, CPU ms per task), how full it kept its server (slot occupancy
-while work remained, against the server's ideal rate), and the headroom left.
+process per server, all on one run. Reports per server what its consumer costs (CPU share of
+one core, CPU ms per task), how full it kept its server (slot occupancy while work remained,
+against the server's ideal rate), and the headroom left.
 
     python bench/many_servers.py                          # 8 servers x 64 slots, ~30 s
-    python bench/many_servers.py --servers 8 --per-server 2000 --json out.json
     python bench/many_servers.py --servers 4 --slots 32 --request-s 0.2 --per-server 3000
 """
 

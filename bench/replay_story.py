@@ -12,6 +12,8 @@ Reports wall time to the finished data set, GPU-idle seconds around the pivot an
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -32,9 +34,6 @@ def pivot(redis_url: str) -> float:
     """`genq requeue ...` run in this process (the CLI's own code, imported beforehand): a
     subprocess's 1-3 s of interpreter start-up would be minutes of a time-scaled run, during
     which old-limit results keep coming. Returns how long the command took."""
-    import contextlib
-    import io
-
     from genq.cli import main as genq_main
     t0 = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):

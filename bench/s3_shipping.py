@@ -1,9 +1,8 @@
 """Shipping shards to S3: upload throughput, the consumer's rate with and without shipping, and
-the backlog through an S3 outage and the time to drain it after.
-
-S3 is moto's server on a free port (`moto[server]`, a test extra), reached through the tests'
-TCP fault proxy, so the outage is a real refused connection. Figures against moto on localhost
-measure genq's side (compression, checksums, Redis marking), not a real S3's bandwidth.
+the backlog through an S3 outage and the time to drain it after. S3 is moto's server on a free
+port (`moto[server]`, a test extra) behind the tests' TCP fault proxy, so the outage is a real
+refused connection; the figures measure genq's side (compression, checksums, Redis marking),
+not a real S3's bandwidth.
 
     python bench/s3_shipping.py [--n 4000] [--rounds 1] [--outage 10] [--json FILE]
 """

@@ -1,13 +1,11 @@
-"""Server takeover: how long a server stays undriven after its consumer is SIGKILLed, when a
-spare replica waits for it, against the lease length (the baseline: a dead consumer's lease has
-to expire before anyone may take its server).
+"""Server takeover: how long a server stays undriven after its consumer is SIGKILLed while a
+spare waits for it, against the lease length (a dead consumer's lease must expire before anyone
+may take its server). One private Redis, one simulator, two consumers given the same
+GENQ_SERVERS list (one drives, one waits as a spare); each round kills the driver and times the
+spare's `server_leased` log line; the killed one is restarted as the next spare.
 
     python bench/server_takeover.py                  # leases 1, 2, 5 s; 3 kills each
     python bench/server_takeover.py --leases 15 --kills 2 --json out.json
-
-One private Redis, one simulator, two consumers given the same GENQ_SERVERS list (one drives,
-one waits as a spare). Each round kills the driver and times the moment the spare's
-`server_leased` log line says it took over; the killed one is restarted as the next spare.
 """
 
 from __future__ import annotations
