@@ -12,6 +12,7 @@ include_failed, each failed index gets a record too: {"index", "run", "status": 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from array import array
@@ -113,17 +114,22 @@ def shard_paths(dirs: list[str], run: str) -> list[Path]:
 _FAILED_BATCH = 5_000  # error texts fetched per HMGET
 
 
-def _spill_failed(r: redis.Redis, k: RunKeys, total: int, spill: IO[bytes]) -> array:
-    """Write each failed index's record (in index order) to ``spill``; returns the indices.
-    Reasons are fetched a batch at a time, so memory holds one batch of error texts."""
+def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
+                  spill: IO[bytes]) -> tuple[array, array]:
+    """Write each failed index's record (in index order) to ``spill`` and rewind it; returns
+    the indices and their records' lengths. Reasons are fetched a batch at a time, so memory
+    holds one batch of error texts."""
     indices = array("q", bitmap.set_indices(blob(r.get(k.failed)), below=total))
+    lengths = array("q")
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
         texts = r.hmget(k.errors, [str(i) for i in batch])
         for index, t in zip(batch, texts, strict=True):
-            spill.write(_failed_line(k.run, index, text(t or b"", errors="replace")))
+            line = _failed_line(k.run, index, text(t or b"", errors="replace"))
+            spill.write(line)
+            lengths.append(len(line))
     spill.seek(0)
-    return indices
+    return indices, lengths
 
 
 def _read_at(fd: int, length: int, offset: int, path: Path) -> bytes:
@@ -254,27 +260,29 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
                 fallback.append(index)
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
-        with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))) as spill:
-            failed = _spill_failed(r, k, total, spill) if include_failed else array("q")
-            failed_lengths = array("q", (len(line) for line in spill))
-            spill.seek(0)
-            for index in failed:  # a failed record stands for the index, not a shard line
-                picks.state[index] = NONE
-            starts, size, marked = _layout(picks, failed, failed_lengths, paths, kept)
-            copies = sum(1 for index in range(total) if picks.state[index] != NONE)
-            steps = _Progress(progress, copies + len(failed))
-            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-            try:
+        dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        try:
+            with contextlib.ExitStack() as stack:
+                failed, failed_lengths = array("q"), array("q")
+                if include_failed:
+                    spill = stack.enter_context(
+                        tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))))
+                    failed, failed_lengths = _spill_failed(r, k, total, spill)
+                for index in failed:  # a failed record stands for the index, not a shard line
+                    picks.state[index] = NONE
+                starts, size, marked = _layout(picks, failed, failed_lengths, paths, kept)
+                steps = _Progress(progress, len(picks.state) - picks.state.count(NONE)
+                                  + len(failed))
                 _copy(picks, paths, starts, marked, dst, steps)
                 for index, length in zip(failed, failed_lengths, strict=True):
                     steps.step()
                     _pwrite_all(dst, spill.read(length), starts[index])
-                if os.fstat(dst).st_size != size:  # every line has its place: no holes
-                    raise GenqError(f"export to {out}: wrote {os.fstat(dst).st_size} of "
-                                    f"{size} bytes")
-                os.fsync(dst)
-            finally:
-                os.close(dst)
+            if os.fstat(dst).st_size != size:  # every line has its place: no holes
+                raise GenqError(f"export to {out}: wrote {os.fstat(dst).st_size} of {size} "
+                                "bytes")
+            os.fsync(dst)
+        finally:
+            os.close(dst)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
