@@ -24,7 +24,8 @@ SCRIPTS = {
     "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5",
                         "--after-run", "200"],
     "recover_scale.py": ["--total", "2000", "--chars", "200", "--rounds", "1"],
-    "server_takeover.py": ["--leases", "1", "--kills", "1"],
+    "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
+                   "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
                  "--slots", "4", "--timeout", "120"],
@@ -118,7 +119,8 @@ CHECKS = {
     "replay_story.py": check_story,
     "redis_memory.py": check_memory,
     "recover_scale.py": lambda f: f["rounds"][0]["done"] == 2000 or pytest.fail(f),
-    "server_takeover.py": lambda f: f["takeover_s"]["1.0"][0] > 0 or pytest.fail(f),
+    "restart.py": lambda f: (f["killed"]["full_again_s"] > 0 and f["tasks_back_s"] > 0
+                             and f["bare_full_again_s"] > 0) or pytest.fail(f),
     "s3_shipping.py": check_s3,
     "chaos.py": lambda f: all(f["checks"].values()) or pytest.fail(f),
 }

@@ -1,0 +1,111 @@
+"""Restarts at every default: how long a server idles when its consumer is killed.
+
+(a) Kill -9 and the same command at once: seconds until the server is full again, and how much
+    later the run ends than an undisturbed one; beside it a plain client (_bare_stream.py).
+(b) A consumer killed for good at --visibility-timeout 6 beside another on a second server:
+    seconds until all its tasks are back in the queue."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common as kit
+import httpx
+from pipeline import wait_for
+
+SIM = ["--length-dist", "fixed:256", "--max-running-requests", "32", "--ttft", "0.5"]
+
+
+def full_again(url: str, since: float) -> float:
+    """Seconds from `since` until the server runs all its 32 slots again."""
+    wait_for(lambda: httpx.get(url + "/_sim/stats", timeout=5).json()["running"] >= 32, 60,
+             interval=0.05, what="the server full again")
+    return time.monotonic() - since
+
+
+def relaunched(start, url: str, kill_at: float | None) -> tuple[float | None, object]:
+    """Start, kill -9 at kill_at and start again at once: (seconds to full, the last process)."""
+    proc = start()
+    if kill_at is None:
+        return None, proc
+    time.sleep(kill_at)
+    proc.kill()
+    proc.wait()
+    killed = time.monotonic()
+    proc = start()
+    return full_again(url, killed), proc
+
+
+def genq_run(tmp: Path, n: int, kill_at: float | None) -> dict:
+    tmp.mkdir(parents=True, exist_ok=True)
+    with kit.private_redis() as rs, kit.simulators(1, *SIM) as [sim]:
+        kit.genq("produce", str(kit.write_dataset(tmp / "d.jsonl", n)), "--once",
+                 redis_url=rs.url, run="r")
+        t0 = time.monotonic()
+        full_s, proc = relaunched(lambda: kit.consumer(rs.url, "r", "--server", sim.url,
+                                                       "--burst", "--out", str(tmp / "out")),
+                                  sim.url, kill_at)
+        proc.wait(timeout=600)
+        return {"full_again_s": full_s, "wall_s": time.monotonic() - t0}
+
+
+def bare_full_again(tmp: Path, n: int, kill_at: float) -> float:
+    with kit.simulators(1, *SIM) as [sim]:
+        args = [sys.executable, str(kit.REPO / "bench" / "_bare_stream.py"), "--server",
+                sim.url, "--dataset", str(kit.write_dataset(tmp / "b.jsonl", n)), "--n", str(n),
+                "--concurrency", "32"]
+        full_s, proc = relaunched(lambda: subprocess.Popen(args, stdout=subprocess.DEVNULL),
+                                  sim.url, kill_at)
+        proc.kill()
+        return full_s or 0.0
+
+
+def tasks_back(tmp: Path, vt: float) -> float:
+    with kit.private_redis() as rs, kit.simulators(2, *SIM) as sims:
+        r = rs.client()
+        kit.genq("produce", str(kit.write_dataset(tmp / "v.jsonl", 2000)), "--once",
+                 redis_url=rs.url, run="v")
+        procs = [kit.consumer(rs.url, "v", "--server", s.url, "--out", str(tmp / f"o{i}"),
+                              "--visibility-timeout", str(vt)) for i, s in enumerate(sims)]
+
+        def leases_on_first() -> int:
+            return sum(sims[0].url in o.decode() for o in r.hvals("genq:v:lease_owner"))
+        try:
+            wait_for(lambda: leases_on_first() >= 32, 60, what="the first consumer busy")
+            procs[0].send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            wait_for(lambda: leases_on_first() == 0, 120, interval=0.05, what="tasks back")
+            return time.monotonic() - killed
+        finally:
+            for proc in procs:
+                proc.kill()
+
+
+def main() -> None:
+    p = kit.parser(__doc__)
+    p.add_argument("--n", type=int, default=400, help="prompts of 256 tokens, 32 slots")
+    p.add_argument("--kill-at", type=float, default=15.0)
+    p.add_argument("--visibility-timeout", type=float, default=6.0)
+    p.add_argument("--time-scale", type=float, default=1.0)
+    a = p.parse_args()
+    SIM.extend(["--time-scale", str(a.time_scale)])
+    with kit.workdir() as tmp:
+        calm, killed = genq_run(tmp / "calm", a.n, None), genq_run(tmp / "kill", a.n, a.kill_at)
+        bare, back = bare_full_again(tmp, a.n, a.kill_at), tasks_back(tmp, a.visibility_timeout)
+    print(kit.table([
+        ("server full again, kill -9 and relaunch", f"{killed['full_again_s']:.1f} s",
+         f"{bare:.1f} s"),
+        ("run end, killed against undisturbed",
+         f"+{killed['wall_s'] - calm['wall_s']:.1f} s of {calm['wall_s']:.1f}", "-"),
+        (f"tasks back, --visibility-timeout {a.visibility_timeout:g}", f"{back:.1f} s", "-")],
+        ("figure", "genq", "plain client")))
+    kit.dump_json(a.json, {"calm": calm, "killed": killed, "bare_full_again_s": bare,
+                           "tasks_back_s": back})
+
+
+if __name__ == "__main__":
+    main()
