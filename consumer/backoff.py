@@ -1,5 +1,6 @@
 """How a consumer rides through trouble: pausing new requests while a server or the disk is in
-trouble, and retrying Redis operations until Redis answers again."""
+trouble, retrying Redis operations until Redis answers, and running each housekeeping duty in
+its own loop, so that none waits on another (a slow load read never delays a lease renewal)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TypeVar
 
 import structlog
@@ -23,8 +25,7 @@ FIRST_PAUSE_S = 0.1
 # Longest pause while trouble lasts: a dead server costs one round of claims and releases per
 # pause, and a server that comes back is used again within this.
 MAX_BACKOFF_S = 10.0
-# Pauses this long or longer are logged; shorter ones are the ordinary cost of a busy server.
-LOGGED_PAUSE_S = 0.5
+LOGGED_PAUSE_S = 0.5  # shorter pauses are the ordinary cost of a busy server: not logged
 
 
 class ClaimPause:
@@ -65,14 +66,10 @@ class ShuttingDown(Exception):
     the consumer still holds comes back through the lease's expiry."""
 
 
-def _never() -> bool:
-    return False
-
-
-async def redis_retry(op: Callable[[], Awaitable[T]], give_up: Callable[[], bool] = _never) -> T:
+async def redis_retry(op: Callable[[], Awaitable[T]],
+                      give_up: Callable[[], bool] = lambda: False) -> T:
     """Run a Redis operation, riding through outages (0.2 s to 5 s between tries), until it
-    succeeds or `give_up()` says the consumer is stopping and must not wait any longer (a
-    consumer told to stop during an outage must not wait for Redis forever)."""
+    succeeds or `give_up()` says the consumer is stopping and must not wait any longer."""
     delay = 0.2
     while True:
         try:
@@ -85,3 +82,30 @@ async def redis_retry(op: Callable[[], Awaitable[T]], give_up: Callable[[], bool
             REDIS_OUTAGE.seen(e)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+@dataclass(frozen=True)
+class Duty:
+    name: str
+    body: Callable[[], Awaitable[None]]
+    period: Callable[[], float]  # seconds from the end of one run to the start of the next
+    redis: bool = True  # each run talks to Redis: a run that works ends an outage
+
+
+async def run_duty(duty: Duty, on_crash: Callable[[str], None]) -> None:
+    """Run the duty every period until cancelled. Redis trouble is ridden out, logged once as it
+    starts, at a slowing pace while it lasts and once as it ends (common/log.py Outage);
+    anything else is a bug: the crash is logged with its traceback and the consumer stops."""
+    while True:
+        try:
+            await duty.body()
+            if duty.redis:
+                REDIS_OUTAGE.over()
+        except REDIS_TROUBLE as e:
+            REDIS_OUTAGE.seen(e, duty=duty.name)
+        except Exception:
+            logger.exception("background_task_crashed", task=duty.name,
+                             consequence="the consumer stops and gives its tasks back")
+            on_crash(duty.name)
+            return
+        await asyncio.sleep(duty.period())

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import os
 import re
 import signal
 import socket
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import redis.asyncio as aioredis
 import structlog
@@ -33,21 +36,22 @@ from common.data import manifest as manifests
 from common.data.dataset import open_dataset
 from common.data.shard_repair import repair_shards
 from common.data.shards import ShardWriter
-from common.errors import GenqError, ServerUnavailable
+from common.errors import GenqError, ServerUnavailable, UsageError
 from common.queue import run as runs
+from common.queue.keys import RunKeys
+from common.report import runhealth
 from common.sglang.client import SGLang
-from consumer import runstate, servers, shipping
-from consumer.servers import parse_servers
+from common.store import s3 as store
+from common.store.ship import Shipper
+from consumer import servers
 from consumer.settings import ConsumeSettings
-from consumer.worker import Consumer
+from consumer.worker import Consumer, RunState
 
 logger = structlog.get_logger("consumer")
-# Redis connections of one consumer: its calls are short Lua scripts, so a few dozen keep up
-# with thousands of slots.
 REDIS_CONNECTIONS = 64
 
 
-def parse(argv: list[str] | None) -> ConsumeSettings:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="genq consume", description=__doc__)
     p.add_argument("--server", action="append", default=[],
                    help="SGLang base URL, e.g. http://gpu0:30000; repeatable: the consumer "
@@ -77,9 +81,24 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
                    help="seconds to wait for the server to answer at start (default 10)")
     p.add_argument("--name", help="consumer name shown in status (default host-pid)")
     p.add_argument("--poll", type=float, default=0.2, help="idle poll period, seconds")
-    shipping.add_flags(p)
+    p.add_argument("--s3-uri", metavar="URI", default=os.environ.get("GENQ_S3_URI") or None,
+                   help="ship closed shards to s3://bucket/prefix (env GENQ_S3_URI); "
+                        "credentials, region and AWS_ENDPOINT_URL as boto3 finds them")
+    p.add_argument("--shard-records", type=int, default=500, metavar="N",
+                   help="close a shard after this many records (default 500)")
+    p.add_argument("--shard-minutes", type=float, default=10.0, metavar="M",
+                   help="with --s3-uri, also close a shard this old (default 10)")
+    p.add_argument("--delete-shipped", action="store_true",
+                   help="remove a shard's local copy once S3 holds it, verified")
+    p.add_argument("--ship-wait", type=float, default=600.0, metavar="S",
+                   help="seconds --burst waits at the end for the backlog to ship (default 600)")
     add_redis_wait(p, "--burst")
     add_common(p)
+    return p
+
+
+def parse(argv: list[str] | None) -> ConsumeSettings:
+    p = parser()
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
         p.error("--concurrency must be >= 1")
@@ -87,7 +106,9 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         p.error("--stall-timeout and --request-timeout must be > 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
-    urls = [u.rstrip("/") for u in a.server] or parse_servers(os.environ.get("GENQ_SERVERS"))
+    # GENQ_SERVERS: URLs separated by commas and/or whitespace, in order of preference.
+    listed = [u for u in re.split(r"[,\s]+", os.environ.get("GENQ_SERVERS", "")) if u]
+    urls = [u.rstrip("/") for u in a.server or listed]
     if not urls:
         p.error("--server URL (or GENQ_SERVERS) is required")
     for url in urls:
@@ -95,15 +116,22 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
             p.error(f"--server {url!r} must be an http:// or https:// URL")
     if a.server_lease <= 0:
         p.error("--server-lease must be > 0")
-    name = a.name or f"{socket.gethostname()}-{os.getpid()}"
+    if a.shard_records < 1 or a.shard_minutes <= 0 or a.ship_wait < 0:
+        p.error("--shard-records must be >= 1, --shard-minutes > 0 and --ship-wait >= 0")
+    if a.s3_uri:
+        try:
+            store.parse_uri(a.s3_uri)
+        except UsageError as e:
+            p.error(str(e))
     return ConsumeSettings(
-        redis_url=a.redis_url, run=a.run, server=urls[0],
-        concurrency=a.concurrency, visibility_timeout=a.visibility_timeout, out=a.out,
-        burst=a.burst, max_attempts=a.max_attempts, request_timeout=a.request_timeout,
-        grace=a.grace, name=name, poll=a.poll, server_wait=a.server_wait,
-        redis_wait=a.redis_wait, stall_timeout=a.stall_timeout,
-        servers=tuple(urls), server_lease=a.server_lease, share_server=a.share_server,
-        **shipping.settings(p, a))
+        redis_url=a.redis_url, run=a.run, server=urls[0], servers=tuple(urls),
+        name=a.name or f"{socket.gethostname()}-{os.getpid()}", concurrency=a.concurrency,
+        visibility_timeout=a.visibility_timeout, out=a.out, burst=a.burst,
+        max_attempts=a.max_attempts, request_timeout=a.request_timeout, grace=a.grace,
+        poll=a.poll, server_wait=a.server_wait, redis_wait=a.redis_wait,
+        stall_timeout=a.stall_timeout, server_lease=a.server_lease,
+        share_server=a.share_server, s3_uri=a.s3_uri, shard_records=a.shard_records,
+        shard_minutes=a.shard_minutes, keep_local=not a.delete_shipped, ship_wait=a.ship_wait)
 
 
 @guarded
@@ -121,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     probe.close()
     quiet_gc()
-    # One free server of the list, leased for as long as serve() runs (consumer/servers.py).
     return asyncio.run(servers.drive(s, serve))
 
 
@@ -140,11 +167,22 @@ def check_writable(out: str) -> None:
                         "choose another --out") from None
 
 
+def check_outdir(k: RunKeys, out: str, epoch: str) -> None:
+    """Refuse to write a new run's shards beside an earlier run's of the same name: its manifest
+    would be overwritten and its results mixed into this run's export."""
+    found = manifests.find(out, k.run)
+    if found is not None and found["epoch"] != epoch:
+        fix = runhealth.recover_command(k.run, [os.path.abspath(out)])
+        raise GenqError(
+            f"{out} holds the output of an earlier run {k.run!r} (epoch {found['epoch']}, "
+            f"parameters v{found['params_version']}) that Redis no longer has; recover it with "
+            f"`{fix}`, or give this run another --out")
+
+
 def quiet_gc() -> None:
-    """Each task allocates short-lived objects by the hundred; with Python's default thresholds
-    the cyclic collector makes a full collection every ~1,000 tasks, walking everything
-    start-up loaded. What is loaded by now stays out of collections, and the youngest
-    generation is collected every 10,000 allocations instead of 700."""
+    """Each task allocates short-lived objects by the hundred: with Python's default thresholds
+    the cyclic collector makes a full collection, walking everything start-up loaded, every
+    ~1,000 tasks. What is loaded by now stays out of collections."""
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
 
@@ -167,6 +205,17 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
             await asyncio.sleep(1.0)
 
 
+def redis_client(url: str) -> aioredis.Redis:
+    """The consumer's asyncio client. Its calls are short Lua scripts, so a few dozen
+    connections keep up with thousands of slots; the pool blocks (slots wait for a free
+    connection) where redis-py's default one raises "Too many connections" past 100."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
+        socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
+        retry=AsyncRetry(NoBackoff(), 1))  # see common.cli.service_retry
+    return aioredis.Redis(connection_pool=pool)
+
+
 async def serve(s: ConsumeSettings) -> int:
     k = run_keys(s.run)
     stopped = stop_on_signals()  # until the loop's own handlers take over, below
@@ -180,29 +229,21 @@ async def serve(s: ConsumeSettings) -> int:
         logger.warning("redis_settings", risk=risk)
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
-    runstate.check_outdir(sync, k, s.out, info.epoch)
+    check_outdir(k, s.out, info.epoch)
     manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
     writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
     sync.sadd(k.outdirs, os.path.abspath(s.out))
-    server = SGLang(s.server, request_timeout=s.request_timeout,
-                    stall_timeout=s.stall_timeout)
-    # A blocking pool: slots wait for a free connection. redis-py's default pool raises "Too
-    # many connections" past 100, and a server without --max-running-requests can ask for
-    # thousands of slots.
-    pool = aioredis.BlockingConnectionPool.from_url(
-        s.redis_url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
-        socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
-        retry=AsyncRetry(NoBackoff(), 1))  # see service_retry
-    client = aioredis.Redis(connection_pool=pool)
-    ship = shipping.Shipping.start(s, k, writer, client)
+    server = SGLang(s.server, request_timeout=s.request_timeout, stall_timeout=s.stall_timeout)
+    client = redis_client(s.redis_url)
+    ship = Shipping.start(s, k, writer, client)
     rc = 0
     try:
         capacity, model, context = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset,
                             sink=writer, server=server, capacity=capacity, model=model,
-                            runstate=runstate.RunState(k, info.epoch, s.out),
+                            runstate=RunState(k, info.epoch, s.out),
                             context_length=context)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -227,3 +268,52 @@ async def serve(s: ConsumeSettings) -> int:
         writer.close()
         dataset.close()
     return 1 if consumer.crashed else rc
+
+
+# --- shipping to S3: --burst waits for every shard at the end, a signalled stop its grace ----
+def shipper_died(task: asyncio.Task) -> None:
+    """A shipper that stops on its own is a bug: say so at once, not at exit."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("shipper_died", error=repr(task.exception()))
+
+
+class Shipping:
+    """The shipper task of one consumer; ``start`` returns None when no URI is given."""
+
+    def __init__(self, shipper: Shipper, task: asyncio.Task) -> None:
+        self.shipper, self.task = shipper, task
+
+    @classmethod
+    def start(cls, s: ConsumeSettings, k: RunKeys, writer: ShardWriter,
+              client: aioredis.Redis) -> Shipping | None:
+        if not s.s3_uri:
+            return None
+        shipper = Shipper(store.parse_uri(s.s3_uri), k, writer.name, s.out, client,
+                          keep_local=s.keep_local)
+        writer.on_close = shipper.closed
+        # The run manifest `genq recover` needs (written beside the shards) goes along.
+        shipper.watch(Path(s.out) / f"{s.run}.manifest.json", f"{writer.name}/{store.MANIFEST}")
+        found = shipper.scan()
+        if found:
+            logger.info("unshipped_shards_found", shards=found, out=s.out)
+        task = asyncio.create_task(shipper.run(writer, s.shard_minutes * 60))
+        task.add_done_callback(shipper_died)
+        return cls(shipper, task)
+
+    async def finish(self, wait: float) -> int:
+        """Ship what is left within `wait` seconds; 1, with one clear line, if some could not."""
+        left = await self.shipper.finish(wait)
+        if not left:
+            logger.info("all_shipped", shards=self.shipper.shipped, bytes=self.shipper.bytes)
+            return 0
+        print(f"genq: error: {len(left)} shard(s) not shipped to {self.shipper.uri} after "
+              f"{wait:g}s ({self.shipper.last_error or 'no answer yet'}); they stay in "
+              f"{self.shipper.out} and ship when a consumer starts there again with --s3-uri: "
+              f"{', '.join(p.name for p in left[:5])}{' …' if len(left) > 5 else ''}",
+              file=sys.stderr)
+        return 1
+
+    async def cancel(self) -> None:
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task

@@ -1,12 +1,7 @@
-"""Finished answers are written and acknowledged beside the slots, in batches: one write with
-one fdatasync, then one ack.lua call, for every answer that finished meanwhile. A slot hands
-its answer over and takes its next task at once, so a slow disk never keeps a server slot
-empty; the task stays held (its lease renewed) until its ack.
-
-While other requests run, a batch waits up to LINGER_S after the previous one began, or until
-half the slots' answers are in, so a server answering many requests a second shares each
-ack among several answers. No slot waits for it; an answer that comes while no other request
-runs, or at a stop, goes at once. The price: at a parameter change that aborts old work,
+"""Finished answers are written and acknowledged beside the slots, in batches (one write with one
+fdatasync, then one ack.lua call), so a slow disk never keeps a server slot empty; each task
+stays held (its lease renewed) until its ack. A batch lingers while other requests run, to
+share its ack among more answers; the price: at a parameter change that aborts old work,
 answers that finished up to LINGER_S before it run again."""
 
 from __future__ import annotations
@@ -49,8 +44,7 @@ class Committer:
                  on_error: Callable[[Inflight, Exception], Awaitable[None]],
                  on_done: Callable[[list[Inflight], int], None],
                  slots: Callable[[], int], busy: Callable[[], bool]) -> None:
-        self.write, self.ack = write, ack
-        self.on_error, self.on_done = on_error, on_done
+        self.write, self.ack, self.on_error, self.on_done = write, ack, on_error, on_done
         self.slots, self.busy = slots, busy
         self.pending: list[Finished] = []
         self.room = asyncio.Event()  # cleared while a capacity of answers waits (a slow disk)
@@ -95,7 +89,8 @@ class Committer:
 
     async def linger(self) -> None:
         """Wait for more answers to share this batch's write and ack: until LINGER_S after the
-        previous batch began, half the slots' answers, the last request's answer, or a stop."""
+        previous batch began, half the slots' answers, the last request's answer, or a stop.
+        No slot waits for it."""
         wait = self.last + LINGER_S - time.monotonic()
         if wait <= 0 or self.hurry.is_set():
             return
@@ -104,8 +99,8 @@ class Committer:
                 await self.hurry.wait()
 
     async def commit(self, batch: list[Finished]) -> int:
-        """Write the records, then acknowledge them: never an ack for a result not on disk.
-        Returns how many were accepted."""
+        """Write the records, then acknowledge them (never an ack for a result not on disk);
+        returns how many were accepted."""
         try:
             await asyncio.to_thread(self.write, [done.record for done in batch])
         except Exception as e:
@@ -139,9 +134,7 @@ def log_refusal(outcome: int, inflight: Inflight) -> None:
 
 
 def result(done: Finished) -> Result:
-    lease, completion = done.inflight.lease, done.completion
+    lease, c = done.inflight.lease, done.completion
     return Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
-                  completion_tokens=completion.completion_tokens,
-                  prompt_tokens=completion.prompt_tokens,
-                  finish_reason=completion.finish_reason, version=lease.version,
-                  attempt=lease.attempt)
+                  completion_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
+                  finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt)

@@ -1,14 +1,8 @@
-"""The consumer follows its server: a capacity or context length that changes while genq runs
-(the server restarted with other flags) is picked up within seconds, and the slot count
-follows what the server reports in /v1/loads, so that another client sharing the server is
-left its share: no waiting queue building up on the server, no slot idle while work remains.
-
-Tracking: every load sample says how many requests the server holds (running + waiting);
-those that are not ours are the other clients'. Our slots are what the server runs at once
-less theirs. A waiting queue on the server lowers the count at once, by our part of it
-(requests queued there would start late and their slots would idle meanwhile); anything else
-needs two consecutive samples that agree, since requests finish between the load read and our
-own count."""
+"""The consumer follows its server: a capacity or context length that changes (the server
+restarted with other flags) is picked up within seconds, and the slot count follows /v1/loads:
+what the server runs at once, less what other clients sharing it hold (running + waiting). A
+waiting queue on the server lowers it at once (requests queued there would start late, their
+slots idle meanwhile); any other change needs two samples that agree."""
 
 from __future__ import annotations
 
@@ -29,7 +23,6 @@ logger = structlog.get_logger("consumer")
 HISTORY_PERIOD_S = 2.5
 
 
-# --- tracking: pure functions ------------------------------------------------------------
 def others(running: int, waiting: int, ours: int) -> int:
     """Requests the server holds (running or waiting) that are not ours: other clients'."""
     return max(0, running + waiting - ours)
@@ -43,11 +36,10 @@ def target_slots(running: int, waiting: int, max_running: int, ours: int) -> int
 
 def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: int) -> int:
     """The slot count a waiting queue asks for: the requests the server holds beyond its max,
-    withdrawn in proportion to our part of what it holds, never below target_slots. Another
-    genq on the same server does the same with its part, so two of them end up sharing the
-    server instead of one giving it all to the other. While our requests above a lowered
-    count are still at the server (they end after their current task), nothing more is
-    withdrawn: the queue they are part of is already being answered."""
+    withdrawn in proportion to our part of what it holds, never below target_slots (another
+    genq on the server withdraws its part: the two share it). While our requests above a
+    lowered count are still at the server, nothing more is withdrawn: the queue they are part
+    of is already being answered."""
     held = running + waiting
     excess = held - max_running  # a queue while slots are free is the KV pool's, not ours
     if waiting <= 0 or excess <= 0 or ours > current:
@@ -58,11 +50,10 @@ def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: 
 
 def next_capacity(current: int, target: int, previous: int | None, lowered: int,
                   waiting: int) -> int:
-    """The slot count after one sample. A waiting queue lowers it at once (to `lowered`, from
-    withdrawn()); otherwise it moves only when this sample's target and the previous one's are
-    on the same side of the current count, and only as far as the smaller move of the two:
-    one sample taken as a request ended is noise, not a new client. Never raised while the
-    server has a queue."""
+    """The slot count after one sample. A waiting queue lowers it at once (to `lowered`);
+    otherwise it moves only when this sample's target and the previous one's are on the same
+    side of the current count, as far as the smaller move of the two: one sample taken as a
+    request ended is noise, not a new client. Never raised while the server has a queue."""
     if lowered < current:
         return lowered
     if previous is None or waiting > 0:
@@ -74,11 +65,9 @@ def next_capacity(current: int, target: int, previous: int | None, lowered: int,
     return current
 
 
-# --- the follower: what a consumer keeps of its server ------------------------------------
 class Follower:
     """The server's load, capacity and context as this consumer last read them, and the slot
-    count they ask for. `load_tick` runs every second (every 0.5 s while a change waits for its
-    confirming sample), `server_tick` every 2.5 s; each returns a new slot count, or None."""
+    count they ask for: each tick returns a new slot count, or None."""
 
     def __init__(self, server: SGLang, *, capacity: int, context_length: int | None,
                  fixed: bool) -> None:
@@ -138,9 +127,8 @@ class Follower:
         return capacity
 
     async def server_tick(self) -> tuple[int | None, bool]:
-        """Pick up a context length that changed (the server restarted with other flags), or
-        the capacity of a server without a load endpoint. Returns the new slot count (or None)
-        and whether the context changed (or was never recorded), for the caller to record."""
+        """Pick up a context length that changed, or the capacity of a server without a load
+        endpoint: the new slot count (or None), and whether the context changed."""
         try:
             capacity = None
             if not (self.load or {}).get("max_running_requests") and not self.fixed:

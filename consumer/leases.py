@@ -14,6 +14,9 @@ from common.data.rows import Prompt
 from common.queue import scripts
 from common.queue.keys import RunKeys
 
+REFUSED, ACCEPTED, SUPERSEDED, SET_ASIDE = 0, 1, 2, 3  # what ack.lua answers
+KEPT = 2  # what fail.lua answers besides 0/1: a redo's set-aside result stands instead
+
 
 @dataclass(kw_only=True)
 class Lease:
@@ -57,21 +60,11 @@ class Inflight:
         return self.request is not None and not self.request.done()
 
 
-# What ack.lua answers.
-REFUSED, ACCEPTED, SUPERSEDED, SET_ASIDE = 0, 1, 2, 3
-# What fail.lua answers besides 0/1: a redo's set-aside result stands again instead.
-KEPT = 2
-
-
 class TaskQueue:
     def __init__(self, client: aioredis.Redis, keys: RunKeys, *, server: str, worker: str,
                  visibility_timeout: float) -> None:
-        self.r = client
-        self.k = keys
-        self.server = server
-        self.worker = worker
-        self.vt = visibility_timeout
-        self.run_script = scripts.ScriptRunner(client)
+        self.r, self.k, self.server, self.worker = client, keys, server, worker
+        self.vt, self.run_script = visibility_timeout, scripts.ScriptRunner(client)
 
     async def preload(self) -> None:
         """Load every script once, so the first calls of many slots do not each reload it."""
@@ -95,22 +88,19 @@ class TaskQueue:
         return {jid.decode() for jid in lost}
 
     async def ack(self, results: list[scripts.Result]) -> list[int]:
-        """Per result: ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters;
-        requeued) or SET_ASIDE (a redo issued since covers it; kept as the previous result,
-        requeued)."""
+        """Per result: ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters) or
+        SET_ASIDE (a redo issued since covers it: kept as the previous result); both requeued."""
         return [int(code) for code in
                 await self.run_script(scripts.ack_many_call(self.k, self.server, results))]
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
-        call = scripts.release_call(self.k, lease.job_id, lease.index, lease.exec_id,
-                                    refund=refund, reason=reason)
-        return bool(await self.run_script(call))
+        return bool(await self.run_script(scripts.release_call(
+            self.k, lease.job_id, lease.index, lease.exec_id, refund=refund, reason=reason)))
 
     async def fail(self, lease: Lease, reason: str) -> int:
         """1 failed, 0 the lease was lost, KEPT the previous result stands instead."""
-        call = scripts.fail_call(self.k, lease.job_id, lease.index, lease.exec_id,
-                                 reason=reason, worker=self.worker)
-        return int(await self.run_script(call))
+        return int(await self.run_script(scripts.fail_call(
+            self.k, lease.job_id, lease.index, lease.exec_id, reason=reason, worker=self.worker)))
 
     async def reap(self) -> int:
         return len(await self.run_script(scripts.reap_call(self.k)))

@@ -1,8 +1,8 @@
-"""Tasks claimed ahead into a queue the slots take from. One loop claims for every slot that
-waits, in one Redis call, plus a few spare (a quarter of the slots, at most MAX_AHEAD), so a
-slot whose answer just came starts its next request without a claim's round trip. The spare
-tasks are leased and held like running ones (renewed, aborted); a stop gives them back at once.
-While the queue is empty only this loop asks Redis, at a slowing pace: idle slots cost nothing."""
+"""Tasks claimed ahead for the slots: one loop claims, in one Redis call, for every slot that
+waits plus a few spare (a quarter of the slots, at most MAX_AHEAD), so that a slot whose answer
+just came starts its next request without a claim's round trip. Spare tasks are held like
+running ones (renewed, abortable) and given back at a stop. While the queue is empty only this
+loop asks Redis, at a slowing pace: idle slots cost nothing."""
 
 from __future__ import annotations
 
@@ -16,11 +16,8 @@ from consumer.backoff import ShuttingDown, redis_retry
 from consumer.leases import Inflight
 
 MAX_AHEAD = 16
-# The most tasks one claim takes: keeps a Lua script's argument lists and its time holding
-# Redis small.
-MAX_CLAIM = 128
-# An empty queue is asked again after this, doubling up to IDLE_MAX_S while it stays empty.
-IDLE_MAX_S = 1.0
+MAX_CLAIM = 128  # the most one claim takes: keeps a Lua script's arguments and run time small
+IDLE_MAX_S = 1.0  # an empty queue is asked again after --poll, doubling up to this
 
 
 class Prefetch:
@@ -33,24 +30,20 @@ class Prefetch:
         self.on_empty = on_empty
         self.ready: collections.deque[Inflight] = collections.deque()
         self.waiting: collections.deque[asyncio.Future[Inflight | None]] = collections.deque()
-        self.wanted = asyncio.Event()  # a slot waits, the spare ones ran low, or a poke
+        self.wanted = asyncio.Event()  # a slot waits, the spare ones ran low, or a wake
 
     @property
     def ahead(self) -> int:
         return min(MAX_AHEAD, max(1, self.slots() // 4))
 
-    def poke(self) -> None:
-        """Look again now (the last held task is done: a burst run may have settled)."""
-        self.wanted.set()
-
     async def get(self) -> Inflight | None:
         """The next task for a slot, waiting while there is none; None once stopping."""
-        if self.ready and not self.stop.is_set():
+        if self.stop.is_set():
+            return None
+        if self.ready:
             if len(self.ready) <= self.ahead // 2:
                 self.wanted.set()
             return self.ready.popleft()
-        if self.stop.is_set():
-            return None
         future: asyncio.Future[Inflight | None] = asyncio.get_running_loop().create_future()
         self.waiting.append(future)
         self.wanted.set()
@@ -97,7 +90,7 @@ class Prefetch:
         self.ready.append(inflight)
 
     async def nap(self, seconds: float | None) -> None:
-        """Until wanted (a slot waits, a poke, a stop) or `seconds` pass."""
+        """Until wanted (a slot waits, a wake) or `seconds` pass."""
         if self.stop.is_set():
             return  # stopped meanwhile (on_empty may have halted the consumer)
         self.wanted.clear()
@@ -106,7 +99,8 @@ class Prefetch:
                 await self.wanted.wait()
 
     def wake(self) -> None:
-        """A stop: the loop ends now, and waiting slots get None."""
+        """Look again now: at a stop the loop ends and waiting slots get None; after the last
+        held task is done, a burst run may have settled."""
         self.wanted.set()
 
     async def give_back(self) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from common.queue.keys import RunKeys
 from common.queue.scripts import iso_now
@@ -44,25 +45,23 @@ async def announce(r: aioredis.Redis, k: RunKeys, name: str, now: int, beat: dic
     pipe.zrangebyscore(k.consumers, "-inf", now - PRUNE_AFTER_S)
     dead = (await pipe.execute())[-1]
     if dead:
-        await prune(r, k, [d.decode() for d in dead])
+        pipe = r.pipeline(transaction=False)
+        forget(pipe, k, [d.decode() for d in dead])
+        await pipe.execute()
 
 
-async def prune(r: aioredis.Redis, k: RunKeys, names: list[str]) -> None:
-    pipe = r.pipeline(transaction=False)
-    pipe.zrem(k.consumers, *names)
+def forget(pipe: Pipeline, k: RunKeys, names: list[str]) -> None:
+    """Take these consumers out of the consumers set and rq's worker sets."""
     workers = [k.rq_worker(name) for name in names]
+    pipe.zrem(k.consumers, *names)
     pipe.srem(k.rq_workers, *workers)
     pipe.srem(k.rq_workers_of_queue, *workers)
-    await pipe.execute()
 
 
 async def withdraw(r: aioredis.Redis, k: RunKeys, name: str) -> None:
-    worker = k.rq_worker(name)
     pipe = r.pipeline(transaction=False)
-    pipe.zrem(k.consumers, name)
-    pipe.delete(k.consumer(name), worker)
-    pipe.srem(k.rq_workers, worker)
-    pipe.srem(k.rq_workers_of_queue, worker)
+    forget(pipe, k, [name])
+    pipe.delete(k.consumer(name), k.rq_worker(name))
     await pipe.execute()
 
 

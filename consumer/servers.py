@@ -1,25 +1,14 @@
-"""Which SGLang server a consumer drives: each server has one lease in Redis, so identical
-replicas (``--scale consumer=N``) need no per-replica configuration.
-
-A consumer is given a list of servers (``--server`` repeated, or ``GENQ_SERVERS``) and takes
-the first one nobody drives. The lease is a Redis string with a TTL, renewed every third of its
-length and deleted on exit; a consumer that dies (SIGKILL, OOM, lost host) stops renewing, the
-key expires, and a spare waiting for any of the servers takes it over within the lease time.
-A consumer relaunched in place (same host and pid namespace, the holder's process provably
-gone: killed and run again) takes its predecessor's lease at once and ends the
-predecessor's task leases, so its tasks come back at once too.
-While it waits, a spare drives nothing: two consumers on one server would each keep the
-server's full capacity in flight and show as one row in the status table.
-
-The lease is per server, not per run: a server's capacity is shared by every run on it.
-"""
+"""Which SGLang server a consumer drives: each server has one lease in Redis (per server, not
+per run), so identical replicas need no per-replica configuration. A consumer takes the first
+server of its list nobody drives; a spare waits, driving nothing (two consumers on one server
+would each keep its full capacity in flight) until a lease expires or its holder is provably
+gone."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import socket
 import uuid
@@ -58,13 +47,6 @@ redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
 return 1
 """
 
-Serve = Callable[[ConsumeSettings], Awaitable[int]]
-
-
-def parse_servers(text: str | None) -> list[str]:
-    """GENQ_SERVERS: URLs separated by commas and/or whitespace, in order of preference."""
-    return [u.rstrip("/") for u in re.split(r"[,\s]+", text or "") if u]
-
 
 def owner_of(token: bytes | str | None) -> str:
     """The readable part of a lease token: consumer name and run."""
@@ -98,8 +80,7 @@ def pid_space() -> str:
 
 
 def new_token(name: str, run: str) -> str:
-    """name|run|pid space|pid|process start|random: enough to prove later that its holder
-    is gone."""
+    """name|run|pid space|pid|process start|random: enough to prove later its holder gone."""
     pid = os.getpid()
     return f"{name}|{run}|{pid_space()}|{pid}|{process_start(pid)}|{uuid.uuid4().hex}"
 
@@ -120,17 +101,18 @@ def provably_gone(token: bytes | str | None) -> bool:
     return started is None or (started != "" and started != parts[4])
 
 
-async def try_take(r: aioredis.Redis, urls: list[str], token: str,
-                   lease_s: float) -> tuple[str | None, dict[str, str], str | None]:
-    """The first free server, now leased to `token`, and the dead holder it was taken from
-    (or None); else None and who drives each one."""
+async def try_take(r: aioredis.Redis, s: ConsumeSettings,
+                   token: str) -> tuple[str | None, dict[str, str], str | None]:
+    """The first free server of s.servers, now leased to `token`, and the dead holder it was
+    taken from (or None); else None and who drives each one."""
     owners: dict[str, str] = {}
-    for url in urls:
-        if await r.set(server_lease(url), token, nx=True, px=int(lease_s * 1000)):
+    ms = int(s.server_lease * 1000)
+    for url in s.servers:
+        if await r.set(server_lease(url), token, nx=True, px=ms):
             return url, {}, None
         holder = await r.get(server_lease(url))
         if holder is not None and provably_gone(holder) and await r.eval(
-                TAKE_OVER, 1, server_lease(url), holder, token, int(lease_s * 1000)):
+                TAKE_OVER, 1, server_lease(url), holder, token, ms):
             return url, {}, holder.decode() if isinstance(holder, bytes) else holder
         owners[url] = owner_of(holder)
     return None, owners, None
@@ -163,14 +145,13 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    reaper = ScriptRunner(r)
+    reaper, k = ScriptRunner(r), RunKeys(s.run)
     try:
         url: str | None = None
         owners: dict[str, str] = {}
         predecessor: str | None = None
         with contextlib.suppress(*REDIS_TROUBLE):  # a blip: the loop below tries again
-            url, owners, predecessor = await try_take(r, list(s.servers), token,
-                                                      s.server_lease)
+            url, owners, predecessor = await try_take(r, s, token)
         last: dict[str, str] = {}
         while url is None:
             if owners and owners != last:
@@ -183,21 +164,20 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
             if stop.is_set():
                 return None
             try:
-                if s.burst and await settled(r, RunKeys(s.run)):
+                if s.burst and await settled(r, k):
                     logger.info("run_settled", spare=True)
                     return None
                 # A spare reaps while it waits: a dead consumer's tasks come back at the end
                 # of their visibility timeout even when no other process of the run reaps.
-                await reaper(reap_call(RunKeys(s.run)))
-                url, owners, predecessor = await try_take(r, list(s.servers), token,
-                                                          s.server_lease)
+                await reaper(reap_call(k))
+                url, owners, predecessor = await try_take(r, s, token)
             except REDIS_TROUBLE as e:
                 REDIS_OUTAGE.seen(e)
         logger.info("server_leased", leased=url, lease_s=s.server_lease,
                     took_over=bool(last or predecessor))
         if predecessor:
             with contextlib.suppress(*REDIS_TROUBLE):  # else the leases expire as usual
-                await end_leases_of(r, RunKeys(s.run), url, predecessor)
+                await end_leases_of(r, k, url, predecessor)
         return url
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -206,36 +186,31 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
 
 async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
                lost: asyncio.Event) -> None:
-    """Renew every third of the lease. If another consumer holds the server now (this one was
-    frozen or cut off from Redis past the lease), stop driving it: SIGTERM ourselves, so the
-    consumer gives its work back exactly as when a supervisor stops it."""
+    """Renew every third of the lease, riding out Redis trouble. If another consumer holds the
+    server now (this one was frozen or cut off from Redis past the lease), stop driving it:
+    SIGTERM ourselves, so the consumer gives its work back exactly as when a supervisor stops
+    it. A bug here would leave the server driven without a lease (a spare would take it): it
+    stops the consumer too."""
     ms = int(lease_s * 1000)
-    while True:
-        await asyncio.sleep(lease_s / 3)
-        try:
-            kept = await r.eval(RENEW, 1, server_lease(url), token, ms)
-        except REDIS_TROUBLE as e:
-            REDIS_OUTAGE.seen(e)
-            continue
-        if not kept:
-            logger.error("server_lease_lost", driven_by=owner_of(await r.get(server_lease(url))))
-            lost.set()
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-
-
-async def supervised(keeping: Awaitable[None]) -> None:
-    """The lease keeper rides out Redis trouble itself; anything else is a bug that would leave
-    the server driven without a lease (a spare would take it): log it and stop the consumer."""
     try:
-        await keeping
+        while not lost.is_set():
+            await asyncio.sleep(lease_s / 3)
+            try:
+                kept = await r.eval(RENEW, 1, server_lease(url), token, ms)
+            except REDIS_TROUBLE as e:
+                REDIS_OUTAGE.seen(e)
+                continue
+            if not kept:
+                holder = await r.get(server_lease(url))
+                logger.error("server_lease_lost", driven_by=owner_of(holder))
+                lost.set()
     except Exception:
         logger.exception("background_task_crashed", task="server_lease",
                          consequence="the consumer stops and gives its tasks back")
-        os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def drive(s: ConsumeSettings, serve: Serve) -> int:
+async def drive(s: ConsumeSettings, serve: Callable[[ConsumeSettings], Awaitable[int]]) -> int:
     """Lease a server, run `serve` on it while renewing the lease, release it on the way out.
     Exit code 3 when the lease was lost, so a supervisor restarts this replica as a spare."""
     if s.share_server:
@@ -250,7 +225,7 @@ async def drive(s: ConsumeSettings, serve: Serve) -> int:
             return 0
         structlog.contextvars.bind_contextvars(server=url)
         lost = asyncio.Event()
-        keeper = asyncio.create_task(supervised(keep(r, url, token, s.server_lease, lost)))
+        keeper = asyncio.create_task(keep(r, url, token, s.server_lease, lost))
         try:
             code = await serve(replace(s, server=url))
         finally:

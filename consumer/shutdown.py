@@ -1,7 +1,6 @@
-"""Bounds on a consumer's shutdown. A stop drains in-flight work for --grace seconds, gives the
-rest back, and then waits at most FORCE_AFTER_S more for the slots (a release or ack stuck on an
-unreachable Redis) before cancelling them: their leases expire and come back on their own. A
-watchdog logs every stack if shutdown still has not finished long after that."""
+"""Bounds on a consumer's shutdown: after the --grace drain, slots still stuck (a release or ack
+on an unreachable Redis) get FORCE_AFTER_S more, then are cancelled (their leases expire on
+their own); a watchdog logs every stack if shutdown has not finished long after that."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def where(task: asyncio.Task) -> list[str]:
 
 
 def arm_watchdog(grace: float) -> None:
-    watchdog = threading.Timer(grace + WATCHDOG_AFTER_S, dump_stuck,
-                               [asyncio.get_running_loop()])
+    watchdog = threading.Timer(grace + WATCHDOG_AFTER_S, dump_stuck, [asyncio.get_running_loop()])
     watchdog.daemon = True  # never keeps a finished process alive
     watchdog.start()
 
@@ -68,9 +66,8 @@ async def bounded(slots: Sequence[asyncio.Task]) -> None:
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
     """Cancel the tasks until they are done, for at most `bound` seconds. One cancel() is not
-    enough: redis-py's asyncio client (8.x) can swallow a cancellation, the command returning as
-    if none had come, and a loop around it then runs on (the shutdown hang found by the chaos
-    soak: a consumer waiting forever for its cancelled housekeeping task)."""
+    enough: redis-py's asyncio client (8.x) can swallow a cancellation, and a loop around it
+    then runs on (a stopped consumer once waited forever for its housekeeping so)."""
     pending = {t for t in tasks if not t.done()}
     deadline = time.monotonic() + bound
     while pending and time.monotonic() < deadline:
@@ -83,8 +80,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AF
 
 
 async def withdraw(body: Callable[[], Awaitable[None]]) -> None:
-    """Run the consumer's deregistration, bounded in time; failure only costs a stale entry
-    that expires by itself."""
+    """The consumer's deregistration, bounded in time: failing leaves a stale entry to expire."""
     try:
         async with asyncio.timeout(WITHDRAW_TIMEOUT_S):
             await body()

@@ -1,10 +1,7 @@
-"""The consumer: one worker that keeps one SGLang server exactly full.
-
-`Consumer.run` starts one slot per request the server runs at once, the prefetcher that claims
-tasks ahead for them (prefetch.py), the committer that writes and acknowledges their answers
-(commit.py) and one loop per housekeeping duty (duties.py). A slot takes a task, sends its
-request, hands the answer to the committer and takes its next task at once. A stop drains the
-slots for --grace seconds and gives back what is left (shutdown.py bounds the rest)."""
+"""The consumer: one worker that keeps one SGLang server exactly full, with one slot per request
+the server runs at once. Tasks are claimed ahead of the slots (prefetch.py) and their answers
+written and acknowledged behind them (commit.py); a stop drains the slots for --grace seconds
+and gives back what is left (shutdown.py bounds the rest)."""
 
 from __future__ import annotations
 
@@ -21,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from common.data import manifest as manifests
 from common.data.records import build_record
 from common.data.rows import Dataset, Prompt
 from common.data.shards import ShardWriter
@@ -28,20 +26,62 @@ from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, 
 from common.params import DEFAULTS, request_body
 from common.queue import feed, probe_store
 from common.queue.keys import RunKeys
+from common.queue.run import OK, REPLACED, judge
 from common.queue.scripts import ScriptRunner, iso_now
+from common.report import runhealth
 from common.sglang.client import SGLang
 from common.sglang.stream import Completion
-from consumer import duties, presence, shutdown
-from consumer.backoff import ClaimPause, ShuttingDown, redis_retry
+from consumer import presence, shutdown
+from consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from consumer.commit import Committer
 from consumer.follow import HISTORY_PERIOD_S, Follower
 from consumer.leases import KEPT, Inflight, Lease, TaskQueue
 from consumer.prefetch import Prefetch
-from consumer.runstate import OK, REPLACED, RunState
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
+
+
+class RunState:
+    """The consumer's view of its run, by its epoch: ok, lost (Redis restarted without
+    persistence) or replaced (a producer registered a new run under its name). Either way the
+    cached parameters, data set and size describe neither, so nothing is claimed, queued or
+    written until the run is back."""
+
+    def __init__(self, keys: RunKeys, epoch: str, out_dir: str) -> None:
+        self.keys, self.epoch, self.out_dir = keys, epoch, out_dir
+        self.state = OK
+        self.failure = ""  # set when the consumer must stop: the run was replaced
+
+    @property
+    def paused(self) -> bool:
+        return self.state != OK
+
+    async def check(self, r: aioredis.Redis) -> str:
+        """Read the run's epoch; log each change of state once, with what fixes it."""
+        raw = await r.hget(self.keys.meta, "epoch")
+        epoch = raw.decode() if isinstance(raw, bytes) else raw
+        now = judge(epoch, self.epoch)
+        if now != self.state:
+            fix = runhealth.recover_command(self.keys.run, [os.path.abspath(self.out_dir)])
+            reason = runhealth.report_change(
+                logger, now, run=self.keys.run, mine=self.epoch, current=epoch,
+                service="consumer", duty="claiming and writing", command=fix,
+                then=(f"its output in {self.out_dir} is of the earlier run: `{fix} --replace` "
+                      "brings that one back, or restart this consumer with another --out for "
+                      "the new one"))
+            if now == REPLACED:
+                self.failure = reason
+        self.state = now
+        return now
+
+    async def keep_manifest(self, sync: redis.Redis) -> None:
+        """Rewrite the manifest beside the shards if the run or its parameters changed."""
+        if self.state != OK:
+            return
+        if await asyncio.to_thread(manifests.upkeep, sync, self.keys, [self.out_dir], self.epoch):
+            logger.debug("manifest_written", path=str(manifests.path(self.out_dir, self.keys.run)))
 
 
 class Consumer:
@@ -89,7 +129,7 @@ class Consumer:
     # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
-        loops = [asyncio.create_task(duties.run(duty, self.crash)) for duty in self.duties()]
+        loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
         try:
             async with asyncio.TaskGroup() as tg:
                 self.tg = tg
@@ -102,19 +142,18 @@ class Consumer:
             await shutdown.withdraw(
                 lambda: presence.withdraw(self.redis, self.keys, self.settings.name))
 
-    def duties(self) -> list[duties.Duty]:
+    def duties(self) -> list[Duty]:
         vt = self.settings.visibility_timeout
         return [
-            duties.Duty("renew_leases", self.renew_leases, lambda: vt / 3),
-            duties.Duty("heartbeat", self.heartbeat, lambda: 1.0),
-            duties.Duty("check_run", self.check_run, lambda: 0.5),
-            duties.Duty("watch_params", self.watch_params, lambda: 0.5),
-            duties.Duty("upkeep", self.upkeep, lambda: 1.0),
+            Duty("renew_leases", self.renew_leases, lambda: vt / 3),
+            Duty("heartbeat", self.heartbeat, lambda: 1.0),
+            Duty("check_run", self.check_run, lambda: 0.5),
+            Duty("watch_params", self.watch_params, lambda: 0.5),
+            Duty("upkeep", self.upkeep, lambda: 1.0),
             # These two talk to the server, and to Redis only now and then.
-            duties.Duty("follow_load", self.follow_load,
-                        lambda: 0.5 if self.follower.unconfirmed else 1.0, redis=False),
-            duties.Duty("follow_server", self.follow_server, lambda: HISTORY_PERIOD_S,
-                        redis=False),
+            Duty("follow_load", self.follow_load,
+                 lambda: 0.5 if self.follower.unconfirmed else 1.0, redis=False),
+            Duty("follow_server", self.follow_server, lambda: HISTORY_PERIOD_S, redis=False),
         ]
 
     async def drain(self, prefetching: asyncio.Task[None], committing: asyncio.Task[None]) -> None:
@@ -230,13 +269,12 @@ class Consumer:
         if self.held.get(inflight.lease.job_id) is inflight:
             del self.held[inflight.lease.job_id]
             if not self.held:
-                self.prefetch.poke()  # a burst run may have settled
+                self.prefetch.wake()  # a burst run may have settled
 
     async def put_back(self, inflight: Inflight, reason: str) -> None:
         """Release a task unspent: no request was sent for it."""
         try:
-            await self.retry(lambda: self.queue.release(inflight.lease, refund=True,
-                                                        reason=reason))
+            await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason))
             logger.debug("ready_task_returned", index=inflight.lease.index, reason=reason)
         except ShuttingDown:
             pass  # past the grace with Redis away: the lease expires instead
@@ -246,9 +284,8 @@ class Consumer:
     async def on_empty(self) -> None:
         """Prefetch found nothing to claim: a --burst consumer ends once the run is settled;
         a long-running one says once that the run is finished, and waits for more work."""
-        if self.held or (self.finished_said and not self.settings.burst):
-            return
-        if not await self.settled():
+        if (self.held or (self.finished_said and not self.settings.burst)
+                or not await self.settled()):
             return
         if self.settings.burst:
             if not self.stop.is_set():
@@ -260,16 +297,15 @@ class Consumer:
             self.finished_said = True
 
     async def settled(self) -> bool:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.bitcount(self.keys.done)
-        pipe.bitcount(self.keys.failed)
-        pipe.zcard(self.keys.leases)
-        pipe.llen(self.keys.rq_queue)
+        k, pipe = self.keys, self.redis.pipeline(transaction=False)
+        pipe.bitcount(k.done)
+        pipe.bitcount(k.failed)
+        pipe.zcard(k.leases)
+        pipe.llen(k.rq_queue)
         done, failed, leased, queued = await pipe.execute()
         return done + failed >= self.total and not leased and not queued
 
     def committed(self, batch: list[Inflight], accepted: int) -> None:
-        """The committer settled a batch: its tasks are let go."""
         if accepted:  # counted per batch: a log call per task was 1 % of a busy consumer
             self.acked += accepted
             self.pause.recovered()
@@ -279,27 +315,23 @@ class Consumer:
 
     # --- one task ------------------------------------------------------------------------
     async def process(self, inflight: Inflight) -> None:
-        lease = inflight.lease
+        lease, gave_up, answered = inflight.lease, "", None
         if lease.spent > self.settings.max_attempts:
             last = await self.retry(lambda: self.queue.last_error(lease.index))
-            try:
-                await self.fail(lease, f"gave up after {self.settings.max_attempts} attempts; "
-                                       f"last error: {last}")
-            finally:
-                self.let_go(inflight)
-            return
-        answered = None
+            gave_up = f"gave up after {self.settings.max_attempts} attempts; last error: {last}"
         try:
-            answered = await self.generate(inflight)
+            if gave_up:
+                await self.fail(lease, gave_up)
+            else:
+                answered = await self.generate(inflight)
         finally:
             if answered is None:
                 self.let_go(inflight)
-        if answered is None:
-            return
-        # The server's slot is free now: the write and ack run beside the next task, and the
-        # committer's on_done lets the task go once acked.
-        self.committer.add(inflight, *answered)
-        await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
+        if answered is not None:
+            # The server's slot is free now: the write and ack run beside the next task, and
+            # the committer's on_done lets the task go once acked.
+            self.committer.add(inflight, *answered)
+            await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
         """The task's record and completion, or None when it ended otherwise (failed, given
@@ -387,9 +419,8 @@ class Consumer:
             self.params[version] = orjson.loads(raw) if raw else dict(DEFAULTS)
         return self.params[version]
 
-    # --- duties (duties.py runs each in its own loop) ----------------------------------------
+    # --- duties (backoff.run_duty runs each in its own loop) ---------------------------------
     async def renew_leases(self) -> None:
-        """Renew every held lease; abort the tasks whose lease was lost."""
         held = list(self.held.values())
         lost = await self.queue.renew([i.lease for i in held])
         for inflight in held:
@@ -445,9 +476,8 @@ class Consumer:
                     inflight.cancel(f"parameters changed to version {version}")
 
     async def upkeep(self) -> None:
-        """Reap expired leases, and queue more unfinished prompts when the queue runs low, so
-        the server stays full after a redo or with no producer running (the enqueue script
-        prevents doubles)."""
+        """Reap expired leases; top the queue up when it runs low, so the server stays full after
+        a redo or with no producer running (the enqueue script prevents doubles)."""
         if self.runstate.paused:
             return
         await self.queue.reap()
