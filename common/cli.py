@@ -4,12 +4,13 @@ clear line on stderr with a non-zero exit instead of a traceback."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, overload
+from typing import overload
 
 import redis
 import structlog
@@ -138,15 +139,11 @@ def risky_redis_settings(r: redis.Redis) -> list[str]:
     return risks
 
 
-class Command(Protocol):
-    """A command's main: argv, or sys.argv[1:] when called without one."""
+def guarded(main: Callable[[list[str] | None], int]) -> Callable[..., int]:
+    """Wrap a command's main (argv, or sys.argv[1:] without one): GenqError and Redis trouble
+    become one line and an exit code."""
 
-    def __call__(self, argv: list[str] | None = None) -> int: ...
-
-
-def guarded(main: Callable[[list[str] | None], int]) -> Command:
-    """Wrap a command's main: GenqError and Redis trouble become one line and an exit code."""
-
+    @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
@@ -166,6 +163,4 @@ def guarded(main: Callable[[list[str] | None], int]) -> Command:
         except KeyboardInterrupt:
             return 130
 
-    wrapper.__name__ = main.__name__
-    wrapper.__doc__ = main.__doc__
     return wrapper

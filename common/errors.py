@@ -81,13 +81,8 @@ class StoreUnavailable(Retryable):
 # The builtin ConnectionError and TimeoutError are the socket's own (reset, refused, an
 # asyncio.timeout around a call); any other OSError is judged by `classify`.
 REDIS_TROUBLE: tuple[type[Exception], ...] = (
-    redis.ConnectionError,
-    redis.TimeoutError,
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-    ConnectionError,
-    TimeoutError,
-)
+    redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError, ConnectionError, TimeoutError)
 
 
 def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:

@@ -85,7 +85,10 @@ def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]
         if key in KNOWN:
             raise UsageError(f"--raw {pair!r}: {key} is a known parameter; use --set so its "
                              "value is checked")
-        changes[key] = _loose(raw)
+        try:  # JSON where it parses (numbers, booleans, objects), else the string
+            changes[key] = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            changes[key] = raw
     return changes
 
 
@@ -104,22 +107,10 @@ def apply(old: dict[str, Any], changes: dict[str, Any],
     return new, dict(sorted(diff.items()))
 
 
-def _loose(raw: str) -> Any:
-    """An unknown key's value: JSON if it parses (numbers, booleans, objects), else the string."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw
-
-
 def current(r: redis.Redis, k: RunKeys) -> tuple[int, dict[str, Any]]:
     version = int(r.get(k.params_version) or 1)
     raw = r.hget(k.params, str(version))
     return version, (orjson.loads(raw) if raw else dict(DEFAULTS))
-
-
-def history(r: redis.Redis, k: RunKeys) -> list[dict[str, Any]]:
-    return [orjson.loads(x) for x in r.lrange(k.params_history, 0, -1)]
 
 
 def init_version_one(r: redis.Redis, k: RunKeys, params: dict[str, Any]) -> bool:
@@ -133,22 +124,14 @@ def init_version_one(r: redis.Redis, k: RunKeys, params: dict[str, Any]) -> bool
     return True
 
 
-def smallest_context(r: redis.Redis, k: RunKeys) -> tuple[str, int] | None:
-    """(server, context length) of the smallest context any consumer of the run has read."""
-    known = {}
-    for server, raw in r.hgetall(k.servers).items():
-        context = orjson.loads(raw).get("context_length")
-        if context:
-            known[text(server)] = int(context)
-    return min(known.items(), key=lambda item: item[1]) if known else None
-
-
 def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
-    """Refuse a max_tokens that cannot fit the model's context even with an empty prompt:
-    every request would be refused, and a redo would have undone good results for nothing."""
-    smallest = smallest_context(r, k)
-    if smallest and max_tokens >= smallest[1]:
-        server, context = smallest
+    """Refuse a max_tokens that cannot fit the smallest context any consumer has read, even
+    with an empty prompt: every request would be refused, and a redo would have undone good
+    results for nothing."""
+    known = [(text(server), int(context)) for server, raw in r.hgetall(k.servers).items()
+             if (context := orjson.loads(raw).get("context_length"))]
+    server, context = min(known, key=lambda item: item[1], default=("", 0))
+    if known and max_tokens >= context:
         raise UsageError(
             f"max_tokens {max_tokens} cannot fit: the model's context on {server} is {context} "
             f"tokens for prompt and completion together; use a max_tokens below {context} "

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from common.net import free_port, wait_port  # noqa: F401 (tests import them from here)
+from common.queue import scripts
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -103,3 +104,10 @@ def genq(*args: str, redis_url: str, run: str, check: bool = True, timeout: floa
     if check and proc.returncode != 0:
         raise AssertionError(f"genq {' '.join(args)} exited {proc.returncode}:\n{proc.stderr}")
     return proc
+
+
+def ack_call(k, job_id: str, index: int, exec_id: str, *, server: str, **result) -> scripts.Call:
+    """The ack of one result (the consumer acks in batches: scripts.ack_many_call); the script
+    answers a list of one code."""
+    return scripts.ack_many_call(k, server, [scripts.Result(job_id=job_id, index=index,
+                                                            exec_id=exec_id, **result)])

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import redis
+from conftest import ack_call
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -114,7 +115,7 @@ class QueueMachine(RuleBasedStateMachine):
           finish=st.sampled_from(["stop", "length"]))
     def ack(self, pick: int, tokens: int, finish: str) -> None:
         consumer, lease = self.take(pick)
-        accepted = self.run(scripts.ack_call(
+        accepted = self.run(ack_call(
             self.k, lease.job_id, lease.index, lease.exec_id, completion_tokens=tokens,
             prompt_tokens=3, finish_reason=finish, version=lease.version,
             attempt=lease.attempt, server=f"http://{consumer}"))[0]

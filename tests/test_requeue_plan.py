@@ -4,7 +4,7 @@ touches, the requests in flight that are aborted, and the extra tokens and time 
 from __future__ import annotations
 
 import pytest
-from conftest import genq
+from conftest import ack_call, genq
 from pipeline import write_dataset
 
 from common.queue import scripts
@@ -33,10 +33,10 @@ def live_run(tmp_path, redis_url, r, run_name):
     _, *rows = run(scripts.claim_call(k, 15, 600, "http://s", "w", "e"))
     for n, (jid, idx, ex, attempt, _spent) in enumerate(rows[:12]):
         truncated = n < 4
-        run(scripts.ack_call(k, jid.decode(), int(idx), ex.decode(),
-                             completion_tokens=4096 if truncated else 1000, prompt_tokens=5,
-                             finish_reason="length" if truncated else "stop", version=1,
-                             attempt=int(attempt), server="http://s"))
+        run(ack_call(k, jid.decode(), int(idx), ex.decode(),
+                     completion_tokens=4096 if truncated else 1000, prompt_tokens=5,
+                     finish_reason="length" if truncated else "stop", version=1,
+                     attempt=int(attempt), server="http://s"))
     return k
 
 

@@ -7,6 +7,7 @@ import time
 
 import pytest
 import redis
+from conftest import ack_call
 from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -30,8 +31,8 @@ def claim(runner, k, n=1, vt=30.0, server="http://s:1"):
 
 def ack(runner, k, lease, tokens=100, finish="stop"):
     jid, idx, ex, att = lease
-    return runner(scripts.ack_call(k, jid, idx, ex, completion_tokens=tokens, prompt_tokens=7,
-                                   finish_reason=finish, version=1, attempt=att, server="s"))[0]
+    return runner(ack_call(k, jid, idx, ex, completion_tokens=tokens, prompt_tokens=7,
+                           finish_reason=finish, version=1, attempt=att, server="s"))[0]
 
 
 def test_enqueue_is_idempotent(r, run_name):
@@ -132,8 +133,8 @@ def test_redo_undoes_zero_token_results(r, run_name):
     k, runner = setup_run(r, run_name, 2)
     for lease in claim(runner, k, n=2):
         jid, idx, ex, att = lease
-        runner(scripts.ack_call(k, jid, idx, ex, completion_tokens=0, prompt_tokens=0,
-                                finish_reason="length", version=1, attempt=att, server="s"))
+        runner(ack_call(k, jid, idx, ex, completion_tokens=0, prompt_tokens=0,
+                        finish_reason="length", version=1, attempt=att, server="s"))
     assert runner(scripts.redo_call(k, "truncated", 0, 2, 2)) == [2, 2]
     assert r.bitcount(k.done) == 0 and r.hget(k.counters, "finish:length") == b"0"
     assert r.hgetall(k.length_hist) == {}

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import orjson
-from conftest import genq
+from conftest import ack_call, genq
 from pipeline import write_dataset
 
 from common.queue import scripts
@@ -15,10 +15,10 @@ def ack_claimed(r, k: RunKeys, n: int, finish: str, tokens: int) -> None:
     run = scripts.ScriptRunner(r)
     version, *rows = run(scripts.claim_call(k, n, 600, "http://s", "w", "e"))
     for jid, idx, ex, attempt, _ in rows:
-        assert run(scripts.ack_call(k, jid.decode(), int(idx), ex.decode(),
-                                    completion_tokens=tokens, prompt_tokens=5,
-                                    finish_reason=finish, version=int(version),
-                                    attempt=int(attempt), server="http://s")) == [1]
+        assert run(ack_call(k, jid.decode(), int(idx), ex.decode(),
+                            completion_tokens=tokens, prompt_tokens=5,
+                            finish_reason=finish, version=int(version),
+                            attempt=int(attempt), server="http://s")) == [1]
 
 
 def truncation_alerts(redis_url: str, run: str) -> list[dict]:

@@ -16,9 +16,8 @@ RATE_BUCKET_S = 10  # seconds per rate bucket; the 1/5/15-minute rates are sums 
 RATE_BUCKET_TTL_S = 6 * 3600  # long enough for the 15-minute rate and the throughput chart
 
 # Finish reasons are stored per index as a small code so a redo can undo its counters.
-FINISH_CODES = {"stop": 1, "length": 2, "abort": 3}
-FINISH_OTHER = 4
 FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "other"}
+FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 
 
 # Each per-index bitmap and bitfield, by RunKeys attribute, with its width in bits. A new run
@@ -30,7 +29,7 @@ PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims"
 
 
 def finish_code(reason: str | None) -> int:
-    return FINISH_CODES.get(reason or "", FINISH_OTHER)
+    return FINISH_CODES.get(reason or "", FINISH_CODES["other"])
 
 
 class _Own:

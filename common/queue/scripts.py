@@ -106,16 +106,6 @@ class Result:
     attempt: int
 
 
-def ack_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, completion_tokens: int,
-             prompt_tokens: int, finish_reason: str, version: int, attempt: int,
-             server: str) -> Call:
-    """One result; the script answers a list of one code."""
-    return ack_many_call(k, server, [Result(
-        job_id=job_id, index=index, exec_id=exec_id, completion_tokens=completion_tokens,
-        prompt_tokens=prompt_tokens, finish_reason=finish_reason, version=version,
-        attempt=attempt)])
-
-
 def ack_many_call(k: RunKeys, server: str, results: list[Result]) -> Call:
     """Several results of one consumer in one call; the script answers a code per result."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
@@ -177,7 +167,9 @@ def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = ""
 
 def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
               limit: int = 10_000) -> Call:
-    """what: "truncated" or "done" (results to undo) or "failed" (prompts to revive)."""
+    """what: "truncated" or "done" (results to undo) or "failed" (prompts to revive). Each call
+    is atomic, so a bounded slice (`limit` indices) holds Redis only briefly and the consumers'
+    acks are not held up."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
             k.pending, k.kept]
