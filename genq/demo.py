@@ -21,7 +21,9 @@ import redis
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from common.errors import mask_secrets
+from common.files import write_atomic
 from common.net import free_port, wait_port
+from common.queue.keys import RunKeys
 
 # How long consumers get to exit once every prompt is settled (--burst exits within seconds).
 SETTLE_WAIT_S = 30.0
@@ -29,12 +31,12 @@ PR_SET_PDEATHSIG = 1
 TOPICS = ["a parser", "a web server", "a sorting routine", "a CLI tool", "a cache", "a scheduler"]
 
 
-def write_dataset(path: Path, n: int) -> None:
-    with open(path, "w") as f:
-        for i in range(n):
-            text = f"Write {TOPICS[i % len(TOPICS)]} in Python, variant {i}."
-            f.write(json.dumps({"id": f"demo-{i}", "messages": [
-                {"role": "user", "content": text}]}) + "\n")
+def dataset(n: int) -> bytes:
+    """The demo's data set: n prompts, a JSON object a line."""
+    rows = ({"id": f"demo-{i}", "messages": [
+        {"role": "user", "content": f"Write {TOPICS[i % len(TOPICS)]} in Python, variant {i}."}]}
+        for i in range(n))
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
 def die_with_parent() -> None:
@@ -90,8 +92,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    if a.write_dataset:
-        return write_dataset_once(Path(a.write_dataset), a.prompts)
+    if a.write_dataset:  # unless it exists
+        path = Path(a.write_dataset)
+        if path.exists():
+            print(f"data set {path} exists; leaving it as it is")
+        else:
+            write_atomic(path, dataset(a.prompts))
+            print(f"wrote {a.prompts} demo prompts to {path}")
+        return 0
     if a.out is None:
         a.out = str(Path(tempfile.mkdtemp(prefix="genq-demo-out-")) / "results.jsonl")
     workdir = Path(tempfile.mkdtemp(prefix="genq-demo-"))
@@ -113,18 +121,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def write_dataset_once(path: Path, n: int) -> int:
-    if path.exists():
-        print(f"data set {path} exists; leaving it as it is")
-        return 0
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    write_dataset(tmp, n)
-    os.replace(tmp, path)
-    print(f"wrote {n} demo prompts to {path}")
-    return 0
-
-
 def run_demo(a: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]) -> int:
     url, private = redis_url(procs, workdir)
     run = f"demo-{int(time.time())}"
@@ -138,7 +134,7 @@ def run_demo(a: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]
         return proc
 
     data = workdir / "prompts.jsonl"
-    write_dataset(data, a.prompts)
+    data.write_bytes(dataset(a.prompts))
     servers = []
     # A chunk per 0.2 simulated seconds: a chunk per token, at this speed, is more than a
     # simulator on a laptop can send on time.
@@ -198,10 +194,11 @@ def closing_advice(out: str, run: str, url: str, private: bool) -> str:
 
 
 def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen]) -> None:
-    from common.queue import run as runs
-    from common.queue.keys import RunKeys
-
     k = RunKeys(run)
+
+    def settled() -> int:
+        return int(r.bitcount(k.done)) + int(r.bitcount(k.failed))
+
     columns = [TextColumn("[bold]generating"), BarColumn(), TextColumn("{task.completed}/"
                "{task.total}"), TextColumn("{task.fields[rate]:.1f} req/s"),
                TimeRemainingColumn()]
@@ -210,7 +207,7 @@ def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen
         task = bar.add_task("run", total=total, rate=0.0)
         settled_at = None
         while any(c.poll() is None for c in consumers):
-            done = sum(runs.settled_count(r, k))
+            done = settled()
             bar.update(task, completed=done, rate=done / max(time.monotonic() - start, 1e-6))
             # Every prompt is settled; a consumer that has not exited SETTLE_WAIT_S later is
             # stuck, and waiting on it would keep the demo (and what it started) alive.
@@ -218,4 +215,4 @@ def watch(r: redis.Redis, run: str, total: int, consumers: list[subprocess.Popen
             if settled_at and time.monotonic() - settled_at > SETTLE_WAIT_S:
                 break
             time.sleep(0.5)
-        bar.update(task, completed=sum(runs.settled_count(r, k)))
+        bar.update(task, completed=settled())

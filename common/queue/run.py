@@ -39,23 +39,18 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
         "created_at": time.time(), "epoch": new_epoch()}
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
-        r.hset(k.meta, mapping=fields)
-        r.sadd(RUNS, k.run)
-        preallocate(r, k, total)
+        pipe = r.pipeline(transaction=False)
+        pipe.hset(k.meta, mapping=fields)
+        pipe.sadd(RUNS, k.run)
+        for name, bits in PER_INDEX_BITS.items():  # at their final size: see PER_INDEX_BITS
+            pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
+        pipe.execute()
     info = load(r, k)
     if info.fingerprint != fingerprint:
         raise DatasetError(f"run {k.run!r} is registered with data set {info.dataset} "
                            f"(fingerprint {info.fingerprint[:16]}); {path} differs: use another "
                            "--run for a new data set")
     return info
-
-
-def preallocate(r: redis.Redis, k: RunKeys, total: int) -> None:
-    """Create the per-index bitmaps and bitfields at their final size (see PER_INDEX_BITS)."""
-    pipe = r.pipeline(transaction=False)
-    for name, bits in PER_INDEX_BITS.items():
-        pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
-    pipe.execute()
 
 
 def load(r: redis.Redis, k: RunKeys) -> RunInfo:
@@ -69,15 +64,6 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     return RunInfo(run=k.run, dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"],
                    created_at=float(meta.get("created_at") or 0))
-
-
-def settled_count(r: redis.Redis, k: RunKeys) -> tuple[int, int]:
-    """(done, failed) from the bitmaps, read together."""
-    pipe = r.pipeline(transaction=False)
-    pipe.bitcount(k.done)
-    pipe.bitcount(k.failed)
-    done, failed = pipe.execute()
-    return int(done), int(failed)
 
 
 def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
