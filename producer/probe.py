@@ -3,7 +3,8 @@
 The probe calls the run's servers (those its live consumers use) directly, a few requests at
 a time, rather than through the queue, so it touches no result, counter or shard. Its answers
 are kept in Redis (common/queue/probe_store.py): committing the pivot with the same parameters
-lets the consumers use them unchanged.
+lets the consumers use them unchanged. The report: the truncation rate at the new limit with
+a Wilson interval, the new lengths, and what the whole redo will cost.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import Counter
+from statistics import fmean
 from typing import Any, cast
 
-import orjson
 import redis
 
 from common import params
@@ -22,9 +24,10 @@ from common.errors import UsageError
 from common.queue import bitmap, heartbeats, probe_store
 from common.queue.keys import RunKeys
 from common.queue.replies import blob
+from common.queue.run import RunInfo
+from common.report.stats import percentiles, wilson
 from common.report.status import read_status
 from common.sglang.client import SGLang
-from producer.probe_stats import summarize
 from producer.requeue_plan import REDO_PASSES
 
 POPULATIONS = {**REDO_PASSES, "none": ("truncated",)}
@@ -47,10 +50,6 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
         field.get("u32", f"#{i}")
     # One integer per GET; redis-py types execute() for async clients too (an Awaitable).
     return [int(v) for v in cast(list[int], field.execute())]
-
-
-def live_servers(r: redis.Redis, k: RunKeys) -> list[str]:
-    return sorted({b["server"] for b in heartbeats.read(r, k).values() if b.get("server")})
 
 
 def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
@@ -90,19 +89,19 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
     return answers, errors
 
 
-def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: int,
-              changes: dict[str, Any], mode: str, concurrency: int) -> dict[str, Any]:
+def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dict[str, Any],
+              mode: str, concurrency: int) -> dict[str, Any]:
     """Probe n prompts of the redo's population under the changed parameters; the report."""
     pool = population(r, k, mode)
     if not pool:
         raise UsageError(f"nothing to probe: no prompt would be redone ({mode})")
-    servers = live_servers(r, k)
+    servers = sorted({b["server"] for b in heartbeats.read(r, k).values() if b.get("server")})
     if not servers:
         raise UsageError("no live consumer: the probe runs on the servers the run's "
                          "consumers use; start `genq consume` first")
     sample = sorted(random.Random(0).sample(pool, min(n, len(pool))))
-    data = open_dataset(dataset)
-    data.verify(fingerprint)
+    data = open_dataset(info.dataset)
+    data.verify(info.fingerprint)
     jobs = [(i, data.prompt(i)) for i in sample]
     new = {**params.current(r, k)[1], **changes}
     answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency))
@@ -117,6 +116,41 @@ def run_probe(r: redis.Redis, k: RunKeys, *, dataset: str, fingerprint: str, n: 
         tok_per_s=status["rate"]["tok_per_s"], servers=len(servers))
     return {**report, "changes": changes, "population_mode": mode, "errors": errors,
             "servers": servers, "kept_for_commit": len(answers), "consumers_not_seen": blind}
+
+
+def summarize(new: list[tuple[int, str | None]], old_tokens: list[int], *, population: int,
+              remaining: int, remaining_mean: float, tok_per_s: float, servers: int,
+              ) -> dict[str, Any]:
+    """new: (completion_tokens, finish_reason) per probed prompt; old_tokens: what those
+    prompts' current results hold; population: prompts the redo would run again; remaining:
+    prompts not done yet, expected at remaining_mean tokens each; tok_per_s: the run's output
+    rate; servers: GPUs sharing it."""
+    n = len(new)
+    lengths = [t for t, _ in new]
+    truncated = sum(1 for _, f in new if f == "length")
+    low, high = wilson(truncated, n)
+    pct = percentiles(Counter(lengths))  # nearest rank, as genq status reports them
+    mean_new = fmean(lengths) if lengths else 0.0
+    mean_old = fmean(old_tokens) if old_tokens else 0.0
+    # The probed prompts are already answered and are reused: the redo runs the rest.
+    redo_tokens = max(0, population - n) * mean_new
+    left = remaining * remaining_mean + redo_tokens
+    per_gpu = tok_per_s / servers if servers else 0.0
+    return {
+        "probe_n": n,
+        "population": population,
+        "truncated": truncated,
+        "truncation_rate": round(truncated / n, 4) if n else None,
+        "truncation_ci": [round(low, 4), round(high, 4)],
+        "length_mean": round(mean_new, 1),
+        "length_p50": pct["p50"], "length_p90": pct["p90"], "length_p99": pct["p99"],
+        "old_length_mean": round(mean_old, 1),
+        "extra_tokens": round(population * (mean_new - mean_old)),
+        "redo_tokens": round(redo_tokens),
+        "gpu_s": round(redo_tokens / per_gpu, 1) if per_gpu else None,
+        "eta_s": round(left / tok_per_s, 1) if tok_per_s else None,
+        "tok_per_s": round(tok_per_s, 1),
+    }
 
 
 def describe(rep: dict[str, Any]) -> str:
@@ -142,10 +176,3 @@ def describe(rep: dict[str, Any]) -> str:
         lines.append(f"  note: {', '.join(rep['consumers_not_seen'])} did not confirm seeing "
                      "the kept answers; commit in a few seconds")
     return "\n".join(lines)
-
-
-def main_probe(a: Any, changes: dict[str, Any], r: redis.Redis, k: RunKeys, info: Any) -> int:
-    report = run_probe(r, k, dataset=info.dataset, fingerprint=info.fingerprint, n=a.probe,
-                       changes=changes, mode=a.redo, concurrency=a.probe_concurrency)
-    print(orjson.dumps(report).decode() if a.json else describe(report))
-    return 0

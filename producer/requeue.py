@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+import orjson
 import redis
 from rich.progress import Progress
 
@@ -18,10 +19,6 @@ from common.queue.keys import RunKeys
 from common.queue.replies import text
 from common.queue.scripts import ScriptRunner, redo_call
 from producer import probe, requeue_plan
-
-# Indices made runnable per redo script call: each call is atomic, so a bounded slice holds
-# Redis only briefly and the consumers' acks are not held up.
-REDO_LIMIT = 10_000
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -82,7 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = plan.new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]
     params.check_fits(r, k, int(max_tokens))
     if a.probe:
-        return probe.main_probe(a, changes, r, k, info)
+        report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
+                                 concurrency=a.probe_concurrency)
+        print(orjson.dumps(report).decode() if a.json else probe.describe(report))
+        return 0
     if a.dry_run:
         print("\n".join(["dry run, nothing changed:", *requeue_plan.render(plan)]))
         return 0
@@ -109,7 +109,7 @@ def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple
             task = bar.add_task(f"redo {what}", total=total)
             pos = 0
             while pos < total:
-                count, pos = runner(redo_call(k, what, pos, total, below, REDO_LIMIT))
+                count, pos = runner(redo_call(k, what, pos, total, below))
                 counts[what] += int(count)
                 bar.update(task, completed=int(pos))
     return counts["truncated"] + counts["done"], counts["failed"]

@@ -16,9 +16,9 @@ from test_monitor import Monitor
 
 from common.queue import probe_store
 from common.queue.keys import RunKeys
-from common.report.confidence import wilson
+from common.report.stats import wilson
 from common.report.status import read_status
-from producer.probe_stats import percentile, summarize
+from producer.probe import summarize
 
 pytestmark = pytest.mark.timeout(300)
 FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")
@@ -32,8 +32,12 @@ def test_wilson_interval_matches_known_values():
 
 
 def test_percentiles_are_nearest_rank_values():
-    assert percentile([5, 1, 3, 2, 4], 50) == 3 and percentile([5, 1, 3, 2, 4], 90) == 5
-    assert percentile([], 50) is None
+    def lengths(*tokens: int) -> dict:
+        return summarize([(t, "stop") for t in tokens], [], population=len(tokens), remaining=0,
+                         remaining_mean=0.0, tok_per_s=0.0, servers=0)
+
+    assert lengths(5, 1, 3, 2, 4)["length_p50"] == 3 and lengths(5, 1, 3, 2, 4)["length_p90"] == 5
+    assert lengths()["length_p50"] is None
 
 
 def test_summary_projects_the_whole_redo():

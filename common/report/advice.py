@@ -82,14 +82,6 @@ def evidence(recent: list[dict]) -> dict[str, Any]:
     }
 
 
-def kv_bound(ev: dict[str, Any]) -> int | None:
-    """Requests the KV pool holds at KV_TARGET if each ends GROWTH times what it holds now."""
-    per_request, pool = ev["tokens_per_request_max"], ev["max_total_num_tokens"]
-    if not per_request or not pool:
-        return None
-    return max(1, math.floor(KV_TARGET * pool / (GROWTH * per_request)))
-
-
 def capacity_advice(server: str, history: list[Any] | None, now: float,
                     window_s: float = WINDOW_S) -> dict[str, Any] | None:
     """"raise" or "lower" --max-running-requests for one server, with its evidence; None when
@@ -108,7 +100,10 @@ def capacity_advice(server: str, history: list[Any] | None, now: float,
 
 
 def _raise(server: str, cap: int, ev: dict[str, Any]) -> dict[str, Any] | None:
-    bound = kv_bound(ev)
+    # Requests the KV pool holds at KV_TARGET if each ends GROWTH times what it holds now.
+    per_request, pool = ev["tokens_per_request_max"], ev["max_total_num_tokens"]
+    bound = (max(1, math.floor(KV_TARGET * pool / (GROWTH * per_request)))
+             if per_request and pool else None)
     suggested = min(bound or cap, math.ceil(cap * MAX_STEP))
     if suggested <= cap:
         return None
@@ -149,18 +144,14 @@ def advice_alert(advice: dict[str, Any]) -> dict[str, Any]:
             "command": command}
 
 
-def window_s_from_env() -> float:
-    """GENQ_ADVICE_WINDOW_S shortens or lengthens the window (tests, impatient people)."""
-    try:
-        value = float(os.environ.get("GENQ_ADVICE_WINDOW_S") or WINDOW_S)
-    except ValueError:
-        return WINDOW_S
-    return value if value > 0 else WINDOW_S
-
-
 def annotate(servers: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
-    """Give each status row its history as named samples and its advice; return the advice."""
-    window_s = window_s_from_env()
+    """Give each status row its history as named samples and its advice; return the advice.
+    GENQ_ADVICE_WINDOW_S shortens or lengthens the window (tests, impatient people)."""
+    try:
+        window_s = float(os.environ.get("GENQ_ADVICE_WINDOW_S") or WINDOW_S)
+    except ValueError:
+        window_s = WINDOW_S
+    window_s = window_s if window_s > 0 else WINDOW_S
     out = []
     for row in servers:
         history = row.pop("_history", None)

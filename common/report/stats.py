@@ -1,15 +1,14 @@
-"""Rate, ETA, percentile and alert maths over the numbers genq keeps in Redis, with no I/O."""
+"""Rate, ETA, percentile, confidence and alert maths over the figures genq keeps; no I/O."""
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
 from common.queue.keys import RATE_BUCKET_S
-from common.report.confidence import wilson
 
 Buckets = Mapping[int, Mapping[str, float]]
 
@@ -18,6 +17,7 @@ TRUNCATION_THRESHOLD = 0.05
 TRUNCATION_MIN_SAMPLES = 20
 RECENT_S = 300
 STALL_S = 300
+Z95 = 1.959964  # two-sided 95 %
 
 
 def activity_start(buckets: Buckets, created_at: float | None = None) -> float | None:
@@ -141,21 +141,14 @@ def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
     return out
 
 
-def requeue_command(max_tokens: int | None, run: str) -> str | None:
-    """The exact command that re-runs truncated prompts with twice the output budget."""
-    if not max_tokens:
-        return None
-    cmd = f"genq requeue --set max_tokens={2 * int(max_tokens)} --redo truncated"
-    # Pasted as is, the command must act on this run, not on whatever GENQ_RUN says.
-    return cmd if run == "default" else f"{cmd} --run {run}"
-
-
 def _truncation(message: str, max_tokens: int | None, run: str) -> dict:
-    """A truncation alert, with the command that fixes it where the limit is known."""
+    """A truncation alert; where the limit is known, with the exact command that re-runs the
+    truncated prompts with twice the output budget."""
     alert: dict = {"kind": "truncation", "message": message}
-    cmd = requeue_command(max_tokens, run)
-    if cmd:
-        alert["command"] = cmd
+    if max_tokens:
+        # Pasted as is, the command must act on this run, not on whatever GENQ_RUN says.
+        alert["command"] = (f"genq requeue --set max_tokens={2 * int(max_tokens)} --redo "
+                            "truncated" + ("" if run == "default" else f" --run {run}"))
     return alert
 
 
@@ -168,6 +161,18 @@ def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None,
     return _truncation(f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
                        f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated "
                        "ones", max_tokens, run)
+
+
+def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """Wilson score interval for k successes in n trials: honest at small n and near 0 or 1,
+    where the normal approximation gives impossible bounds."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = k / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, center - half), min(1.0, center + half)
 
 
 def version_truncation(buckets: Buckets, version: int) -> dict[str, Any]:
@@ -206,8 +211,3 @@ def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, floa
                         f"{remaining} prompts remain; check the server and its consumer"}
             for server in sorted(recent_req)
             if recent_req[server] <= 0 and known_for_s.get(server, 0.0) >= window_s]
-
-
-def merge_buckets(rows: Iterable[tuple[int, Mapping[str, float]]]) -> dict[int, dict[str, float]]:
-    """Drop empty buckets so callers can ask "was there activity" by membership."""
-    return {b: dict(f) for b, f in rows if f}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import itertools
+import re
 from collections import Counter
 from functools import partial
 from typing import Any, cast
@@ -14,23 +16,24 @@ import redis
 from common.cli import run_keys
 from common.errors import UsageError, mask_tree
 from common.params import DEFAULTS
-from common.queue import heartbeats
+from common.queue import bitmap, heartbeats
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
-from common.report import advice, failures, runhealth, stats
+from common.queue.replies import blob, text
+from common.report import advice, runhealth, stats
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S
 WINDOWS = {"1m": 60, "5m": 300, "15m": 900}
 HISTORY_LIMIT = 20
-
-
-def _s(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+TOP_REASONS = 5
+REASONS_CAP = 20_000  # reasons of the first REASONS_CAP failed indices only: a bounded read
+_ROW = re.compile(r"\brow \d+\b")
+_POSITION = re.compile(r"line \d+ column \d+ \(char \d+\)|\(char \d+\)")
 
 
 def _num(value: Any, default: float = 0) -> float:
     try:
-        return float(_s(value))
+        return float(text(value))
     except (TypeError, ValueError):
         return default
 
@@ -46,11 +49,11 @@ def _timestamp(value: Any) -> float | None:
     """created_at as Unix seconds, whether it was written as a number or as ISO 8601."""
     if value is None:
         return None
-    text = _s(value)
+    raw = str(text(value))
     with contextlib.suppress(ValueError):
-        return float(text)
+        return float(raw)
     try:
-        parsed = dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
+        parsed = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
     except ValueError:
         return None
     return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)).timestamp()
@@ -81,16 +84,17 @@ def _read_buckets(r: redis.Redis, k: RunKeys, now_bucket: int) -> dict:
     span = range(now_bucket - HISTORY_BUCKETS, now_bucket + 1)
     for b in span:
         p.hgetall(k.rate_bucket(b))
-    rows = zip(span, p.execute(), strict=True)
-    return stats.merge_buckets((b, {_s(f): _num(v) for f, v in row.items()}) for b, row in rows)
+    # Empty buckets are left out, so "was there activity" is a question of membership.
+    return {b: {text(f): _num(v) for f, v in row.items()}
+            for b, row in zip(span, p.execute(), strict=True) if row}
 
 
 def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | None) -> list:
     """One row per server: leases held, recent rates, and what its consumers report."""
-    leased = Counter(_s(o).split("|")[1] for o in raw["owners"] if _s(o).count("|") >= 2)
+    leased = Counter(text(o).split("|")[1] for o in raw["owners"] if text(o).count("|") >= 2)
     rows: dict[str, dict] = {}
     for name, seen in raw["consumers"]:
-        beat = beats.get(_s(name))
+        beat = beats.get(text(name))
         if not beat or not beat.get("server"):
             continue  # heartbeat expired: the consumer is gone, its leases show it anyway
         row = rows.setdefault(beat["server"], {"capacity": 0, "consumers": [], "load": None,
@@ -98,7 +102,7 @@ def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | N
         row["capacity"] += int(beat.get("capacity") or 0)
         row["running"] += int(beat.get("running") or 0)
         row["claimed_ahead"] += int(beat.get("ahead") or 0)
-        row["consumers"].append(_s(name))
+        row["consumers"].append(text(name))
         row["load"] = beat.get("load") or row["load"]
         row["_history"] = beat.get("load_history") or row.get("_history")
         row["last_seen_s"] = round(min(row.get("last_seen_s", 1e18), now - seen), 1)
@@ -135,15 +139,33 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     now = raw["time"][0] + raw["time"][1] / 1e6
     now_bucket = int(now // RATE_BUCKET_S)
     buckets = _read_buckets(r, k, now_bucket)
-    beats = heartbeats.read(r, k, [_s(name) for name, _ in raw["consumers"]])
+    beats = heartbeats.read(r, k, [text(name) for name, _ in raw["consumers"]])
     status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
-    found = failures.top_reasons(r, k, raw["failed"])
-    status["failure_reasons"] = found["reasons"]
-    status["failure_reasons_counted"] = found["counted"]
-    alert = runhealth.persistence_alert(r, k, sorted(_s(d) for d in raw["outdirs"]))
+    status["failure_reasons"], status["failure_reasons_counted"] = _failure_reasons(
+        r, k, raw["failed"])
+    alert = runhealth.persistence_alert(r, k, sorted(text(d) for d in raw["outdirs"]))
     if alert:
         status["alerts"].append(alert)
     return cast(dict, mask_tree(status))  # no secrets in any field; still a dict
+
+
+def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int) -> tuple[list[dict], int]:
+    """Why prompts failed, from the failed bitmap and the errors hash (index -> last error
+    text): [{"reason", "count", "example_index"}...] (most common first), and how many failed
+    indices were looked at. A reason is counted without what differs per prompt (its row
+    number, a JSON error's position), so one cause is one line with its count."""
+    bits = blob(r.get(k.failed)) if failed else b""
+    indices = list(itertools.islice(bitmap.set_indices(bits), REASONS_CAP))
+    texts = r.hmget(k.errors, [str(i) for i in indices]) if indices else []
+    counts: Counter[str] = Counter()
+    example: dict[str, int] = {}
+    for index, raw in zip(indices, texts, strict=True):
+        kind = _POSITION.sub("…", _ROW.sub("row N", text(raw or b"", errors="replace")))
+        kind = kind.strip()[:300] or "(no reason recorded)"
+        counts[kind] += 1
+        example.setdefault(kind, index)
+    return [{"reason": kind, "count": n, "example_index": example[kind]}
+            for kind, n in counts.most_common(TOP_REASONS)], len(indices)
 
 
 def _shipping(raw: dict) -> dict | None:
@@ -151,7 +173,7 @@ def _shipping(raw: dict) -> dict | None:
     clears), with the newest upload error; None when nothing was ever shipped or tried."""
     if not raw:
         return None
-    ship = {_s(f): _s(v) for f, v in raw.items()}
+    ship = {text(f): text(v) for f, v in raw.items()}
     errors = sorted((_num(ship.get(f"error_at|{f[6:]}")), f[6:], v)
                     for f, v in ship.items() if f.startswith("error|"))
     return {
@@ -169,16 +191,16 @@ def _shipping(raw: dict) -> dict | None:
 def _params(raw: dict) -> tuple[int, dict]:
     """Same fallback as common.params.current: what a consumer would run with right now."""
     version = int(_num(raw["version"], 1)) or 1
-    stored = {_s(v): _json(j) for v, j in raw["params"].items()}.get(str(version))
+    stored = {text(v): _json(j) for v, j in raw["params"].items()}.get(str(version))
     return version, stored if isinstance(stored, dict) else dict(DEFAULTS)
 
 
 def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
               threshold: float) -> dict:
-    meta = {_s(f): _s(v) for f, v in raw["meta"].items()}
+    meta = {text(f): text(v) for f, v in raw["meta"].items()}
     total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]
     remaining = max(0, total - done - failed)
-    counters = {_s(f): int(_num(v)) for f, v in raw["counters"].items()}
+    counters = {text(f): int(_num(v)) for f, v in raw["counters"].items()}
     hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
     since = stats.activity_start(buckets, _timestamp(meta.get("created_at")))
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}

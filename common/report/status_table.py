@@ -21,11 +21,6 @@ def human_duration(seconds: float | None) -> str:
     return f"{m}m {s}s" if m else f"{s}s"
 
 
-def _bar(fraction: float, width: int = 30) -> str:
-    filled = int(round(max(0.0, min(1.0, fraction)) * width))
-    return "█" * filled + "░" * (width - filled)
-
-
 def _server_table(status: dict) -> Any:
     from rich.table import Table
 
@@ -75,6 +70,7 @@ def render_table(status: dict) -> Any:
 
     total, done = status["total"], status["done"]
     frac = done / total if total else 0.0
+    filled = int(round(max(0.0, min(1.0, frac)) * 30))
     rate, tok = status["rate"]["req_per_s"], status["rate"]["tok_per_s"]
     kept = status.get("kept")
     mix = "  ".join(f"{n} {c:,}" for n, c in status["finish_reasons"].items()) or "—"
@@ -82,7 +78,7 @@ def render_table(status: dict) -> Any:
         Text(f"run {status['run']}  params v{status['params_version']}"
              + ("  finished: every prompt is done or failed" if status.get("finished") else ""),
              style="bold"),
-        Text(f"{_bar(frac)} {frac:6.2%}  {done:,} / {total:,} done"),
+        Text(f"{'█' * filled}{'░' * (30 - filled)} {frac:6.2%}  {done:,} / {total:,} done"),
         Text(f"queued {status['queued']:,}  in flight {status['inflight']:,} (running "
              f"{status.get('running', 0):,}, claimed ahead {status.get('claimed_ahead', 0):,})  "
              f"failed {status['failed']:,}  remaining {status['remaining']:,}"
