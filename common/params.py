@@ -151,7 +151,10 @@ def request_body(messages: list[dict], params: dict[str, Any], model: str) -> di
     return body
 
 
+# What each --redo mode does: the scopes whose older results, acked later, it still redoes
+# (redo_marks), and the passes it walks: result bitmaps to undo, then failed prompts to revive.
 REDO_SCOPES = {"truncated": ("truncated",), "all": ("done",)}
+REDO_PASSES = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done", "failed")}
 
 
 def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, inflight: str,

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -51,43 +50,33 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-@dataclass(frozen=True, kw_only=True)
-class PeriodicTask:
-    name: str
-    interval_s: float
-    fn: Callable[[], None]
-    # It calls Redis itself, so a run that works ends an outage (the status reads report their
-    # own trouble, once per change).
-    redis: bool = False
+# A periodic task: its name (in the log), the seconds between its runs, and what it does.
+Task = tuple[str, float, Callable[[], None]]
 
 
 class Periodic(threading.Thread):
-    """Runs each task every interval_s on one thread; a failing task is logged, never fatal."""
+    """Runs each task every interval on one thread; a failing task is logged, never fatal."""
 
-    def __init__(self, tasks: list[PeriodicTask]) -> None:
+    def __init__(self, tasks: list[Task]) -> None:
         super().__init__(name="genq-monitor-periodic", daemon=True)
         self.tasks = tasks
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        due = {t.name: 0.0 for t in self.tasks}
+        due = {name: 0.0 for name, _, _ in self.tasks}
         while not self._stop_event.is_set():
             now = time.monotonic()
-            for task in self.tasks:
-                if now >= due[task.name]:
-                    due[task.name] = now + task.interval_s
-                    self._run_one(task)
+            for name, interval_s, fn in self.tasks:
+                if now < due[name]:
+                    continue
+                due[name] = now + interval_s
+                try:
+                    fn()
+                except REDIS_TROUBLE as e:  # logged once per outage, not once per tick
+                    REDIS_OUTAGE.seen(e, task=name)
+                except Exception as e:  # a bad tick must not stop the next one, or the others
+                    log.error("periodic_task_failed", task=name, error=repr(e))
             self._stop_event.wait(max(0.0, min(due.values()) - time.monotonic()))
-
-    def _run_one(self, task: PeriodicTask) -> None:
-        try:
-            task.fn()
-            if task.redis:
-                REDIS_OUTAGE.over()
-        except REDIS_TROUBLE as e:  # logged once per outage, not once per tick
-            REDIS_OUTAGE.seen(e, task=task.name)
-        except Exception as e:  # a bad tick must not stop the next one (or the other tasks)
-            log.error("periodic_task_failed", task=task.name, error=repr(e))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop_event.set()
@@ -124,8 +113,7 @@ def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
     return tick
 
 
-def periodic_tasks(s: argparse.Namespace, client: redis.Redis,
-                   source: StatusSource) -> list[PeriodicTask]:
+def periodic_tasks(s: argparse.Namespace, client: redis.Redis, source: StatusSource) -> list[Task]:
     """The progress file, alert logging, and the lease reaper: expired leases return to the
     queue even when every consumer is gone (docs/RELIABILITY.md)."""
     runner, keys = ScriptRunner(client), RunKeys(s.run)
@@ -137,12 +125,14 @@ def periodic_tasks(s: argparse.Namespace, client: redis.Redis,
         if status is not None:
             write_atomic(s.progress_file, orjson.dumps(status, option=orjson.OPT_INDENT_2))
 
-    return [
-        PeriodicTask(name="progress_file", interval_s=s.interval, fn=write_progress),
-        PeriodicTask(name="alerts", interval_s=s.interval, fn=alert_logger(source.read)),
-        PeriodicTask(name="reaper", interval_s=1.0, fn=lambda: runner(reap_call(keys)),
-                     redis=True),
-    ]
+    def reap() -> None:
+        runner(reap_call(keys))
+        # The status reads report their own Redis trouble (once per change); this task calls
+        # Redis itself, so a reap that works ends an outage.
+        REDIS_OUTAGE.over()
+
+    return [("progress_file", s.interval, write_progress),
+            ("alerts", s.interval, alert_logger(source.read)), ("reaper", 1.0, reap)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,12 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     source.read()  # at start, Redis or run trouble gives one clear log line, then we serve on
     periodic = Periodic(periodic_tasks(s, client, source))
 
-    def stop(signum: int, _frame: object) -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
         # shutdown() waits for serve_forever to return, so it cannot run on the serving thread.
-        threading.Thread(target=server.shutdown, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+        signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     periodic.start()
     log.info("monitor_started", run=s.run, url=f"http://{s.host}:{s.port}/",
              progress_file=str(s.progress_file), redis=mask_secrets(s.redis_url))

@@ -85,15 +85,12 @@ SERVER_METRICS = [
 ]
 
 
-def escape_label(value: str) -> str:
-    """Label values escape backslash, double quote and newline, per the exposition format."""
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+# Label values escape backslash, double quote and newline, per the exposition format.
+_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})
 
 
 def _value(v: float | int | None) -> str:
-    if v is None:
-        return "NaN"
-    f = float(v)
+    f = math.nan if v is None else float(v)
     if math.isnan(f):
         return "NaN"
     if math.isinf(f):
@@ -102,7 +99,7 @@ def _value(v: float | int | None) -> str:
 
 
 def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items()) + "}"
+    return "{" + ",".join(f'{k}="{v.translate(_ESCAPES)}"' for k, v in labels.items()) + "}"
 
 
 def _family(name: str, kind: str, help_text: str,

@@ -17,15 +17,6 @@ from common.report.status_table import render_table
 WATCH_INTERVAL_S = 2.0
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="genq status", description="Where the run stands.")
-    add_common(p)
-    p.add_argument("--json", action="store_true", help="print the status JSON (CLI.md)")
-    p.add_argument("--watch", action="store_true",
-                   help=f"refresh every {WATCH_INTERVAL_S:g} s until Ctrl-C")
-    return p.parse_args(argv)
-
-
 def _read(client: redis.Redis, url: str, run: str) -> dict:
     try:
         return read_status(client, run)
@@ -58,7 +49,12 @@ def _watch(client: redis.Redis, url: str, run: str) -> int:
 
 @guarded
 def status_main(argv: list[str] | None = None) -> int:
-    args = _parse(argv)
+    p = argparse.ArgumentParser(prog="genq status", description="Where the run stands.")
+    add_common(p)
+    p.add_argument("--json", action="store_true", help="print the status JSON (CLI.md)")
+    p.add_argument("--watch", action="store_true",
+                   help=f"refresh every {WATCH_INTERVAL_S:g} s until Ctrl-C")
+    args = p.parse_args(argv)
     try:
         client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
     except ValueError as e:

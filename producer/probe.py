@@ -28,9 +28,8 @@ from common.queue.run import RunInfo
 from common.report.stats import percentiles, wilson
 from common.report.status import read_status
 from common.sglang.client import SGLang
-from producer.requeue_plan import REDO_PASSES
 
-POPULATIONS = {**REDO_PASSES, "none": ("truncated",)}
+POPULATIONS = {**params.REDO_PASSES, "none": ("truncated",)}
 
 
 def population(r: redis.Redis, k: RunKeys, mode: str) -> list[int]:
