@@ -88,6 +88,7 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
     except ValueError as e:
         raise UsageError(f"bad Redis URL {mask_secrets(url)}: {e}") from None
     delay, waited, started = RETRY_FIRST_S, False, time.monotonic()
+    pause = stop or threading.Event()  # an event nobody sets: sleeps the whole delay
     while True:
         try:
             client.ping()
@@ -111,9 +112,7 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
                 gap = min(2 * gap, Outage.MAX_REMINDER_S)
                 remind = waited_s + gap
             waited = True
-            if stop is None:
-                time.sleep(delay)
-            elif stop.wait(delay):
+            if pause.wait(delay):
                 client.close()
                 return None
             delay = min(delay * 2, RETRY_MAX_S)

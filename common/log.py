@@ -18,7 +18,7 @@ from typing import IO, Any
 import orjson
 import structlog
 
-from common.errors import mask_secrets
+from common.errors import mask_secrets, mask_tree
 
 
 class SafeLogger:
@@ -58,12 +58,9 @@ def silence(stream: IO[Any]) -> None:
         pass
 
 
-def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> Any:
     """No log line carries a password: URLs with credentials are masked wherever they appear."""
-    for key, value in event.items():
-        if isinstance(value, str) and "@" in value:
-            event[key] = mask_secrets(value)
-    return event
+    return mask_tree(event)
 
 
 def setup(level: str = "INFO") -> None:

@@ -182,23 +182,19 @@ class SGLang:
                 done, _ = await asyncio.wait({task}, timeout=min(1.0, self.stall_timeout / 4))
                 if done:
                     return task.result()
-                await self._check_alive(progress)
+                now = time.monotonic()
+                if now - progress.started > self.request_timeout:
+                    raise ServerUnavailable(f"{self.url}: no whole answer within "
+                                            f"--request-timeout {self.request_timeout:g} s")
+                silent = now - progress.last
+                # Before its first token a request may wait in the server's queue: not a hang.
+                if silent >= self.stall_timeout and (progress.chunks or not await self.queued()):
+                    raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
+                                        f"(--stall-timeout {self.stall_timeout:g})")
         finally:
             if not task.done():
                 task.cancel()  # closes the connection, which aborts the request on the server
                 await asyncio.gather(task, return_exceptions=True)
-
-    async def _check_alive(self, progress: Progress) -> None:
-        now = time.monotonic()
-        if now - progress.started > self.request_timeout:
-            raise ServerUnavailable(f"{self.url}: no whole answer within --request-timeout "
-                                    f"{self.request_timeout:g} s")
-        silent = now - progress.last
-        # Before its first token a request may wait in the server's queue: that is not a hang.
-        if silent < self.stall_timeout or (not progress.chunks and await self.queued()):
-            return
-        raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
-                            f"(--stall-timeout {self.stall_timeout:g})")
 
     async def _stream(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}

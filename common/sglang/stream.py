@@ -113,31 +113,25 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
 
 def parse_load(data: Any) -> dict[str, Any]:
-    """/v1/loads is {"loads": [per rank]}; the older /get_load a list (or one dict) of ranks."""
+    """/v1/loads is {"loads": [per rank]}; the older /get_load a list (or one dict) of ranks.
+    Requests are summed over the ranks, and so are KV-cache use and decode speed (0.5.x
+    /v1/loads; None where absent, as in /get_load): what the capacity advice weighs."""
     if isinstance(data, dict) and "loads" in data:
-        ranks = data["loads"] or []
-        running_key = "num_running_reqs"
+        ranks, running_key = data["loads"] or [], "num_running_reqs"
     else:
-        ranks = data if isinstance(data, list) else [data]
-        running_key = "num_reqs"
-    capacity = sum(int(rank.get("max_running_requests") or 0) for rank in ranks)
-    return {"num_reqs": sum(int(rank.get(running_key) or 0) for rank in ranks),
-            "num_waiting_reqs": sum(int(rank.get("num_waiting_reqs") or 0) for rank in ranks),
-            "max_running_requests": capacity or None, **_kv(ranks)}
+        ranks, running_key = (data if isinstance(data, list) else [data]), "num_reqs"
 
-
-def _kv(ranks: list) -> dict[str, Any]:
-    """KV-cache use and decode speed summed over ranks (0.5.x /v1/loads; None where absent,
-    as in /get_load): what the capacity advice weighs."""
-    def total(key: str, cast: type) -> Any:
+    def total(key: str, cast: type = int) -> Any:
         values = [rank.get(key) for rank in ranks if rank.get(key) is not None]
         return sum(cast(v) for v in values) if values else None
 
-    used, pool = total("num_used_tokens", int), total("max_total_num_tokens", int)
+    used, pool = total("num_used_tokens"), total("max_total_num_tokens")
     if used is None:
-        used = total("num_tokens", int)  # /get_load's name for the same figure
+        used = total("num_tokens")  # /get_load's name for the same figure
     usage = used / pool if used is not None and pool else None
-    return {"num_used_tokens": used, "max_total_num_tokens": pool,
+    return {"num_reqs": total(running_key) or 0, "num_waiting_reqs": total("num_waiting_reqs") or 0,
+            "max_running_requests": total("max_running_requests") or None,
+            "num_used_tokens": used, "max_total_num_tokens": pool,
             "token_usage": round(usage, 4) if usage is not None else None,
             "gen_throughput": total("gen_throughput", float)}
 
