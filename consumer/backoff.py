@@ -1,6 +1,5 @@
-"""How a consumer rides through trouble: pausing new requests while a server or the disk is in
-trouble, retrying Redis operations until Redis answers, and running each housekeeping duty in
-its own loop, so that none waits on another (a slow load read never delays a lease renewal)."""
+"""How a consumer rides through trouble: pausing new requests while the server or disk is in
+trouble, retrying Redis, and a loop per housekeeping duty so that none waits on another."""
 
 from __future__ import annotations
 
@@ -19,19 +18,14 @@ from common.log import REDIS_OUTAGE
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
 
-# The first pause after a refusal: a server that refuses one request in twenty (a 503 under
-# load) costs each refused request a moment, not the whole consumer a second.
-FIRST_PAUSE_S = 0.1
-# Longest pause while trouble lasts: a dead server costs one round of claims and releases per
-# pause, and a server that comes back is used again within this.
-MAX_BACKOFF_S = 10.0
+FIRST_PAUSE_S = 0.1  # a 503 now and then costs the refused request a moment, not a second
+MAX_BACKOFF_S = 10.0  # the longest pause: a server that comes back is used again within this
 LOGGED_PAUSE_S = 0.5  # shorter pauses are the ordinary cost of a busy server: not logged
 
 
 class ClaimPause:
-    """Jittered exponential pause of new requests, as long as the server asks (Retry-After)
-    or else FIRST_PAUSE_S doubled for each failure in a row (no success between) up to
-    MAX_BACKOFF_S. Requests already in flight that fail during a pause do not lengthen it."""
+    """Jittered pause of new requests: as long as the server asks (Retry-After), or doubled for
+    each failure in a row; requests in flight that fail during a pause do not lengthen it."""
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -62,14 +56,12 @@ class ClaimPause:
 
 
 class ShuttingDown(Exception):
-    """Redis stayed unreachable while the consumer was stopping: stop waiting for it. Whatever
-    the consumer still holds comes back through the lease's expiry."""
+    """Redis stayed away while stopping: stop waiting; what is held comes back as leases expire."""
 
 
 async def redis_retry(op: Callable[[], Awaitable[T]],
                       give_up: Callable[[], bool] = lambda: False) -> T:
-    """Run a Redis operation, riding through outages (0.2 s to 5 s between tries), until it
-    succeeds or `give_up()` says the consumer is stopping and must not wait any longer."""
+    """Retry a Redis operation through outages; ShuttingDown once `give_up()` says to stop."""
     delay = 0.2
     while True:
         try:
@@ -93,9 +85,8 @@ class Duty:
 
 
 async def run_duty(duty: Duty, on_crash: Callable[[str], None]) -> None:
-    """Run the duty every period until cancelled. Redis trouble is ridden out, logged once as it
-    starts, at a slowing pace while it lasts and once as it ends (common/log.py Outage);
-    anything else is a bug: the crash is logged with its traceback and the consumer stops."""
+    """Run the duty every period until cancelled, riding out Redis trouble (logged as an outage,
+    common/log.py); anything else is a bug: logged with its traceback, and the consumer stops."""
     while True:
         try:
             await duty.body()

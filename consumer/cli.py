@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import time
+from dataclasses import fields
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -123,15 +124,11 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
             store.parse_uri(a.s3_uri)
         except UsageError as e:
             p.error(str(e))
-    return ConsumeSettings(
-        redis_url=a.redis_url, run=a.run, server=urls[0], servers=tuple(urls),
-        name=a.name or f"{socket.gethostname()}-{os.getpid()}", concurrency=a.concurrency,
-        visibility_timeout=a.visibility_timeout, out=a.out, burst=a.burst,
-        max_attempts=a.max_attempts, request_timeout=a.request_timeout, grace=a.grace,
-        poll=a.poll, server_wait=a.server_wait, redis_wait=a.redis_wait,
-        stall_timeout=a.stall_timeout, server_lease=a.server_lease,
-        share_server=a.share_server, s3_uri=a.s3_uri, shard_records=a.shard_records,
-        shard_minutes=a.shard_minutes, keep_local=not a.delete_shipped, ship_wait=a.ship_wait)
+    # Flags named as settings are copied as they are.
+    named = {f.name: getattr(a, f.name) for f in fields(ConsumeSettings) if f.name in vars(a)}
+    return ConsumeSettings(**{**named, "server": urls[0], "servers": tuple(urls),
+                              "name": a.name or f"{socket.gethostname()}-{os.getpid()}",
+                              "keep_local": not a.delete_shipped})
 
 
 @guarded
@@ -140,8 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setup()
     structlog.contextvars.bind_contextvars(run=s.run)
     check_writable(s.out)
-    # Started before Redis (compose, restart loops): wait for it here, before the server
-    # lease below needs it; a stop while waiting exits cleanly with nothing claimed.
+    # Started before Redis (compose, restart loops): wait here, before the server lease needs it.
     probe = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
                     stop=stop_on_signals(), give_up_after=s.redis_wait if s.burst else None)
     if probe is None:
@@ -153,8 +149,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def check_writable(out: str) -> None:
-    """An output directory this user cannot write fails at start, in one line naming the fix,
-    before anything is claimed (not as a traceback from the first shard or manifest)."""
+    """Fail at start, in one line naming the fix, on an output directory this user cannot write
+    (not with a traceback from the first shard, after claiming)."""
     path = os.path.abspath(out)
     while not os.path.isdir(path):  # made later; its nearest existing parent must allow that
         path = os.path.dirname(path)
@@ -180,9 +176,8 @@ def check_outdir(k: RunKeys, out: str, epoch: str) -> None:
 
 
 def quiet_gc() -> None:
-    """Each task allocates short-lived objects by the hundred: with Python's default thresholds
-    the cyclic collector makes a full collection, walking everything start-up loaded, every
-    ~1,000 tasks. What is loaded by now stays out of collections."""
+    """Each task allocates short-lived objects by the hundred: with the default thresholds a
+    full collection, walking everything start-up loaded, came every ~1,000 tasks."""
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
 
@@ -206,9 +201,8 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
 
 
 def redis_client(url: str) -> aioredis.Redis:
-    """The consumer's asyncio client. Its calls are short Lua scripts, so a few dozen
-    connections keep up with thousands of slots; the pool blocks (slots wait for a free
-    connection) where redis-py's default one raises "Too many connections" past 100."""
+    """A few dozen connections keep up with thousands of slots (the calls are short scripts);
+    the pool blocks where redis-py's default one raises "Too many connections" past 100."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
         socket_timeout=SERVICE_SOCKET_TIMEOUT_S,
@@ -245,9 +239,8 @@ async def serve(s: ConsumeSettings) -> int:
                             sink=writer, server=server, capacity=capacity, model=model,
                             runstate=RunState(k, info.epoch, s.out),
                             context_length=context)
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, consumer.request_stop)
+            asyncio.get_running_loop().add_signal_handler(sig, consumer.request_stop)
         if stopped.is_set():  # a signal came while starting up
             consumer.request_stop()
         logger.info("consumer_started", capacity=capacity, model=model, context_length=context,
@@ -278,8 +271,6 @@ def shipper_died(task: asyncio.Task) -> None:
 
 
 class Shipping:
-    """The shipper task of one consumer; ``start`` returns None when no URI is given."""
-
     def __init__(self, shipper: Shipper, task: asyncio.Task) -> None:
         self.shipper, self.task = shipper, task
 

@@ -1,8 +1,6 @@
-"""Finished answers are written and acknowledged beside the slots, in batches (one write with one
-fdatasync, then one ack.lua call), so a slow disk never keeps a server slot empty; each task
-stays held (its lease renewed) until its ack. A batch lingers while other requests run, to
-share its ack among more answers; the price: at a parameter change that aborts old work,
-answers that finished up to LINGER_S before it run again."""
+"""Answers written and acknowledged beside the slots in batches (one fdatasync'd write, one ack),
+so a slow disk never keeps a server slot empty. A batch lingers to share its ack: at a parameter
+change that aborts old work, answers that finished up to LINGER_S before it run again."""
 
 from __future__ import annotations
 
@@ -32,12 +30,17 @@ class Finished:
     record: dict[str, Any]
     completion: Completion
 
+    def result(self) -> Result:
+        lease, c = self.inflight.lease, self.completion
+        return Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
+                      completion_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
+                      finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt)
+
 
 class Committer:
     """write(records) makes them durable; ack(results) acknowledges them (retried through
-    outages); on_error(task, error) settles a task whose write failed; on_done(tasks,
-    accepted) is told of each batch once it is settled; slots() and busy() say how many
-    slots there are and whether other requests are running."""
+    outages); on_error(task, error) settles a task whose write failed; on_done(tasks, accepted)
+    is told of each settled batch; slots() and busy(): how many, and whether any is running."""
 
     def __init__(self, write: Callable[[list[dict[str, Any]]], None],
                  ack: Callable[[list[Result]], Awaitable[list[int]]], *,
@@ -63,7 +66,6 @@ class Committer:
             self.room.clear()
 
     def close(self) -> None:
-        """Commit what is pending at once, then end."""
         self.closed = True
         self.hurry.set()
         self.arrived.set()
@@ -89,8 +91,7 @@ class Committer:
 
     async def linger(self) -> None:
         """Wait for more answers to share this batch's write and ack: until LINGER_S after the
-        previous batch began, half the slots' answers, the last request's answer, or a stop.
-        No slot waits for it."""
+        previous batch began, half the slots' answers, the last request's answer, or a stop."""
         wait = self.last + LINGER_S - time.monotonic()
         if wait <= 0 or self.hurry.is_set():
             return
@@ -99,8 +100,7 @@ class Committer:
                 await self.hurry.wait()
 
     async def commit(self, batch: list[Finished]) -> int:
-        """Write the records, then acknowledge them (never an ack for a result not on disk);
-        returns how many were accepted."""
+        """Write, then ack (never an ack for a result not on disk); how many were accepted."""
         try:
             await asyncio.to_thread(self.write, [done.record for done in batch])
         except Exception as e:
@@ -108,33 +108,21 @@ class Committer:
                 await self.on_error(done.inflight, e)
             return 0
         try:
-            outcomes = await self.ack([result(done) for done in batch])
+            outcomes = await self.ack([done.result() for done in batch])
         except ShuttingDown as e:
             logger.warning("stopped_without_redis", error=str(e), unacked=len(batch),
                            consequence="held leases expire and return to the queue")
             return 0
         for done, outcome in zip(batch, outcomes, strict=True):
-            if outcome != ACCEPTED:
-                log_refusal(outcome, done.inflight)
+            lease = done.inflight.lease
+            if outcome == SET_ASIDE:
+                logger.info("result_set_aside", index=lease.index, version=lease.version,
+                            reason="a redo issued since covers it; kept until a new one is "
+                                   "accepted")
+            elif outcome == SUPERSEDED:
+                logger.info("result_superseded", index=lease.index, version=lease.version,
+                            reason="parameters changed; the task runs again under the new ones")
+            elif outcome != ACCEPTED:
+                logger.warning("ack_refused", index=lease.index,
+                               reason="lease lost; another attempt owns the task")
         return outcomes.count(ACCEPTED)
-
-
-def log_refusal(outcome: int, inflight: Inflight) -> None:
-    """A result that was not accepted: a redo covers it, new parameters, a lost lease."""
-    lease = inflight.lease
-    if outcome == SET_ASIDE:
-        logger.info("result_set_aside", index=lease.index, version=lease.version,
-                    reason="a redo issued since covers it; kept until a new one is accepted")
-    elif outcome == SUPERSEDED:
-        logger.info("result_superseded", index=lease.index, version=lease.version,
-                    reason="parameters changed; the task runs again under the new ones")
-    else:
-        logger.warning("ack_refused", index=lease.index,
-                       reason="lease lost; another attempt owns the task")
-
-
-def result(done: Finished) -> Result:
-    lease, c = done.inflight.lease, done.completion
-    return Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
-                  completion_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
-                  finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt)

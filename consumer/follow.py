@@ -1,8 +1,6 @@
-"""The consumer follows its server: a capacity or context length that changes (the server
-restarted with other flags) is picked up within seconds, and the slot count follows /v1/loads:
-what the server runs at once, less what other clients sharing it hold (running + waiting). A
-waiting queue on the server lowers it at once (requests queued there would start late, their
-slots idle meanwhile); any other change needs two samples that agree."""
+"""The consumer follows its server: a changed capacity or context length within seconds, and a
+slot count of what it runs at once less what other clients hold. A queue there lowers it at once
+(requests queued would start late, their slots idle); other changes need two samples agreeing."""
 
 from __future__ import annotations
 
@@ -18,13 +16,10 @@ from common.sglang.client import SGLang
 
 logger = structlog.get_logger("consumer")
 
-# The load is read every second (for tracking) but kept for the monitor's chart and the
-# capacity advice only this often, so HISTORY_SAMPLES spans minutes, not seconds.
-HISTORY_PERIOD_S = 2.5
+HISTORY_PERIOD_S = 2.5  # load samples kept for the chart and advice: HISTORY_SAMPLES spans minutes
 
 
 def others(running: int, waiting: int, ours: int) -> int:
-    """Requests the server holds (running or waiting) that are not ours: other clients'."""
     return max(0, running + waiting - ours)
 
 
@@ -35,11 +30,9 @@ def target_slots(running: int, waiting: int, max_running: int, ours: int) -> int
 
 
 def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: int) -> int:
-    """The slot count a waiting queue asks for: the requests the server holds beyond its max,
-    withdrawn in proportion to our part of what it holds, never below target_slots (another
-    genq on the server withdraws its part: the two share it). While our requests above a
-    lowered count are still at the server, nothing more is withdrawn: the queue they are part
-    of is already being answered."""
+    """The slot count a waiting queue asks for: the excess over the server's max, withdrawn in
+    proportion to our part (another genq withdraws its part), never below target_slots; nothing
+    more while ours above a lowered count are still there (their queue is being answered)."""
     held = running + waiting
     excess = held - max_running  # a queue while slots are free is the KV pool's, not ours
     if waiting <= 0 or excess <= 0 or ours > current:
@@ -50,10 +43,9 @@ def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: 
 
 def next_capacity(current: int, target: int, previous: int | None, lowered: int,
                   waiting: int) -> int:
-    """The slot count after one sample. A waiting queue lowers it at once (to `lowered`);
-    otherwise it moves only when this sample's target and the previous one's are on the same
-    side of the current count, as far as the smaller move of the two: one sample taken as a
-    request ended is noise, not a new client. Never raised while the server has a queue."""
+    """The slot count after one sample: `lowered` at once by a waiting queue; else moved only as
+    far as the smaller move of this sample's target and the previous one's, when both lie on the
+    same side (one sample taken as a request ended is noise). Never raised during a queue."""
     if lowered < current:
         return lowered
     if previous is None or waiting > 0:
@@ -66,8 +58,7 @@ def next_capacity(current: int, target: int, previous: int | None, lowered: int,
 
 
 class Follower:
-    """The server's load, capacity and context as this consumer last read them, and the slot
-    count they ask for: each tick returns a new slot count, or None."""
+    """The server as last read, and the slot count it asks for (each tick: a new one, or None)."""
 
     def __init__(self, server: SGLang, *, capacity: int, context_length: int | None,
                  fixed: bool) -> None:
@@ -85,8 +76,7 @@ class Follower:
         return self.previous is not None and self.previous != self.capacity
 
     async def load_tick(self, ours: int) -> int | None:
-        """Read the load: kept for the heartbeat, and the slot count follows it. `ours`: our
-        requests the server holds now."""
+        """Read the load, kept for the heartbeat; `ours`: our requests the server holds now."""
         self.load = await self.server.load()
         if not self.load:
             return None  # a restarting server (its slots are paused anyway) or no endpoint

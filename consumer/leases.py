@@ -1,11 +1,15 @@
-"""The consumer's side of the task queue: a claimed task (Lease, Inflight) and claim, renew,
-ack, release, fail and reap over the shared Lua scripts, on one redis.asyncio client."""
+"""The consumer's side of the task queue: a claimed task (Lease, Inflight); claim, renew, ack,
+release, fail and reap over the shared Lua scripts; and the claims ahead for the slots."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
+import functools
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
@@ -13,6 +17,7 @@ import redis.asyncio as aioredis
 from common.data.rows import Prompt
 from common.queue import scripts
 from common.queue.keys import RunKeys
+from consumer.backoff import ShuttingDown, redis_retry
 
 REFUSED, ACCEPTED, SUPERSEDED, SET_ASIDE = 0, 1, 2, 3  # what ack.lua answers
 KEPT = 2  # what fail.lua answers besides 0/1: a redo's set-aside result stands instead
@@ -108,3 +113,98 @@ class TaskQueue:
     async def last_error(self, index: int) -> str:
         raw = await self.r.hget(self.k.errors, str(index))
         return raw.decode() if isinstance(raw, bytes) else raw or ""
+
+
+MAX_AHEAD = 16
+MAX_CLAIM = 128  # the most one claim takes: keeps a Lua script's arguments and run time small
+IDLE_MAX_S = 1.0  # an empty queue is asked again after --poll, doubling up to this
+
+
+class Prefetch:
+    """Tasks claimed ahead in one call for every waiting slot plus a few spare (held, given back
+    at a stop), so that a slot starts its next request without a claim's round trip."""
+
+    def __init__(self, claim: Callable[[int], Awaitable[list[Inflight]]],
+                 give_back: Callable[[Inflight, str], Awaitable[None]], *,
+                 slots: Callable[[], int], poll: float, paused: Callable[[], bool],
+                 stop: asyncio.Event, on_empty: Callable[[], Awaitable[None]]) -> None:
+        self.claim, self.give_back_one, self.on_empty = claim, give_back, on_empty
+        self.slots, self.poll, self.paused, self.stop = slots, poll, paused, stop
+        self.ready: collections.deque[Inflight] = collections.deque()
+        self.waiting: collections.deque[asyncio.Future[Inflight | None]] = collections.deque()
+        self.wanted = asyncio.Event()  # a slot waits, the spare ones ran low, or a wake
+
+    @property
+    def ahead(self) -> int:
+        return min(MAX_AHEAD, max(1, self.slots() // 4))
+
+    async def get(self) -> Inflight | None:
+        """The next task for a slot, waiting while there is none; None once stopping."""
+        if self.stop.is_set():
+            return None
+        if self.ready:
+            if len(self.ready) <= self.ahead // 2:
+                self.wanted.set()
+            return self.ready.popleft()
+        future: asyncio.Future[Inflight | None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(future)
+        self.wanted.set()
+        try:
+            return await future
+        finally:
+            if not future.done():  # the slot was cancelled while waiting
+                self.waiting.remove(future)
+
+    async def run(self) -> None:
+        idle = self.poll
+        try:
+            while not self.stop.is_set():
+                need = len(self.waiting) + self.ahead - len(self.ready)
+                if need <= 0 or self.paused():
+                    await self.nap(0.5 if self.paused() else None)
+                    continue
+                try:
+                    got = await redis_retry(functools.partial(self.claim, min(need, MAX_CLAIM)),
+                                            self.stop.is_set)
+                except ShuttingDown:
+                    break
+                for inflight in got:
+                    self.hand(inflight)
+                if got:
+                    idle = self.poll
+                    continue
+                await self.on_empty()
+                await self.nap(idle)
+                idle = min(idle * 2, max(IDLE_MAX_S, self.poll))
+        finally:
+            while self.waiting:
+                future = self.waiting.popleft()
+                if not future.done():
+                    future.set_result(None)
+
+    def hand(self, inflight: Inflight) -> None:
+        """To the slot that has waited longest, or else to the spare ones."""
+        while self.waiting:
+            future = self.waiting.popleft()
+            if not future.done():
+                future.set_result(inflight)
+                return
+        self.ready.append(inflight)
+
+    async def nap(self, seconds: float | None) -> None:
+        if self.stop.is_set():
+            return  # stopped meanwhile (on_empty may have halted the consumer)
+        self.wanted.clear()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.wanted.wait()
+
+    def wake(self) -> None:
+        """Look again now: at a stop the loop ends and waiting slots get None; after the last
+        held task is done, a burst run may have settled."""
+        self.wanted.set()
+
+    async def give_back(self) -> None:
+        """At a stop: the spare tasks return to the queue now, not when their leases expire."""
+        while self.ready:
+            await self.give_back_one(self.ready.popleft(), "stopping before it started")

@@ -1,6 +1,5 @@
-"""How a consumer shows itself while it runs: a genq heartbeat (status, the monitor and the
-producer's window read it) and an RQ worker entry (`rq info`, rq-dashboard), both expiring on
-their own if the consumer dies."""
+"""How a consumer shows itself: a genq heartbeat and an RQ worker entry (`rq info`,
+rq-dashboard), both expiring on their own if the consumer dies."""
 
 from __future__ import annotations
 
@@ -51,7 +50,6 @@ async def announce(r: aioredis.Redis, k: RunKeys, name: str, now: int, beat: dic
 
 
 def forget(pipe: Pipeline, k: RunKeys, names: list[str]) -> None:
-    """Take these consumers out of the consumers set and rq's worker sets."""
     workers = [k.rq_worker(name) for name in names]
     pipe.zrem(k.consumers, *names)
     pipe.srem(k.rq_workers, *workers)

@@ -1,8 +1,6 @@
-"""Which SGLang server a consumer drives: each server has one lease in Redis (per server, not
-per run), so identical replicas need no per-replica configuration. A consumer takes the first
-server of its list nobody drives; a spare waits, driving nothing (two consumers on one server
-would each keep its full capacity in flight) until a lease expires or its holder is provably
-gone."""
+"""Which SGLang server a consumer drives: one lease per server in Redis (not per run), so that
+identical replicas need no configuration of their own. A spare waits, driving nothing (two
+consumers on one server would each keep its full capacity in flight)."""
 
 from __future__ import annotations
 
@@ -86,9 +84,8 @@ def new_token(name: str, run: str) -> str:
 
 
 def provably_gone(token: bytes | str | None) -> bool:
-    """The lease holder ran in this pid space and its process no longer exists (killed and
-    relaunched in place): its lease need not be waited out. A holder on another host or in
-    another container, or one that cannot be told apart, is never displaced."""
+    """The holder ran in this pid space and its process is gone (killed and relaunched in place):
+    no need to wait its lease out. One elsewhere, or that cannot be told apart, stays."""
     if not token:
         return False
     parts = (token.decode() if isinstance(token, bytes) else token).split("|")
@@ -119,8 +116,7 @@ async def try_take(r: aioredis.Redis, s: ConsumeSettings,
 
 
 async def end_leases_of(r: aioredis.Redis, k: RunKeys, url: str, predecessor: str) -> None:
-    """A dead predecessor of this run on this server: its tasks (running and claimed ahead)
-    go back to the queue now, not when their leases expire."""
+    """A dead predecessor's tasks (running and claimed ahead) go back to the queue now."""
     if predecessor.split("|")[1] != k.run:
         return  # another run's consumer: its leases live in that run and expire there
     runner = ScriptRunner(r)
@@ -133,9 +129,8 @@ async def end_leases_of(r: aioredis.Redis, k: RunKeys, url: str, predecessor: st
 async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
     """Every prompt of the run is done or failed (a spare in --burst mode then has no job)."""
     total = await r.hget(k.meta, "total")
-    if total is None:
-        return False
-    return int(await r.bitcount(k.done)) + int(await r.bitcount(k.failed)) >= int(total)
+    return total is not None and (
+        int(await r.bitcount(k.done)) + int(await r.bitcount(k.failed)) >= int(total))
 
 
 async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | None:
@@ -147,11 +142,10 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
         loop.add_signal_handler(sig, stop.set)
     reaper, k = ScriptRunner(r), RunKeys(s.run)
     try:
-        url: str | None = None
-        owners: dict[str, str] = {}
-        predecessor: str | None = None
+        taken: tuple[str | None, dict[str, str], str | None] = (None, {}, None)
         with contextlib.suppress(*REDIS_TROUBLE):  # a blip: the loop below tries again
-            url, owners, predecessor = await try_take(r, s, token)
+            taken = await try_take(r, s, token)
+        url, owners, predecessor = taken
         last: dict[str, str] = {}
         while url is None:
             if owners and owners != last:
@@ -186,11 +180,8 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
 
 async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
                lost: asyncio.Event) -> None:
-    """Renew every third of the lease, riding out Redis trouble. If another consumer holds the
-    server now (this one was frozen or cut off from Redis past the lease), stop driving it:
-    SIGTERM ourselves, so the consumer gives its work back exactly as when a supervisor stops
-    it. A bug here would leave the server driven without a lease (a spare would take it): it
-    stops the consumer too."""
+    """Renew every third of the lease. Once another consumer holds it (this one was frozen or cut
+    off past the lease), or on a bug, SIGTERM ourselves: the work is given back as at any stop."""
     ms = int(lease_s * 1000)
     try:
         while not lost.is_set():

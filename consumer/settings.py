@@ -22,13 +22,10 @@ class ConsumeSettings:
     server_wait: float
     redis_wait: float = 30.0  # --burst gives up on an unreachable Redis after this
     stall_timeout: float = 60.0
-    # The servers this consumer may drive (consumer/servers.py leases one); `server` is the
-    # leased one once serving.
-    servers: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()  # those it may drive; `server` is the one leased, once serving
     server_lease: float = 15.0
     share_server: bool = False
-    # Shipping to S3 (common/ship.py): off without an s3:// URI.
-    s3_uri: str | None = None
+    s3_uri: str | None = None  # shipping to S3 (common/store/ship.py) is off without one
     shard_records: int = 500
     shard_minutes: float = 10.0
     keep_local: bool = True

@@ -25,8 +25,7 @@ WITHDRAW_TIMEOUT_S = 5.0  # the last goodbye to Redis; the heartbeat keys expire
 
 
 def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
-    """Shutdown is taking far longer than its grace: log where every task and thread is, so a
-    hang in the field can be diagnosed from the log alone."""
+    """Log where every task and thread is, so a hang in the field is diagnosed from the log."""
     tasks = asyncio.all_tasks(loop)
     logger.error("shutdown_stuck", tasks=len(tasks), where=[where(t) for t in tasks])
     with contextlib.suppress(OSError, ValueError):  # stderr gone (a dead pipe): say no more
@@ -53,7 +52,6 @@ def arm_watchdog(grace: float) -> None:
 
 
 async def bounded(slots: Sequence[asyncio.Task]) -> None:
-    """Let the slots finish for FORCE_AFTER_S, then cancel whichever still run."""
     if not slots:
         return
     _, pending = await asyncio.wait(slots, timeout=FORCE_AFTER_S)
@@ -65,9 +63,8 @@ async def bounded(slots: Sequence[asyncio.Task]) -> None:
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
-    """Cancel the tasks until they are done, for at most `bound` seconds. One cancel() is not
-    enough: redis-py's asyncio client (8.x) can swallow a cancellation, and a loop around it
-    then runs on (a stopped consumer once waited forever for its housekeeping so)."""
+    """Cancel the tasks until they are done, for at most `bound` seconds: redis-py's asyncio
+    client (8.x) can swallow a cancellation, and a loop around it then runs on."""
     pending = {t for t in tasks if not t.done()}
     deadline = time.monotonic() + bound
     while pending and time.monotonic() < deadline:

@@ -1,7 +1,5 @@
-"""The consumer: one worker that keeps one SGLang server exactly full, with one slot per request
-the server runs at once. Tasks are claimed ahead of the slots (prefetch.py) and their answers
-written and acknowledged behind them (commit.py); a stop drains the slots for --grace seconds
-and gives back what is left (shutdown.py bounds the rest)."""
+"""The consumer: keeps one SGLang server exactly full, with a slot per request it runs at once.
+A stop drains the slots for --grace seconds and gives back what is left."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ from consumer import presence, shutdown
 from consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from consumer.commit import Committer
 from consumer.follow import HISTORY_PERIOD_S, Follower
-from consumer.leases import KEPT, Inflight, Lease, TaskQueue
-from consumer.prefetch import Prefetch
+from consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
@@ -44,10 +41,8 @@ T = TypeVar("T")
 
 
 class RunState:
-    """The consumer's view of its run, by its epoch: ok, lost (Redis restarted without
-    persistence) or replaced (a producer registered a new run under its name). Either way the
-    cached parameters, data set and size describe neither, so nothing is claimed, queued or
-    written until the run is back."""
+    """The run by its epoch: ok, lost (Redis restarted empty) or replaced (a new run of its name).
+    Until it is back nothing is claimed, queued or written: the cached run describes neither."""
 
     def __init__(self, keys: RunKeys, epoch: str, out_dir: str) -> None:
         self.keys, self.epoch, self.out_dir = keys, epoch, out_dir
@@ -90,10 +85,9 @@ class Consumer:
                  server: SGLang, capacity: int, model: str, runstate: RunState,
                  context_length: int | None = None) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
-        # The queue's top-up is synchronous code, run in a thread on its own client.
-        self.sync, self.sync_scripts = sync, ScriptRunner(sync)
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
-        self.runstate = runstate
+        # The queue's top-up is synchronous code, run in a thread on its own client.
+        self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
         self.queue = TaskQueue(client, keys, server=s.server, worker=s.name,
                                visibility_timeout=s.visibility_timeout)
         self.follower = Follower(server, capacity=capacity, context_length=context_length,
@@ -126,7 +120,6 @@ class Consumer:
     def capacity(self) -> int:
         return self.follower.capacity
 
-    # --- lifecycle ---------------------------------------------------------------------
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
         loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
@@ -201,7 +194,6 @@ class Consumer:
         for inflight in list(self.held.values()):
             inflight.cancel(reason)
 
-    # --- slots -------------------------------------------------------------------------
     def resize(self) -> None:
         """One slot per request the server runs at once. Slots above a lowered capacity end
         after their current task; a raised one gets new slots here."""
@@ -244,10 +236,9 @@ class Consumer:
     async def claim(self, n: int) -> list[Inflight]:
         """Prefetch's claim: each claimed task is held from now on (renewed, abortable), and
         its data set row is read, off the event loop unless it is in memory already."""
-        got = []
-        for lease in await self.queue.claim(n):
-            inflight = self.held[lease.job_id] = Inflight(lease)
-            got.append(inflight)
+        got = [Inflight(lease) for lease in await self.queue.claim(n)]
+        self.held.update({inflight.lease.job_id: inflight for inflight in got})
+        if got:
             self.finished_said = False  # work again (a redo): its end is said again
         if all(self.dataset.cached(i.lease.index) for i in got):
             self.read_prompts(got)
@@ -263,9 +254,8 @@ class Consumer:
                 inflight.prompt = e
 
     def let_go(self, inflight: Inflight) -> None:
-        """Stop holding this task, unless its job was claimed again meanwhile: a task given
-        back can be claimed by another slot before this one resumes, and that claim's lease
-        must stay held (renewed), or it expires under a running request."""
+        """Stop holding this task, unless its job was claimed again meanwhile (by another slot,
+        once given back): that claim's lease must stay renewed, or it expires under a request."""
         if self.held.get(inflight.lease.job_id) is inflight:
             del self.held[inflight.lease.job_id]
             if not self.held:
@@ -313,7 +303,6 @@ class Consumer:
         for inflight in batch:
             self.let_go(inflight)
 
-    # --- one task ------------------------------------------------------------------------
     async def process(self, inflight: Inflight) -> None:
         lease, gave_up, answered = inflight.lease, "", None
         if lease.spent > self.settings.max_attempts:
@@ -328,21 +317,18 @@ class Consumer:
             if answered is None:
                 self.let_go(inflight)
         if answered is not None:
-            # The server's slot is free now: the write and ack run beside the next task, and
-            # the committer's on_done lets the task go once acked.
+            # The server's slot is free: write and ack run beside the next task (on_done lets go).
             self.committer.add(inflight, *answered)
             await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
-        """The task's record and completion, or None when it ended otherwise (failed, given
-        back or aborted; Redis already says so)."""
+        """The task's record and completion; None if it ended otherwise (Redis already says so)."""
         lease = inflight.lease
         try:
             prompt = inflight.prompt
             if not isinstance(prompt, Prompt):
                 raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
-            body = request_body(prompt.messages, await self.params_for(lease.version),
-                                self.model)
+            body = request_body(prompt.messages, await self.params_for(lease.version), self.model)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.
@@ -353,8 +339,7 @@ class Consumer:
             if completion is None:
                 self.sending += 1
                 try:
-                    completion = await self.server.chat(body, lease.index,
-                                                        on_request=inflight.sent)
+                    completion = await self.server.chat(body, lease.index, on_request=inflight.sent)
                 finally:
                     self.sending -= 1
             record = build_record(
@@ -364,8 +349,7 @@ class Consumer:
                 latency_s=time.monotonic() - inflight.started)
             return record, completion
         except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
+            if (current := asyncio.current_task()) is not None and current.cancelling():
                 raise
             await self.after_abort(inflight)
         except Exception as e:
@@ -373,8 +357,8 @@ class Consumer:
         return None
 
     async def kept_answer(self, body: dict[str, Any], index: int) -> Completion | None:
-        """The answer a `genq requeue --probe` got for this very request, if kept (used once).
-        Looked up only while the heartbeat sees answers kept: no round trip otherwise."""
+        """The answer `requeue --probe` kept for this very request (used once), looked up only
+        while the heartbeat sees answers kept: no round trip otherwise."""
         if not self.probe_kept:
             return None
         stored = await probe_store.take(self.redis, self.keys, index, body)
@@ -419,7 +403,6 @@ class Consumer:
             self.params[version] = orjson.loads(raw) if raw else dict(DEFAULTS)
         return self.params[version]
 
-    # --- duties (backoff.run_duty runs each in its own loop) ---------------------------------
     async def renew_leases(self) -> None:
         held = list(self.held.values())
         lost = await self.queue.renew([i.lease for i in held])
