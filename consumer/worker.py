@@ -274,8 +274,12 @@ class Consumer:
     async def on_empty(self) -> None:
         """Prefetch found nothing to claim: a --burst consumer ends once the run is settled;
         a long-running one says once that the run is finished, and waits for more work."""
-        if (self.held or (self.finished_said and not self.settings.burst)
-                or not await self.settled()):
+        if self.held or (self.finished_said and not self.settings.burst):
+            return
+        try:  # Redis away here is ridden out like any call, not a crash of the prefetcher
+            if not await redis_retry(self.settled, self.stop.is_set):
+                return
+        except ShuttingDown:
             return
         if self.settings.burst:
             if not self.stop.is_set():
