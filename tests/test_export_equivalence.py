@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from export_reference import choose_records, failed_reasons
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.data.records import parse_line
-from common.data.shards import Picks, choose_records, pick_lines
+from common.data.shards import Picks, pick_lines
 from common.queue import bitmap
 from common.queue.keys import RunKeys
 from common.store import export
@@ -50,7 +51,7 @@ def reference(r, k, total, dirs, out, *, include_failed=False) -> export.ExportR
     missing = [i for i in done_indices if i not in chosen]
     fallback = [i for i in wanted
                 if (chosen[i]["params_version"], chosen[i]["attempt"]) != accepted(i)]
-    failed = export.failed_reasons(r, k, total) if include_failed else {}
+    failed = failed_reasons(r, k, total) if include_failed else {}
     handles: dict[int, Any] = {}
     with open(out, "wb") as dst:
         for index in sorted(set(wanted) | set(failed)):

@@ -12,18 +12,12 @@ from pathlib import Path
 
 import orjson
 import pytest
+from export_reference import ReadStats, choose_records, read_records
 from hypothesis import given
 from hypothesis import strategies as st
 
 from common.data.shard_repair import repair_shards
-from common.data.shards import (
-    ReadStats,
-    ShardWriter,
-    choose_records,
-    closed_shards,
-    read_records,
-    shard_parts,
-)
+from common.data.shards import ShardWriter, closed_shards, shard_parts
 from common.errors import OutputUnavailable, Retryable
 
 REPO = Path(__file__).resolve().parent.parent

@@ -15,14 +15,14 @@ import re
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from common.data.records import parse_line, shard_files, unheld_shards
+from common.data.records import parse_line, unheld_shards
 from common.errors import OutputUnavailable
 from common.files import fsync_dir
 
@@ -177,66 +177,6 @@ def shard_parts(path: Path) -> tuple[str, str, str]:
     sequence number, or its start time and pid for shards written before numbering."""
     parts = path.name.removesuffix(".jsonl").split(".")
     return parts[0], parts[1], parts[3] if len(parts) > 3 else parts[2]
-
-
-@dataclass
-class ReadStats:
-    """What ``read_records`` saw: shards opened, records yielded, lines skipped as torn."""
-
-    shards: int = 0
-    records: int = 0
-    skipped: int = 0
-
-
-def read_records(dirs: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], run: str,
-                 stats: ReadStats | None = None) -> Iterator[dict[str, Any]]:
-    """Every record in every shard of ``run`` in ``dirs``; unparsable and torn lines (see
-    parse_line) are counted in ``stats`` and skipped."""
-    stats = stats if stats is not None else ReadStats()
-    if isinstance(dirs, str | os.PathLike):
-        dirs = [dirs]
-    for directory in dirs:
-        for path in shard_files(directory, run):
-            yield from _read_shard(path, stats)
-
-
-def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
-    try:
-        with open(path, "rb") as f:
-            stats.shards += 1
-            for line in f:
-                record = parse_line(line)
-                if record is not None:
-                    stats.records += 1
-                    yield record
-                elif line.strip():
-                    stats.skipped += 1
-    except FileNotFoundError:
-        return  # shipped and removed since the directory was listed
-
-
-def choose_records(records: Iterable[dict[str, Any]],
-                   accepted: Callable[[int], tuple[int, int] | None]) -> dict[int, dict[str, Any]]:
-    """One record per index: the accepted (params_version, attempt) if present, else the newest
-    (by version, attempt, then last seen); ``accepted`` is called once per index.
-
-    The rules of every reader; ``Picks`` applies the same ones to line locations in arrays."""
-    chosen: dict[int, dict[str, Any]] = {}
-    keys: dict[int, tuple[int, int]] = {}
-    wanted: dict[int, tuple[int, ...] | None] = {}  # tuple(): a list would never equal a key
-    matched: set[int] = set()
-    for record in records:
-        index = record["index"]
-        key = (record.get("params_version", 0), record.get("attempt", 0))
-        if index not in wanted:
-            pair = accepted(index)
-            wanted[index] = tuple(pair) if pair is not None else None
-        if key == wanted[index]:
-            matched.add(index)
-        elif index in matched or (index in keys and key < keys[index]):
-            continue
-        chosen[index], keys[index] = record, key
-    return chosen
 
 
 _INT64 = (-(1 << 63), (1 << 63) - 1)

@@ -82,15 +82,6 @@ def _accepted_state(r: redis.Redis, k: RunKeys):
     return accepted, is_done, done
 
 
-def failed_reasons(r: redis.Redis, k: RunKeys, total: int) -> dict[int, str]:
-    """index -> last error text of every failed index ("" where none was kept)."""
-    failed = list(bitmap.set_indices(blob(r.get(k.failed)), below=total))
-    if not failed:
-        return {}
-    texts = r.hmget(k.errors, [str(i) for i in failed])
-    return {i: text(t or b"", errors="replace") for i, t in zip(failed, texts, strict=True)}
-
-
 def _failed_line(run: str, index: int, reason: str) -> bytes:
     return orjson.dumps({"index": index, "run": run, "status": "failed", "error": reason}) + b"\n"
 
