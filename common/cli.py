@@ -13,15 +13,12 @@ from collections.abc import Callable
 from typing import overload
 
 import redis
-import structlog
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from common.errors import GenqError, UsageError, mask_secrets
 from common.log import Outage, say
 from common.queue.keys import RunKeys
-
-logger = structlog.get_logger("genq")
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # Long-running services (producer, consumer) give every Redis reply this long: without a read
@@ -87,8 +84,9 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
                                       socket_timeout=socket_timeout, retry=service_retry())
     except ValueError as e:
         raise UsageError(f"bad Redis URL {mask_secrets(url)}: {e}") from None
-    delay, waited, started = RETRY_FIRST_S, False, time.monotonic()
+    delay, started = RETRY_FIRST_S, time.monotonic()
     pause = stop or threading.Event()  # an event nobody sets: sleeps the whole delay
+    outage = Outage("redis", ("waiting_for_redis", "still_waiting_for_redis", "redis_available"))
     while True:
         try:
             client.ping()
@@ -102,22 +100,13 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
                 after = f" after {give_up_after:g} s (--redis-wait)" if wait else ""
                 raise GenqError(f"cannot reach Redis at {mask_secrets(url)}{after}: {e}") \
                     from None
-            if not waited:
-                logger.warning("waiting_for_redis", redis=mask_secrets(url), error=str(e),
-                               hint="retrying with backoff until Redis answers")
-                gap = remind = Outage.FIRST_REMINDER_S
-            elif waited_s >= remind:  # reminders at a slowing pace, not a line per retry
-                logger.warning("still_waiting_for_redis", redis=mask_secrets(url),
-                               waited_s=round(waited_s), error=str(e))
-                gap = min(2 * gap, Outage.MAX_REMINDER_S)
-                remind = waited_s + gap
-            waited = True
+            outage.seen(e, redis=mask_secrets(url),
+                        hint="retrying with backoff until Redis answers")
             if pause.wait(delay):
                 client.close()
                 return None
             delay = min(delay * 2, RETRY_MAX_S)
-    if waited:
-        logger.info("redis_available", redis=mask_secrets(url))
+    outage.over(redis=mask_secrets(url))
     return client
 
 

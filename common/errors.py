@@ -1,9 +1,5 @@
-"""The exceptions genq raises on purpose, one small tree shared by every service.
-
-Classify once, where the failure is first understood; callers then only ask ``classify`` whether
-to fail the task, run it again, or give it back. Redis trouble (``REDIS_TROUBLE``) is
-infrastructure trouble too: wait and retry, never fail a task.
-"""
+"""The exceptions genq raises on purpose, one small tree shared by every service, and
+``classify``: callers only ask it whether to fail a task, run it again, or give it back."""
 
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ class BadTask(GenqError):
 
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
-        self.index = index
-        self.reason = reason
+        self.index, self.reason = index, reason
 
     def __reduce__(self) -> tuple[type[BadTask], tuple[int, str]]:
         # Exceptions with extra __init__ arguments do not pickle by default; to_thread and

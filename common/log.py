@@ -94,12 +94,15 @@ def say(text: str) -> None:
 
 class Outage:
     """An outage of Redis (or another service), logged once when it starts, then at a slowing
-    pace (10 s, 20 s, 40 s... at most every 10 min), and once when it ends. Thread-safe."""
+    pace (10 s, 20 s, 40 s... at most every 10 min), and once when it ends. Thread-safe.
+    `events`: those three events' names, when not <what>_unavailable, _still_unavailable and
+    _back."""
 
     FIRST_REMINDER_S, MAX_REMINDER_S = 10.0, 600.0
 
-    def __init__(self, what: str) -> None:
-        self.what = what
+    def __init__(self, what: str, events: tuple[str, str, str] | None = None) -> None:
+        self.events = events or (f"{what}_unavailable", f"{what}_still_unavailable",
+                                 f"{what}_back")
         self.since: float | None = None
         self.failures = 0
         self.remind_at = self.gap = 0.0
@@ -113,26 +116,26 @@ class Outage:
             if self.since is None:
                 self.since, self.failures = now, 1
                 self.gap, self.remind_at = self.FIRST_REMINDER_S, now + self.FIRST_REMINDER_S
-                event = f"{self.what}_unavailable"
+                event = self.events[0]
             elif now >= self.remind_at:
                 self.gap = min(self.gap * 2, self.MAX_REMINDER_S)
                 self.remind_at = now + self.gap
-                event = f"{self.what}_still_unavailable"
+                event = self.events[1]
             else:
                 return
             for_s = round(now - self.since, 1)
         structlog.get_logger("genq").warning(event, error=error_text, for_s=for_s,
                                              failures=self.failures, **fields)
 
-    def over(self) -> None:
+    def over(self, **fields: Any) -> None:
         if self.since is None:  # the common case, without the lock
             return
         with self.lock:
             if self.since is None:
                 return
             lasted, failures, self.since = time.monotonic() - self.since, self.failures, None
-        structlog.get_logger("genq").info(f"{self.what}_back", lasted_s=round(lasted, 1),
-                                          failures=failures)
+        structlog.get_logger("genq").info(self.events[2], lasted_s=round(lasted, 1),
+                                          failures=failures, **fields)
 
 
 # One per process: every Redis call that rides out an outage reports to it.

@@ -140,15 +140,11 @@ def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
 
 def request_body(messages: list[dict], params: dict[str, Any], model: str) -> dict[str, Any]:
     """The /v1/chat/completions body: the limit is always explicit, thinking on by default."""
-    body = {k: v for k, v in params.items() if k != "enable_thinking"}
-    body.setdefault("model", model)
-    body["messages"] = messages
-    body["max_tokens"] = int(params.get("max_tokens", DEFAULTS["max_tokens"]))
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    kwargs.setdefault("enable_thinking", bool(params.get("enable_thinking", True)))
-    body["chat_template_kwargs"] = kwargs
-    body["stream"] = False
-    return body
+    body = {"model": model, **{k: v for k, v in params.items() if k != "enable_thinking"}}
+    thinking = {"enable_thinking": bool(params.get("enable_thinking", True))}
+    return {**body, "messages": messages, "stream": False,
+            "max_tokens": int(params.get("max_tokens", DEFAULTS["max_tokens"])),
+            "chat_template_kwargs": {**thinking, **(body.get("chat_template_kwargs") or {})}}
 
 
 # What each --redo mode does: the scopes whose older results, acked later, it still redoes

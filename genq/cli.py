@@ -63,10 +63,8 @@ def export_main(argv: list[str] | None = None) -> int:
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
-    dirs = a.shards or sorted(text(d) for d in r.smembers(k.outdirs))
-    dirs = [d for d in dirs if os.path.isdir(d)]
-    if a.from_s3:
-        dirs = [a.from_s3]
+    dirs = [a.from_s3] if a.from_s3 else [d for d in a.shards or sorted(
+        text(d) for d in r.smembers(k.outdirs)) if os.path.isdir(d)]
     result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
                                        fmt=a.format, include_failed=a.include_failed)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""

@@ -92,7 +92,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
-    if a.write_dataset:  # unless it exists
+    if a.write_dataset:
         path = Path(a.write_dataset)
         if path.exists():
             print(f"data set {path} exists; leaving it as it is")
@@ -135,17 +135,16 @@ def run_demo(a: argparse.Namespace, workdir: Path, procs: list[subprocess.Popen]
 
     data = workdir / "prompts.jsonl"
     data.write_bytes(dataset(a.prompts))
-    servers = []
     # A chunk per 0.2 simulated seconds: a chunk per token, at this speed, is more than a
     # simulator on a laptop can send on time.
     interval = max(1, round(0.2 * 87.5 * a.time_scale))
-    for _ in range(a.servers):
-        port = free_port()
+    ports = [free_port() for _ in range(a.servers)]
+    for port in ports:
         spawn("sim", "--port", str(port), "--time-scale", str(a.time_scale),
               "--stream-interval", str(interval))
-        servers.append(f"http://127.0.0.1:{port}")
-    for server in servers:
-        wait_port(int(server.rsplit(":", 1)[1]))
+    for port in ports:
+        wait_port(port)
+    servers = [f"http://127.0.0.1:{port}" for port in ports]
     subprocess.run([sys.executable, "-m", "genq", "produce", str(data), "--once"], env=env,
                    check=True, stdout=subprocess.DEVNULL, stderr=logs)
     consumers = [spawn("consume", "--server", s, "--burst", "--out", str(workdir / "out"))

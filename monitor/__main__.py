@@ -1,5 +1,3 @@
-"""`python -m monitor`: the same service as `genq monitor`."""
-
 import sys
 
 from monitor.cli import main

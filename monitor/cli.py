@@ -100,13 +100,11 @@ def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
                      failed=status["failed"], total=status["total"])
         finished[0] = bool(status.get("finished"))
         now = {f"{a['kind']}|{a.get('server', '')}": a for a in status["alerts"]}
-        for key, alert in now.items():
-            if key not in active:
-                log.warning("alert", run=status["run"], kind=alert["kind"],
-                            message=alert["message"], command=alert.get("command"))
-        for key, alert in active.items():
-            if key not in now:
-                log.info("alert_cleared", run=status["run"], kind=alert["kind"])
+        for alert in [a for key, a in now.items() if key not in active]:
+            log.warning("alert", run=status["run"], kind=alert["kind"],
+                        message=alert["message"], command=alert.get("command"))
+        for alert in [a for key, a in active.items() if key not in now]:
+            log.info("alert_cleared", run=status["run"], kind=alert["kind"])
         active.clear()
         active.update(now)
 

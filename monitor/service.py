@@ -101,10 +101,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(200, PAGE, "text/html; charset=utf-8", head)
         elif path == "/api/status":
             status, error = self.server.source.read()
-            if status is None:
-                self._json(503, {"error": error, "run": self.server.source.run}, head)
-            else:
-                self._json(200, status, head)
+            self._json(503 if status is None else 200,
+                       status or {"error": error, "run": self.server.source.run}, head)
         elif path == "/metrics":
             status, error = self.server.source.read()
             text = (metrics.render(status) if status is not None

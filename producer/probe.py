@@ -3,8 +3,7 @@
 The probe calls the run's servers (those its live consumers use) directly, a few requests at
 a time, rather than through the queue, so it touches no result, counter or shard. Its answers
 are kept in Redis (common/queue/probe_store.py): committing the pivot with the same parameters
-lets the consumers use them unchanged. The report: the truncation rate at the new limit with
-a Wilson interval, the new lengths, and what the whole redo will cost.
+lets the consumers use them unchanged.
 """
 
 from __future__ import annotations
@@ -120,10 +119,11 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
 def summarize(new: list[tuple[int, str | None]], old_tokens: list[int], *, population: int,
               remaining: int, remaining_mean: float, tok_per_s: float, servers: int,
               ) -> dict[str, Any]:
-    """new: (completion_tokens, finish_reason) per probed prompt; old_tokens: what those
-    prompts' current results hold; population: prompts the redo would run again; remaining:
-    prompts not done yet, expected at remaining_mean tokens each; tok_per_s: the run's output
-    rate; servers: GPUs sharing it."""
+    """The report: the truncation rate at the new limit with a Wilson interval, the new
+    lengths, and what the whole redo will cost. new: (completion_tokens, finish_reason) per
+    probed prompt; old_tokens: what those prompts' current results hold; population: prompts
+    the redo would run again; remaining: prompts not done yet, expected at remaining_mean
+    tokens each; tok_per_s: the run's output rate; servers: GPUs sharing it."""
     n = len(new)
     lengths = [t for t, _ in new]
     truncated = sum(1 for _, f in new if f == "length")

@@ -121,10 +121,8 @@ def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What a requeue will do, before it does it: the new version's diff, how many indices each
-    redo scope touches, how many requests in flight are aborted, and what the redone work
-    costs in output tokens and time at the current rate. --dry-run prints it and stops; every
-    requeue prints it after acting."""
+    """What a requeue will do, before it does it: --dry-run prints it and stops; every requeue
+    prints it after acting."""
     run: str
     version: int  # the current version
     new_version: int

@@ -4,6 +4,8 @@ consumers so a run can top itself up."""
 from __future__ import annotations
 
 import itertools
+import pickle
+import zlib
 from collections.abc import Iterator
 
 import redis
@@ -12,7 +14,7 @@ from common.errors import RunStateLost
 from common.queue import bitmap
 from common.queue.keys import RunKeys
 from common.queue.scripts import ScriptRunner, enqueue_call
-from common.queue.tasks import description, job_data
+from common.queue.tasks import FUNC
 
 ENQUEUE_BATCH = 1000
 
@@ -31,7 +33,9 @@ def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner
     Raises RunStateLost if the run in Redis is not of this epoch (given one)."""
     count = 0
     for start in range(0, len(indices), ENQUEUE_BATCH):
-        jobs = [(i, job_data(i), description(i)) for i in indices[start:start + ENQUEUE_BATCH]]
+        # RQ's data field is zlib(pickle((func, instance, args, kwargs))), as Job.to_dict writes.
+        jobs = [(i, zlib.compress(pickle.dumps((FUNC, None, (i,), {}))), f"{FUNC}({i})")
+                for i in indices[start:start + ENQUEUE_BATCH]]
         added = int(runner(enqueue_call(k, jobs, epoch)))
         if added < 0:
             raise RunStateLost(f"run {k.run!r} is no longer in Redis as epoch {epoch}")

@@ -90,6 +90,4 @@ def epoch_of(r: redis.Redis, k: RunKeys) -> str | None:
 def judge(current: str | None, epoch: str) -> str:
     """OK while Redis holds the run a service started on (`epoch`), LOST once it forgot it,
     REPLACED once another run of the name was registered; `current` comes from epoch_of."""
-    if current is None:
-        return LOST
-    return OK if current == epoch else REPLACED
+    return LOST if current is None else OK if current == epoch else REPLACED

@@ -87,9 +87,7 @@ def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_bas
 
 
 def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
-    args: list[Any] = [vt, WIP_MARGIN_S, k.rq_executions_prefix]
-    for job_id, exec_id in held:
-        args += [job_id, exec_id]
+    args = [vt, WIP_MARGIN_S, k.rq_executions_prefix, *(v for job_exec in held for v in job_exec)]
     return Call("renew", [k.leases, k.lease_owner, k.rq_wip], args)
 
 
@@ -158,10 +156,8 @@ def expire_call(k: RunKeys, server: str) -> Call:
 def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
     """With an epoch the jobs are only queued while the run in Redis is still that one."""
     keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues, k.meta, k.rq_canceled]
-    args: list[Any] = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(),
-                       RESULT_TTL_S, FAILURE_TTL_S, epoch]
-    for index, data, description in jobs:
-        args += [index, data, description]
+    args = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(), RESULT_TTL_S,
+            FAILURE_TTL_S, epoch, *(v for job in jobs for v in job)]
     return Call("enqueue", keys, args)
 
 

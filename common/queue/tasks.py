@@ -3,20 +3,8 @@
 
 from __future__ import annotations
 
-import pickle
-import zlib
-
 FUNC = "common.queue.tasks.generate"
 
 
 def generate(index: int) -> None:
     raise RuntimeError(f"genq task {index} must be run by `genq consume`, not by an rq worker")
-
-
-def job_data(index: int) -> bytes:
-    """RQ's `data` field: zlib(pickle((func, instance, args, kwargs))), as Job.to_dict writes."""
-    return zlib.compress(pickle.dumps((FUNC, None, (index,), {})))
-
-
-def description(index: int) -> str:
-    return f"{FUNC}({index})"

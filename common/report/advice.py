@@ -1,10 +1,5 @@
 """Capacity advice from a server's own view of its load: pure functions over the samples its
-consumer records from /v1/loads. Advice names its evidence and never changes a server.
-
-A server whose every slot is busy, with nothing waiting and its KV cache mostly free, could
-run more requests at once (raise --max-running-requests); requests waiting inside the server,
-or a KV cache near full, say to lower it.
-"""
+consumer records from /v1/loads. Advice names its evidence and never changes a server."""
 
 from __future__ import annotations
 

@@ -137,8 +137,7 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     if not raw["meta"]:
         raise UsageError(runhealth.missing_run_message(r, k))
     now = raw["time"][0] + raw["time"][1] / 1e6
-    now_bucket = int(now // RATE_BUCKET_S)
-    buckets = _read_buckets(r, k, now_bucket)
+    buckets = _read_buckets(r, k, int(now // RATE_BUCKET_S))
     beats = heartbeats.read(r, k, [text(name) for name, _ in raw["consumers"]])
     status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
     status["failure_reasons"], status["failure_reasons_counted"] = _failure_reasons(
@@ -188,13 +187,6 @@ def _shipping(raw: dict) -> dict | None:
     }
 
 
-def _params(raw: dict) -> tuple[int, dict]:
-    """Same fallback as common.params.current: what a consumer would run with right now."""
-    version = int(_num(raw["version"], 1)) or 1
-    stored = {text(v): _json(j) for v, j in raw["params"].items()}.get(str(version))
-    return version, stored if isinstance(stored, dict) else dict(DEFAULTS)
-
-
 def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
               threshold: float) -> dict:
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
@@ -204,7 +196,10 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
     hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
     since = stats.activity_start(buckets, _timestamp(meta.get("created_at")))
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
-    version, params = _params(raw)
+    # The parameters a consumer would run with right now (common.params.current's fallback).
+    version = int(_num(raw["version"], 1)) or 1
+    params = {text(v): _json(j) for v, j in raw["params"].items()}.get(str(version))
+    params = params if isinstance(params, dict) else dict(DEFAULTS)
     recent, _ = stats.recent_truncation(buckets, now, since=since)
     servers = _servers(raw, buckets, beats, now, since)
     finish = {n: counters.get(f"finish:{n}", 0) for n in FINISH_NAMES.values()}

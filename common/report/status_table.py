@@ -10,8 +10,7 @@ def human_duration(seconds: float | None) -> str:
     """96100 -> '1d 2h 41m'; what a person reads at a glance."""
     if seconds is None:
         return "—"
-    s = int(round(seconds))
-    d, s = divmod(s, 86400)
+    d, s = divmod(int(round(seconds)), 86400)
     h, s = divmod(s, 3600)
     m, s = divmod(s, 60)
     if d:

@@ -1,7 +1,6 @@
 """The SGLang HTTP client: where capacity, load and context length live in each SGLang version,
 a streamed chat answer under a stall watchdog, and retrying one that overflows the context.
-With common/sglang/stream.py it is the only code that knows the server's wire format; what
-real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
+What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
 
 from __future__ import annotations
 
@@ -135,8 +134,7 @@ class SGLang:
                 if response.status_code != 200:
                     return None
                 load = parse_load(orjson.loads(response.content))
-            except (ServerUnavailable, orjson.JSONDecodeError, TypeError, ValueError,
-                    AttributeError):
+            except (ServerUnavailable, TypeError, ValueError, AttributeError):  # JSON: ValueError
                 return None
             if self.load_path is None:
                 self.load_path = path

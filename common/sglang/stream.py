@@ -73,10 +73,8 @@ class Answer:
             delta = choice.get("delta") or {}
             if text := delta.get("content"):
                 self.content.append(text)
-            thought = delta.get("reasoning_content")
-            if thought is not None:
-                if self.reasoning is None:
-                    self.reasoning = []
+            if (thought := delta.get("reasoning_content")) is not None:
+                self.reasoning = self.reasoning or []
                 self.reasoning.append(thought)
             if finish := choice.get("finish_reason"):
                 self.finish = finish
