@@ -20,7 +20,8 @@ T = TypeVar("T")
 
 FIRST_PAUSE_S = 0.1  # a 503 now and then costs the refused request a moment, not a second
 MAX_BACKOFF_S = 10.0  # the longest pause: a server that comes back is used again within this
-LOGGED_PAUSE_S = 0.5  # shorter pauses are the ordinary cost of a busy server: not logged
+LOGGED_PAUSE_S = 0.5  # pauses this long are logged each; shorter ones, summed every minute
+REFUSALS_EVERY_S = 60.0
 
 
 class ClaimPause:
@@ -31,6 +32,7 @@ class ClaimPause:
         self.until = 0.0
         self.failures = 0  # in a row, since the last success
         self.said = False  # a pause was logged: its end is logged too
+        self.refused, self.refused_said = 0, -REFUSALS_EVERY_S  # short pauses, summed
 
     def remaining(self) -> float:
         return max(0.0, self.until - time.monotonic())
@@ -47,6 +49,14 @@ class ClaimPause:
             logger.warning("claiming_paused", error=error, pause_s=round(pause, 2),
                            failures_in_a_row=self.failures)
             self.said = True
+            return
+        # A refusal between successes is the ordinary cost of a busy server: said at most once
+        # a minute, with how many there were since.
+        self.refused += 1
+        if now - self.refused_said >= REFUSALS_EVERY_S:
+            logger.info("requests_refused", count=self.refused, last_error=error,
+                        every_s=REFUSALS_EVERY_S)
+            self.refused, self.refused_said = 0, now
 
     def recovered(self) -> None:
         self.failures = 0
