@@ -54,7 +54,7 @@ class ClaimPause:
         # a minute, with how many there were since.
         self.refused += 1
         if now - self.refused_said >= REFUSALS_EVERY_S:
-            logger.info("requests_refused", count=self.refused, last_error=error,
+            logger.info("requests_refused", count=self.refused, error=error,
                         every_s=REFUSALS_EVERY_S)
             self.refused, self.refused_said = 0, now
 
