@@ -1,12 +1,10 @@
 """Random access to a JSONL or Parquet data set by 0-based row index, as chat prompts.
 
-Fingerprint: ``"{rows}r-{size}b-{sha}"`` where sha is the first 32 hex digits of the sha256 of
-the file's first and last MiB; cheap for a 10 GB file, and it changes when rows are added,
-removed or edited near either end (a same-size edit in the middle goes unnoticed).
-
-JSONL row offsets are indexed once per file version into ``PATH.genq-idx`` (or, when the data
-set's directory is not writable, ``~/.cache/genq/<hash>.genq-idx``; ``index_dir=`` or
-``GENQ_INDEX_DIR`` choose the directory explicitly). Parquet lives in common/data/parquet.py.
+Fingerprint: ``"{rows}r-{size}b-{sha}"``, sha hashing the file's first and last MiB: cheap for
+a 10 GB file, and it changes when rows are added, removed or edited near either end (a same-size
+edit in the middle goes unnoticed). JSONL row offsets are indexed once per file version into
+``PATH.genq-idx`` (or, when its directory is not writable, ``~/.cache/genq/<hash>.genq-idx``;
+``index_dir=`` or ``GENQ_INDEX_DIR`` choose the directory explicitly).
 """
 
 from __future__ import annotations
@@ -96,11 +94,6 @@ def _index_paths(path: Path, index_dir: Path | None) -> list[Path]:
     return [path.with_name(path.name + ".genq-idx"), cache / name]
 
 
-def _header(key: dict[str, Any], count: int) -> bytes:
-    meta = orjson.dumps({**key, "count": count, "byteorder": sys.byteorder})
-    return _MAGIC + struct.pack("<I", len(meta)) + meta
-
-
 def _load_index(candidates: list[Path], key: dict[str, Any]) -> array | None:
     for candidate in candidates:
         try:
@@ -124,13 +117,14 @@ def _load_index(candidates: list[Path], key: dict[str, Any]) -> array | None:
 
 def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) -> None:
     """Write the index to the first writable place; an index is an optimisation, never fatal."""
+    meta = orjson.dumps({**key, "count": len(offsets), "byteorder": sys.byteorder})
     for candidate in candidates:
         # A private temp name + rename: consumers building at once each publish a whole file.
         tmp = candidate.with_name(f"{candidate.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             candidate.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(_header(key, len(offsets)))
+                f.write(_MAGIC + struct.pack("<I", len(meta)) + meta)
                 offsets.tofile(f)
             os.replace(tmp, candidate)
             return

@@ -50,18 +50,12 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
     }
 
 
-def same(a: dict[str, Any] | None, b: dict[str, Any] | None) -> bool:
-    """Equal but for when each was written."""
-    strip = lambda m: {key: v for key, v in (m or {}).items() if key != "written_at"}  # noqa: E731
-    return a is not None and b is not None and strip(a) == strip(b)
-
-
 def write(out_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> bool:
     """Store the manifest atomically and durably; False if the file already says the same."""
     target = path(out_dir, manifest["run"])
     try:
-        if same(read(target), manifest):
-            return False
+        if {**read(target), "written_at": 0} == {**manifest, "written_at": 0}:
+            return False  # equal but for when each was written
     except (FileNotFoundError, UsageError):
         pass  # absent or unreadable: write a good one over it
     data = orjson.dumps({**manifest, "written_at": round(time.time(), 3)},

@@ -59,39 +59,37 @@ class ParquetDataset(Dataset):
         self._batches: OrderedDict[tuple[int, int], dict[str, list[Any]]] = OrderedDict()
         self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
 
-    def _table(self, group: int) -> Any:
+    def _read(self, group: int) -> Any:
         """One row group as an Arrow table. Callers hold the lock."""
-        def read() -> Any:
-            try:
-                return self._file.read_row_group(group, columns=self._columns)
-            except Exception as e:  # pyarrow's own error types; the file is at fault
-                raise DatasetError(f"data set {self.path}: {e}") from e
-
-        return _cached(self._tables, group, read, _ROW_GROUPS_CACHED)
+        try:
+            return self._file.read_row_group(group, columns=self._columns)
+        except Exception as e:  # pyarrow's own error types; the file is at fault
+            raise DatasetError(f"data set {self.path}: {e}") from e
 
     def _batch(self, group: int, first: int) -> dict[str, list[Any]]:
         """Rows first..first+_BATCH_ROWS of a row group as Python values."""
         def convert() -> dict[str, list[Any]]:
-            rows = self._table(group).slice(first, _BATCH_ROWS)
+            table = _cached(self._tables, group, lambda: self._read(group), _ROW_GROUPS_CACHED)
+            rows = table.slice(first, _BATCH_ROWS)
             return {c: rows.column(c).to_pylist() for c in self._columns}
 
         with self._lock:
             return _cached(self._batches, (group, first), convert, _BATCHES_CACHED)
 
-    def _place(self, index: int) -> tuple[int, int]:
-        """(row group, offset in it) of a row."""
+    def _place(self, index: int) -> tuple[int, int, int]:
+        """(row group, offset in it, offset of its batch) of a row."""
         group = bisect.bisect_right(self._starts, index) - 1
-        return group, index - self._starts[group]
+        offset = index - self._starts[group]
+        return group, offset, offset - offset % _BATCH_ROWS
 
     def cached(self, index: int) -> bool:
         if not 0 <= index < self.total:
             return True  # prompt() refuses it at once
-        group, offset = self._place(index)
-        return (group, offset - offset % _BATCH_ROWS) in self._batches
+        group, _, first = self._place(index)
+        return (group, first) in self._batches
 
     def _row(self, index: int) -> Any:
-        group, offset = self._place(index)
-        first = offset - offset % _BATCH_ROWS
+        group, offset, first = self._place(index)
         columns = self._batch(group, first)
         return {c: v[offset - first] for c, v in columns.items() if v[offset - first] is not None}
 

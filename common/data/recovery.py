@@ -10,9 +10,8 @@ The rules are the ones Redis applies while the run lives:
 - of what remains, the newest (params_version, attempt) decides: it stands, or, if a redo
   covers it, it is kept aside and the index runs again.
 
-``rebuild`` takes the manifest and shard line streams from anywhere (local files, S3), read
-one at a time, and keeps what it decides in flat arrays: about 50 bytes an index of the data
-set, whatever the number of shards or lines.
+``rebuild`` reads shard line streams from anywhere (local files, S3) one at a time, in about
+50 bytes an index of the data set, whatever the number of shards or lines.
 """
 
 from __future__ import annotations
@@ -21,8 +20,8 @@ import sys
 import time
 from array import array
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar, cast
 
 import orjson
 import redis
@@ -35,23 +34,8 @@ from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finis
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens)
 Result = tuple[int, int, int, int, int]
 LENGTH = finish_code("length")
-
-
-_INT64 = (-(1 << 63), (1 << 63) - 1)
 _NONE, _STANDING, _KEPT = 0, 1, 2
-
-
-class _Results:
-    """Per index of the data set: none, a standing or a kept Result, in arrays."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.state = bytearray(total)  # _NONE, _STANDING or _KEPT
-        self.columns = [array("q", bytes(8 * total)) for _ in range(5)]  # one per Result field
-
-    def row(self, index: int) -> Result:
-        v, a, f, c, p = (column[index] for column in self.columns)
-        return v, a, f, c, p
+V = TypeVar("V")
 
 
 def _where(flags: bytearray, value: int) -> Iterator[int]:
@@ -63,57 +47,42 @@ def _where(flags: bytearray, value: int) -> Iterator[int]:
         pos = flags.find(needle, pos + 1)
 
 
-class _ResultView(Mapping[int, Result]):
-    """index -> Result of one state (standing or kept), read from _Results."""
+class _View(Mapping[int, V]):
+    """index -> value, for the indices whose flag is ``flag``; the values are read from arrays."""
 
-    def __init__(self, results: _Results, state: int) -> None:
-        self._results, self._state = results, state
+    def __init__(self, flags: bytearray, flag: int, value: Callable[[int], V]) -> None:
+        self._flags, self._flag, self._value = flags, flag, value
 
-    def __getitem__(self, index: int) -> Result:
-        results = self._results
-        if type(index) is not int or not 0 <= index < results.total \
-                or results.state[index] != self._state:
+    def __getitem__(self, index: int) -> V:
+        if type(index) is not int or not 0 <= index < len(self._flags) \
+                or self._flags[index] != self._flag:
             raise KeyError(index)
-        return results.row(index)
+        return self._value(index)
 
     def __iter__(self) -> Iterator[int]:
-        return _where(self._results.state, self._state)
+        return _where(self._flags, self._flag)
 
     def __len__(self) -> int:
-        return self._results.state.count(self._state)
-
-
-class _Claims(Mapping[int, int]):
-    """index -> the highest attempt seen, in an array."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.seen = bytearray(total)
-        self.attempt = array("q", bytes(8 * total))
-
-    def __getitem__(self, index: int) -> int:
-        if type(index) is not int or not 0 <= index < self.total or not self.seen[index]:
-            raise KeyError(index)
-        return self.attempt[index]
-
-    def __iter__(self) -> Iterator[int]:
-        return _where(self.seen, 1)
-
-    def __len__(self) -> int:
-        return self.seen.count(1)
+        return self._flags.count(self._flag)
 
 
 class Recovered:
-    """What ``rebuild`` decided, per index of the data set (0 ≤ index < total)."""
+    """What ``rebuild`` decided, per index of the data set (0 ≤ index < total), in flat arrays."""
 
     def __init__(self, total: int = 0) -> None:
-        self.results = _Results(total)
-        self.standing = _ResultView(self.results, _STANDING)  # index -> the Result that stands
-        self.kept = _ResultView(self.results, _KEPT)  # set aside by a redo, not done
-        self.claims = _Claims(total)  # index -> the highest attempt seen
+        self.state = bytearray(total)  # _NONE, _STANDING or _KEPT
+        self.columns = [array("q", bytes(8 * total)) for _ in range(5)]  # one per Result field
+        self.seen = bytearray(total)  # 1 where an index was claimed
+        self.attempt = array("q", bytes(8 * total))  # the highest attempt seen
+        self.standing = _View(self.state, _STANDING, self._row)  # index -> the Result that stands
+        self.kept = _View(self.state, _KEPT, self._row)  # set aside by a redo, not done
+        self.claims = _View(self.seen, 1, self.attempt.__getitem__)  # index -> highest attempt
         self.lines = 0
         self.skipped = 0  # torn, unparsable, or outside the data set
         self.refused = 0  # written after an abort switch under older parameters
+
+    def _row(self, index: int) -> Result:
+        return cast(Result, tuple(column[index] for column in self.columns))
 
 
 class Rules:
@@ -152,7 +121,7 @@ def _light(line: bytes) -> tuple[int, Result, float] | None:
         result = (int(rec["params_version"]), int(rec["attempt"]),
                   finish_code(rec.get("finish_reason")), int(rec.get("completion_tokens") or 0),
                   int(rec.get("prompt_tokens") or 0))
-        if min(result) < _INT64[0] or max(result) > _INT64[1]:
+        if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
         return int(rec["index"]), result, float(rec.get("created_at") or 0)
     except (KeyError, TypeError, ValueError):
@@ -163,9 +132,8 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
     """Every index's standing (or kept) result from every line of every shard stream."""
     rules, total = Rules(manifest), int(manifest["total"])
     out = Recovered(total)
-    state, columns = out.results.state, out.results.columns
+    state, columns, seen, claimed = out.state, out.columns, out.seen, out.attempt
     versions, attempts = columns[0], columns[1]
-    seen, claimed = out.claims.seen, out.claims.attempt
     for stream in streams:
         for line in stream:
             out.lines += 1
@@ -174,11 +142,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
                 out.skipped += bool(line.strip())
                 continue
             index, result, created_at = parsed
-            attempt = result[1]
-            if not seen[index]:
-                seen[index], claimed[index] = 1, max(0, attempt)
-            elif attempt > claimed[index]:
-                claimed[index] = attempt
+            seen[index], claimed[index] = 1, max(claimed[index], result[1])  # claimed starts at 0
             if rules.refused(result[0], created_at):
                 out.refused += 1
                 continue
@@ -215,58 +179,44 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
     """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), as long
     as the highest index with a result or a claim needs; 0 where an index has none."""
-    results, claims = rec.results, rec.claims
-    size = max(len(results.state.rstrip(b"\0")), len(claims.seen.rstrip(b"\0")))
+    size = max(len(rec.state.rstrip(b"\0")), len(rec.seen.rstrip(b"\0")))
     # Columns hold 0 wherever no result (or claim) was ever put, as Redis would.
     out = {name: _packed(column[:size], WIDTHS[name])
-           for name, column in zip(FIELDS, results.columns, strict=True)}
-    out["claims"] = _packed(claims.attempt[:size], WIDTHS["claims"])
+           for name, column in zip(FIELDS, rec.columns, strict=True)}
+    out["claims"] = _packed(rec.attempt[:size], WIDTHS["claims"])
     return out
 
 
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
     """The run's counters (finish reasons, token sums) and its completion-length histogram,
     over the standing results."""
-    finish, ctoks, ptoks = rec.results.columns[2:]
-    names: Counter = Counter()
-    hist: Counter = Counter()
-    ctok_sum = ptok_sum = 0
-    for index in rec.standing:
-        names[FINISH_NAMES.get(finish[index], "other")] += 1
-        hist[ctoks[index]] += 1
-        ctok_sum += ctoks[index]
-        ptok_sum += ptoks[index]
+    finish, ctoks, ptoks = rec.columns[2:]
+    names = Counter(FINISH_NAMES.get(finish[i], "other") for i in rec.standing)
     counters = {f"finish:{name}": n for name, n in names.items()}
-    counters["ctok_sum"] = ctok_sum
-    counters["ptok_sum"] = ptok_sum
-    return counters, hist
-
-
-def state_keys(k: RunKeys) -> list[str]:
-    """Every key of the run's state that recovery rewrites (not heartbeats or rate buckets)."""
-    return [k.done, k.failed, k.pending, k.truncated, k.kept, k.leases, k.lease_owner,
-            k.claims, k.spent, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
-            k.acc_finish, k.counters, k.length_hist, k.errors, k.params, k.params_version,
-            k.params_floor, k.params_history, k.redo_marks, k.rq_queue, k.rq_wip]
+    counters["ctok_sum"] = sum(ctoks[i] for i in rec.standing)
+    counters["ptok_sum"] = sum(ptoks[i] for i in rec.standing)
+    return counters, Counter(ctoks[i] for i in rec.standing)
 
 
 def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
             rec: Recovered, out_dirs: list[str]) -> None:
     """Queue the writes that put the run back, meta last, onto a MULTI pipeline."""
     total = int(manifest["total"])
-    fields = _bitfields(rec)
     counters, hist = _counters(rec)
-    finish = rec.results.columns[2]
-    pipe.delete(*state_keys(k))
+    finish = rec.columns[2]
+    # Every key of the run's state (not heartbeats or rate buckets).
+    pipe.delete(k.done, k.failed, k.pending, k.truncated, k.kept, k.leases, k.lease_owner,
+                k.claims, k.spent, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
+                k.acc_finish, k.counters, k.length_hist, k.errors, k.params, k.params_version,
+                k.params_floor, k.params_history, k.redo_marks, k.rq_queue, k.rq_wip)
     pipe.set(k.done, bitmap.encode(rec.standing, total))
     pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:
         pipe.set(k.kept, bitmap.encode(rec.kept, total))
-    for name, data in fields.items():
+    for name, data in _bitfields(rec).items():
         if data:
             pipe.set(getattr(k, name), bytes(data))
-    # redis-py types `mapping` with a union key type, and Mapping's key is invariant: no
-    # dict[str, int] matches it, though hset takes one (here and below).
+    # redis-py's `mapping` type (an invariant union key) rejects dict[str, int] (here and below).
     pipe.hset(k.counters, mapping=counters)  # type: ignore[arg-type]
     if hist:
         pipe.hset(k.length_hist, mapping=dict(hist))

@@ -16,7 +16,6 @@ import threading
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +35,9 @@ def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
 
 class ShardWriter:
     """Appends records to the current shard, durably, one whole line or nothing; thread-safe.
-
     With ``rotate_every=N`` a shard is closed after N records (``rotate_if_older`` closes one
     by age, so a slow trickle still ships); each closed, non-empty shard is appended to
-    ``closed_shards`` and passed to ``on_close``, the hook for shipping it.
-    """
+    ``closed_shards`` and passed to ``on_close``, the hook for shipping it."""
 
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
                  rotate_every: int | None = None,
@@ -49,14 +46,9 @@ class ShardWriter:
         self.rotate_every, self.on_close = rotate_every, on_close
         self.closed_shards: list[Path] = []
         self._lock = threading.Lock()
-        self._path: Path | None = None
+        self.path: Path | None = None  # the shard being written now (None after a rotation)
         self._fd, self._size, self._count, self._opened, self._closed = -1, 0, 0, 0.0, False
         self._open()  # at once, so an unwritable --out fails at start, not at the first result
-
-    @property
-    def path(self) -> Path | None:
-        """The shard being written now (None between a rotation and the next write)."""
-        return self._path
 
     def _open(self) -> None:
         try:
@@ -80,7 +72,7 @@ class ShardWriter:
         except OSError as e:
             os.close(fd)
             raise _out_error(self.out_dir, e) from e
-        self._fd, self._path, self._size, self._count = fd, path, 0, 0
+        self._fd, self.path, self._size, self._count = fd, path, 0, 0
         self._opened = time.monotonic()
 
     def _next_seq(self) -> int:
@@ -113,27 +105,24 @@ class ShardWriter:
                     self._open()
                 room = len(lines) - done  # up to the next rotation, if any
                 room = min(room, self.rotate_every - self._count) if self.rotate_every else room
-                self._write_lines(b"".join(lines[done:done + room]), room)
+                data = b"".join(lines[done:done + room])
+                try:
+                    view = memoryview(data)
+                    while view:  # a write can be partial when the disk or a quota fills mid-line
+                        view = view[os.write(self._fd, view) :]
+                    os.fdatasync(self._fd)
+                except OSError as e:
+                    # Cut the lines so no reader sees a torn record; unacked, the tasks run again.
+                    try:
+                        os.ftruncate(self._fd, self._size)
+                    except OSError:  # else the next line would be glued to the torn one
+                        self._close_current()  # repair_shards cuts it; the next write opens anew
+                    raise _out_error(self.out_dir, e) from e
+                self._size += len(data)
+                self._count += room
+                if self.rotate_every and self._count >= self.rotate_every:
+                    self._close_current()
             done += room
-
-    def _write_lines(self, data: bytes, count: int) -> None:
-        """Append whole lines and fdatasync them; on failure cut them off again. Holds _lock."""
-        try:
-            view = memoryview(data)
-            while view:  # a write can be partial when the disk or a quota fills mid-line
-                view = view[os.write(self._fd, view) :]
-            os.fdatasync(self._fd)
-        except OSError as e:
-            # Cut the lines so no reader sees a torn record; the tasks are not acked, run again.
-            try:
-                os.ftruncate(self._fd, self._size)
-            except OSError:  # else the next line would be glued to the torn one
-                self._close_current()  # repair_shards cuts it; the next write opens a new one
-            raise _out_error(self.out_dir, e) from e
-        self._size += len(data)
-        self._count += count
-        if self.rotate_every and self._count >= self.rotate_every:
-            self._close_current()
 
     def rotate_if_older(self, max_age_s: float) -> None:
         """Close the current shard if it holds records and was opened max_age_s ago or more."""
@@ -142,8 +131,8 @@ class ShardWriter:
                 self._close_current()
 
     def _close_current(self) -> None:
-        fd, path, count = self._fd, self._path, self._count
-        self._fd, self._path = -1, None
+        fd, path, count = self._fd, self.path, self._count
+        self._fd, self.path = -1, None
         if fd < 0 or path is None:
             return
         if count == 0:
@@ -196,20 +185,17 @@ class Picks:
         self.file = array("i", bytes(4 * total))
         self.offset = array("q", bytes(8 * total))
         self.length = array("q", bytes(8 * total))
+        self.torn = 0  # lines pick_lines skipped as torn or unparsable (not counting blank ones)
 
     def offer(self, index: int, version: int, attempt: int, wanted: tuple[int, int] | None,
               file_no: int, offset: int, length: int) -> None:
         """A line of ``index`` with this (version, attempt) at (file_no, offset, length), in
         the order choose_records would see it; ``wanted`` is the index's accepted pair."""
-        state = self.state[index]
-        if (version, attempt) == wanted:
-            state = ACCEPTED
-        elif state == ACCEPTED or (state == NEWEST and (version, attempt)
-                                   < (self.version[index], self.attempt[index])):
+        key, state = (version, attempt), self.state[index]
+        if key != wanted and (state == ACCEPTED or (
+                state == NEWEST and key < (self.version[index], self.attempt[index]))):
             return
-        else:
-            state = NEWEST
-        self.state[index] = state
+        self.state[index] = ACCEPTED if key == wanted else NEWEST
         self.version[index], self.attempt[index] = version, attempt
         self.file[index], self.offset[index], self.length[index] = file_no, offset, length
 
@@ -218,24 +204,13 @@ class Picks:
         self.version = self.attempt = array("q")
 
 
-@dataclass
-class PickStats:
-    """What ``pick_lines`` saw: lines skipped as torn or unparsable (not counting blank ones)."""
-
-    torn: int = 0
-
-
 def pick_lines(paths: Sequence[Path], total: int,
                accepted: Callable[[int], tuple[int, int] | None],
-               wanted: Callable[[int], bool] = lambda index: True,
-               stats: PickStats | None = None) -> Picks:
-    """The first pass of an export: every line of every shard, one shard open at a time, in
-    (file, offset) order, offered to ``Picks`` by choose_records' rules. Only indices
-    0 ≤ index < total for which ``wanted(index)`` holds are kept; ``accepted`` is asked once a
-    line. A line that is torn, not JSON or without an index counts in ``stats.torn``; one whose
-    index, params_version or attempt is not a 64-bit integer is passed over (genq never
-    writes one)."""
-    stats = stats if stats is not None else PickStats()
+               wanted: Callable[[int], bool] = lambda index: True) -> Picks:
+    """Export's first pass: every line of every shard, one shard open at a time, offered to
+    ``Picks`` for the indices 0 ≤ index < total that are ``wanted``. A torn or non-JSON line
+    counts in ``Picks.torn``; one whose index, params_version or attempt is not a 64-bit integer
+    is passed over (genq never writes one)."""
     picks = Picks(total)
     low, high = _INT64
     for file_no, path in enumerate(paths):
@@ -249,7 +224,7 @@ def pick_lines(paths: Sequence[Path], total: int,
                 start, offset = offset, offset + len(line)
                 record = parse_line(line)
                 if record is None or "index" not in record:
-                    stats.torn += bool(line.strip())
+                    picks.torn += bool(line.strip())
                     continue
                 index = record["index"]
                 if type(index) is not int or not 0 <= index < total or not wanted(index):

@@ -1,13 +1,9 @@
 """`genq export`: one record per done index from every shard, the accepted attempt first.
 
-Any number of shards with a fixed number of open files, and memory of a few dozen bytes an
-index: the first pass reads the shards one at a time and keeps only where each index's chosen
-line is (common.data.shards.pick_lines); the second lays the output out in index order (each
-line's length is known) and copies the chosen lines into place shard by shard, each shard opened
-once, with one descriptor for the output. Where the (version, attempt) Redis accepted is missing
-from the shards, the newest line is written instead and reported (`not_accepted`). With
-include_failed, each failed index gets a record too: {"index", "run", "status": "failed",
-"error"}.
+Any number of shards in a few dozen bytes an index and a few open files: the first pass notes
+where each index's chosen line is (shards.pick_lines); the second lays the output out in index
+order and copies the lines into place shard by shard. Where the accepted (version, attempt) is
+missing from the shards, the newest line is written and reported (`not_accepted`).
 """
 
 from __future__ import annotations
@@ -19,13 +15,13 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import orjson
 import redis
 
 from common.data.records import shard_files
-from common.data.shards import NEWEST, NONE, Picks, PickStats, pick_lines
+from common.data.shards import NEWEST, NONE, Picks, pick_lines
 from common.errors import GenqError
 from common.queue import bitmap
 from common.queue.keys import RunKeys
@@ -107,9 +103,8 @@ _FAILED_BATCH = 5_000  # error texts fetched per HMGET
 
 def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
                   spill: IO[bytes]) -> tuple[array, array]:
-    """Write each failed index's record (in index order) to ``spill`` and rewind it; returns
-    the indices and their records' lengths. Reasons are fetched a batch at a time, so memory
-    holds one batch of error texts."""
+    """Write each failed index's record (in index order) to ``spill``, a batch of error texts
+    at a time, and rewind it; returns the indices and their records' lengths."""
     indices = array("q", bitmap.set_indices(blob(r.get(k.failed)), below=total))
     lengths = array("q")
     for lo in range(0, len(indices), _FAILED_BATCH):
@@ -196,18 +191,7 @@ def _by_shard(picks: Picks, n_files: int) -> tuple[array, array]:
     return grouped, bounds
 
 
-class _Progress:
-    def __init__(self, progress: Any, count: int) -> None:
-        self.progress, self.count, self.n = progress, count, 0
-
-    def step(self) -> None:
-        if self.progress is not None and self.n % 1000 == 0:
-            self.progress(self.n, self.count)
-        self.n += 1
-
-
-def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst: int,
-          progress: _Progress) -> None:
+def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst: int) -> None:
     """Copy each chosen line from its shard to its place in the output, one shard open at a
     time, reading each shard's lines in file order."""
     grouped, bounds = _by_shard(picks, len(paths))
@@ -219,7 +203,6 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
         src = _open_shard(path)
         try:
             for index in group:
-                progress.step()
                 line = _read_at(src, lengths[index], offsets[index], path)
                 _pwrite_all(dst, mark_kept(line) if index in marked else line, starts[index])
         finally:
@@ -227,11 +210,10 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
-           progress: Any = None, *, include_failed: bool = False) -> ExportResult:
+           *, include_failed: bool = False) -> ExportResult:
     accepted, is_done, done_raw = _accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
-    stats = PickStats()
-    picks = pick_lines(paths, total, accepted, is_done, stats)  # done indices only
+    picks = pick_lines(paths, total, accepted, is_done)  # done indices only
     picks.drop_keys()
     kept = kept_lookup(r, k)
     done = written = fallback_count = 0
@@ -240,12 +222,10 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
     for index in bitmap.set_indices(done_raw, below=total):
         done += 1
         state = picks.state[index]
-        if state == NONE:
-            if len(missing) < 20:
-                missing.append(index)
-            continue
-        written += 1
-        if state == NEWEST:  # the accepted line is not in the shards
+        written += state != NONE
+        if state == NONE and len(missing) < 20:
+            missing.append(index)
+        elif state == NEWEST:  # the accepted line is not in the shards
             fallback_count += 1
             if len(fallback) < 20:
                 fallback.append(index)
@@ -262,11 +242,8 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
                 for index in failed:  # a failed record stands for the index, not a shard line
                     picks.state[index] = NONE
                 starts, size, marked = _layout(picks, failed, failed_lengths, paths, kept)
-                steps = _Progress(progress, len(picks.state) - picks.state.count(NONE)
-                                  + len(failed))
-                _copy(picks, paths, starts, marked, dst, steps)
+                _copy(picks, paths, starts, marked, dst)
                 for index, length in zip(failed, failed_lengths, strict=True):
-                    steps.step()
                     _pwrite_all(dst, spill.read(length), starts[index])
             if os.fstat(dst).st_size != size:  # every line has its place: no holes
                 raise GenqError(f"export to {out}: wrote {os.fstat(dst).st_size} of {size} "
@@ -278,6 +255,6 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return ExportResult(written=written, done=done, missing=missing, torn_lines=stats.torn,
+    return ExportResult(written=written, done=done, missing=missing, torn_lines=picks.torn,
                         shards=len(paths), not_accepted=fallback,
                         not_accepted_count=fallback_count, failed_written=len(failed))

@@ -1,8 +1,6 @@
-"""Where `genq export` reads from and what it writes, around common/store/export.py's rules.
-
-``--from-s3 URI`` downloads the run's shards (s3.fetch_run) into a temporary directory
-laid out like a consumer's --out, then exports exactly as from disk. ``--format parquet`` turns
-the exported records into typed columns in row groups of bounded size, a file that
+"""Where `genq export` reads from and what it writes, around common/store/export.py's rules:
+``--from-s3 URI`` exports, as from disk, the run's shards downloaded into a temporary directory;
+``--format parquet`` writes typed columns in row groups of bounded size, a file that
 ``datasets.load_dataset("parquet", data_files=...)`` and pyarrow read as they are.
 """
 

@@ -66,7 +66,6 @@ class Shipper:
         self.watched: dict[Path, str] = {}
         self.sent: dict[Path, tuple[int, int]] = {}
 
-    # --- what to ship --------------------------------------------------------------------
     def closed(self, path: Path) -> None:
         """The shard writer's on_close hook: called from any thread, never blocks."""
         self.loop.call_soon_threadsafe(self.add_shard, path)
@@ -101,7 +100,6 @@ class Shipper:
             self.add_shard(path)
         return len(found)
 
-    # --- the loop ------------------------------------------------------------------------
     async def run(self, sink: Any = None, max_age_s: float | None = None) -> None:
         """Ship until cancelled; close ``sink``'s shard when it is older than ``max_age_s``."""
         with contextlib.suppress(*REDIS_TROUBLE):  # reported again after the first upload
