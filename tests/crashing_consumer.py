@@ -26,7 +26,7 @@ def crash_at(spec: str) -> None:
     if mode not in ("torn_write", "kill_after_write") or not n.isdigit() or int(n) < 1:
         raise SystemExit(f"GENQ_FAULT={spec!r}: use torn_write:N or kill_after_write:N")
     nth, count, lock = int(n), [0], threading.Lock()
-    write = ShardWriter.write
+    write_many = ShardWriter.write_many  # the real one: write() goes through it too
 
     def crashing_write(self: ShardWriter, record: dict[str, Any]) -> None:
         with lock:
@@ -37,7 +37,7 @@ def crash_at(spec: str) -> None:
                 os.write(fd, line[: len(line) // 2])
                 os.fdatasync(fd)
                 os.kill(os.getpid(), signal.SIGKILL)
-            write(self, record)
+            write_many(self, [record])
             if count[0] == nth and mode == "kill_after_write":
                 os.kill(os.getpid(), signal.SIGKILL)
 
