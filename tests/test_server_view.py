@@ -66,7 +66,7 @@ def test_busy_server_with_free_kv_is_advised_to_raise(busy_run, r, run_name, red
     assert alert["command"] == "--max-running-requests 40"
 
     shown = genq("status", redis_url=redis_url, run=run_name).stdout
-    assert "advice (raise)" in shown and "of 1,000,000" in shown
+    assert "advice (raise)" in shown and "KV cache at most" in shown
     as_json = json.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
     assert as_json["advice"][0]["suggested"] == 40
 

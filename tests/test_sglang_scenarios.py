@@ -192,7 +192,8 @@ def test_server_killed_and_restarted_with_other_flags_mid_run(
     finally:
         c.cleanup()
     changed = event(events, "server_capacity_changed")
-    paused = sum(e.get("event") == "claiming_paused" for e in events)
+    # A refusal logs requests_refused at once; only a pause of 0.5 s or more logs claiming_paused.
+    paused = sum(e.get("event") in ("claiming_paused", "requests_refused") for e in events)
     record_figures(f"sglang_kill_restart_{plain.kind}", prompts=n, done_at_kill=done_at_kill,
                    capacity_before=changed["old"], capacity_after=changed["new"],
                    claiming_paused=paused)
