@@ -13,6 +13,9 @@ def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        # Readable by all, as open() leaves a file under the usual umask (mkstemp's 0600 kept
+        # the data set, manifest and progress file from the services running as other users).
+        os.fchmod(fd, 0o644)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             if durable:
