@@ -120,6 +120,11 @@ class Consumer:
     def capacity(self) -> int:
         return self.follower.capacity
 
+    @property
+    def running(self) -> int:
+        """Our requests the server holds now: sent and not answered yet."""
+        return sum(1 for i in self.held.values() if i.at_server)
+
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
         loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
@@ -422,7 +427,7 @@ class Consumer:
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,
                 "capacity": self.capacity, "inflight": len(self.held),
-                "running": sum(1 for i in self.held.values() if i.at_server),
+                "running": self.running,
                 "ahead": len(self.prefetch.ready), "load": f.load,
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
@@ -476,8 +481,7 @@ class Consumer:
                                     epoch=self.runstate.epoch)
 
     async def follow_load(self) -> None:
-        ours = sum(1 for i in self.held.values() if i.at_server)
-        if await self.follower.load_tick(ours) is not None:
+        if await self.follower.load_tick(self.running) is not None:
             self.resize()
 
     async def follow_server(self) -> None:
