@@ -21,6 +21,7 @@ from common.cli import add_common
 from common.errors import REDIS_TROUBLE, mask_secrets
 from common.files import write_atomic
 from common.log import REDIS_OUTAGE
+from common.queue import run as runs
 from common.queue.keys import RUN_NAME, RunKeys
 from common.queue.scripts import ScriptRunner, reap_call
 from monitor.service import MonitorServer, StatusSource
@@ -89,16 +90,15 @@ def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
     when it clears, and the run's end once, so the log says what the page and the status table
     say."""
     active: dict[str, dict] = {}
-    finished = [False]
+    ends = runs.Ends()
 
     def tick() -> None:
         status, _error = read()
         if status is None:
             return
-        if status.get("finished") and not finished[0]:  # once per end of the run
+        if ends.new(bool(status.get("finished")), status["params_version"]):
             log.info("run_finished", run=status["run"], done=status["done"],
                      failed=status["failed"], total=status["total"])
-        finished[0] = bool(status.get("finished"))
         now = {f"{a['kind']}|{a.get('server', '')}": a for a in status["alerts"]}
         for alert in [a for key, a in now.items() if key not in active]:
             log.warning("alert", run=status["run"], kind=alert["kind"],

@@ -123,7 +123,7 @@ def live_capacity(r: redis.Redis, k: RunKeys) -> int:
 def keep_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,
                 runner: ScriptRunner, stop: threading.Event) -> int:
     logger.info("producer_started", run=s.run, window=s.window or "auto")
-    backoff, state, said_finished = 0.0, runs.OK, False
+    backoff, state, ends = 0.0, runs.OK, runs.Ends()
     while not stop.is_set():
         try:
             state = watch_run(r, k, info, state)
@@ -131,11 +131,10 @@ def keep_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.Ru
                 return 1
             if state == runs.OK:
                 top_up_window(r, k, s, info, runner)
-                done = runs.finished(r, k, info.total)
-                if done and not said_finished:  # once per end; a redo may start it again
-                    logger.info("run_finished", run=s.run, total=info.total,
+                version = int(r.get(k.params_version) or 1)
+                if ends.new(runs.finished(r, k, info.total), version):
+                    logger.info("run_finished", run=s.run, total=info.total, version=version,
                                 reason="every prompt is done or failed; waiting for a requeue")
-                said_finished = done
             if backoff:
                 log.REDIS_OUTAGE.over()
                 logger.info("producer_resumed", run=s.run)

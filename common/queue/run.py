@@ -66,6 +66,18 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
                    created_at=float(meta.get("created_at") or 0))
 
 
+class Ends:
+    """Says each end of a run once: when it is first seen finished, and again after a requeue
+    (a new parameter version) even if the redo it brought ran out between two looks."""
+
+    def __init__(self) -> None:
+        self.seen: int | None = None  # the version last seen finished; None: not finished
+
+    def new(self, finished: bool, version: int) -> bool:
+        said, self.seen = self.seen, version if finished else None
+        return finished and said != version
+
+
 def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
     """Every prompt done or failed, nothing queued or leased: the run has ended (until a
     requeue brings work back)."""
