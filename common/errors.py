@@ -60,7 +60,7 @@ class ServerAborted(ServerUnavailable):
 
 
 class ServerStalled(ServerUnavailable):
-    """The streamed answer went silent for longer than --stall-timeout (a hung server)."""
+    """The answer showed no progress for longer than --stall-timeout (a hung server)."""
 
 
 class OutputUnavailable(Retryable):

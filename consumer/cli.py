@@ -74,8 +74,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="longest one generation may take, in seconds (default 3600)")
     p.add_argument("--stall-timeout", type=float, default=60.0,
-                   help="seconds a streamed answer may stay silent before the server is "
+                   help="seconds an answer may show no progress (the server's load not moving "
+                        "while it holds it; with --stream, no chunk) before the server is "
                         "taken as hung and the task given back (default 60)")
+    p.add_argument("--stream", action="store_true",
+                   help="stream answers: silence is seen per answer, but the server makes "
+                        "fewer tokens per second (docs/SGLANG.md)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default 10)")
     p.add_argument("--server-wait", type=float, default=10.0,
@@ -229,7 +233,8 @@ async def serve(s: ConsumeSettings) -> int:
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
     writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
     sync.sadd(k.outdirs, os.path.abspath(s.out))
-    server = SGLang(s.server, request_timeout=s.request_timeout, stall_timeout=s.stall_timeout)
+    server = SGLang(s.server, request_timeout=s.request_timeout, stall_timeout=s.stall_timeout,
+                    stream=s.stream)
     client = redis_client(s.redis_url)
     ship = Shipping.start(s, k, writer, client)
     rc = 0

@@ -22,6 +22,7 @@ class ConsumeSettings:
     server_wait: float
     redis_wait: float = 30.0  # --burst gives up on an unreachable Redis after this
     stall_timeout: float = 60.0
+    stream: bool = False  # answers streamed (per-answer silence) or whole (less server work)
     servers: tuple[str, ...] = ()  # those it may drive; `server` is the one leased, once serving
     server_lease: float = 15.0
     share_server: bool = False

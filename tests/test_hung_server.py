@@ -1,7 +1,8 @@
 """A server that accepts requests and never answers (the simulator's `hang` fault) is noticed
-by the silence of the streamed answer within --stall-timeout, not after --request-timeout
-(an hour by default, which long generations need); the tasks come back without spending an
-attempt (--max-attempts 1 would turn any spent attempt into a failure)."""
+within --stall-timeout, not after --request-timeout (an hour by default, which long generations
+need): by its load standing still (whole answers, the default) or by the silence of the streamed
+answer (--stream). The tasks come back without spending an attempt (--max-attempts 1 would turn
+any spent attempt into a failure)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from datetime import datetime
 
 import httpx
+import pytest
 from faultkit import Consumer, check_truth, claims, produce_once, record_figures, sim_kwargs
 from faultkit import wait_done as wait_done_at_least
 from pipeline import wait_for, write_dataset
@@ -22,13 +24,15 @@ def _ts(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.parametrize("mode", ["whole", "stream"])
 def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
-        tmp_path, redis_url, r, run_name, sim_factory):
+        tmp_path, redis_url, r, run_name, sim_factory, mode):
     n = 60
     produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
     sim = sim_factory(**sim_kwargs(0.3))
     c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
-                 "--request-timeout", "3600", "--stall-timeout", str(STALL_S))
+                 "--request-timeout", "3600", "--stall-timeout", str(STALL_S),
+                 *(["--stream"] if mode == "stream" else []))
     try:
         wait_done_at_least(r, run_name, 5)
         hang_at = time.time()
@@ -49,7 +53,7 @@ def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
     assert redone
     hung = httpx.get(sim.url + "/_sim/stats").json()["hung"]
     noticed_s = round(_ts(stalled[0]) - hang_at, 2)
-    record_figures("server_hangs_3s_stream_silence", hung=hung, redone=len(redone),
+    record_figures(f"server_hangs_3s_{mode}", hung=hung, redone=len(redone),
                    noticed_after_s=noticed_s,
                    stall_timeout_s=STALL_S, request_timeout_s=3600, **figures)
 
@@ -72,3 +76,33 @@ def test_requests_queued_inside_the_server_are_not_taken_for_a_hang(
     assert httpx.get(sim.url + "/_sim/stats").json()["max_running_seen"] == 1
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     assert figures["done"] == n and claims(r, run_name, n) == [1] * n
+
+
+def test_requests_a_busy_server_lost_are_noticed_by_whole_answers_too(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # Requests sent in a short window are never answered while the server goes on answering
+    # the others: its load keeps moving, but it holds fewer requests than are in flight, and
+    # the oldest of those are the ones it lost. They are noticed while it is still busy.
+    n = 48
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(4.0))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--request-timeout", "3600", "--stall-timeout", "1")
+    done = RunKeys(run_name).done
+    try:
+        wait_done_at_least(r, run_name, 4)
+        httpx.post(sim.url + "/_sim/faults", json={"hang": True, "for_s": 1.0},
+                   timeout=5).raise_for_status()
+        wait_for(lambda: httpx.get(sim.url + "/_sim/stats").json()["hung"] >= 1,
+                 what="a request hung")
+        wait_for(lambda: any("answer silent for" in str(e.get("error", "")) for e in c.events()),
+                 timeout=60, interval=0.02, what="a lost request noticed")
+        busy_when_noticed = httpx.get(sim.url + "/_sim/stats").json()["running"]
+        done_when_noticed = r.bitcount(done)
+        assert c.wait(120) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    assert busy_when_noticed > 0 and done_when_noticed < n - 16
+    assert httpx.get(sim.url + "/_sim/stats").json()["hung"] >= 1
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)

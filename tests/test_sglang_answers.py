@@ -21,9 +21,11 @@ from common.sglang.stream import (
     Answer,
     ContextExceeded,
     error_message,
+    load_moved,
     parse_load,
     split_thinking,
     status_error,
+    whole_answer,
 )
 
 REAL = Path(__file__).parent / "data" / "sglang-0.5.23"
@@ -65,6 +67,29 @@ def test_a_real_streamed_answer_is_read_whole():
     assert done.finish_reason == "length" and done.content == ""
     assert done.reasoning_content == " sudeltakipFArror\ufffd unt\ufffd\u0015licitiss\ufffd"
     assert (done.prompt_tokens, done.completion_tokens) == (15, 12)
+
+
+def test_a_real_whole_answer_reads_as_its_stream_does():
+    whole = whole_answer((REAL / "chat_parser_thinking.json").read_bytes(), URL, thinking=True)
+    assert whole.finish_reason == "length" and whole.content == ""
+    assert whole.reasoning_content and whole.completion_tokens == 12
+    stop = whole_answer((REAL / "chat_stop.json").read_bytes(), URL, thinking=False)
+    assert stop.finish_reason == "stop" and stop.reasoning_content is None and stop.content
+    for broken in (b"{}", b'{"choices": []}', b"not json"):
+        with pytest.raises(ServerUnavailable, match="malformed answer"):
+            whole_answer(broken, URL, thinking=True)
+    aborted = {"choices": [{"message": {"content": "x"}, "finish_reason": "abort"}]}
+    with pytest.raises(ServerAborted):
+        whole_answer(orjson.dumps(aborted), URL, thinking=True)
+
+
+def test_a_load_moves_with_a_queue_or_with_work_that_changes():
+    idle = parse_load(real("v1_loads.json"))
+    busy = {**idle, "num_reqs": 4, "num_used_tokens": 900, "gen_throughput": 80.0}
+    assert not load_moved(idle, idle)
+    assert load_moved(idle, busy) and load_moved(busy, {**busy, "num_used_tokens": 950})
+    assert not load_moved(busy, busy)  # a frozen server answers the same figures
+    assert load_moved(busy, {**busy, "num_waiting_reqs": 2})  # queued: waiting, not hung
 
 
 def test_the_real_context_length_400_lowers_max_tokens_and_is_never_a_bad_task():

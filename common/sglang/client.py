@@ -1,5 +1,6 @@
 """The SGLang HTTP client: where capacity, load and context length live in each SGLang version,
-a streamed chat answer under a stall watchdog, and retrying one that overflows the context.
+a chat answer under a stall watchdog (whole, or streamed with --stream), and retrying one that
+overflows the context.
 What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ from common.sglang.stream import (
     Completion,
     ContextExceeded,
     error_message,
+    load_moved,
     parse_load,
     status_error,
     thinking_on,
+    whole_answer,
 )
 
 logger = structlog.get_logger("consumer")
 
+# A load older than this is read again for the watchdog (the follower reads it every second).
+LOAD_MAX_AGE_S = 1.5
 # Newest first: /get_load is gone in 0.5.x (404); older servers have only it.
 LOAD_PATHS = ("/v1/loads", "/get_load")
 # The aiohttp transport maps aiohttp's connection and timeout errors to httpx's; anything else
@@ -39,7 +44,8 @@ TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
 
 @dataclass
 class Progress:
-    """When the streamed answer last showed a sign of life."""
+    """When the answer last showed a sign of life: a streamed chunk, or (a whole answer) the
+server's load moving while it holds this request."""
     started: float = field(default_factory=time.monotonic)
     last: float = field(default_factory=time.monotonic)
     chunks: int = 0
@@ -47,8 +53,8 @@ class Progress:
 
 class SGLang:
     def __init__(self, url: str, *, request_timeout: float, stall_timeout: float = 60.0,
-                 connections: int | None = None) -> None:
-        self.url = url.rstrip("/")
+                 connections: int | None = None, stream: bool = False) -> None:
+        self.url, self.stream = url.rstrip("/"), stream
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
         # Silence is policed by chat()'s watchdog, so the socket timeout only backs it up.
         timeout = httpx.Timeout(connect=10.0, read=request_timeout, write=60.0, pool=None)
@@ -69,7 +75,8 @@ class SGLang:
         self.json_headers = {"content-type": "application/json"}
         self.load_path: str | None = None  # the load endpoint this server has, once known
         self._load_unknown_said = False
-        self._load: tuple[float, dict[str, Any] | None] = (0.0, None)
+        self._load: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, load)
+        self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
 
     async def close(self) -> None:
         # aiohttp waits for each connection to close; one that never does must not hold up exit.
@@ -125,7 +132,19 @@ class SGLang:
 
     async def load(self) -> dict[str, Any] | None:
         """Running and waiting requests summed over the server's DP ranks, and the capacity
-        in force when the server says it; None when the server cannot tell."""
+        in force when the server says it; None when the server cannot tell. Each read is kept
+        for the stall watchdog: one load poll per server, whatever the number of requests."""
+        previous, load = self._load[1], await self._read_load()
+        self._load = (time.monotonic(), load)
+        if not self.stream and load and previous and load_moved(previous, load):
+            # The server holds its newest requests; ours beyond that many (the oldest) are not
+            # there, and get no sign of life from it.
+            held = load["num_reqs"] + load["num_waiting_reqs"]
+            for progress in list(self.live.values())[-held:] if held else ():
+                progress.last = self._load[0]
+        return load
+
+    async def _read_load(self) -> dict[str, Any] | None:
         for path in ([self.load_path] if self.load_path else LOAD_PATHS):
             try:
                 response = await self._get(path)
@@ -145,18 +164,20 @@ class SGLang:
             logger.warning("server_load_unknown", reason="neither /v1/loads nor /get_load")
         return None
 
-    async def queued(self) -> bool:
-        """Does the server hold waiting requests? (Load read at most once a second.)"""
+    async def recent_load(self) -> dict[str, Any] | None:
         at, load = self._load
-        if time.monotonic() - at > 1.0:
-            load = await self.load()
-            self._load = (time.monotonic(), load)
+        fresh = time.monotonic() - at <= min(LOAD_MAX_AGE_S, self.stall_timeout / 4)
+        return load if fresh else await self.load()
+
+    async def queued(self) -> bool:
+        """Does the server hold waiting requests?"""
+        load = await self.recent_load()
         return bool(load and load["num_waiting_reqs"] > 0)
 
     # --- one generation ------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], index: int,
                    on_request: Callable[[asyncio.Task], None] | None = None) -> Completion:
-        """One streamed chat completion, run again with the max_tokens that fit when prompt +
+        """One chat completion, run again with the max_tokens that fit when prompt +
         max_tokens exceed the context. on_request gets the task of each request sent:
         cancelling it aborts the request, and chat() raises CancelledError."""
         try:
@@ -170,16 +191,20 @@ class SGLang:
 
     async def _watched(self, body: dict[str, Any], index: int,
                        on_request: Callable[[asyncio.Task], None] | None) -> Completion:
-        """Stream the answer while a watchdog ends it once it has been silent too long."""
+        """Ask for the answer while a watchdog ends it once it has been silent too long."""
         progress = Progress()
-        task = asyncio.ensure_future(self._stream(body, index, progress))
+        send = self._stream if self.stream else self._whole
+        task = asyncio.ensure_future(send(body, index, progress))
         if on_request is not None:
             on_request(task)
+        self.live[id(progress)] = progress
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=min(1.0, self.stall_timeout / 4))
                 if done:
                     return task.result()
+                if not self.stream:
+                    await self.recent_load()  # read by the follower already, most of the time
                 now = time.monotonic()
                 if now - progress.started > self.request_timeout:
                     raise ServerUnavailable(f"{self.url}: no whole answer within "
@@ -190,9 +215,22 @@ class SGLang:
                     raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
                                         f"(--stall-timeout {self.stall_timeout:g})")
         finally:
+            del self.live[id(progress)]
             if not task.done():
                 task.cancel()  # closes the connection, which aborts the request on the server
                 await asyncio.gather(task, return_exceptions=True)
+
+    async def _whole(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
+        try:
+            resp = await self.http.post(self.chat_url, content=orjson.dumps(body),
+                                        headers=self.json_headers)
+        except TRANSPORT_ERRORS as e:
+            raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
+                from None
+        if resp.status_code != 200:
+            raise status_error(resp.status_code, error_message(resp.content), index, self.url,
+                               resp.headers.get("retry-after"))
+        return whole_answer(resp.content, self.url, thinking=thinking_on(body))
 
     async def _stream(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}

@@ -83,18 +83,36 @@ class Answer:
     def completion(self, url: str, *, thinking: bool) -> Completion:
         if not self.done:
             raise ServerUnavailable(f"{url}: the answer stream ended before [DONE]")
-        if self.finish == "abort":
-            raise ServerAborted(f"{url}: the server aborted the generation (finish_reason abort)")
-        if self.finish not in FINISHED:
-            raise TryAgain(f"{url}: no finished result (finish_reason {self.finish!r})")
-        content = "".join(self.content)
         reasoning = "".join(self.reasoning) if self.reasoning is not None else None
-        if reasoning is None and thinking:
-            reasoning, content = split_thinking(content)
-        return Completion(
-            finish_reason=self.finish, content=content, reasoning_content=reasoning,
-            prompt_tokens=int(self.usage.get("prompt_tokens") or 0),
-            completion_tokens=int(self.usage.get("completion_tokens") or 0))
+        return finished(url, self.finish, "".join(self.content), reasoning, self.usage,
+                        thinking=thinking)
+
+
+def whole_answer(body: bytes, url: str, *, thinking: bool) -> Completion:
+    """A chat answer sent whole (`stream: false`)."""
+    try:
+        data = orjson.loads(body)
+        choice, usage = data["choices"][0], data.get("usage") or {}
+        message = choice.get("message") or {}
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+        raise ServerUnavailable(f"{url}: malformed answer {body[:200]!r}") from None
+    return finished(url, choice.get("finish_reason"), message.get("content") or "",
+                    message.get("reasoning_content"), usage, thinking=thinking)
+
+
+def finished(url: str, finish: str | None, content: str, reasoning: str | None,
+             usage: dict[str, Any], *, thinking: bool) -> Completion:
+    """The result of an answer, or the error that says why there is none."""
+    if finish == "abort":
+        raise ServerAborted(f"{url}: the server aborted the generation (finish_reason abort)")
+    if finish not in FINISHED:
+        raise TryAgain(f"{url}: no finished result (finish_reason {finish!r})")
+    if reasoning is None and thinking:
+        reasoning, content = split_thinking(content)
+    return Completion(
+        finish_reason=finish, content=content, reasoning_content=reasoning,
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0))
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:
@@ -132,6 +150,14 @@ def parse_load(data: Any) -> dict[str, Any]:
             "num_used_tokens": used, "max_total_num_tokens": pool,
             "token_usage": round(usage, 4) if usage is not None else None,
             "gen_throughput": total("gen_throughput", float)}
+
+
+def load_moved(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Two load reads show the server working: a queue, or running requests whose KV use or
+    decode speed changed (a frozen server answers the same figures, or not at all)."""
+    keys = ("num_reqs", "num_used_tokens", "gen_throughput")
+    return after["num_waiting_reqs"] > 0 or (
+        after["num_reqs"] > 0 and any(before[key] != after[key] for key in keys))
 
 
 def status_error(status: int, message: str, index: int, url: str,
