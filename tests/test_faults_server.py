@@ -67,6 +67,27 @@ def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
                    claiming_paused=seen["claiming_paused"], attempts_spent=0, **figures)
 
 
+def test_a_503_now_and_then_is_sent_again_by_its_slot_not_through_the_queue(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A busy server refuses one request in ten: the slot sends it again after a moment, as a
+    # plain retrying client does, holding its lease; it is not given back and claimed anew.
+    n = 120
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.3, error_rate=0.1))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+        log = c.log()
+    finally:
+        c.cleanup()
+    refused = sim_stats(sim)["fault_errors"]
+    claimed_again = sum(claims(r, run_name, n)) - n
+    assert refused >= 5 and claimed_again < refused / 2, (refused, claimed_again)
+    assert "requests_refused" in log  # still counted, once a minute
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
+
+
 def wait_for_more(r, k: RunKeys, before: int) -> float:
     start = time.monotonic()
     wait_for(lambda: r.bitcount(k.done) > before, timeout=60, interval=0.02,
