@@ -12,13 +12,14 @@ from typing import TypeVar
 
 import structlog
 
-from common.errors import REDIS_TROUBLE
+from common.errors import REDIS_TROUBLE, ServerStalled, ServerUnavailable, mask_secrets
 from common.log import REDIS_OUTAGE
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
 
 FIRST_PAUSE_S = 0.1  # a 503 now and then costs the refused request a moment, not a second
+RETRIES_IN_SLOT = 3  # refusals in a row retried by their slot; more pause every new request
 MAX_BACKOFF_S = 10.0  # the longest pause: a server that comes back is used again within this
 LOGGED_PAUSE_S = 0.5  # pauses this long are logged each; shorter ones, summed every minute
 REFUSALS_EVERY_S = 60.0
@@ -26,7 +27,8 @@ REFUSALS_EVERY_S = 60.0
 
 class ClaimPause:
     """Jittered pause of new requests: as long as the server asks (Retry-After), or doubled for
-    each failure in a row; requests in flight that fail during a pause do not lengthen it."""
+    each failure in a row; requests in flight that fail during a pause do not lengthen it. A
+    refusal between successes is only retried by its slot after a moment (`in_slot`)."""
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -36,6 +38,19 @@ class ClaimPause:
 
     def remaining(self) -> float:
         return max(0.0, self.until - time.monotonic())
+
+    def in_slot(self, e: Exception) -> float | None:
+        """The moment a refused request waits before its slot sends it again, as a plain client
+        would; None (give the task back: settle_error) for anything but a server's refusal, once
+        refusals come in a row, while a pause is on, or when the server asks for over a second."""
+        if not isinstance(e, ServerUnavailable) or isinstance(e, ServerStalled):
+            return None
+        wait = e.retry_after
+        if self.failures >= RETRIES_IN_SLOT or self.remaining() or (wait or 0) > 1.0:
+            return None
+        self.failures += 1
+        self.count(mask_secrets(str(e)), time.monotonic())
+        return wait if wait is not None else FIRST_PAUSE_S * (1 + 2 * random.random())
 
     def trouble(self, error: str, retry_after: float | None = None) -> None:
         now = time.monotonic()
@@ -50,6 +65,9 @@ class ClaimPause:
                            failures_in_a_row=self.failures)
             self.said = True
             return
+        self.count(error, now)
+
+    def count(self, error: str, now: float) -> None:
         # A refusal between successes is the ordinary cost of a busy server: said at most once
         # a minute, with how many there were since.
         self.refused += 1

@@ -344,13 +344,7 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return None
-            completion = await self.kept_answer(body, lease.index)
-            if completion is None:
-                self.sending += 1
-                try:
-                    completion = await self.server.chat(body, lease.index, on_request=inflight.sent)
-                finally:
-                    self.sending -= 1
+            completion = await self.kept_answer(body, lease.index) or await self.ask(inflight, body)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -364,6 +358,24 @@ class Consumer:
         except Exception as e:
             await self.settle_error(lease, e)
         return None
+
+    async def ask(self, inflight: Inflight, body: dict[str, Any]) -> Completion:
+        """The server's answer. A refusal between successes is sent again by this slot after a
+        moment, its lease held; one that ends the retries in the slot goes to settle_error."""
+        while True:
+            self.sending += 1
+            try:
+                return await self.server.chat(body, inflight.lease.index,
+                                              on_request=inflight.sent)
+            except Exception as e:
+                if (wait := self.pause.in_slot(e)) is None:
+                    raise
+            finally:
+                self.sending -= 1
+            await asyncio.sleep(wait)
+            if inflight.abort or self.stop.is_set():  # aborted or stopping while it waited
+                inflight.abort = inflight.abort or "shutdown"
+                raise asyncio.CancelledError
 
     async def kept_answer(self, body: dict[str, Any], index: int) -> Completion | None:
         """The answer `requeue --probe` kept for this very request (used once), looked up only

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import structlog
 
+from common.errors import ServerStalled, ServerUnavailable
 from consumer import backoff
-from consumer.backoff import FIRST_PAUSE_S, MAX_BACKOFF_S, ClaimPause
+from consumer.backoff import FIRST_PAUSE_S, MAX_BACKOFF_S, RETRIES_IN_SLOT, ClaimPause
 
 
 def test_a_refusal_between_successes_costs_a_moment(monkeypatch):
@@ -51,3 +52,17 @@ def test_retry_after_is_the_pause(monkeypatch):
     pause = ClaimPause()
     pause.trouble("HTTP 503", retry_after=3.0)
     assert pause.remaining() == 3.0
+
+
+def test_a_slot_retries_a_refusal_itself_until_refusals_come_in_a_row():
+    pause = ClaimPause()
+    assert FIRST_PAUSE_S <= pause.in_slot(ServerUnavailable("HTTP 503")) <= 3 * FIRST_PAUSE_S
+    assert pause.in_slot(ServerUnavailable("HTTP 503", retry_after=0.5)) == 0.5
+    assert pause.in_slot(ServerUnavailable("HTTP 503", retry_after=5.0)) is None  # asks more
+    assert pause.in_slot(ServerStalled("silent")) is None  # a hang: its task goes back
+    assert pause.in_slot(ValueError("a bug")) is None
+    pause.in_slot(ServerUnavailable("HTTP 503"))
+    assert pause.failures == RETRIES_IN_SLOT
+    assert pause.in_slot(ServerUnavailable("HTTP 503")) is None  # in a row: pause them all
+    pause.recovered()
+    assert pause.in_slot(ServerUnavailable("HTTP 503")) is not None
