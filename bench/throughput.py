@@ -10,6 +10,7 @@ Redis commands are counted for genq (those inside scripts included).
     python bench/throughput.py --shape errors   # the same with 5 % of requests answered 503
     python bench/throughput.py --shape fast     # 16-token answers as fast as the simulator goes
     python bench/throughput.py --shape paced    # 160 requests/s: 32 slots, 0.2 s each
+    python bench/throughput.py --stream         # genq streams its answers too (--stream)
 """
 
 from __future__ import annotations
@@ -47,21 +48,23 @@ def timed(args: list[str], env: dict | None = None) -> tuple[float, float, bytes
     return time.monotonic() - t0, cpu, proc.stdout.read()
 
 
-def consume(rs, sim, run: str, out: Path) -> dict:
+def consume(rs, sim, run: str, out: Path, stream: bool = False) -> dict:
     """One `genq consume --burst` over the run as it stands: wall, CPU, tokens written."""
     wall, cpu, _ = timed([sys.executable, "-m", "genq", "consume", "--server", sim.url,
-                          "--burst", "--out", str(out)], kit.genq_env(rs.url, run))
+                          "--burst", "--out", str(out), *(["--stream"] if stream else [])],
+                         kit.genq_env(rs.url, run))
     tokens = sum(json.loads(line)["completion_tokens"]
                  for p in out.glob("*.jsonl") for line in open(p, "rb"))
     return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens}
 
 
-def genq_round(rs, sim, dataset: Path, n: int, work: Path, run: str = "seed") -> dict:
+def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict:
+    run = "seed"
     kit.genq("produce", str(dataset), "--once", "--max-tokens", "4096", redis_url=rs.url,
              run=run)
     r = rs.client()
     sim0, cmds0 = kit.proc_cpu_s(sim.proc.pid), kit.commandstats(r)
-    got = consume(rs, sim, run, work / "out")
+    got = consume(rs, sim, run, work / "out", stream)
     got["sim_cpu_s"] = kit.proc_cpu_s(sim.proc.pid) - sim0
     cmds1 = kit.commandstats(r)
     got["redis_cmds"] = sum(n - cmds0.get(c, 0) for c, n in cmds1.items() if c != "info")
@@ -95,7 +98,7 @@ def report(a, g: dict, b: dict, n: int) -> None:
     rows = [
         row("tokens/s (whole process)", lambda x: x["tokens"] / x["wall_s"], ".0f"),
         row("wall s", lambda x: x["wall_s"], ".1f"),
-        row("CPU us per streamed token, start-up subtracted", per_token, ".2f", ".2f"),
+        row("CPU us per token, start-up subtracted", per_token, ".2f", ".2f"),
         ("CPU ms per task, whole process", f"{1000 * g['cpu_s'] / n:.3f}",
          f"{1000 * b['cpu_s'] / n:.3f}", f"{1000 * (g['cpu_s'] - b['cpu_s']) / n:+.3f} ms"),
         ("start-up CPU s", f"{g['startup_cpu_s']:.2f}", f"{b['startup_cpu_s']:.2f}", "-"),
@@ -104,7 +107,7 @@ def report(a, g: dict, b: dict, n: int) -> None:
     ]
     print(f"\nshape {a.shape}: {n} prompts, {g['tokens']:,} tokens (genq) / {b['tokens']:,} "
           f"(bare), simulator {' '.join(SHAPES[a.shape][0])}, {a.slots} slots; load average "
-          f"before: {a.load_before}\n")
+          f"before: {a.load_before}; genq answers {'streamed' if a.stream else 'whole'}\n")
     print(kit.table(rows, ("figure", "genq consume", "bare aiohttp", "genq/bare")))
 
 
@@ -113,6 +116,7 @@ def main() -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="seed")
     p.add_argument("--n", type=int, help="prompts (default: the shape's)")
     p.add_argument("--time-scale", type=float, help="override the shape's simulator speed")
+    p.add_argument("--stream", action="store_true", help="genq streams its answers too")
     a = p.parse_args()
     flags, a.slots, n, retry = SHAPES[a.shape]
     n = a.n or n
@@ -123,9 +127,9 @@ def main() -> int:
             1, *flags, "--max-running-requests", str(a.slots)) as [sim]:
         dataset = kit.write_dataset(work / "prompts.jsonl", n)
         b = bare_round(sim, dataset, n, a.slots, retry)
-        g = genq_round(rs, sim, dataset, n, work)
+        g = genq_round(rs, sim, dataset, n, work, a.stream)
     report(a, g, b, n)
-    kit.dump_json(a.json, {"shape": a.shape, "n": n, "genq": g, "bare": b})
+    kit.dump_json(a.json, {"shape": a.shape, "n": n, "stream": a.stream, "genq": g, "bare": b})
     return 0
 
 

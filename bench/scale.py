@@ -1,0 +1,130 @@
+"""The seed's scale end to end: 914,000 prompts through the windowed `genq produce`, several
+`genq consume --burst` on fast simulators (16-token answers), default shard rotation (500
+records), a `genq monitor`. Measured: wall time, consumers' CPU per task, Redis memory (used
+above the empty server) at start, peak and end, `genq status` and the monitor's /api/status
+latency during the run and at its end, then `genq export` under `ulimit -n 256` (wall, peak
+RSS) and `genq recover` after FLUSHALL (wall, peak RSS), checked against the run.
+
+    python bench/scale.py                          # 914,000 prompts (~15 min here)
+    python bench/scale.py --total 50000 --consumers 2
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import _common as kit
+from faultkit import Background
+from pipeline import wait_for
+from test_monitor import Monitor
+
+from common.queue.keys import RunKeys
+
+RUN = "scale"
+SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
+       "--max-running-requests", "64"]
+
+
+def timed(args: list[str], env: dict, nofile: int | None = None) -> dict:
+    """A genq command to its end: wall s and peak RSS (MB), optionally under `ulimit -n`."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "genq", *args], cwd=kit.REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=limit if nofile else None)
+    _, status, ru = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"genq {args[0]} failed: {proc.stderr.read().decode()[-2000:]}")
+    return {"wall_s": round(time.monotonic() - start, 2), "rss_mb": round(ru.ru_maxrss / 1024)}
+
+
+def latency(fetch) -> float:
+    start = time.monotonic()
+    fetch()
+    return round(time.monotonic() - start, 3)
+
+
+class MemorySampler(threading.Thread):
+    def __init__(self, r, base: int) -> None:
+        super().__init__(daemon=True)
+        self.r, self.base, self.peak, self.done = r, base, 0, threading.Event()
+
+    def used(self) -> int:
+        return int(self.r.info("memory")["used_memory"]) - self.base
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            self.peak = max(self.peak, self.used())
+
+
+def main() -> int:
+    p = kit.parser(__doc__)
+    p.add_argument("--total", type=int, default=914_000)
+    p.add_argument("--consumers", type=int, default=3)
+    a = p.parse_args()
+    k, lat = RunKeys(RUN), {}
+    with kit.workdir() as work, kit.private_redis() as srv, \
+            kit.simulators(a.consumers, *SIM) as sims:
+        r, env = srv.client(), kit.genq_env(srv.url, RUN)
+        data = kit.write_dataset(work / "d.jsonl", a.total)
+        base = int(r.info("memory")["used_memory"])
+        producer = Background(srv.url, RUN, "produce", str(data))
+        wait_for(lambda: r.exists(k.meta), timeout=600, what="the run registered")
+        memory = MemorySampler(r, base)
+        memory.start()
+        start_mb = memory.used() / 2**20
+        monitor = Monitor(srv.url, RUN, work)
+        outs = [work / f"out{n}" for n in range(a.consumers)]
+        started, cpu0 = time.monotonic(), kit.machine_cpu()
+        procs = [kit.consumer(srv.url, RUN, "--server", sim.url, "--burst", "--out", str(out))
+                 for sim, out in zip(sims, outs, strict=True)]
+        half, cpu = False, {}
+        while len(cpu) < len(procs):
+            for proc in procs:  # wait4 for each one's CPU, not poll(), which would reap it
+                pid, _, ru = os.wait4(proc.pid, os.WNOHANG) if proc.pid not in cpu else (0, 0, 0)
+                if pid:
+                    cpu[pid] = ru.ru_utime + ru.ru_stime
+            if not half and r.bitcount(k.done) >= a.total // 2:
+                half = True
+                lat["status_mid_s"] = latency(lambda: kit.genq("status", redis_url=srv.url,
+                                                               run=RUN))
+                lat["api_mid_s"] = latency(lambda: monitor.get("/api/status"))
+            time.sleep(0.5)
+        wall, (busy, total) = time.monotonic() - started, kit.machine_cpu()
+        lat["status_end_s"] = latency(lambda: kit.genq("status", redis_url=srv.url, run=RUN))
+        lat["api_end_s"] = latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))
+        producer.stop()
+        monitor.proc.terminate()
+        memory.done.set()
+        end_mb, done = memory.used() / 2**20, r.bitcount(k.done)
+        shards = sum(len(list(out.glob("*.jsonl"))) for out in outs)
+        export = timed(["export", "--out", str(work / "all.jsonl")], env, nofile=256)
+        exported = sum(1 for _ in open(work / "all.jsonl", "rb"))
+        r.flushall()  # what a restart without persistence leaves
+        recover = timed(["recover", "--shards", *map(str, outs)], env, nofile=256)
+        recovered = r.bitcount(k.done)
+    if not done == exported == recovered == a.total:
+        raise SystemExit(f"done {done}, exported {exported}, recovered {recovered}")
+    figures = {
+        "prompts": a.total, "consumers": a.consumers, "shards": shards, "wall_s": round(wall, 1),
+        "tasks_per_s": round(a.total / wall),
+        "machine_busy": round((busy - cpu0[0]) / (total - cpu0[1]), 2),
+        "consumer_cpu_ms_per_task": round(1000 * sum(cpu.values()) / a.total, 3),
+        "redis_mb_start": round(start_mb, 1), "redis_mb_peak": round(memory.peak / 2**20, 1),
+        "redis_mb_end": round(end_mb, 1), "redis_b_per_prompt": round(end_mb * 2**20 / a.total, 1),
+        **lat, "export": export, "recover": recover}
+    print(kit.table([(key, str(value)) for key, value in figures.items()], ("figure", "value")))
+    kit.dump_json(a.json, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
