@@ -43,7 +43,7 @@ def export_main(argv: list[str] | None = None) -> int:
     """Write the run's results, one record per done prompt index, newest version winning."""
     from common.queue import run as runs
     from common.queue.replies import text
-    from common.store import export_formats
+    from common.store import export_formats, s3
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
     p.add_argument("--out", required=True,
@@ -59,7 +59,7 @@ def export_main(argv: list[str] | None = None) -> int:
     add_common(p)
     a = p.parse_args(argv)
     if a.from_s3:
-        export_formats.check_uri(a.from_s3)  # before Redis: the flag's own error first
+        s3.parse_uri(a.from_s3)  # before Redis: the flag's own error first
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)

@@ -12,7 +12,7 @@ import contextlib
 import os
 import tempfile
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -40,11 +40,6 @@ class ExportResult:
     failed_written: int
 
 
-def _u16(raw: bytes | None, index: int) -> int:
-    """Index's value in a BITFIELD of u16 (0 past the end, as Redis reads it)."""
-    return int.from_bytes((raw or b"")[2 * index:2 * index + 2].ljust(2, b"\0"), "big")
-
-
 def accepted_lookup(r: redis.Redis, k: RunKeys):
     """(accepted, is_done): index -> (params_version, attempt) of its accepted result, or None
     if not done; index -> whether it is done."""
@@ -54,24 +49,19 @@ def accepted_lookup(r: redis.Redis, k: RunKeys):
 
 def _accepted_state(r: redis.Redis, k: RunKeys):
     """accepted_lookup's pair, and the done bitmap they were read with."""
-    pipe = r.pipeline(transaction=True)
-    for key in (k.done, k.acc_version, k.acc_attempt):
-        pipe.get(key)
-    done, versions, attempts = pipe.execute()
-    done = blob(done)
-    # Padded once (2 bytes an index) so each lookup is two byte reads: a done index is below
-    # 8 * len(done), and past a BITFIELD's end Redis reads 0, as the padding does.
+    done_raw, versions, attempts = r.mget(k.done, k.acc_version, k.acc_attempt)  # one snapshot
+    done = blob(done_raw)
+    # Padded once (2 bytes a u16 BITFIELD field) so each lookup is two byte reads: a done index
+    # is below 8 * len(done), and past a BITFIELD's end Redis reads 0, as the padding does.
     size = 16 * len(done)
     vs, ats = (blob(raw)[:size].ljust(size, b"\0") for raw in (versions, attempts))
 
     def is_done(index: int) -> bool:
         return bitmap.is_set(done, index)
 
-    def accepted(index: int) -> tuple[int, int] | None:
+    def accepted(index: int) -> tuple[int, int] | None:  # of an index >= 0
         if not is_done(index):
             return None
-        if index < 0:  # bitmap.is_set reads those from the end
-            return _u16(versions, index), _u16(attempts, index)
         j = 2 * index
         return vs[j] << 8 | vs[j + 1], ats[j] << 8 | ats[j + 1]
 
@@ -133,12 +123,17 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _open_shard(path: Path) -> int:
+@contextlib.contextmanager
+def _open_shard(path: Path) -> Iterator[int]:
     try:
-        return os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise GenqError(f"shard {path} was removed while it was exported (a consumer with "
                         "--delete-shipped?); export again, or --from-s3") from None
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _layout(picks: Picks, failed: array, failed_lengths: array, paths: list[Path],
@@ -161,11 +156,8 @@ def _layout(picks: Picks, failed: array, failed_lengths: array, paths: list[Path
             length = lengths[index]
             if kept(index):
                 path = paths[picks.file[index]]
-                fd = _open_shard(path)
-                try:
+                with _open_shard(path) as fd:
                     length = len(mark_kept(_read_at(fd, length, picks.offset[index], path)))
-                finally:
-                    os.close(fd)
                 marked.add(index)
             pos += length
     return starts, pos, marked
@@ -200,13 +192,10 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
         group = sorted(grouped[bounds[file_no]:bounds[file_no + 1]], key=offsets.__getitem__)
         if not group:
             continue
-        src = _open_shard(path)
-        try:
+        with _open_shard(path) as src:
             for index in group:
                 line = _read_at(src, lengths[index], offsets[index], path)
                 _pwrite_all(dst, mark_kept(line) if index in marked else line, starts[index])
-        finally:
-            os.close(src)
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,

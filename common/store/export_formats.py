@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -28,13 +27,6 @@ _FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra
 }
 
 
-def schema() -> Any:
-    import pyarrow as pa
-
-    fields = [pa.field(name, getattr(pa, kind)()) for name, kind in _FIELDS.items()]
-    return pa.schema([*fields, pa.field("extra", pa.string())])
-
-
 def _row(record: dict[str, Any]) -> dict[str, Any]:
     row = {name: record.get(name) for name in _FIELDS}
     if row["id"] is not None and not isinstance(row["id"], str):
@@ -50,7 +42,8 @@ def jsonl_to_parquet(src: str, out: str) -> int:
     import pyarrow.parquet as pq
 
     tmp, rows, n, size = f"{out}.tmp-{os.getpid()}", [], 0, 0
-    arrow_schema = schema()
+    fields = [pa.field(name, getattr(pa, kind)()) for name, kind in _FIELDS.items()]
+    arrow_schema = pa.schema([*fields, pa.field("extra", pa.string())])
     try:
         with open(src, "rb") as f, pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as w:
             for line in f:
@@ -69,31 +62,20 @@ def jsonl_to_parquet(src: str, out: str) -> int:
     return n
 
 
-@contextlib.contextmanager
-def shard_dirs(dirs: list[str], from_s3: str | None, run: str) -> Iterator[list[str]]:
-    """The directories to read: ``dirs`` as given, or one holding the run's shards from S3."""
-    if not from_s3:
-        yield dirs
-        return
-    with tempfile.TemporaryDirectory(prefix="genq-s3-") as tmp:
-        store.fetch_run(store.parse_uri(from_s3), run, tmp)
-        yield [tmp]
-
-
-def check_uri(uri: str) -> None:
-    store.parse_uri(uri)
-
-
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
                from_s3: str | None = None, fmt: str = "jsonl",
                **options: Any) -> export.ExportResult:
-    """export.export from disk or S3, into JSONL or Parquet; ``options`` go to it as they are."""
-    with shard_dirs(dirs, from_s3, k.run) as read_dirs:
+    """export.export from ``dirs`` or from S3 (the run's shards downloaded into a temporary
+    directory), into JSONL or Parquet; ``options`` go to it as they are."""
+    with contextlib.ExitStack() as stack:
+        if from_s3:
+            dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="genq-s3-"))]
+            store.fetch_run(store.parse_uri(from_s3), k.run, dirs[0])
         if fmt == "jsonl":
-            return export.export(r, k, total, read_dirs, out, **options)
-        with tempfile.TemporaryDirectory(prefix="genq-export-",
-                                         dir=os.path.dirname(os.path.abspath(out))) as tmp:
-            jsonl = os.path.join(tmp, "export.jsonl")
-            result = export.export(r, k, total, read_dirs, jsonl, **options)
-            jsonl_to_parquet(jsonl, out)
-            return result
+            return export.export(r, k, total, dirs, out, **options)
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="genq-export-", dir=os.path.dirname(os.path.abspath(out))))
+        jsonl = os.path.join(tmp, "export.jsonl")
+        result = export.export(r, k, total, dirs, jsonl, **options)
+        jsonl_to_parquet(jsonl, out)
+        return result

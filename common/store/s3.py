@@ -8,6 +8,7 @@ timeouts and a single attempt per call, so the shipper's own backoff decides whe
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import io
@@ -88,8 +89,15 @@ def compress(data: bytes) -> bytes:
     return gzip.compress(data, compresslevel=6, mtime=0)  # mtime 0: same bytes, same object
 
 
-def store_error(e: Exception, what: str) -> StoreUnavailable:
-    return StoreUnavailable(f"{what}: {type(e).__name__}: {e}")
+@contextlib.contextmanager
+def as_unavailable(what: str) -> Iterator[None]:
+    """S3's own errors in the block, raised as StoreUnavailable naming ``what``."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    try:
+        yield
+    except (BotoCoreError, ClientError) as e:
+        raise StoreUnavailable(f"{what}: {type(e).__name__}: {e}") from None
 
 
 def head(s3: Any, uri: S3Uri, key: str) -> dict | None:
@@ -151,64 +159,44 @@ def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
 def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]:
     """(consumer, shard id, decompressed stream of lines) for each shard of the run; each
     stream is closed once the next is asked for."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
+    with as_unavailable(f"listing {uri}/{run}"):
         keys = shard_keys(s3, uri, run)
-    except (BotoCoreError, ClientError) as e:
-        raise store_error(e, f"listing {uri}/{run}") from None
     for key in keys:
         match = _SHARD_KEY.search(key)
         assert match is not None  # shard_keys kept only matching keys
-        try:
+        with as_unavailable(f"reading s3://{uri.bucket}/{key}"):
             stream = open_object(s3, uri, key)
-        except (BotoCoreError, ClientError) as e:
-            raise store_error(e, f"reading s3://{uri.bucket}/{key}") from None
         try:
             yield match.group(1), match.group(2), stream
         finally:
             stream.close()
 
 
-def manifest_objects(s3: Any, uri: S3Uri, run: str) -> list[tuple[str, bytes]]:
-    """(key, content) of every consumer's shipped run manifest, for ``genq recover``: each
-    consumer ships its own, so one that missed a requeue never hides a newer one."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    try:
-        return sorted((key, s3.get_object(Bucket=uri.bucket, Key=key)["Body"].read())
-                      for key in _run_keys(s3, uri, run) if key.endswith("/" + MANIFEST))
-    except (BotoCoreError, ClientError) as e:
-        raise store_error(e, f"reading the manifests under {uri}/{run}") from None
-
-
 def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
                ) -> tuple[list[Any], Iterator[Any]]:
-    """What `genq recover --from-s3 URI` reads: every consumer's manifest, checked by
+    """What `genq recover --from-s3 URI` reads: every consumer's shipped manifest (each ships
+    its own, so one that missed a requeue never hides a newer one), checked by
     ``parse_manifest(content, where)``, and the run's shards as streams of lines."""
     parsed, s3 = parse_uri(uri), client()
+    with as_unavailable(f"reading the manifests under {parsed}/{run}"):
+        keys = sorted(key for key in _run_keys(s3, parsed, run) if key.endswith("/" + MANIFEST))
+        bodies = [s3.get_object(Bucket=parsed.bucket, Key=key)["Body"].read() for key in keys]
     found = [parse_manifest(body, f"s3://{parsed.bucket}/{key}")
-             for key, body in manifest_objects(s3, parsed, run)]
+             for key, body in zip(keys, bodies, strict=True)]
     return found, (stream for _, _, stream in iter_shards(s3, parsed, run))
 
 
-def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str]) -> list[Path]:
+def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str]) -> None:
     """Download every shard of ``run`` into ``dest`` as ``{run}.{consumer}.{shard id}.jsonl``,
     laid out like a consumer's output directory."""
-    from botocore.exceptions import BotoCoreError, ClientError
-
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    paths: list[Path] = []
     path = dest
     try:
-        for consumer, shard_id, stream in iter_shards(client(), uri, run):
-            path = dest / f"{run}.{consumer}.{shard_id}.jsonl"
-            with open(path, "wb") as f:
-                shutil.copyfileobj(stream, f, 1 << 20)
-            paths.append(path)
-    except (BotoCoreError, ClientError) as e:
-        raise store_error(e, f"reading {uri}/{run}") from None
+        with as_unavailable(f"reading {uri}/{run}"):
+            for consumer, shard_id, stream in iter_shards(client(), uri, run):
+                path = dest / f"{run}.{consumer}.{shard_id}.jsonl"
+                with open(path, "wb") as f:
+                    shutil.copyfileobj(stream, f, 1 << 20)
     except _READ_ERRORS as e:
         raise GenqError(f"reading {uri}/{run}: {path.name}: {e}") from None
-    return paths

@@ -150,10 +150,8 @@ class Shipper:
         """Upload under the item's key and return the key used. An object already there
         with the same content is kept as it is; one with other content (a reused consumer
         name on a wiped disk) is never overwritten: the shard goes beside it instead."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
         key = item.key
-        try:
+        with store.as_unavailable(f"uploading {item.path.name} to {self.uri}"):
             if item.shard:
                 there = store.head(self.s3, self.uri, key)
                 seen = (there or {}).get("Metadata", {}).get("raw-sha256")
@@ -163,8 +161,6 @@ class Shipper:
                     stamp = item.path.name.split(".")[2]
                     key = key.replace("/shard-", f"/shard-{stamp}-", 1)
             store.put_verified(self.s3, self.uri, key, body, meta)
-        except (BotoCoreError, ClientError) as e:
-            raise store.store_error(e, f"uploading {item.path.name} to {self.uri}") from None
         return key
 
     def drop_local(self, item: Item) -> None:
