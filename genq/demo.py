@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         for proc in reversed(procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+            proc.terminate()  # a no-op for one that has exited
         for proc in procs:
             try:
                 proc.wait(timeout=15)

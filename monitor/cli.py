@@ -81,8 +81,7 @@ class Periodic(threading.Thread):
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop_event.set()
-        if self.is_alive():
-            self.join(timeout)
+        self.join(timeout)
 
 
 def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):

@@ -147,11 +147,8 @@ def annotate(servers: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
     except ValueError:
         window_s = WINDOW_S
     window_s = window_s if window_s > 0 else WINDOW_S
-    out = []
     for row in servers:
         history = row.pop("_history", None)
         row["load_history"] = as_dicts(history)
         row["advice"] = capacity_advice(row["server"], history, now, window_s)
-        if row["advice"]:
-            out.append(row["advice"])
-    return out
+    return [row["advice"] for row in servers if row["advice"]]
