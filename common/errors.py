@@ -114,3 +114,13 @@ def mask_tree(value: object) -> object:
     if isinstance(value, list):
         return [mask_tree(v) for v in value]
     return value
+
+
+_ROW = re.compile(r"\brow \d+\b")
+_POSITION = re.compile(r"line \d+ column \d+ \(char \d+\)|\(char \d+\)")
+
+
+def reason_kind(reason: str) -> str:
+    """A failure reason without what differs per prompt (its row number, a JSON error's
+    position), so that one cause is one kind, kept once for all the prompts it failed."""
+    return _POSITION.sub("…", _ROW.sub("row N", reason)).strip()[:300] or "(no reason given)"

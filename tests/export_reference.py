@@ -15,7 +15,8 @@ import redis
 from common.data.records import parse_line, shard_files
 from common.queue import bitmap
 from common.queue.keys import RunKeys
-from common.queue.replies import blob, text
+from common.queue.replies import blob
+from common.queue.run import failure_reasons
 
 
 @dataclass
@@ -84,5 +85,4 @@ def failed_reasons(r: redis.Redis, k: RunKeys, total: int) -> dict[int, str]:
     failed = list(bitmap.set_indices(blob(r.get(k.failed)), below=total))
     if not failed:
         return {}
-    texts = r.hmget(k.errors, [str(i) for i in failed])
-    return {i: text(t or b"", errors="replace") for i, t in zip(failed, texts, strict=True)}
+    return dict(zip(failed, failure_reasons(r, k, failed), strict=True))

@@ -119,3 +119,20 @@ def queue_jobs(r: redis.Redis, run: str, indices: list[int]) -> None:
 
     k = RunKeys(run)
     assert feed.enqueue(r, k, indices, scripts.ScriptRunner(r)) == len(indices)
+
+
+def record_failure(r: redis.Redis, k, index: int, reason: str) -> None:
+    """What fail.lua keeps of a failed index's reason: the number of its kind (for tests that
+    build a run's state by hand)."""
+    from common.errors import reason_kind
+
+    kind = reason_kind(reason)
+    number = r.hget(k.fail_kinds, kind) or r.hlen(k.fail_kinds) + 1
+    r.hset(k.fail_kinds, kind, number)
+    r.bitfield(k.fail_kind).set("u8", f"#{index}", int(number)).execute()
+
+
+def failure_reason(r: redis.Redis, k, index: int) -> str:
+    from common.queue.run import failure_reasons
+
+    return failure_reasons(r, k, [index])[0]

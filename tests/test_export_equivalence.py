@@ -15,6 +15,7 @@ import orjson
 from export_reference import choose_records, failed_reasons
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pipeline import record_failure
 
 from common.data.records import parse_line
 from common.data.shards import Picks, pick_lines
@@ -128,8 +129,8 @@ def test_export_writes_what_the_export_before_it_wrote(r, spec):
     r.set(k.kept, bitmap.encode(spec["kept"], TOTAL))
     r.set(k.acc_version, u16s({i: v for i, (v, _) in spec["accepted"].items()}))
     r.set(k.acc_attempt, u16s({i: a for i, (_, a) in spec["accepted"].items()}))
-    if spec["failed"]:
-        r.hset(k.errors, mapping={str(i): f"error of {i}: <é>" for i in spec["failed"]})
+    for i in spec["failed"]:
+        record_failure(r, k, i, f"error of {i}: <é>")
     try:
         with tempfile.TemporaryDirectory() as tmp:
             dirs, n = [], 0
@@ -151,7 +152,8 @@ def test_export_writes_what_the_export_before_it_wrote(r, spec):
             assert Path(got_path).read_bytes() == Path(want_path).read_bytes()
             assert not [name for name in os.listdir(tmp) if name.startswith("got.")]
     finally:
-        r.delete(k.done, k.failed, k.kept, k.acc_version, k.acc_attempt, k.errors)
+        r.delete(k.done, k.failed, k.kept, k.acc_version, k.acc_attempt, k.fail_kind,
+                 k.fail_kinds)
 
 
 records_st = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 3)),

@@ -14,7 +14,7 @@ from pathlib import Path
 import orjson
 import pytest
 from conftest import REPO, free_port, genq_env, wait_port
-from pipeline import queue_jobs, take_leases, wait_for
+from pipeline import queue_jobs, record_failure, take_leases, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from common.queue.keys import RATE_BUCKET_S, RunKeys
@@ -41,7 +41,7 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
     )
     r.setrange(k.done, 0, b"\xff" * 12 + b"\xf0")  # indices 0..99
     r.setbit(k.failed, 999, 1)
-    r.hset(k.errors, "999", REASON)
+    record_failure(r, k, 999, REASON)
     r.set(k.params_version, 3)
     take_leases(r, run, list(range(100, 107)), SERVER)  # as claim.lua writes them
     queue_jobs(r, run, list(range(200, 230)))

@@ -32,6 +32,7 @@ from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegist
 from common import params
 from common.queue import feed, scripts
 from common.queue.keys import RunKeys
+from common.queue.run import failure_reasons
 
 N = 6
 CONSUMERS = ("c0", "c1")
@@ -207,7 +208,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.reap()
         self.owner.pop(idx, None)
         self.failed.add(idx)
-        assert b"through RQ" in self.r.hget(self.k.errors, str(idx))
+        assert "through RQ" in failure_reasons(self.r, self.k, [idx])[0]
 
     @rule()
     def rq_empty(self) -> None:

@@ -14,7 +14,7 @@ import sys
 import orjson
 import pytest
 from conftest import free_port, genq, wait_port
-from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from pipeline import ConsumerProcess, failure_reason, read_jsonl, wait_for, write_dataset
 from rq import Queue, Worker
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -151,8 +151,8 @@ def test_rq_delete_cancel_and_empty_settle_as_failed_with_the_reason(
     k = RunKeys(run_name)
     st = _status(redis_url, run_name)
     assert (st["done"], st["failed"], st["queued"], st["inflight"]) == (n - 2, 2, 0, 0)
-    assert r.hget(k.errors, "2").startswith(b"job deleted through RQ")
-    assert r.hget(k.errors, "5").startswith(b"job canceled through RQ")
+    assert failure_reason(r, k, 2).startswith("job deleted through RQ")
+    assert failure_reason(r, k, 5).startswith("job canceled through RQ")
     assert _status(redis_url, emptied)["failed"] == 4
     redo_hint = "through RQ; `genq requeue --redo failed` runs it again"
     assert sorted((x["reason"], x["count"]) for x in st["failure_reasons"]) == [

@@ -12,8 +12,9 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-from common.queue import feed, scripts
+from common.queue import bitmap, feed, scripts
 from common.queue.keys import RunKeys
+from common.queue.run import failure_reasons
 
 
 def setup_run(r: redis.Redis, run: str, n: int) -> tuple[RunKeys, scripts.ScriptRunner]:
@@ -117,6 +118,24 @@ def test_fail_lands_in_rq_failed_registry_with_reason(r, run_name):
     assert job.get_status().value == "failed"
     assert job.latest_result().exc_string == "row 0: not valid JSON"  # rq-dashboard shows it
     assert feed.enqueue(r, k, [0], runner) == 0  # a failed index is not enqueued again
+
+
+def test_a_failed_prompt_keeps_a_byte_of_reason_and_rq_keeps_its_job_for_the_failure_ttl(
+        r, run_name):
+    n = 300
+    k, runner = setup_run(r, run_name, n)
+    for jid, idx, ex, _ in claim(runner, k, n):
+        long = f"row {idx}: not valid JSON (unexpected character: line 1 column {idx} " \
+               f"(char {idx}))" + " context" * 100  # ~800 bytes, different for every row
+        assert runner(scripts.fail_call(k, jid, idx, ex, reason=long, worker="w1")) == 1
+    assert r.bitcount(k.failed) == n and r.hlen(k.errors) == 0
+    assert r.hlen(k.fail_kinds) == 1 and r.strlen(k.fail_kind) == n  # one byte per index
+    assert set(failure_reasons(r, k, range(n))) == {
+        ("row N: not valid JSON (unexpected character: …)" + " context" * 100)[:300]}
+    for jid in (k.job_id(0), k.job_id(n - 1)):  # RQ's own copy expires as RQ's would
+        assert 0 < r.ttl(k.rq_job_prefix + jid) <= scripts.FAILURE_TTL_S
+        assert 0 < r.ttl(k.rq_results_prefix + jid) <= scripts.FAILURE_TTL_S
+    assert Job.fetch(k.job_id(0), connection=r).latest_result().exc_string.startswith("row 0:")
 
 
 def test_claim_drops_job_of_settled_index(r, run_name):
@@ -288,7 +307,9 @@ def test_one_ack_of_many_results_equals_acking_them_one_by_one(r):
 
 
 def deleted_through_rq(r: redis.Redis, k: RunKeys) -> set[int]:
-    return {int(i) for i, why in r.hgetall(k.errors).items() if b"through RQ" in why}
+    failed = list(bitmap.set_indices(r.get(k.failed) or b""))
+    return {i for i, why in zip(failed, failure_reasons(r, k, failed), strict=True)
+            if "through RQ" in why}
 
 
 def test_sweep_goes_round_the_run_a_budget_at_a_time(r, run_name):

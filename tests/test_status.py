@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 import redis
-from pipeline import queue_jobs, take_leases
+from pipeline import queue_jobs, record_failure, take_leases
 from rich.console import Console
 
 from common.errors import UsageError
@@ -299,12 +299,13 @@ def rendered(status: dict) -> str:
 def test_failure_reasons_top_with_counts(r, run_name):
     populate(r, run_name)
     k = RunKeys(run_name)
-    r.hset(k.errors, mapping={
-        "500": "row 500: not valid JSON (unexpected character: line 1 column 2 (char 1))",
-        "501": "row 501: not valid JSON (unexpected character: line 1 column 9 (char 8))",
-        "502": "server refused the request (HTTP 400): [bad] <b>",
-        "700": "HTTP 503",  # in flight again after a retry: not a failure
-    })
+    for index, reason in {
+        500: "row 500: not valid JSON (unexpected character: line 1 column 2 (char 1))",
+        501: "row 501: not valid JSON (unexpected character: line 1 column 9 (char 8))",
+        502: "server refused the request (HTTP 400): [bad] <b>",
+    }.items():
+        record_failure(r, k, index, reason)
+    r.hset(k.errors, "700", "HTTP 503")  # in flight again after a retry: not a failure
     s = read_status(r, run_name)
     assert s["failure_reasons"] == [
         {"reason": "row N: not valid JSON (unexpected character: …)", "count": 2,

@@ -25,7 +25,7 @@ FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 # them grow would keep up to twice the bytes it needs.
 PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
                   "spent": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
-                  "acc_ptoks": 32, "acc_finish": 8}
+                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8}
 
 
 def finish_code(reason: str | None) -> int:
@@ -116,7 +116,10 @@ class RunKeys:
     acc_finish = _Own("BITFIELD u8 per index: FINISH_CODES code of the accepted result.")
     counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum.")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
-    errors = _Own("Hash: index -> last error text of a failed index.")
+    errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
+    fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "
+                     "(fail_kinds; 0: none recorded, 255: one of the reasons past the 254th).")
+    fail_kinds = _Own("Hash: failure reason, row numbers and positions blanked -> its number.")
     params = _Own("Hash: version -> JSON parameters.")
     params_version = _Own("String: the current parameter version.")
     params_floor = _Own("String: the oldest parameter version still accepted; an abort raises it.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
@@ -13,7 +14,7 @@ from redis.typing import EncodableT, FieldT
 
 from common.errors import DatasetError, UsageError
 from common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
-from common.queue.replies import text
+from common.queue.replies import blob, text
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,3 +104,19 @@ def judge(current: str | None, epoch: str) -> str:
     """OK while Redis holds the run a service started on (`epoch`), LOST once it forgot it,
     REPLACED once another run of the name was registered; `current` comes from epoch_of."""
     return LOST if current is None else OK if current == epoch else REPLACED
+
+
+NO_REASON = "(no reason recorded)"
+
+
+def failure_reasons(r: redis.Redis, k: RunKeys, indices: Sequence[int]) -> list[str]:
+    """The reason each of these failed indices (ascending) failed for: its number in fail_kind,
+    named in fail_kinds (the reason with its per-prompt parts blanked)."""
+    if not indices:
+        return []
+    lo = indices[0]
+    numbers = blob(r.getrange(k.fail_kind, lo, indices[-1]))
+    names = {int(n): text(kind) for kind, n in r.hgetall(k.fail_kinds).items()}
+    names.update({0: NO_REASON, 255: "(one of many other reasons)"})
+    return [names.get(numbers[i - lo] if i - lo < len(numbers) else 0, NO_REASON)
+            for i in indices]

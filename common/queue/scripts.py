@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from common.errors import reason_kind
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire")
@@ -23,7 +24,7 @@ NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", 
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # likewise into those that make genq's bits follow what RQ's own tools did to a job.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap")
-SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap")}
+SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
 
@@ -53,7 +54,7 @@ WIP_MARGIN_S = 24 * 3600
 # (zsets up to 128 members). Their TTL is only a backstop.
 FINISHED_KEEP = 100
 RESULT_TTL_S = 30 * 24 * 3600
-FAILURE_TTL_S = 365 * 24 * 3600
+FAILURE_TTL_S = 7 * 24 * 3600  # RQ's tools show a failed job this long; genq's failed bit stays
 # The reaper's sweep for what RQ's tools did: indices checked per bitmap per sweep, and
 # seconds between sweeps for the whole run; 250 a second covers 900,000 prompts in an hour.
 SWEEP_BUDGET = 250
@@ -80,7 +81,8 @@ def _prefixes(k: RunKeys) -> list[str]:
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str) -> Call:
     keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
-            k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished]
+            k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished,
+            k.fail_kind, k.fail_kinds]
     args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run,
             RESULT_TTL_S]
     return Call("claim", keys, args)
@@ -134,9 +136,9 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
     keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
             k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
-            k.acc_finish]
-    args = [job_id, index, exec_id, reason, exc_string, worker, FAILURE_TTL_S, iso_now(),
-            *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
+            k.acc_finish, k.fail_kind, k.fail_kinds]
+    args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
+            iso_now(), *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
     return Call("fail", keys, args)
 
 
@@ -144,7 +146,7 @@ def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S
               sweep_budget: int = SWEEP_BUDGET) -> Call:
     """sweep_every_s=0 sweeps on every call (tests)."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors, k.pending, k.failed,
-            k.sweep, k.spent, k.rq_failed]
+            k.sweep, k.spent, k.rq_failed, k.fail_kind, k.fail_kinds]
     return Call("reap", keys, [limit, *_prefixes(k), k.run, sweep_budget, sweep_every_s])
 
 

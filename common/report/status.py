@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import itertools
-import re
 from collections import Counter
 from functools import partial
 from typing import Any, cast
@@ -17,6 +16,7 @@ from common.cli import run_keys
 from common.errors import UsageError, mask_tree
 from common.params import DEFAULTS
 from common.queue import bitmap, heartbeats
+from common.queue import run as runs
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from common.queue.replies import blob, text
 from common.report import advice, runhealth, stats
@@ -27,8 +27,6 @@ WINDOWS = {"1m": 60, "5m": 300, "15m": 900}
 HISTORY_LIMIT = 20
 TOP_REASONS = 5
 REASONS_CAP = 20_000  # reasons of the first REASONS_CAP failed indices only: a bounded read
-_ROW = re.compile(r"\brow \d+\b")
-_POSITION = re.compile(r"line \d+ column \d+ \(char \d+\)|\(char \d+\)")
 
 
 def _num(value: Any, default: float = 0) -> float:
@@ -149,18 +147,14 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
 
 
 def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int) -> tuple[list[dict], int]:
-    """Why prompts failed, from the failed bitmap and the errors hash (index -> last error
-    text): [{"reason", "count", "example_index"}...] (most common first), and how many failed
-    indices were looked at. A reason is counted without what differs per prompt (its row
-    number, a JSON error's position), so one cause is one line with its count."""
+    """Why prompts failed, from the failed bitmap and each failed index's reason number
+    (fail_kind, fail_kinds: the reason with its per-prompt parts blanked): [{"reason", "count",
+    "example_index"}...] (most common first), and how many failed indices were looked at."""
     bits = blob(r.get(k.failed)) if failed else b""
     indices = list(itertools.islice(bitmap.set_indices(bits), REASONS_CAP))
-    texts = r.hmget(k.errors, [str(i) for i in indices]) if indices else []
     counts: Counter[str] = Counter()
     example: dict[str, int] = {}
-    for index, raw in zip(indices, texts, strict=True):
-        kind = _POSITION.sub("…", _ROW.sub("row N", text(raw or b"", errors="replace")))
-        kind = kind.strip()[:300] or "(no reason recorded)"
+    for index, kind in zip(indices, runs.failure_reasons(r, k, indices), strict=True):
         counts[kind] += 1
         example.setdefault(kind, index)
     return [{"reason": kind, "count": n, "example_index": example[kind]}

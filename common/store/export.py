@@ -24,8 +24,9 @@ from common.data.records import shard_files
 from common.data.shards import NEWEST, NONE, Picks, pick_lines
 from common.errors import GenqError
 from common.queue import bitmap
+from common.queue import run as runs
 from common.queue.keys import RunKeys
-from common.queue.replies import blob, text
+from common.queue.replies import blob
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,7 +89,7 @@ def shard_paths(dirs: list[str], run: str) -> list[Path]:
     return [path for directory in dirs for path in shard_files(directory, run)]
 
 
-_FAILED_BATCH = 5_000  # error texts fetched per HMGET
+_FAILED_BATCH = 5_000  # failure reasons read at a time
 
 
 def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
@@ -99,9 +100,8 @@ def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
     lengths = array("q")
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
-        texts = r.hmget(k.errors, [str(i) for i in batch])
-        for index, t in zip(batch, texts, strict=True):
-            line = _failed_line(k.run, index, text(t or b"", errors="replace"))
+        for index, reason in zip(batch, runs.failure_reasons(r, k, batch), strict=True):
+            line = _failed_line(k.run, index, reason)
             spill.write(line)
             lengths.append(len(line))
     spill.seek(0)

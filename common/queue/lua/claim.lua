@@ -21,7 +21,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local deadline = now + vt
 local skip = #ARGV[11] + 2
 local rq = {failed = KEYS[8], pending = KEYS[10], spent = KEYS[6], errors = KEYS[11],
-  rq_failed = KEYS[12]}
+  rq_failed = KEYS[12], fail_kind = KEYS[14], fail_kinds = KEYS[15]}
 
 -- Whether a popped job runs now, after making genq's bits follow what RQ did to it.
 local function runnable(jid, idx, done, failed)

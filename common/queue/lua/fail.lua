@@ -1,10 +1,11 @@
 #!lua flags=allow-oom
 -- fail: settle a leased job as failed (a bad task, or out of attempts): failed bit, the
--- reason, and RQ's failed registry with a result rq-dashboard can show.
+-- reason's number (record_failure, rq_sync.lua), and RQ's failed registry with a result
+-- rq-dashboard can show, both kept for the failure ttl as RQ keeps them.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry,
 --       8 kept, 9 done, 10 truncated, 11 counters, 12 length_hist, 13 acc_tokens,
---       14 acc_ptoks, 15 acc_finish
--- ARGV: 1 job id, 2 index, 3 exec id, 4 reason, 5 rq exc_string (b64 zlib), 6 worker name,
+--       14 acc_ptoks, 15 acc_finish, 16 fail_kind, 17 fail_kinds
+-- ARGV: 1 job id, 2 index, 3 exec id, 4 reason (per-prompt parts blanked), 5 rq exc_string (b64 zlib), 6 worker name,
 --       7 failure ttl, 8 now iso, 9 job key prefix, 10 execution key prefix,
 --       11 executions key prefix, 12 results key prefix, 13.. finish names by code
 -- Returns 1 if failed, 0 if the lease was no longer ours, 2 if a redo had set a result aside
@@ -15,7 +16,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 drop_leases({jid}, {exec}, ARGV[10], ARGV[11])
 redis.call('SETBIT', KEYS[5], idx, 0)
-redis.call('HSET', KEYS[6], idx, ARGV[4])
+redis.call('HDEL', KEYS[6], idx)
 if redis.call('GETBIT', KEYS[8], idx) == 1 then
   -- A redo never loses a result: the one it set aside is what this index keeps.
   local at = '#' .. idx
@@ -33,10 +34,12 @@ if redis.call('GETBIT', KEYS[8], idx) == 1 then
   return 2
 end
 redis.call('SETBIT', KEYS[4], idx, 1)
+record_failure({errors = KEYS[6], fail_kind = KEYS[16], fail_kinds = KEYS[17]}, idx, ARGV[4])
 local job = ARGV[9] .. jid
 redis.call('HSET', job, 'status', 'failed', 'ended_at', ARGV[8])
-redis.call('PERSIST', job)
+redis.call('EXPIRE', job, ARGV[7])
 redis.call('ZADD', KEYS[7], now + tonumber(ARGV[7]), jid)
 redis.call('XADD', ARGV[12] .. jid, 'MAXLEN', '~', 10, '*', 'type', 2, 'worker_name', ARGV[6],
   'exc_string', ARGV[5], 'execution_id', exec)
+redis.call('EXPIRE', ARGV[12] .. jid, ARGV[7])
 return 1

@@ -15,7 +15,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local skip = #ARGV[5] + 2
 local rq = {failed = KEYS[7], pending = KEYS[6], spent = KEYS[9], errors = KEYS[5],
-  rq_failed = KEYS[10]}
+  rq_failed = KEYS[10], fail_kind = KEYS[11], fail_kinds = KEYS[12]}
 
 -- Drops the lease on jid whoever holds it; returns the holder's server.
 local function drop_lease(jid)

@@ -12,12 +12,24 @@ local function revive_requeued(keys, idx, jid)
   redis.call('ZREM', keys.rq_failed, jid)
 end
 
+-- Why `idx` failed, kept as the number of its reason (keys.fail_kinds: reason -> number): a byte
+-- per index however long the reason; reasons past the 254th share the number 255.
+local function record_failure(keys, idx, reason)
+  redis.call('HDEL', keys.errors, idx)
+  local id = tonumber(redis.call('HGET', keys.fail_kinds, reason))
+  if not id then
+    id = math.min(redis.call('HLEN', keys.fail_kinds) + 1, 255)
+    if id < 255 then redis.call('HSET', keys.fail_kinds, reason, id) end
+  end
+  redis.call('BITFIELD', keys.fail_kind, 'SET', 'u8', '#' .. idx, id)
+end
+
 -- RQ's tools deleted or cancelled the job (`status` is RQ's, nil when the job hash is gone):
 -- the index settles as failed with that reason, and never runs again unasked.
 local function settle_removed(keys, idx, status)
   redis.call('SETBIT', keys.pending, idx, 0)
   redis.call('SETBIT', keys.failed, idx, 1)
-  redis.call('HSET', keys.errors, idx, 'job ' .. (status or 'deleted') .. ' through RQ; '
+  record_failure(keys, idx, 'job ' .. (status or 'deleted') .. ' through RQ; '
     .. '`genq requeue --redo failed` runs it again')
 end
 
