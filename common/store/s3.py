@@ -130,7 +130,6 @@ def put_verified(s3: Any, uri: S3Uri, key: str, body: bytes, meta: dict[str, str
 
 
 def _run_keys(s3: Any, uri: S3Uri, run: str) -> Iterator[str]:
-    """Every object key under the run's prefix."""
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=uri.bucket,
                                                          Prefix=uri.key(run) + "/")
     for page in pages:
@@ -138,7 +137,6 @@ def _run_keys(s3: Any, uri: S3Uri, run: str) -> Iterator[str]:
 
 
 def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
-    """Every shard object of ``run`` under the URI, sorted."""
     return sorted(key for key in _run_keys(s3, uri, run) if _SHARD_KEY.search(key))
 
 

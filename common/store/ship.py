@@ -183,19 +183,15 @@ class Shipper:
     async def report(self) -> None:
         """Backlog and last error of this consumer in genq:<run>:ship; fields removed once
         clear, so the hash stays as small as the number of consumers with trouble."""
-        pending = [i for i in self.queue.values() if i.shard]
-        fields = {f"pending|{self.consumer}": len(pending),
-                  f"pending_bytes|{self.consumer}": sum(i.size for i in pending)}
+        me, pending = self.consumer, [i.size for i in self.queue.values() if i.shard]
+        backlog = {f"pending|{me}": len(pending), f"pending_bytes|{me}": sum(pending)}
+        error = {f"error|{me}": self.last_error or "", f"error_at|{me}": round(time.time(), 3)}
         pipe = self.r.pipeline(transaction=True)
-        if pending:
-            pipe.hset(self.k.ship, mapping=fields)
-        else:
-            pipe.hdel(self.k.ship, *fields)
-        if self.failures:
-            pipe.hset(self.k.ship, mapping={f"error|{self.consumer}": self.last_error or "",
-                                            f"error_at|{self.consumer}": round(time.time(), 3)})
-        else:
-            pipe.hdel(self.k.ship, f"error|{self.consumer}", f"error_at|{self.consumer}")
+        for fields, present in ((backlog, pending), (error, self.failures)):
+            if present:
+                pipe.hset(self.k.ship, mapping=fields)
+            else:
+                pipe.hdel(self.k.ship, *fields)
         await pipe.execute()
 
     async def finish(self, timeout: float) -> list[Path]:
