@@ -50,11 +50,10 @@ def _timestamp(value: Any) -> float | None:
     raw = str(text(value))
     with contextlib.suppress(ValueError):
         return float(raw)
-    try:
+    with contextlib.suppress(ValueError):
         parsed = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)).timestamp()
+        return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)).timestamp()
+    return None
 
 
 def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
@@ -152,13 +151,12 @@ def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int) -> tuple[list[dict
     "example_index"}...] (most common first), and how many failed indices were looked at."""
     bits = blob(r.get(k.failed)) if failed else b""
     indices = list(itertools.islice(bitmap.set_indices(bits), REASONS_CAP))
-    counts: Counter[str] = Counter()
+    kinds = runs.failure_reasons(r, k, indices)
     example: dict[str, int] = {}
-    for index, kind in zip(indices, runs.failure_reasons(r, k, indices), strict=True):
-        counts[kind] += 1
+    for index, kind in zip(indices, kinds, strict=True):
         example.setdefault(kind, index)
     return [{"reason": kind, "count": n, "example_index": example[kind]}
-            for kind, n in counts.most_common(TOP_REASONS)], len(indices)
+            for kind, n in Counter(kinds).most_common(TOP_REASONS)], len(indices)
 
 
 def _shipping(raw: dict) -> dict | None:
