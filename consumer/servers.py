@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -22,12 +23,13 @@ from common.errors import REDIS_TROUBLE
 from common.log import REDIS_OUTAGE
 from common.queue.keys import RunKeys, server_lease
 from common.queue.scripts import ScriptRunner, expire_call, reap_call
+from common.report import runhealth
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 
-# Keep the lease if it is still ours; take it back if it expired meanwhile (Redis was away
-# longer than the lease and nobody else took the server); refuse if another consumer holds it.
+# Keep the lease if it is still ours; take it back if it is gone (expired while Redis was away,
+# or lost with Redis's data: spares wait a lease for this, see acquire); refuse if another holds it.
 RENEW = """
 local owner = redis.call('GET', KEYS[1])
 if owner == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
@@ -135,7 +137,14 @@ async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
 
 async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | None:
     """Lease one of the servers, waiting as a spare while all are driven. None: stop asked
-    (SIGTERM/SIGINT) or, with --burst, the run settled while waiting."""
+    (SIGTERM/SIGINT) or, with --burst, the run settled while waiting.
+
+    A spare takes a server only once Redis has answered with the same run (epoch and last
+    recovery) for a whole server lease: a lost run (FLUSHALL, a restart without persistence)
+    takes the server leases with it, and an outage longer than the lease expires them, but a
+    live holder renews three times a lease and takes its lease back (`RENEW`, same token) as
+    soon as Redis answers, so it is back before any spare may take its server. While Redis
+    does not hold the run a spare waits (and reaps nothing), as the consumers do."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -147,6 +156,7 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
             taken = await try_take(r, s, token)
         url, owners, predecessor = taken
         last: dict[str, str] = {}
+        seen, since = None, 0.0  # the run as Redis last answered, and since when
         while url is None:
             if owners and owners != last:
                 # Said once per change, not every poll: a spare may wait for days.
@@ -158,14 +168,25 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
             if stop.is_set():
                 return None
             try:
+                run = await r.hmget(k.meta, ["epoch", "recovered_at"])
+                if run != seen:
+                    seen, since = run, time.monotonic()
+                    if run[0] is None:
+                        logger.warning("spare_waiting_for_run", reason=f"run {k.run!r} is not "
+                                       "in Redis: no server is taken until it is",
+                                       command=runhealth.recover_command(k.run, []))
+                if run[0] is None:
+                    continue
                 if s.burst and await settled(r, k):
                     logger.info("run_settled", spare=True)
                     return None
                 # A spare reaps while it waits: a dead consumer's tasks come back at the end
                 # of their visibility timeout even when no other process of the run reaps.
                 await reaper(reap_call(k))
-                url, owners, predecessor = await try_take(r, s, token)
+                if time.monotonic() - since >= s.server_lease:
+                    url, owners, predecessor = await try_take(r, s, token)
             except REDIS_TROUBLE as e:
+                seen = None
                 REDIS_OUTAGE.seen(e)
         logger.info("server_leased", leased=url, lease_s=s.server_lease,
                     took_over=bool(last or predecessor))
