@@ -106,11 +106,14 @@ def complete(natural: int, max_tokens: int, thinking: bool) -> Completion:
 
 
 def usage(done: Completion, prompt_tokens: int) -> dict:
-    """The `usage` object of a chat answer."""
+    """The `usage` object of a chat answer, keys as SGLang 0.5.23 sends them:
+    `completion_tokens_details` is null without reasoning tokens."""
+    reasoning = done.reasoning_tokens
     return {
         "prompt_tokens": prompt_tokens,
-        "completion_tokens": done.tokens,
         "total_tokens": prompt_tokens + done.tokens,
-        "reasoning_tokens": done.reasoning_tokens,
+        "completion_tokens": done.tokens,
         "prompt_tokens_details": None,
+        "reasoning_tokens": reasoning,
+        "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }

@@ -66,24 +66,25 @@ class _Chunks:
     def first(self) -> bytes:
         return self.chunk({"reasoning_content": None, "role": "assistant", "content": ""})
 
-    def upto(self, tokens: int) -> bytes | None:
-        """The text decoded since the last chunk, or None when there is none. Built from the
-        tokens added alone (a chunk per token must not rebuild the answer every time); the
-        last chunk takes whatever the whole answer (model.texts) adds, so the deltas always
-        sum to exactly the non-streamed answer."""
+    def upto(self, tokens: int) -> list[bytes]:
+        """The text decoded since the last chunk: none, one chunk, or, where the thinking ends
+        within these tokens, a reasoning chunk then a content chunk (SGLang never puts both in
+        one delta). Built from the tokens added alone (a chunk per token must not rebuild the
+        answer every time); the last chunk takes whatever the whole answer (model.texts) adds,
+        so the deltas always sum to exactly the non-streamed answer."""
         if tokens >= self.done.tokens:
             reasoning, content = texts(self.done, self.parser)
             pieces = ((reasoning or "")[self.sent[0]:], content[self.sent[1]:])
         else:
             pieces = self.pieces(self.at, tokens)
         self.at = tokens
-        delta: dict[str, Any] = {}
+        out = []
         for n, (key, text) in enumerate(zip(("reasoning_content", "content"), pieces,
                                             strict=True)):
             if text:
-                delta[key] = text
+                out.append(self.chunk({key: text}))
                 self.sent[n] += len(text)
-        return self.chunk(delta) if delta else None
+        return out
 
     def pieces(self, a: int, b: int) -> tuple[str, str]:
         """(reasoning, content) text that tokens a..b add, as model.texts shapes a prefix."""
@@ -155,7 +156,7 @@ async def _events(
         yield chunks.first()
         tokens = first
         while tokens != _END:
-            if (piece := chunks.upto(tokens)) is not None:
+            for piece in chunks.upto(tokens):
                 yield piece
             tokens = await progress.get()
         await runner  # a reset fault ends the stream here, torn
