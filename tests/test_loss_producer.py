@@ -1,0 +1,56 @@
+"""A producer (re)started while Redis has lost its run, consumers waiting for the recover, waits
+for `genq recover` as they do: registering the run anew (a new epoch) would make every consumer
+exit and the recover need --replace."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import genq
+from faultkit import Background, Consumer, check_truth, private_redis, sim_kwargs
+from pipeline import wait_for, write_dataset
+
+from common.queue import heartbeats
+from common.queue.keys import RunKeys
+
+N = 100
+
+
+@pytest.mark.timeout(240)
+def test_a_producer_started_while_its_run_is_lost_waits_for_the_recover(
+        tmp_path, run_name, sim_factory):
+    data = write_dataset(tmp_path / "d.jsonl", N)
+    sim = sim_factory(**sim_kwargs(0.3))
+    out, k = tmp_path / "out", RunKeys(run_name)
+    args = ("produce", str(data), "--max-tokens", "300", "--window", "8", "--interval", "0.1")
+    with private_redis() as srv:  # no AOF: FLUSHALL is a loss
+        url, r = srv.url, srv.client()
+        first = Background(url, run_name, *args)
+        again = consumer = None
+        try:
+            wait_for(lambda: r.exists(k.meta), what="the producer registered the run")
+            consumer = Consumer(url, run_name, sim.url, out)
+            wait_for(lambda: r.bitcount(k.done) >= 15, timeout=60, what="15 done")
+            assert first.stop() == 0
+            r.flushall()
+            wait_for(lambda: any(b.get("run_state") == "lost"
+                                 for b in heartbeats.read(r, k).values()),
+                     timeout=20, what="the consumer waiting for the run")
+            again = Background(url, run_name, *args)  # restarted while the run is lost
+            said = wait_for(lambda: [e for e in again.events() if e.get("event") in
+                                     ("run_state_lost", "run_registered")],
+                            timeout=30, what="the producer saying it waits")
+            assert said[0]["event"] == "run_state_lost", (
+                f"the lost run registered anew (epoch {r.hget(k.meta, 'epoch')}); consumer "
+                f"exit {consumer.wait(30)}:\n{consumer.log()[-1500:]}")
+            assert f"genq recover --shards {out}" in said[0]["command"], said
+            assert not r.exists(k.meta)
+            genq("recover", "--shards", str(out), redis_url=url, run=run_name)
+            assert consumer.wait(120) == 0, consumer.log()[-4000:]
+            assert [e for e in again.events() if e.get("event") == "run_registered"]
+            assert again.stop() == 0, again.log()[-3000:]
+        finally:
+            for service in (first, again, consumer):
+                if service is not None:
+                    service.cleanup()
+        check_truth(r, url, run_name, N, tmp_path)
+        r.close()
