@@ -228,11 +228,11 @@ async def serve(s: ConsumeSettings) -> int:
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
     check_outdir(k, s.out, info.epoch)
+    sync.sadd(k.outdirs, os.path.abspath(s.out))  # every manifest lists every output dir
     manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
     writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
-    sync.sadd(k.outdirs, os.path.abspath(s.out))
     server = SGLang(s.server, request_timeout=s.request_timeout, stall_timeout=s.stall_timeout,
                     stream=s.stream)
     client = redis_client(s.redis_url)
@@ -242,7 +242,7 @@ async def serve(s: ConsumeSettings) -> int:
         capacity, model, context = await wait_for_server(server, s)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset,
                             sink=writer, server=server, capacity=capacity, model=model,
-                            runstate=RunState(k, info.epoch, s.out),
+                            runstate=RunState(k, info.epoch, s.out, info.gen),
                             context_length=context)
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, consumer.request_stop)

@@ -31,6 +31,7 @@ class Lease:
     attempt: int
     spent: int
     version: int
+    gen: int = 0  # the run's generation it was claimed in (the records carry it)
 
 
 @dataclass(eq=False)
@@ -67,8 +68,10 @@ class Inflight:
 
 class TaskQueue:
     def __init__(self, client: aioredis.Redis, keys: RunKeys, *, server: str, worker: str,
-                 visibility_timeout: float) -> None:
+                 visibility_timeout: float, life: Callable[[], tuple[str, int]]) -> None:
         self.r, self.k, self.server, self.worker = client, keys, server, worker
+        self.life = life  # the run's (epoch, generation) as this consumer knows it
+        self.stale = False  # a claim found the run in Redis another: look at it again
         self.vt, self.run_script = visibility_timeout, scripts.ScriptRunner(client)
 
     async def preload(self) -> None:
@@ -77,11 +80,13 @@ class TaskQueue:
             await self.r.script_load(source)
 
     async def claim(self, n: int = 1) -> list[Lease]:
+        epoch, gen = self.life()
         call = scripts.claim_call(self.k, n, self.vt, self.server, self.worker,
-                                  secrets.token_hex(6))
+                                  secrets.token_hex(6), f"{epoch}|{gen}")
         version, *rows = await self.run_script(call)
+        self.stale = version == 0
         return [Lease(job_id=jid.decode(), index=int(idx), exec_id=ex.decode(),
-                      attempt=int(att), spent=int(spent), version=int(version))
+                      attempt=int(att), spent=int(spent), version=int(version), gen=gen)
                 for jid, idx, ex, att, spent in rows]
 
     async def renew(self, leases: list[Lease]) -> set[str]:
@@ -96,7 +101,8 @@ class TaskQueue:
         """Per result: ACCEPTED, REFUSED (the lease was lost), SUPERSEDED (new parameters) or
         SET_ASIDE (a redo issued since covers it: kept as the previous result); both requeued."""
         return [int(code) for code in
-                await self.run_script(scripts.ack_many_call(self.k, self.server, results))]
+                await self.run_script(scripts.ack_many_call(self.k, self.server, results,
+                                                            "|".join(map(str, self.life()))))]
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
         return bool(await self.run_script(scripts.release_call(

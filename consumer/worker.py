@@ -44,9 +44,10 @@ class RunState:
     """The run by its epoch: ok, lost (Redis restarted empty) or replaced (a new run of its name).
     Until it is back nothing is claimed, queued or written: the cached run describes neither."""
 
-    def __init__(self, keys: RunKeys, epoch: str, out_dir: str) -> None:
-        self.keys, self.epoch, self.out_dir = keys, epoch, out_dir
+    def __init__(self, keys: RunKeys, epoch: str, out_dir: str, gen: int = 0) -> None:
+        self.keys, self.epoch, self.out_dir, self.gen = keys, epoch, out_dir, gen
         self.state = OK
+        self.recovered = False  # rebuilt by `genq recover` while this consumer did not look
         self.failure = ""  # set when the consumer must stop: the run was replaced
 
     @property
@@ -55,11 +56,20 @@ class RunState:
 
     async def check(self, r: aioredis.Redis) -> str:
         """Read the run's epoch; log each change of state once, with what fixes it."""
-        raw = await r.hget(self.keys.meta, "epoch")
+        raw, gen = await r.hmget(self.keys.meta, ["epoch", "gen"])
         epoch = raw.decode() if isinstance(raw, bytes) else raw
         now = judge(epoch, self.epoch)
+        if now == OK and int(gen or 0) != self.gen:
+            if self.state == OK:  # lost and recovered while this consumer slept (a pause, a
+                # partition): its claims are of the run before, and every ack of them refused
+                logger.warning("run_recovered_unseen", generation=int(gen or 0),
+                               consequence="the tasks held are given up; claiming goes on")
+                self.recovered = True
+            self.gen = int(gen or 0)
         if now != self.state:
-            fix = runhealth.recover_command(self.keys.run, [os.path.abspath(self.out_dir)])
+            mine = manifests.find(self.out_dir, self.keys.run) or {}
+            fix = runhealth.recover_command(
+                self.keys.run, mine.get("out_dirs") or [os.path.abspath(self.out_dir)])
             reason = runhealth.report_change(
                 logger, now, run=self.keys.run, mine=self.epoch, current=epoch,
                 service="consumer", duty="claiming and writing", command=fix,
@@ -89,7 +99,8 @@ class Consumer:
         # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
         self.queue = TaskQueue(client, keys, server=s.server, worker=s.name,
-                               visibility_timeout=s.visibility_timeout)
+                               visibility_timeout=s.visibility_timeout,
+                               life=lambda: (runstate.epoch, runstate.gen))
         self.follower = Follower(server, capacity=capacity, context_length=context_length,
                                  fixed=bool(s.concurrency))
         self.held: dict[str, Inflight] = {}  # claimed tasks, from their claim to their ack
@@ -105,6 +116,7 @@ class Consumer:
         self.sending = 0  # requests sent and not yet answered
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0  # the newest parameter version seen
+        self.out_dirs = 0  # output directories the run has, as last counted
         self.pause = ClaimPause()
         self.probe_kept = False  # answers of `requeue --probe` to look for, as last checked
         self.acked = self.started_at = 0
@@ -242,6 +254,8 @@ class Consumer:
         """Prefetch's claim: each claimed task is held from now on (renewed, abortable), and
         its data set row is read, off the event loop unless it is in memory already."""
         got = [Inflight(lease) for lease in await self.queue.claim(n)]
+        if self.queue.stale:  # another run, or recovered since this consumer last looked
+            await self.check_run()
         self.held.update({inflight.lease.job_id: inflight for inflight in got})
         if got:
             self.finished_said = False  # work again (a redo): its end is said again
@@ -349,7 +363,7 @@ class Consumer:
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
                 model=body["model"], completion=completion,
-                latency_s=time.monotonic() - inflight.started)
+                latency_s=time.monotonic() - inflight.started, gen=lease.gen)
             return record, completion
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():
@@ -451,20 +465,29 @@ class Consumer:
     async def check_run(self) -> None:
         was = self.runstate.state
         state = await self.runstate.check(self.redis)
-        if state != OK and was == OK:
-            # Redis forgot these leases with the run: free the server now. A result written
-            # after `genq recover` would share its attempt number with the index's next claim.
+        if state != OK and was == OK or self.runstate.recovered:
+            # Redis forgot these leases with the run: free the server now (their acks would be
+            # refused: a recover starts a new generation of the run).
             self.abort_all("lost")
         if state == REPLACED:
             self.halt()  # cached parameters and data set are another run's: stop
-        elif state == OK and was != OK:
+        if state == OK and (was != OK or self.runstate.recovered):
+            self.runstate.recovered = False
+            await self.redis.sadd(self.keys.outdirs, os.path.abspath(self.settings.out))
             self.params.clear()  # versions may have been renumbered by a later requeue
             self.version = 0
 
     async def watch_params(self) -> None:
         if self.runstate.paused:
             return
-        version = int(await self.redis.get(self.keys.params_version) or 1)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.get(self.keys.params_version)
+        pipe.scard(self.keys.outdirs)
+        raw, out_dirs = await pipe.execute()
+        if out_dirs != self.out_dirs:  # another consumer's output: the manifest lists it too
+            self.out_dirs = out_dirs
+            await self.runstate.keep_manifest(self.sync)
+        version = int(raw or 1)
         if version <= self.version:
             return
         previous, self.version = self.version, version

@@ -52,6 +52,9 @@ def export_main(argv: list[str] | None = None) -> int:
                    help="shard directory to read (default: those the consumers registered)")
     p.add_argument("--include-failed", action="store_true",
                    help="also write one record per failed prompt with its reason")
+    p.add_argument("--allow-ambiguous", action="store_true",
+                   help="where two different lines carry the accepted key, keep the first read "
+                        "(by default the export refuses and names them)")
     p.add_argument("--from-s3", metavar="URI",
                    help="read the shards from s3://bucket/prefix instead of local directories")
     p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
@@ -66,7 +69,8 @@ def export_main(argv: list[str] | None = None) -> int:
     dirs = [a.from_s3] if a.from_s3 else [d for d in a.shards or sorted(
         text(d) for d in r.smembers(k.outdirs)) if os.path.isdir(d)]
     result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
-                                       fmt=a.format, include_failed=a.include_failed)
+                                       fmt=a.format, include_failed=a.include_failed,
+                                       allow_ambiguous=a.allow_ambiguous)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""
     print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "
           f"from {result.shards} shards to {a.out}")

@@ -25,6 +25,7 @@ from common.data import recovery
 from common.errors import GenqError, UsageError
 from common.queue.keys import RunKeys
 from common.queue.replies import text
+from common.report.runhealth import recover_command
 from common.store.export import shard_paths
 
 
@@ -41,6 +42,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="output directories of the run's consumers (their --out); repeatable")
     p.add_argument("--from-s3", metavar="URI",
                    help="read the manifest and shards from S3 instead of (or as well as) DIRs")
+    p.add_argument("--partial", action="store_true",
+                   help="recover although output directories the manifests list are not given "
+                        "(their results run again, and exporting them later may be refused)")
     p.add_argument("--replace", action="store_true",
                    help="the run's name is taken in Redis by a different (re-created) run: "
                         "delete that one's state and recover this one in its place")
@@ -131,10 +135,17 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError(f"no run manifest ({k.run}.manifest.json) in {', '.join(dirs)}: "
                          "are these the run's output directories, and is --run right?")
     manifest = manifests.newest(found)
+    listed = sorted({d for m in found for d in m.get("out_dirs", ())})
+    missing = [d for d in listed if d not in dirs]
+    if missing and not a.partial and not a.from_s3:
+        every = recover_command(k.run, sorted({*listed, *dirs}))
+        raise UsageError(f"the run's manifests list output directories not given: "
+                         f"{', '.join(missing)}; their results would run again. Give them all: "
+                         f"{every} (or --partial to go on without them)")
     r = connect(a.redis_url)
     started = time.monotonic()
-    outcome = recover(r, k, manifest, (s for group in streams for s in group), dirs,
-                      replace=a.replace)
+    outcome = recover(r, k, manifest, (s for group in streams for s in group),
+                      sorted({*dirs, *listed}), replace=a.replace)
     print(f"{outcome.message} in {time.monotonic() - started:.1f} s")
     if outcome.recovered:
         print("waiting consumers resume by themselves; start a producer (`genq produce "

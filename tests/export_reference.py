@@ -56,26 +56,35 @@ def _read_shard(path: Path, stats: ReadStats) -> Iterator[dict[str, Any]]:
 
 
 def choose_records(records: Iterable[dict[str, Any]],
-                   accepted: Callable[[int], tuple[int, int] | None]) -> dict[int, dict[str, Any]]:
-    """One record per index: the accepted (params_version, attempt) if present, else the newest
-    (by version, attempt, then last seen); ``accepted`` is called once per index.
+                   accepted: Callable[[int], tuple[int, int] | None],
+                   ambiguous: set[int] | None = None) -> dict[int, dict[str, Any]]:
+    """One record per index: the accepted (params_version, attempt) if present, of the newest
+    generation holding it, the first read (a different record of that generation under it
+    makes the index ``ambiguous``: records carry their line's ``digest``); else the newest
+    (by version, generation, attempt, then last seen); ``accepted`` is called once per index.
 
     The rules of every reader; ``Picks`` applies the same ones to line locations in arrays."""
     chosen: dict[int, dict[str, Any]] = {}
-    keys: dict[int, tuple[int, int]] = {}
+    keys: dict[int, tuple[int, int, int]] = {}
     wanted: dict[int, tuple[int, ...] | None] = {}  # tuple(): a list would never equal a key
     matched: set[int] = set()
+    ambiguous = set() if ambiguous is None else ambiguous
     for record in records:
-        index = record["index"]
-        key = (record.get("params_version", 0), record.get("attempt", 0))
+        index, gen = record["index"], record.get("gen", 0)
+        version, attempt = record.get("params_version", 0), record.get("attempt", 0)
         if index not in wanted:
             pair = accepted(index)
             wanted[index] = tuple(pair) if pair is not None else None
-        if key == wanted[index]:
+        if (version, attempt) == wanted[index]:
+            if index in matched and gen <= keys[index][1]:
+                if gen == keys[index][1] and record.get("digest") != chosen[index].get("digest"):
+                    ambiguous.add(index)
+                continue
             matched.add(index)
-        elif index in matched or (index in keys and key < keys[index]):
+            ambiguous.discard(index)
+        elif index in matched or (index in keys and (version, gen, attempt) < keys[index]):
             continue
-        chosen[index], keys[index] = record, key
+        chosen[index], keys[index] = record, (version, gen, attempt)
     return chosen
 
 

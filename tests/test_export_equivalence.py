@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from export_reference import choose_records, failed_reasons
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,12 +20,13 @@ from pipeline import record_failure
 
 from common.data.records import parse_line
 from common.data.shards import Picks, pick_lines
+from common.errors import GenqError
 from common.queue import bitmap
 from common.queue.keys import RunKeys
 from common.store import export
 
 
-def reference(r, k, total, dirs, out, *, include_failed=False) -> export.ExportResult:
+def reference(r, k, total, dirs, out, ambiguous, *, include_failed=False) -> export.ExportResult:
     """genq export as it was before issue 21 (every shard it touched kept open)."""
     accepted, is_done = export.accepted_lookup(r, k)
     paths = export.shard_paths(dirs, k.run)
@@ -42,10 +44,11 @@ def reference(r, k, total, dirs, out, *, include_failed=False) -> export.ExportR
                         continue
                     yield {"index": record["index"],
                            "params_version": record.get("params_version", 0),
-                           "attempt": record.get("attempt", 0),
+                           "attempt": record.get("attempt", 0), "gen": record.get("gen", 0),
+                           "digest": hash(line.rstrip(b"\n")),
                            "loc": (file_no, start, len(line))}
 
-    chosen = choose_records(locate(), accepted)
+    chosen = choose_records(locate(), accepted, ambiguous)
     done_indices = [i for i in range(total) if is_done(i)]
     kept = export.kept_lookup(r, k)
     wanted = [i for i in done_indices if i in chosen]
@@ -77,7 +80,8 @@ def reference(r, k, total, dirs, out, *, include_failed=False) -> export.ExportR
 TOTAL = 40
 
 line_st = st.one_of(
-    st.tuples(st.integers(-2, TOTAL + 2), st.integers(1, 3), st.integers(1, 4)),
+    st.tuples(st.integers(-2, TOTAL + 2), st.integers(1, 3), st.integers(1, 4),
+              st.integers(0, 2)),
     st.sampled_from([b"torn", b"garbage", b"blank", b"noindex", b"list"]),
 )
 run_st = st.fixed_dictionaries({
@@ -104,9 +108,11 @@ def raw_line(spec, run: str, n: int) -> bytes:
         return b'{"run": "x"}\n'
     if spec == b"list":
         return b"[1, 2]\n"
-    index, version, attempt = spec
+    index, version, attempt, gen = spec
     record = {"index": index, "run": run, "params_version": version, "attempt": attempt,
-              "content": f"line {n} " + "é" * (n % 5)}
+              "content": f"line {n % 4} " + "é" * (n % 5)}  # some lines are copies
+    if gen:
+        record["gen"] = gen
     if n % 7 == 0:
         del record["params_version"]  # old shards: a missing field counts as 0
     return orjson.dumps(record) + b"\n"
@@ -146,8 +152,12 @@ def test_export_writes_what_the_export_before_it_wrote(r, spec):
                     (directory / f"{k.run}.c{s % 2}.{s:06d}.jsonl").write_bytes(data)
             want_path, got_path = os.path.join(tmp, "want"), os.path.join(tmp, "got")
             flags = {"include_failed": spec["include_failed"]}
-            want = reference(r, k, TOTAL, dirs, want_path, **flags)
-            got = export.export(r, k, TOTAL, dirs, got_path, **flags)
+            ambiguous: set[int] = set()
+            want = reference(r, k, TOTAL, dirs, want_path, ambiguous, **flags)
+            if ambiguous:  # refused, naming them, unless allowed
+                with pytest.raises(GenqError, match="two different lines"):
+                    export.export(r, k, TOTAL, dirs, got_path, **flags)
+            got = export.export(r, k, TOTAL, dirs, got_path, allow_ambiguous=True, **flags)
             assert got == want
             assert Path(got_path).read_bytes() == Path(want_path).read_bytes()
             assert not [name for name in os.listdir(tmp) if name.startswith("got.")]
@@ -156,19 +166,24 @@ def test_export_writes_what_the_export_before_it_wrote(r, spec):
                  k.fail_kinds)
 
 
-records_st = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 3)),
-                      max_size=40)
+records_st = st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3), st.integers(0, 3),
+                                st.integers(0, 2), st.integers(0, 1)), max_size=40)
 
 
 @given(records_st, st.dictionaries(st.integers(0, 5),
                                    st.tuples(st.integers(0, 3), st.integers(0, 3))))
 def test_picks_apply_choose_records_rules(records, accepted):
-    picks = Picks(6)
-    for n, (index, version, attempt) in enumerate(records):
-        picks.offer(index, version, attempt, accepted.get(index), 0, n, 1)
-    chosen = choose_records([{"index": i, "params_version": v, "attempt": a, "n": n}
-                             for n, (i, v, a) in enumerate(records)], accepted.get)
+    # (index, version, attempt, generation, text): lines alike but for their place are copies
+    picks, ambiguous = Picks(6), set()
+    for n, (index, version, attempt, gen, text) in enumerate(records):
+        picks.offer(index, version, attempt, gen, hash((index, version, attempt, gen, text)),
+                    accepted.get(index), 0, n, 1)
+    chosen = choose_records([{"index": i, "params_version": v, "attempt": a, "gen": g, "n": n,
+                              "digest": hash((i, v, a, g, t))}
+                             for n, (i, v, a, g, t) in enumerate(records)], accepted.get,
+                            ambiguous)
     assert {i for i in range(6) if picks.state[i]} == set(chosen)
+    assert picks.ambiguous == ambiguous
     for index, record in chosen.items():
         assert picks.offset[index] == record["n"]
         assert bool(picks.state[index] == 2) == ((record["params_version"], record["attempt"])

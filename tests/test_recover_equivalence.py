@@ -25,6 +25,7 @@ def reference_rebuild(manifest: dict[str, Any], streams) -> dict[str, Any]:
     standing: dict[int, tuple] = {}
     kept: dict[int, tuple] = {}
     claims: dict[int, int] = {}
+    gens: dict[int, int] = {}
     lines = skipped = refused = 0
     for stream in streams:
         for line in stream:
@@ -33,14 +34,14 @@ def reference_rebuild(manifest: dict[str, Any], streams) -> dict[str, Any]:
             if parsed is None or not 0 <= parsed[0] < total:
                 skipped += bool(line.strip())
                 continue
-            index, result, created_at = parsed
+            index, result, created_at, gen = parsed
             claims[index] = max(claims.get(index, 0), result[1])
             if rules.refused(result[0], created_at):
                 refused += 1
                 continue
             best = standing.get(index)
-            if best is None or result[:2] > best[:2]:
-                standing[index] = result
+            if best is None or (result[0], gen, result[1]) > (best[0], gens[index], best[1]):
+                standing[index], gens[index] = result, gen
     for index in [i for i, r in standing.items() if rules.covered(r[0], r[2])]:
         kept[index] = standing.pop(index)
     return {"standing": standing, "kept": kept, "claims": claims, "lines": lines,

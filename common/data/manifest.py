@@ -1,5 +1,6 @@
 """The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
-lost (data set, fingerprint, epoch, every parameter version, the requeue history). Plain JSON
+lost (data set, fingerprint, epoch and generation, every parameter version, the requeue history,
+every consumer's output directory). Plain JSON
 beside the shards as ``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or
 its parameters change.
 """
@@ -36,7 +37,8 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
     pipe.get(k.params_version)
     pipe.get(k.params_floor)
     pipe.lrange(k.params_history, 0, -1)
-    meta_raw, params_raw, version, floor, history = pipe.execute()
+    pipe.smembers(k.outdirs)
+    meta_raw, params_raw, version, floor, history, out_dirs = pipe.execute()
     meta = {key.decode(): value.decode() for key, value in meta_raw.items()}
     if "total" not in meta or not meta.get("epoch"):
         return None
@@ -46,7 +48,8 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
         "created_at": float(meta.get("created_at") or 0), "epoch": meta["epoch"],
         "params": {v.decode(): orjson.loads(p) for v, p in params_raw.items()},
         "params_version": int(version or 1), "params_floor": int(floor or 0),
-        "history": [orjson.loads(h) for h in history],
+        "history": [orjson.loads(h) for h in history], "gen": int(meta.get("gen") or 0),
+        "out_dirs": sorted(d.decode() for d in out_dirs),
     }
 
 

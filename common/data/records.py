@@ -49,11 +49,15 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
 
 
 def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
-                 server: str, model: str, completion: Any, latency_s: float) -> dict[str, Any]:
+                 server: str, model: str, completion: Any, latency_s: float,
+                 gen: int = 0) -> dict[str, Any]:
     record: dict[str, Any] = {"index": index}
     if prompt_id is not None:
         record["id"] = prompt_id
-    record.update(run=run, params_version=version, attempt=attempt,
+    record.update(run=run, params_version=version, attempt=attempt)
+    if gen:  # claimed after a `genq recover`: tells this attempt from one claimed before it
+        record["gen"] = gen
+    record.update(
                   finish_reason=completion.finish_reason,
                   prompt_tokens=completion.prompt_tokens,
                   completion_tokens=completion.completion_tokens,

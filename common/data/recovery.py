@@ -7,8 +7,11 @@ The rules are the ones Redis applies while the run lives:
 - a result of an older version than a ``--redo`` whose scope covers it (``truncated``: it ended
   with ``length``; ``all``: any) was set aside by the redo, even if it was accepted after the
   redo was issued;
-- of what remains, the newest (params_version, attempt) decides: it stands, or, if a redo
-  covers it, it is kept aside and the index runs again.
+- of what remains, the newest (params_version, generation, attempt) decides: it stands, or, if
+  a redo covers it, it is kept aside and the index runs again. A recover starts a new
+  generation (``gen`` in each line written after it), so a claim made after it is told apart
+  from one made before it under the same attempt number (a consumer that slept through the
+  loss may write that one later: its ack was refused).
 
 ``rebuild`` reads shard line streams from anywhere (local files, S3) one at a time, in about
 50 bytes an index of the data set, whatever the number of shards or lines.
@@ -74,6 +77,8 @@ class Recovered:
         self.columns = [array("q", bytes(8 * total)) for _ in range(5)]  # one per Result field
         self.seen = bytearray(total)  # 1 where an index was claimed
         self.attempt = array("q", bytes(8 * total))  # the highest attempt seen
+        self.gen = array("q", bytes(8 * total))  # the generation of the result kept
+        self.newest_gen = 0  # the highest generation in any line
         self.standing = _View(self.state, _STANDING, self._row)  # index -> the Result that stands
         self.kept = _View(self.state, _KEPT, self._row)  # set aside by a redo, not done
         self.claims = _View(self.seen, 1, self.attempt.__getitem__)  # index -> highest attempt
@@ -113,7 +118,7 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
     return marks
 
 
-def _light(line: bytes) -> tuple[int, Result, float] | None:
+def _light(line: bytes) -> tuple[int, Result, float, int] | None:
     rec = parse_line(line)
     if rec is None:
         return None
@@ -123,7 +128,8 @@ def _light(line: bytes) -> tuple[int, Result, float] | None:
                   int(rec.get("prompt_tokens") or 0))
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
-        return int(rec["index"]), result, float(rec.get("created_at") or 0)
+        return (int(rec["index"]), result, float(rec.get("created_at") or 0),
+                int(rec.get("gen") or 0))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -133,7 +139,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
     rules, total = Rules(manifest), int(manifest["total"])
     out = Recovered(total)
     state, columns, seen, claimed = out.state, out.columns, out.seen, out.attempt
-    versions, attempts = columns[0], columns[1]
+    versions, attempts, gens = columns[0], columns[1], out.gen
     for stream in streams:
         for line in stream:
             out.lines += 1
@@ -141,17 +147,19 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
             if parsed is None or not 0 <= parsed[0] < total:
                 out.skipped += bool(line.strip())
                 continue
-            index, result, created_at = parsed
+            index, result, created_at, gen = parsed
             seen[index], claimed[index] = 1, max(claimed[index], result[1])  # claimed starts at 0
+            out.newest_gen = max(out.newest_gen, gen)
             if rules.refused(result[0], created_at):
                 out.refused += 1
                 continue
             if state[index] == _NONE:
                 state[index] = _STANDING
-            elif result[:2] <= (versions[index], attempts[index]):
-                continue  # the newest (version, attempt) stands; on a tie, the first seen
+            elif (result[0], gen, result[1]) <= (versions[index], gens[index], attempts[index]):
+                continue  # the newest (version, gen, attempt) stands; on a tie, the first seen
             for column, value in zip(columns, result, strict=True):
                 column[index] = value
+            gens[index] = gen
     # The newest result decides: if a redo covers it, the index is not done and the result is
     # only kept (an older one cannot stand in for it: it was superseded when this one was).
     finish = columns[2]
@@ -237,4 +245,5 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     pipe.hset(k.meta, mapping={
         "dataset": manifest["dataset"], "fingerprint": manifest["fingerprint"],
         "total": total, "queue": k.queue_name, "created_at": manifest.get("created_at") or 0,
-        "epoch": manifest["epoch"], "recovered_at": time.time()})
+        "epoch": manifest["epoch"], "recovered_at": time.time(),
+        "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1})

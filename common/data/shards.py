@@ -174,34 +174,50 @@ NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far;
 
 class Picks:
     """choose_records over line locations, for indices 0 ≤ index < total: per index the
-    (shard number, offset, length) of the line it keeps, in flat arrays (38 bytes an index,
-    whatever the records hold), so a run of any size is chosen in bounded memory."""
+    (shard number, offset, length) of the line it keeps, in flat arrays (54 bytes an index,
+    whatever the records hold), so a run of any size is chosen in bounded memory.
+
+    The accepted line is the one with the (version, attempt) Redis accepted, of the newest
+    generation holding that pair (one made before a `genq recover` can share it: a consumer
+    that slept through the loss writes it late, its ack refused). Two different lines of the
+    same generation under it are `ambiguous`: the first read is kept."""
 
     def __init__(self, total: int) -> None:
         self.total = total
         self.state = bytearray(total)  # NONE, NEWEST or ACCEPTED
         self.version = array("q", bytes(8 * total))
         self.attempt = array("q", bytes(8 * total))
+        self.gen = array("q", bytes(8 * total))
+        self.digest = array("q", bytes(8 * total))  # the kept line's hash
+        self.ambiguous: set[int] = set()
         self.file = array("i", bytes(4 * total))
         self.offset = array("q", bytes(8 * total))
         self.length = array("q", bytes(8 * total))
         self.torn = 0  # lines pick_lines skipped as torn or unparsable (not counting blank ones)
 
-    def offer(self, index: int, version: int, attempt: int, wanted: tuple[int, int] | None,
-              file_no: int, offset: int, length: int) -> None:
-        """A line of ``index`` with this (version, attempt) at (file_no, offset, length), in
-        the order choose_records would see it; ``wanted`` is the index's accepted pair."""
-        key, state = (version, attempt), self.state[index]
-        if key != wanted and (state == ACCEPTED or (
-                state == NEWEST and key < (self.version[index], self.attempt[index]))):
+    def offer(self, index: int, version: int, attempt: int, gen: int, digest: int,
+              wanted: tuple[int, int] | None, file_no: int, offset: int, length: int) -> None:
+        """A line of ``index`` with this (version, attempt) of generation ``gen`` at (file_no,
+        offset, length), in the order choose_records would see it; ``wanted`` is the index's
+        accepted pair."""
+        state, kept = self.state[index], (self.version[index], self.gen[index],
+                                           self.attempt[index])
+        if (version, attempt) == wanted:
+            if state == ACCEPTED and gen <= kept[1]:
+                if gen == kept[1] and digest != self.digest[index]:
+                    self.ambiguous.add(index)
+                return
+            self.ambiguous.discard(index)
+        elif state == ACCEPTED or (state == NEWEST and (version, gen, attempt) < kept):
             return
-        self.state[index] = ACCEPTED if key == wanted else NEWEST
+        self.state[index] = ACCEPTED if (version, attempt) == wanted else NEWEST
         self.version[index], self.attempt[index] = version, attempt
+        self.gen[index], self.digest[index] = gen, digest
         self.file[index], self.offset[index], self.length[index] = file_no, offset, length
 
     def drop_keys(self) -> None:
-        """Free the (version, attempt) arrays once every line has been offered."""
-        self.version = self.attempt = array("q")
+        """Free the (version, gen, attempt) arrays once every line has been offered."""
+        self.version = self.attempt = self.gen = self.digest = array("q")
 
 
 def pick_lines(paths: Sequence[Path], total: int,
@@ -230,9 +246,10 @@ def pick_lines(paths: Sequence[Path], total: int,
                 if type(index) is not int or not 0 <= index < total or not wanted(index):
                     continue
                 version, attempt = record.get("params_version", 0), record.get("attempt", 0)
-                if (type(version) is not int or type(attempt) is not int
-                        or not low <= version <= high or not low <= attempt <= high):
+                gen = record.get("gen", 0)
+                if any(type(v) is not int or not low <= v <= high
+                       for v in (version, attempt, gen)):
                     continue
-                picks.offer(index, version, attempt, accepted(index), file_no, start,
-                            len(line))
+                picks.offer(index, version, attempt, gen, hash(line.rstrip(b"\n")),
+                            accepted(index), file_no, start, len(line))
     return picks

@@ -26,6 +26,7 @@ class RunInfo:
     # A fresh token per registration, so services notice a run re-created under its name.
     epoch: str = ""
     created_at: float = 0.0
+    gen: int = 0  # the run's generation: each `genq recover` starts the next one
 
 
 def new_epoch() -> str:
@@ -64,7 +65,7 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
         meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
     return RunInfo(run=k.run, dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"],
-                   created_at=float(meta.get("created_at") or 0))
+                   created_at=float(meta.get("created_at") or 0), gen=int(meta.get("gen") or 0))
 
 
 class Ends:

@@ -22,9 +22,9 @@ from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, Ru
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
-# likewise into those that make genq's bits follow what RQ's own tools did to a job.
+# (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap")
-SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail")}
+SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
 
@@ -79,12 +79,15 @@ def _prefixes(k: RunKeys) -> list[str]:
     return [k.rq_job_prefix, k.rq_execution_prefix, k.rq_executions_prefix]
 
 
-def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str) -> Call:
+def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
+               life: str = "") -> Call:
+    """life: the run as the caller knows it, "epoch|generation"; claims nothing (answers {0})
+    if the run in Redis is another."""
     keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
             k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished,
-            k.fail_kind, k.fail_kinds]
+            k.fail_kind, k.fail_kinds, k.meta]
     args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run,
-            RESULT_TTL_S]
+            RESULT_TTL_S, life]
     return Call("claim", keys, args)
 
 
@@ -106,12 +109,13 @@ class Result:
     attempt: int
 
 
-def ack_many_call(k: RunKeys, server: str, results: list[Result]) -> Call:
-    """Several results of one consumer in one call; the script answers a code per result."""
+def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
+    """Several results of one consumer in one call; the script answers a code per result (all
+    refused if the run is not `life`, "epoch|generation", when given)."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors]
+            k.errors, k.meta]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
@@ -119,7 +123,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result]) -> Call:
                      FINISH_NAMES[code], code, r.version, r.attempt])
     # One JSON argument: redis-py packs one bytes object instead of nine values per result.
     args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
-                       RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows)]
+                       RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows), life]
     return Call("ack", keys, args)
 
 

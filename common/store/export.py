@@ -199,11 +199,16 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
-           *, include_failed: bool = False) -> ExportResult:
+           *, include_failed: bool = False, allow_ambiguous: bool = False) -> ExportResult:
     accepted, is_done, done_raw = _accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
     picks = pick_lines(paths, total, accepted, is_done)  # done indices only
     picks.drop_keys()
+    if picks.ambiguous and not allow_ambiguous:
+        raise GenqError(
+            f"{len(picks.ambiguous)} done prompts have two different lines under the key Redis "
+            f"accepted (indices {sorted(picks.ambiguous)[:10]}): genq cannot tell which was "
+            "accepted, so nothing was written; --allow-ambiguous keeps the first line read")
     kept = kept_lookup(r, k)
     done = written = fallback_count = 0
     missing: list[int] = []

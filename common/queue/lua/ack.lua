@@ -8,16 +8,18 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors
+--       19 kept, 20 errors, 21 meta
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
 --       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
---       params version, attempt] (one argument: the client encodes it with one call)
+--       params version, attempt] (one argument: the client encodes it with one call),
+--       12 the run's life the caller knows, "epoch|generation" ('': not checked)
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
 -- 2 its parameters were superseded by a requeue that aborts old work (the task is queued
 -- again), 3 a redo issued after its version covers it (set aside as the index's previous
--- result, the task queued again).
+-- result, the task queued again). All are refused when the run is not the life the caller
+-- knows: a consumer that slept through a loss and a recover holds claims of the run before it.
 local items, jids, out = {}, {}, {}
 for n, r in ipairs(cjson.decode(ARGV[11])) do
   items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
@@ -28,6 +30,7 @@ local function push(list, ...)
   for _, v in ipairs({...}) do list[#list + 1] = v end
 end
 
+if ARGV[12] ~= '' and life(KEYS[21]) ~= ARGV[12] then return out end
 local owners = redis.call('HMGET', KEYS[2], unpack(jids))
 local mine, owned, execs = {}, {}, {}
 for i, it in ipairs(items) do

@@ -6,11 +6,15 @@
 -- increment of the counters, one write of each lease structure; only RQ's per-job hashes cost
 -- a command per job.
 -- KEYS: 1 queue, 2 wip, 3 leases, 4 lease_owner, 5 claims, 6 spent, 7 done, 8 failed,
---       9 params_version, 10 pending, 11 errors, 12 rq failed registry, 13 rq finished registry
+--       9 params_version, 10 pending, 11 errors, 12 rq failed registry, 13 rq finished registry,
+--       14 fail_kind, 15 fail_kinds, 16 meta
 -- ARGV: 1 n, 2 visibility timeout s, 3 wip margin s, 4 server, 5 worker name, 6 exec id base,
 --       7 now iso (display only), 8 job key prefix, 9 execution key prefix,
---       10 executions key prefix, 11 run name, 12 finished ttl s
--- Returns {params_version, {job_id, index, exec_id, attempt, spent}...}
+--       10 executions key prefix, 11 run name, 12 finished ttl s, 13 the run's life the caller
+--       knows, "epoch|generation" ('': not checked)
+-- Returns {params_version, {job_id, index, exec_id, attempt, spent}...}, or {0} when the run
+-- is not the life the caller knows (another run, or recovered since): it looks again first.
+if ARGV[13] ~= '' and life(KEYS[16]) ~= ARGV[13] then return {0} end
 local n, vt, margin = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local version = tonumber(redis.call('GET', KEYS[9]) or '1')
 local out = {version}

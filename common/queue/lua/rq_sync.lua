@@ -1,6 +1,7 @@
 -- rq_sync: what claim and reap do when RQ's own tools acted on a job out of genq's sight, so
--- that both leave the same bits, reasons and registries. `keys` names the calling script's
--- failed, pending, spent, errors and rq_failed (RQ's failed registry) keys.
+-- that both leave the same bits, reasons and registries; how a failure's reason is kept; the
+-- run's life. `keys` names the calling script's failed, pending, spent, errors, rq_failed
+-- (RQ's failed registry), fail_kind and fail_kinds keys.
 
 -- RQ requeued a failed job (rq-dashboard's Requeue, `rq requeue`): the index runs again with
 -- fresh attempts, as `genq requeue --redo failed` does.
@@ -10,6 +11,12 @@ local function revive_requeued(keys, idx, jid)
   redis.call('BITFIELD', keys.spent, 'SET', 'u8', '#' .. idx, 0)
   redis.call('HDEL', keys.errors, idx)
   redis.call('ZREM', keys.rq_failed, jid)
+end
+
+-- The run's life as "epoch|generation": a recover starts a new generation of the same epoch.
+local function life(meta)
+  local m = redis.call('HMGET', meta, 'epoch', 'gen')
+  return (m[1] or '') .. '|' .. (m[2] or '0')
 end
 
 -- Why `idx` failed, kept as the number of its reason (keys.fail_kinds: reason -> number): a byte

@@ -1,0 +1,133 @@
+"""Recovering exactly (issue: recover handed attempt numbers out again, and the export then
+silently picked a refused result). A recover starts a new generation of the run, carried by
+every line claimed after it, so a consumer that slept through the loss (its claims made before
+it) writes lines the export can tell apart; recover refuses a partial set of output directories
+unless told; and two different lines under the key Redis accepted make the export refuse."""
+
+from __future__ import annotations
+
+import signal
+
+import orjson
+import pytest
+from conftest import genq
+from faultkit import Background, check_truth, private_redis, record_figures, sim_kwargs
+from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+
+from common.queue.keys import RunKeys
+
+
+def lose_redis(redis_srv):
+    redis_srv.stop(kill=True)  # no AOF: it comes back empty
+    redis_srv.start()
+    return redis_srv.client()
+
+
+def lines_of(dirs, run: str) -> list[dict]:
+    return [rec for d in dirs for p in d.glob(f"{run}.*.jsonl") for rec in read_jsonl(p)]
+
+
+@pytest.mark.timeout(300)
+def test_a_consumer_frozen_across_a_loss_and_recover_never_passes_off_a_refused_result(
+        tmp_path, run_name, sim_factory):
+    n = 400
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    sims = [sim_factory(**sim_kwargs(1.5)) for _ in range(2)]
+    dirs = [tmp_path / "frozen", tmp_path / "awake"]
+    k = RunKeys(run_name)
+    with private_redis() as redis_srv:
+        url, r = redis_srv.url, redis_srv.client()
+        producer = Background(url, run_name, "produce", str(data), "--max-tokens", "300")
+        wait_for(lambda: r.exists(k.meta), what="the run registered")
+        frozen, awake = (ConsumerProcess(url, run_name, sim.url, d, "--burst")  # defaults
+                         for sim, d in zip(sims, dirs, strict=True))
+        try:
+            wait_for(lambda: r.bitcount(k.done) >= 40, timeout=90, what="40 done")
+            frozen.signal(signal.SIGSTOP)  # mid-request: a VM pause, a partition
+            r = lose_redis(redis_srv)
+            wait_for(lambda: "run_state_lost" in awake.log(), timeout=30, what="the loss seen")
+            out = genq("recover", "--shards", *map(str, dirs), redis_url=url, run=run_name)
+            assert "recovered run" in out.stdout
+            wait_for(lambda: r.bitcount(k.done) >= 80, timeout=90, what="work after the recover")
+            frozen.signal(signal.SIGCONT)  # wakes with claims of the run before the recover
+            assert frozen.wait(240) == 0, frozen.log()[-4000:]
+            assert awake.wait(240) == 0, awake.log()[-4000:]
+            assert "run_recovered_unseen" in frozen.log()
+            assert producer.stop() == 0
+        finally:
+            for service in (frozen, awake, producer):
+                service.cleanup()
+        # Status and export agree result for result (counters, token sums, histogram).
+        figures = check_truth(r, url, run_name, n, tmp_path)
+        records = read_jsonl(tmp_path / f"export-{run_name}.jsonl")
+    # The hole, seen: attempts claimed before the loss and again after it, told apart by gen.
+    keys: dict[tuple, set[int]] = {}
+    for rec in lines_of(dirs, run_name):
+        keys.setdefault((rec["index"], rec["params_version"], rec["attempt"]), set()).add(
+            rec.get("gen", 0))
+    shared = sum(len(gens) > 1 for gens in keys.values())
+    record_figures("frozen_consumer_across_recover", attempts_shared_across_generations=shared,
+                   **figures)
+    assert figures["done"] == n and {rec.get("gen", 0) for rec in records} == {0, 1}
+
+
+@pytest.mark.timeout(240)
+def test_recover_refuses_a_partial_set_of_directories_and_a_partial_one_then_exports_exactly(
+        tmp_path, run_name, sim_factory):
+    n = 200
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    sims = [sim_factory(**sim_kwargs(0.3)) for _ in range(2)]
+    dirs = [tmp_path / "a", tmp_path / "b"]
+    k = RunKeys(run_name)
+    with private_redis() as redis_srv:
+        url, r = redis_srv.url, redis_srv.client()
+        genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=url, run=run_name)
+        consumers = [ConsumerProcess(url, run_name, sim.url, d, "--burst")
+                     for sim, d in zip(sims, dirs, strict=True)]
+        try:
+            wait_for(lambda: r.bitcount(k.done) >= 80, timeout=90, what="80 done")
+            wait_for(lambda: all(len(lines_of([d], run_name)) for d in dirs), what="both wrote")
+            r = lose_redis(redis_srv)
+            for c in consumers:
+                wait_for(lambda c=c: "run_state_lost" in c.log(), timeout=30, what="loss seen")
+            # Given only one directory (what a single consumer's log used to print): refused,
+            # naming the one left out and the whole command.
+            refused = genq("recover", "--shards", str(dirs[0]), redis_url=url, run=run_name,
+                           check=False)
+            assert refused.returncode == 2 and str(dirs[1]) in refused.stderr
+            assert f"--shards {dirs[0]} {dirs[1]}" in refused.stderr
+            assert not r.exists(k.meta)
+            # Told to go on: b's results run again, under the new generation.
+            genq("recover", "--shards", str(dirs[0]), "--partial", redis_url=url, run=run_name)
+            for c in consumers:
+                assert c.wait(180) == 0, c.log()[-4000:]
+        finally:
+            for c in consumers:
+                c.cleanup()
+        # The export reads both directories (the consumers registered them): b's lines made
+        # before the loss share attempt numbers with the new ones, and never stand in for them.
+        check_truth(r, url, run_name, n, tmp_path)
+
+
+def test_two_different_lines_under_the_accepted_key_make_the_export_refuse(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    data = write_dataset(tmp_path / "d.jsonl", 20)
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    out = tmp_path / "out"
+    c = ConsumerProcess(redis_url, run_name, sim_factory(time_scale=1000).url, out, "--burst")
+    assert c.wait(60) == 0, c.log()[-3000:]
+    c.cleanup()
+    raw = [line for p in out.glob(f"{run_name}.*.jsonl") for line in p.read_bytes().splitlines()]
+    seven = next(line for line in raw if orjson.loads(line)["index"] == 7)
+    three = next(line for line in raw if orjson.loads(line)["index"] == 3)
+    forged = orjson.dumps({**orjson.loads(seven), "content": "not what was accepted"})
+    (out / f"{run_name}.other.000001.jsonl").write_bytes(forged + b"\n")
+    (out / f"{run_name}.copy.000001.jsonl").write_bytes(three + b"\n")  # a copy: no doubt
+    target = tmp_path / "x.jsonl"
+    refused = genq("export", "--out", str(target), redis_url=redis_url, run=run_name,
+                   check=False)
+    assert refused.returncode != 0 and "indices [7]" in refused.stderr
+    assert not target.exists()
+    genq("export", "--out", str(target), "--allow-ambiguous", redis_url=redis_url, run=run_name)
+    records = read_jsonl(target)
+    assert [rec["index"] for rec in records] == list(range(20))
