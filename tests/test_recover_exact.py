@@ -14,7 +14,7 @@ from conftest import genq
 from faultkit import Background, check_truth, private_redis, record_figures, sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from common.queue.keys import PER_INDEX_BITS, RunKeys
 
 
 def lose_redis(redis_srv):
@@ -99,6 +99,9 @@ def test_recover_refuses_a_partial_set_of_directories_and_a_partial_one_then_exp
             assert not r.exists(k.meta)
             # Told to go on: b's results run again, under the new generation.
             genq("recover", "--shards", str(dirs[0]), "--partial", redis_url=url, run=run_name)
+            # Each per-index field at its final size, as a new run's (no 1.6x growth later).
+            assert {name: r.strlen(getattr(k, name)) for name in PER_INDEX_BITS} == {
+                name: (n * bits + 7) // 8 for name, bits in PER_INDEX_BITS.items()}
             for c in consumers:
                 assert c.wait(180) == 0, c.log()[-4000:]
         finally:

@@ -185,9 +185,9 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 
 
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
-    """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), as long
-    as the highest index with a result or a claim needs; 0 where an index has none."""
-    size = max(len(rec.state.rstrip(b"\0")), len(rec.seen.rstrip(b"\0")))
+    """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), at its
+    final size (as a new run's: see PER_INDEX_BITS); 0 where an index has none."""
+    size = len(rec.state)
     # Columns hold 0 wherever no result (or claim) was ever put, as Redis would.
     out = {name: _packed(column[:size], WIDTHS[name])
            for name, column in zip(FIELDS, rec.columns, strict=True)}
@@ -223,8 +223,9 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     if rec.kept:
         pipe.set(k.kept, bitmap.encode(rec.kept, total))
     for name, data in _bitfields(rec).items():
-        if data:
-            pipe.set(getattr(k, name), bytes(data))
+        pipe.set(getattr(k, name), bytes(data))
+    for name, bits in PER_INDEX_BITS.items():  # the others, empty, at their final size too
+        pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
     # redis-py's `mapping` type (an invariant union key) rejects dict[str, int] (here and below).
     pipe.hset(k.counters, mapping=counters)  # type: ignore[arg-type]
     if hist:
