@@ -1,5 +1,6 @@
 """How a consumer shows itself: a genq heartbeat and an RQ worker entry (`rq info`,
-rq-dashboard), both expiring on their own if the consumer dies."""
+rq-dashboard), both expiring on their own if the consumer dies. Beats go on while Redis has lost
+the run: their `run_state` keeps a restarted producer from registering it anew."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ bounded window of them queued while consumers drain it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import threading
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event() if s.once else stop_on_signals()
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,
                 give_up_after=s.redis_wait if s.once else None)
-    if r is None:  # stopped while waiting for Redis
+    if r is None or not lost_run_back(r, k, stop):  # stopped while waiting for Redis or it
         logger.info("producer_stopped", run=s.run)
         return 0
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
@@ -92,6 +93,31 @@ def main(argv: list[str] | None = None) -> int:
     if s.once:
         return enqueue_once(r, k, s, info, runner)
     return keep_window(r, k, s, info, runner, stop)
+
+
+def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event) -> bool:
+    """Never register anew a run Redis lost: its new epoch would make every consumer following
+    the lost one exit, and `genq recover` then need --replace. Redis keeps no trace of a lost
+    run, the output directories (manifests) may be out of this producer's reach, and the data
+    set's index is any run's, but the consumers waiting for the recover keep heartbeats saying
+    the run is lost (consumer/presence.py): with any, wait (saying so once) until the run is
+    back; False if stopped meanwhile. With none (a new run, or every consumer gone) the run is
+    registered as usual."""
+    if r.exists(k.meta):
+        return True
+    waiting = [b for b in heartbeats.read(r, k).values() if b.get("run_state") == runs.LOST]
+    if not waiting:
+        return True
+    dirs = sorted({b["out"] for b in waiting if b.get("out")})
+    logger.error("run_state_lost", run=k.run, reason=(
+        f"run {k.run!r} is no longer in Redis ({runhealth.LOST_CAUSE}) and {len(waiting)} "
+        "consumer(s) wait for it: this producer waits for the recover, not registering it anew"),
+        command=runhealth.recover_command(k.run, dirs))
+    while not stop.wait(1.0):
+        with contextlib.suppress(*REDIS_TROUBLE):
+            if r.exists(k.meta):
+                return True
+    return False
 
 
 def enqueue_once(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,
