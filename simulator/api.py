@@ -80,7 +80,7 @@ class App:
             answer = await endpoint(self.engine, request.body)
             if isinstance(answer, dict):
                 return _json(answer)
-            return Response(200, content_type="text/event-stream", stream=answer)
+            return Response(200, content_type="text/event-stream; charset=utf-8", stream=answer)
         except ApiError as exc:
             if exc.status == 400:
                 self.engine.stats.bad_requests += 1

@@ -81,8 +81,9 @@ class _Chunks:
         out = []
         for n, (key, text) in enumerate(zip(("reasoning_content", "content"), pieces,
                                             strict=True)):
-            if text:
-                out.append(self.chunk({key: text}))
+            if text:  # SGLang writes reasoning_content, null, beside an answer's content
+                out.append(self.chunk({key: text} if n == 0 else
+                                      {"reasoning_content": None, key: text}))
                 self.sent[n] += len(text)
         return out
 

@@ -38,18 +38,11 @@ MERGED_SHARE = 8
 # simulator's shape (so fixing one means changing that test too). The comparison expects
 # exactly this of the simulator; a fixed simulator fails here until its entry goes.
 KNOWN_DIFFERENCES = {
-    # Real content chunks are {"reasoning_content": null, "content": "…"} (msgspec always
-    # writes reasoning_content); the simulator's are {"content": "…"}: pinned by
-    # test_simulator_v05.py::test_a_chunk_per_token_as_sglang_sends_them (one key per delta).
-    "content_chunk_without_null_reasoning",
     # On "stop" the real end token has no text, so no chunk: completion_tokens - 1 text
     # chunks. The simulator's text has a word for every token counted: completion_tokens
     # chunks. Pinned by test_simulator_v05.py::
     # test_a_simulator_too_slow_for_the_pace_says_so_and_never_merges_chunks (3000 on stop).
     "end_token_has_a_chunk",
-    # Real: `text/event-stream; charset=utf-8`; the simulator: `text/event-stream`, pinned by
-    # test_simulator_v05.py::test_a_streamed_answer_adds_up_to_the_plain_one.
-    "no_charset",
 }
 
 
