@@ -8,6 +8,7 @@ written to it later (a traceback, the flush at exit) fails either.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -48,14 +49,12 @@ class SafeLogger:
 def silence(stream: IO[Any]) -> None:
     """Point the stream's descriptor at /dev/null and drop what is still buffered, so the next
     write (ours or anyone's) succeeds into nothing instead of raising again."""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         fd = stream.fileno()
         null = os.open(os.devnull, os.O_WRONLY)
         os.dup2(null, fd)
         os.close(null)
         stream.flush()  # the bytes stuck in the buffer now go to /dev/null
-    except (OSError, ValueError):
-        pass
 
 
 def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> Any:

@@ -107,8 +107,8 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     a = p.parse_args(argv)
     if a.concurrency is not None and a.concurrency < 1:
         p.error("--concurrency must be >= 1")
-    if a.stall_timeout <= 0 or a.request_timeout <= 0:
-        p.error("--stall-timeout and --request-timeout must be > 0")
+    if a.stall_timeout <= 0 or a.request_timeout <= 0 or a.server_lease <= 0:
+        p.error("--stall-timeout, --request-timeout and --server-lease must be > 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
     # GENQ_SERVERS: URLs separated by commas and/or whitespace, in order of preference.
@@ -119,8 +119,6 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
     for url in urls:
         if not re.match(r"^https?://", url):
             p.error(f"--server {url!r} must be an http:// or https:// URL")
-    if a.server_lease <= 0:
-        p.error("--server-lease must be > 0")
     if a.shard_records < 1 or a.shard_minutes <= 0 or a.ship_wait < 0:
         p.error("--shard-records must be >= 1, --shard-minutes > 0 and --ship-wait >= 0")
     if a.s3_uri:

@@ -452,8 +452,7 @@ class Consumer:
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,
-                "capacity": self.capacity, "inflight": len(self.held),
-                "running": self.running,
+                "capacity": self.capacity, "inflight": len(self.held), "running": self.running,
                 "ahead": len(self.prefetch.ready), "load": f.load,
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,

@@ -136,9 +136,7 @@ def summarize(new: list[tuple[int, str | None]], old_tokens: list[int], *, popul
     left = remaining * remaining_mean + redo_tokens
     per_gpu = tok_per_s / servers if servers else 0.0
     return {
-        "probe_n": n,
-        "population": population,
-        "truncated": truncated,
+        "probe_n": n, "population": population, "truncated": truncated,
         "truncation_rate": round(truncated / n, 4) if n else None,
         "truncation_ci": [round(low, 4), round(high, 4)],
         "length_mean": round(mean_new, 1),

@@ -61,10 +61,8 @@ def local_manifests(dirs: list[str], run: str) -> list[dict[str, Any]]:
     for directory in dirs:
         if not os.path.isdir(directory):
             raise UsageError(f"--shards {directory}: not a directory")
-        m = manifests.find(directory, run)
-        if m is not None:
-            found.append(m)
-    return found
+        found.append(manifests.find(directory, run))
+    return [m for m in found if m is not None]
 
 
 def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:

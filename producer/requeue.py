@@ -75,8 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     r = connect(a.redis_url)
     info = runs.load(r, k)
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
-    plan = make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo,
-                                  inflight=inflight)
+    plan = make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo, inflight=inflight)
     if not plan.diff and a.redo == "none":
         raise UsageError("nothing to change: the parameters already have these values")
     # Refused before any version is made, so a refused requeue undoes no result.

@@ -57,9 +57,7 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
     record.update(run=run, params_version=version, attempt=attempt)
     if gen:  # claimed after a `genq recover`: tells this attempt from one claimed before it
         record["gen"] = gen
-    record.update(
-                  finish_reason=completion.finish_reason,
-                  prompt_tokens=completion.prompt_tokens,
+    record.update(finish_reason=completion.finish_reason, prompt_tokens=completion.prompt_tokens,
                   completion_tokens=completion.completion_tokens,
                   reasoning_content=completion.reasoning_content, content=completion.content,
                   server=server, model=model, latency_s=round(latency_s, 3),

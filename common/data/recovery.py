@@ -186,13 +186,9 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
     """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), at its
-    final size (as a new run's: see PER_INDEX_BITS); 0 where an index has none."""
-    size = len(rec.state)
-    # Columns hold 0 wherever no result (or claim) was ever put, as Redis would.
-    out = {name: _packed(column[:size], WIDTHS[name])
-           for name, column in zip(FIELDS, rec.columns, strict=True)}
-    out["claims"] = _packed(rec.attempt[:size], WIDTHS["claims"])
-    return out
+    final size (as a new run's: see PER_INDEX_BITS); 0 where an index has none, as in Redis."""
+    columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt}
+    return {name: _packed(column, WIDTHS[name]) for name, column in columns.items()}
 
 
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
@@ -223,7 +219,7 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     if rec.kept:
         pipe.set(k.kept, bitmap.encode(rec.kept, total))
     for name, data in _bitfields(rec).items():
-        pipe.set(getattr(k, name), bytes(data))
+        pipe.set(getattr(k, name), data)
     for name, bits in PER_INDEX_BITS.items():  # the others, empty, at their final size too
         pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
     # redis-py's `mapping` type (an invariant union key) rejects dict[str, int] (here and below).

@@ -61,9 +61,7 @@ class RunKeys:
 
     def __post_init__(self) -> None:
         if not RUN_NAME.match(self.run):
-            raise ValueError(
-                f"run name {self.run!r} must be 1-64 letters, digits, '_' or '-'"
-            )
+            raise ValueError(f"run name {self.run!r} must be 1-64 letters, digits, '_' or '-'")
 
     # --- RQ's layout (rq 2.12) -------------------------------------------------------
     @property

@@ -202,7 +202,11 @@ class SGLang:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=min(1.0, self.stall_timeout / 4))
                 if done:
-                    return task.result()
+                    try:
+                        return task.result()
+                    except TRANSPORT_ERRORS as e:  # raised by _whole or _stream
+                        raise ServerUnavailable(f"{self.url}: {type(e).__name__}: "
+                                                f"{e or 'no detail'}") from None
                 if not self.stream:
                     await self.recent_load()  # read by the follower already, most of the time
                 now = time.monotonic()
@@ -221,12 +225,8 @@ class SGLang:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _whole(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
-        try:
-            resp = await self.http.post(self.chat_url, content=orjson.dumps(body),
-                                        headers=self.json_headers)
-        except TRANSPORT_ERRORS as e:
-            raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
-                from None
+        resp = await self.http.post(self.chat_url, content=orjson.dumps(body),
+                                    headers=self.json_headers)
         if resp.status_code != 200:
             raise status_error(resp.status_code, error_message(resp.content), index, self.url,
                                resp.headers.get("retry-after"))
@@ -234,26 +234,21 @@ class SGLang:
 
     async def _stream(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        try:
-            async with self.http.stream("POST", self.chat_url, content=orjson.dumps(body),
-                                        headers=self.json_headers) as resp:
-                if resp.status_code != 200:
-                    await resp.aread()
-                    message = error_message(resp.content)
-                    raise status_error(resp.status_code, message, index, self.url,
-                                       resp.headers.get("retry-after"))
-                # Raw bytes split into lines here: httpx's text and line decoders cost more per
-                # chunk than the parsing itself, and a chunk comes for every token.
-                answer, rest = Answer(), b""
-                async for data in resp.aiter_raw():
-                    progress.last = time.monotonic()
-                    progress.chunks += 1
-                    *lines, rest = (rest + data).split(b"\n")
-                    if any(answer.feed(line, index, self.url) for line in lines):
-                        break
-                else:
-                    answer.feed(rest, index, self.url)  # a last line without its newline
-        except TRANSPORT_ERRORS as e:
-            raise ServerUnavailable(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") \
-                from None
+        async with self.http.stream("POST", self.chat_url, content=orjson.dumps(body),
+                                    headers=self.json_headers) as resp:
+            if resp.status_code != 200:
+                await resp.aread()
+                raise status_error(resp.status_code, error_message(resp.content), index,
+                                   self.url, resp.headers.get("retry-after"))
+            # Raw bytes split into lines here: httpx's text and line decoders cost more per
+            # chunk than the parsing itself, and a chunk comes for every token.
+            answer, rest = Answer(), b""
+            async for data in resp.aiter_raw():
+                progress.last = time.monotonic()
+                progress.chunks += 1
+                *lines, rest = (rest + data).split(b"\n")
+                if any(answer.feed(line, index, self.url) for line in lines):
+                    break
+            else:
+                answer.feed(rest, index, self.url)  # a last line without its newline
         return answer.completion(self.url, thinking=thinking_on(body))
