@@ -63,11 +63,9 @@ def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> Any:
 
 
 def setup(level: str = "INFO") -> None:
-    processors: list = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
+    processors: list = [structlog.contextvars.merge_contextvars,
+                        structlog.processors.add_log_level,
+                        structlog.processors.TimeStamper(fmt="iso", utc=True)]
     if sys.stderr.isatty():
         processors += [_mask, structlog.dev.ConsoleRenderer()]
         logger = SafeLogger(sys.stderr)

@@ -126,7 +126,6 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
             store.parse_uri(a.s3_uri)
         except UsageError as e:
             p.error(str(e))
-    # Flags named as settings are copied as they are.
     named = {f.name: getattr(a, f.name) for f in fields(ConsumeSettings) if f.name in vars(a)}
     return ConsumeSettings(**{**named, "server": urls[0], "servers": tuple(urls),
                               "name": a.name or f"{socket.gethostname()}-{os.getpid()}",

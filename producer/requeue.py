@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     # A redo always makes a version, even without parameter changes: its scope is "results
     # of versions before this one", which must not include what runs after it.
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
-    results = failed = 0
-    if a.redo != "none":
-        results, failed = redo(r, k, info.total, a.redo, version)
+    results, failed = redo(r, k, info.total, a.redo, version) if a.redo != "none" else (0, 0)
     # The manifest beside the shards must know this version before Redis could lose it.
     manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
     print("\n".join(render(plan)))

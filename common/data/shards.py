@@ -168,7 +168,6 @@ def shard_parts(path: Path) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[3] if len(parts) > 3 else parts[2]
 
 
-_INT64 = (-(1 << 63), (1 << 63) - 1)
 NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far; the accepted
 
 
@@ -228,7 +227,7 @@ def pick_lines(paths: Sequence[Path], total: int,
     counts in ``Picks.torn``; one whose index, params_version or attempt is not a 64-bit integer
     is passed over (genq never writes one)."""
     picks = Picks(total)
-    low, high = _INT64
+    low, high = -(1 << 63), (1 << 63) - 1
     for file_no, path in enumerate(paths):
         try:
             f = open(path, "rb")

@@ -170,7 +170,6 @@ class SGLang:
         return load if fresh else await self.load()
 
     async def queued(self) -> bool:
-        """Does the server hold waiting requests?"""
         load = await self.recent_load()
         return bool(load and load["num_waiting_reqs"] > 0)
 
