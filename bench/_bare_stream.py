@@ -1,9 +1,8 @@
-"""The bare streaming client of bench/throughput.py and bench/stream_path.py: the prompts in
-memory, one streamed chat request per slot at a time, each answer parsed and kept (content and
-thinking joined, usage read), no Redis, no disk; genq's GC settings (consumer/cli.py quiet_gc)
-and interpreter, so it differs from genq only by what genq does. --path: aiohttp's own lines
-(default), or httpx's API on aiohttp's pool reading lines or raw bytes. --retry: a refused
-request (503) is sent again after a short pause. Prints one JSON line of figures."""
+"""The bare streaming client of bench/throughput.py: the prompts in memory, one streamed chat
+request per slot at a time over aiohttp, each answer parsed and kept (content and thinking
+joined, usage read), no Redis, no disk; genq's GC settings (consumer/cli.py quiet_gc) and
+interpreter, so it differs from genq only by what genq does. --retry: a refused request (503)
+is sent again after a short pause. Prints one JSON line of figures."""
 
 from __future__ import annotations
 
@@ -19,9 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import httpx
 import orjson
-from httpx_aiohttp import AiohttpTransport
 
 
 def cpu_s() -> float:
@@ -29,40 +26,21 @@ def cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-async def raw_lines(resp: httpx.Response) -> AsyncIterator[bytes]:
-    rest = b""
-    async for data in resp.aiter_raw():
-        *lines, rest = (rest + data).split(b"\n")
-        for line in lines:
-            yield line
-
-
 class Stream:
-    """One way to send a request and read its answer's lines: (status, lines)."""
+    """Sends a request and reads its answer's lines: (status, lines)."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        if path == "aiohttp":
-            self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                 timeout=aiohttp.ClientTimeout(total=None))
-        else:
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=1024)
-            self.client = httpx.AsyncClient(transport=AiohttpTransport(limits=limits),
-                                            timeout=None)
+    def __init__(self) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None))
 
     @contextlib.asynccontextmanager
     async def post(self, url: str, body: bytes) -> AsyncIterator[tuple[int, Any]]:
         headers = {"content-type": "application/json"}
-        if self.path == "aiohttp":
-            async with self.session.post(url, data=body, headers=headers) as resp:
-                yield resp.status, resp.content
-        else:
-            async with self.client.stream("POST", url, content=body, headers=headers) as resp:
-                yield resp.status_code, (resp.aiter_lines() if self.path == "httpx-lines"
-                                    else raw_lines(resp))
+        async with self.session.post(url, data=body, headers=headers) as resp:
+            yield resp.status, resp.content
 
     async def close(self) -> None:
-        await (self.session.close() if self.path == "aiohttp" else self.client.aclose())
+        await self.session.close()
 
 
 async def main(a: argparse.Namespace) -> dict:
@@ -91,8 +69,6 @@ async def main(a: argparse.Namespace) -> dict:
                     continue
                 content, reasoning, usage = [], [], {}
                 async for line in lines:
-                    if isinstance(line, str):
-                        line = line.encode()
                     if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
@@ -116,7 +92,7 @@ async def main(a: argparse.Namespace) -> dict:
             tokens += got
 
     t0, c0 = time.monotonic(), cpu_s()
-    stream = Stream(a.path)
+    stream = Stream()
     async with asyncio.TaskGroup() as tg:
         for _ in range(min(a.concurrency, len(rows))):
             tg.create_task(slot(stream))
@@ -132,6 +108,5 @@ if __name__ == "__main__":
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--concurrency", type=int, required=True)
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--path", choices=("aiohttp", "httpx-lines", "httpx-raw"), default="aiohttp")
     p.add_argument("--retry", action="store_true")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

@@ -15,7 +15,6 @@ import os
 import resource
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 
@@ -52,19 +51,6 @@ def latency(fetch) -> float:
     return round(time.monotonic() - start, 3)
 
 
-class MemorySampler(threading.Thread):
-    def __init__(self, r, base: int) -> None:
-        super().__init__(daemon=True)
-        self.r, self.base, self.peak, self.done = r, base, 0, threading.Event()
-
-    def used(self) -> int:
-        return int(self.r.info("memory")["used_memory"]) - self.base
-
-    def run(self) -> None:
-        while not self.done.wait(0.5):
-            self.peak = max(self.peak, self.used())
-
-
 def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--total", type=int, default=914_000)
@@ -76,11 +62,13 @@ def main() -> int:
         r, env = srv.client(), kit.genq_env(srv.url, RUN)
         data = kit.write_dataset(work / "d.jsonl", a.total)
         base = int(r.info("memory")["used_memory"])
+
+        def used_mb() -> float:  # above the empty server's
+            return (int(r.info("memory")["used_memory"]) - base) / 2**20
+
         producer = Background(srv.url, RUN, "produce", str(data))
-        wait_for(lambda: r.exists(k.meta), timeout=600, what="the run registered")
-        memory = MemorySampler(r, base)
-        memory.start()
-        start_mb = memory.used() / 2**20
+        wait_for(lambda: r.exists(k.done), timeout=600, what="the run registered")
+        start_mb = peak_mb = used_mb()
         monitor = Monitor(srv.url, RUN, work)
         outs = [work / f"out{n}" for n in range(a.consumers)]
         started, cpu0 = time.monotonic(), kit.machine_cpu()
@@ -97,14 +85,14 @@ def main() -> int:
                 lat["status_mid_s"] = latency(lambda: kit.genq("status", redis_url=srv.url,
                                                                run=RUN))
                 lat["api_mid_s"] = latency(lambda: monitor.get("/api/status"))
+            peak_mb = max(peak_mb, used_mb())
             time.sleep(0.5)
         wall, (busy, total) = time.monotonic() - started, kit.machine_cpu()
         lat["status_end_s"] = latency(lambda: kit.genq("status", redis_url=srv.url, run=RUN))
         lat["api_end_s"] = latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))
         producer.stop()
         monitor.proc.terminate()
-        memory.done.set()
-        end_mb, done = memory.used() / 2**20, r.bitcount(k.done)
+        end_mb, done = used_mb(), r.bitcount(k.done)
         shards = sum(len(list(out.glob("*.jsonl"))) for out in outs)
         export = timed(["export", "--out", str(work / "all.jsonl")], env, nofile=256)
         exported = sum(1 for _ in open(work / "all.jsonl", "rb"))
@@ -118,7 +106,7 @@ def main() -> int:
         "tasks_per_s": round(a.total / wall),
         "machine_busy": round((busy - cpu0[0]) / (total - cpu0[1]), 2),
         "consumer_cpu_ms_per_task": round(1000 * sum(cpu.values()) / a.total, 3),
-        "redis_mb_start": round(start_mb, 1), "redis_mb_peak": round(memory.peak / 2**20, 1),
+        "redis_mb_start": round(start_mb, 1), "redis_mb_peak": round(peak_mb, 1),
         "redis_mb_end": round(end_mb, 1), "redis_b_per_prompt": round(end_mb * 2**20 / a.total, 1),
         **lat, "export": export, "recover": recover}
     print(kit.table([(key, str(value)) for key, value in figures.items()], ("figure", "value")))

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 SCRIPTS = {
     "throughput.py": ["--shape", "short", "--n", "40"],
-    "stream_path.py": ["--n", "8", "--tokens", "50", "--concurrency", "4", "--time-scale", "20"],
+    "idle.py": ["--window", "1"],
     "many_servers.py": ["--servers", "2", "--slots", "4", "--per-server", "30",
                         "--time-scale", "400", "--sample", "0.05"],
     "replay_story.py": ["--prompts", "60", "--servers", "2", "--slots", "4",
@@ -113,8 +113,8 @@ def check_s3(f: dict) -> None:
 
 CHECKS = {
     "throughput.py": check_throughput,
-    "stream_path.py": lambda f: (len({r["chunks"] for r in f["paths"]}) == 1
-                                 and f["paths"][0]["chunks"] >= 8 * 50) or pytest.fail(f),
+    "idle.py": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
+                                                        "nothing to claim"} or pytest.fail(f),
     "many_servers.py": check_many,
     "replay_story.py": check_story,
     "redis_memory.py": check_memory,
