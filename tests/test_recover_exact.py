@@ -7,11 +7,20 @@ unless told; and two different lines under the key Redis accepted make the expor
 from __future__ import annotations
 
 import signal
+import time
 
 import orjson
 import pytest
 from conftest import genq
-from faultkit import Background, check_truth, private_redis, record_figures, sim_kwargs
+from faultkit import (
+    Background,
+    Consumer,
+    bits,
+    check_truth,
+    private_redis,
+    record_figures,
+    sim_kwargs,
+)
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from common.queue.keys import PER_INDEX_BITS, RunKeys
@@ -134,3 +143,52 @@ def test_two_different_lines_under_the_accepted_key_make_the_export_refuse(
     genq("export", "--out", str(target), "--allow-ambiguous", redis_url=redis_url, run=run_name)
     records = read_jsonl(target)
     assert [rec["index"] for rec in records] == list(range(20))
+
+
+def accepted_keys(r, k: RunKeys, total: int) -> dict[int, tuple[int, int]]:
+    """Every done index's accepted (params_version, attempt), as Redis holds them."""
+    done = bits(r.get(k.done), total)
+    version, attempt = ((r.get(key) or b"").ljust(2 * total, b"\0")
+                        for key in (k.acc_version, k.acc_attempt))
+    return {i: (int.from_bytes(version[2 * i:2 * i + 2], "big"),
+                int.from_bytes(attempt[2 * i:2 * i + 2], "big")) for i in done}
+
+
+@pytest.mark.timeout(240)
+def test_recover_judges_results_by_redis_clock_not_a_skewed_consumers(
+        tmp_path, run_name, sim_factory):
+    # A consumer whose clock is 90 s behind writes through an `--inflight abort` switch: Redis
+    # refuses its older-version results written after it. The recover must make exactly the
+    # decisions Redis made, result for result.
+    n = 200
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    sim = sim_factory(**sim_kwargs(0.5))
+    out, k = tmp_path / "out", RunKeys(run_name)
+    with private_redis() as redis_srv:
+        url, r = redis_srv.url, redis_srv.client()
+        genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=url, run=run_name)
+        c = Consumer(url, run_name, sim.url, out, "--burst", concurrency=8,
+                     prefix=("faketime", "-m", "-f", "-90s"))
+        try:
+            wait_for(lambda: r.bitcount(k.done) >= 30, timeout=90, what="30 done")
+            genq("requeue", "--set", "max_tokens=400", redis_url=url, run=run_name)  # aborts
+            # Stopped as soon as Redis refused an older result written after the switch, before
+            # its prompt runs again: recovery must not let that line stand.
+            wait_for(lambda: "result_superseded" in c.log(), timeout=30, interval=0.01,
+                     what="an older result refused")
+            c.signal(signal.SIGSTOP)
+            time.sleep(0.5)  # acks in flight land
+            want = accepted_keys(r, k, n)
+            r.flushall()
+            genq("recover", "--shards", str(out), redis_url=url, run=run_name)
+            got = accepted_keys(r, k, n)
+            c.signal(signal.SIGCONT)
+            assert c.wait(180) == 0, c.log()[-4000:]
+        finally:
+            c.cleanup()
+        check_truth(r, url, run_name, n, tmp_path)
+    assert 1 in {v for v, _ in want.values()}  # results before the switch stand
+    assert {i: got.get(i) for i in want} == want
+    # More may stand: written, their acks stopped with the consumer; never an older version
+    # written after the switch (Redis refused those).
+    assert all(got[i][0] == 2 for i in set(got) - set(want))
