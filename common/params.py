@@ -156,7 +156,8 @@ REDO_PASSES = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done
 def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, inflight: str,
          unset: Iterable[str] = ()) -> tuple[int, dict[str, list[Any]]]:
     """Make a new current version from the current one plus `changes`; returns (version, what
-    changed). With inflight="abort" acks of older versions are refused from now on. The redo
+    changed). With inflight="abort" results of older versions written from now on (by Redis's
+    clock, as the records' created_at is) are refused. The redo
     scope is recorded in the same step, so an older result acked later falls under it too."""
     with r.pipeline() as pipe:
         while True:
@@ -164,8 +165,9 @@ def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, infl
                 pipe.watch(k.params_version, k.params)
                 version, old = current(pipe, k)
                 new, diff = apply(old, changes, unset)
+                seconds, micros = pipe.time()  # Redis's clock: what results are judged by
                 entry = {"version": version + 1, "changes": diff, "redo": redo,
-                         "inflight": inflight, "at": time.time()}
+                         "inflight": inflight, "at": seconds + micros / 1e6}
                 pipe.multi()
                 pipe.hset(k.params, str(version + 1), orjson.dumps(new))
                 pipe.set(k.params_version, version + 1)

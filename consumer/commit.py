@@ -34,7 +34,8 @@ class Finished:
         lease, c = self.inflight.lease, self.completion
         return Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
                       completion_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
-                      finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt)
+                      finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt,
+                      created_at=self.record["created_at"])
 
 
 class Committer:

@@ -117,6 +117,7 @@ class Consumer:
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0  # the newest parameter version seen
         self.out_dirs = 0  # output directories the run has, as last counted
+        self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
         self.pause = ClaimPause()
         self.probe_kept = False  # answers of `requeue --probe` to look for, as last checked
         self.acked = self.started_at = 0
@@ -139,6 +140,7 @@ class Consumer:
 
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
+        await redis_retry(self.heartbeat)  # the clock offset before the first record
         loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -363,7 +365,8 @@ class Consumer:
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
                 model=body["model"], completion=completion,
-                latency_s=time.monotonic() - inflight.started, gen=lease.gen)
+                latency_s=time.monotonic() - inflight.started, gen=lease.gen,
+                clock_offset=self.clock_offset)
             return record, completion
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():
@@ -446,7 +449,10 @@ class Consumer:
                 inflight.cancel("lost")
 
     async def heartbeat(self) -> None:
-        now = (await self.redis.time())[0]
+        before = time.time()
+        now, micros = await self.redis.time()
+        # Records are dated by Redis's clock (an abort switch's time is), whatever this host's.
+        self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
         self.probe_kept = bool(await self.redis.exists(self.keys.probe))
         f = self.follower

@@ -50,7 +50,8 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
 
 def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
                  server: str, model: str, completion: Any, latency_s: float,
-                 gen: int = 0) -> dict[str, Any]:
+                 gen: int = 0, clock_offset: float = 0.0) -> dict[str, Any]:
+    """clock_offset: Redis's clock less this host's, so that created_at is by Redis's clock."""
     record: dict[str, Any] = {"index": index}
     if prompt_id is not None:
         record["id"] = prompt_id
@@ -61,7 +62,7 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
                   completion_tokens=completion.completion_tokens,
                   reasoning_content=completion.reasoning_content, content=completion.content,
                   server=server, model=model, latency_s=round(latency_s, 3),
-                  created_at=round(time.time(), 3))
+                  created_at=round(time.time() + clock_offset, 3))
     if getattr(completion, "max_tokens", None):  # lowered to fit the model's context
         record["max_tokens_used"] = completion.max_tokens
     return record

@@ -8,12 +8,13 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta
+--       19 kept, 20 errors, 21 meta, 22 params_history
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
 --       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
---       params version, attempt] (one argument: the client encodes it with one call),
+--       params version, attempt, created_at (Redis's clock)] (one argument: the client encodes
+--       it with one call),
 --       12 the run's life the caller knows, "epoch|generation" ('': not checked)
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
 -- 2 its parameters were superseded by a requeue that aborts old work (the task is queued
@@ -23,7 +24,7 @@
 local items, jids, out = {}, {}, {}
 for n, r in ipairs(cjson.decode(ARGV[11])) do
   items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
-    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9]}
+    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9], at = r[10]}
   jids[n], out[n] = r[1], 0
 end
 local function push(list, ...)
@@ -44,6 +45,24 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 drop_leases(owned, execs, ARGV[5], ARGV[6])
 
 local floor = tonumber(redis.call('GET', KEYS[16]) or '0')
+-- A result of an older version written at or after an abort switch (both by Redis's clock) is
+-- refused: the rule `genq recover` applies to the same two numbers, so it decides the same.
+local aborts = {}
+if floor > 0 then
+  for _, raw in ipairs(redis.call('LRANGE', KEYS[22], 0, -1)) do
+    local h = cjson.decode(raw)
+    if h.inflight == 'abort' and tonumber(h.version) > 1 then
+      aborts[#aborts + 1] = {tonumber(h.version), tonumber(h.at) or 0}
+    end
+  end
+end
+local function superseded(it)
+  if type(it.at) ~= 'number' then return true end  -- no time given: as if written now
+  for _, switch in ipairs(aborts) do
+    if switch[1] > it.ver and it.at >= switch[2] then return true end
+  end
+  return false
+end
 local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')
 local mark_done, mark_trunc = tonumber(marks[1] or '0'), tonumber(marks[2] or '0')
 local spent, kept, requeue, keep, accept, covered = {'OVERFLOW', 'SAT'}, {}, {}, {}, {}, {}
@@ -54,7 +73,7 @@ local function give_back(it, code)  -- the task runs again; this attempt costs n
   out[it.n] = code
 end
 for _, it in ipairs(mine) do
-  if it.ver < floor then
+  if it.ver < floor and superseded(it) then
     give_back(it, 2)  -- run again under the new parameters
   elseif it.ver < mark_done or (it.fname == 'length' and it.ver < mark_trunc) then
     covered[#covered + 1] = it
