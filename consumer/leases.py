@@ -80,14 +80,20 @@ class TaskQueue:
             await self.r.script_load(source)
 
     async def claim(self, n: int = 1) -> list[Lease]:
-        epoch, gen = self.life()
+        gen = self.life()[1]
         call = scripts.claim_call(self.k, n, self.vt, self.server, self.worker,
-                                  secrets.token_hex(6), f"{epoch}|{gen}")
+                                  secrets.token_hex(6), self.life_token())
         version, *rows = await self.run_script(call)
         self.stale = version == 0
         return [Lease(job_id=jid.decode(), index=int(idx), exec_id=ex.decode(),
                       attempt=int(att), spent=int(spent), version=int(version), gen=gen)
                 for jid, idx, ex, att, spent in rows]
+
+    def life_token(self) -> str:
+        """The run's life as the scripts check it, "epoch|generation"; "" (not checked) for a
+        run with no epoch."""
+        epoch, gen = self.life()
+        return f"{epoch}|{gen}" if epoch else ""
 
     async def renew(self, leases: list[Lease]) -> set[str]:
         """Extend these leases; returns the job ids that are no longer ours."""
@@ -102,7 +108,7 @@ class TaskQueue:
         SET_ASIDE (a redo issued since covers it: kept as the previous result); both requeued."""
         return [int(code) for code in
                 await self.run_script(scripts.ack_many_call(self.k, self.server, results,
-                                                            "|".join(map(str, self.life()))))]
+                                                            self.life_token()))]
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
         return bool(await self.run_script(scripts.release_call(

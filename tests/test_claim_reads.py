@@ -17,7 +17,7 @@ from common.errors import BadTask
 from common.queue import feed, scripts
 from common.queue.keys import RunKeys
 from consumer.settings import ConsumeSettings
-from consumer.worker import Consumer
+from consumer.worker import Consumer, RunState
 
 
 def test_a_claim_reads_its_rows_in_a_thread(redis_url, run_name, tmp_path):
@@ -44,7 +44,7 @@ def test_a_claim_reads_its_rows_in_a_thread(redis_url, run_name, tmp_path):
     async def main() -> list:
         client = aioredis.Redis.from_url(redis_url)
         c = Consumer(s, client, k, sync=sync, total=4, dataset=dataset, sink=None,  # type: ignore
-                     server=None, capacity=4, model="m", runstate=None)
+                     server=None, capacity=4, model="m", runstate=RunState(k, "", "out"))
         got = await c.claim(4)
         await client.aclose()
         return got

@@ -17,7 +17,7 @@ from common.data.dataset import open_dataset
 from common.queue import feed, scripts
 from common.queue.keys import RunKeys
 from consumer.settings import ConsumeSettings
-from consumer.worker import Consumer
+from consumer.worker import Consumer, RunState
 
 
 def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name, tmp_path):
@@ -34,7 +34,7 @@ def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name
     async def main() -> None:
         client = aioredis.Redis.from_url(redis_url)
         c = Consumer(s, client, k, sync=sync, total=1, dataset=dataset, sink=None,  # type: ignore
-                     server=None, capacity=4, model="m", runstate=None)
+                     server=None, capacity=4, model="m", runstate=RunState(k, "", "out"))
         [first] = await c.claim(1)  # slot A runs the task...
         lease = first.lease
         await c.queue.release(lease, refund=True, reason="server unavailable")  # ...gives it back
