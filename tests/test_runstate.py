@@ -12,9 +12,11 @@ from conftest import genq
 from faultkit import Consumer, private_redis
 from pipeline import wait_for, write_dataset
 
+from common.data.dataset import open_dataset
 from common.errors import RunStateLost
 from common.queue import feed
 from common.queue.keys import RunKeys
+from common.queue.run import register
 from common.queue.scripts import ScriptRunner
 
 
@@ -59,9 +61,9 @@ def test_consumer_waits_while_the_run_is_lost_and_stops_when_it_is_recreated(
         st = genq("status", redis_url=redis_url, run=run_name, check=False)
         assert st.returncode != 0 and "lost its state" in st.stderr
         assert f"genq recover --shards {out} --run {run_name}" in st.stderr
-        # A producer started now registers a different run under the same name.
-        genq("produce", str(data), "--once", "--max-tokens", "9", redis_url=redis_url,
-             run=run_name)
+        # A different run registered under the same name (`genq produce` would wait for the
+        # recover while a consumer waits: tests/test_loss_producer.py).
+        register(r, k, str(data), open_dataset(data).fingerprint, 400)
         assert c.wait(30) == 1
         assert "was registered again" in c.log() and "run_replaced" in c.log()
     finally:
