@@ -22,14 +22,9 @@ from faultkit import (
     sim_kwargs,
 )
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from test_recover import lose_redis
 
 from common.queue.keys import PER_INDEX_BITS, RunKeys
-
-
-def lose_redis(redis_srv):
-    redis_srv.stop(kill=True)  # no AOF: it comes back empty
-    redis_srv.start()
-    return redis_srv.client()
 
 
 def lines_of(dirs, run: str) -> list[dict]:
@@ -53,7 +48,8 @@ def test_a_consumer_frozen_across_a_loss_and_recover_never_passes_off_a_refused_
         try:
             wait_for(lambda: r.bitcount(k.done) >= 40, timeout=90, what="40 done")
             frozen.signal(signal.SIGSTOP)  # mid-request: a VM pause, a partition
-            r = lose_redis(redis_srv)
+            lose_redis(redis_srv)  # no AOF: it comes back empty
+            r = redis_srv.client()
             wait_for(lambda: "run_state_lost" in awake.log(), timeout=30, what="the loss seen")
             out = genq("recover", "--shards", *map(str, dirs), redis_url=url, run=run_name)
             assert "recovered run" in out.stdout
@@ -96,7 +92,8 @@ def test_recover_refuses_a_partial_set_of_directories_and_a_partial_one_then_exp
         try:
             wait_for(lambda: r.bitcount(k.done) >= 80, timeout=90, what="80 done")
             wait_for(lambda: all(len(lines_of([d], run_name)) for d in dirs), what="both wrote")
-            r = lose_redis(redis_srv)
+            lose_redis(redis_srv)  # no AOF: it comes back empty
+            r = redis_srv.client()
             for c in consumers:
                 wait_for(lambda c=c: "run_state_lost" in c.log(), timeout=30, what="loss seen")
             # Given only one directory (what a single consumer's log used to print): refused,

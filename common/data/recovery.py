@@ -33,6 +33,7 @@ from common.data.records import parse_line
 from common.params import REDO_SCOPES
 from common.queue import bitmap
 from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
+from common.queue.run import preallocate
 
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens)
 Result = tuple[int, int, int, int, int]
@@ -220,8 +221,7 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
         pipe.set(k.kept, bitmap.encode(rec.kept, total))
     for name, data in _bitfields(rec).items():
         pipe.set(getattr(k, name), data)
-    for name, bits in PER_INDEX_BITS.items():  # the others, empty, at their final size too
-        pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
+    preallocate(pipe, k, total)  # the others, empty, at their final size too
     # redis-py's `mapping` type (an invariant union key) rejects dict[str, int] (here and below).
     pipe.hset(k.counters, mapping=counters)  # type: ignore[arg-type]
     if hist:

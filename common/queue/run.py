@@ -44,8 +44,7 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
         pipe = r.pipeline(transaction=False)
         pipe.hset(k.meta, mapping=fields)
         pipe.sadd(RUNS, k.run)
-        for name, bits in PER_INDEX_BITS.items():  # at their final size: see PER_INDEX_BITS
-            pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
+        preallocate(pipe, k, total)
         pipe.execute()
     info = load(r, k)
     if info.fingerprint != fingerprint:
@@ -53,6 +52,13 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
                            f"(fingerprint {info.fingerprint[:16]}); {path} differs: use another "
                            "--run for a new data set")
     return info
+
+
+def preallocate(pipe: redis.client.Pipeline, k: RunKeys, total: int) -> None:
+    """Queue the creation of each per-index bitmap and bitfield not there yet, at its final
+    size (see PER_INDEX_BITS): a new run's, and a recovered one's."""
+    for name, bits in PER_INDEX_BITS.items():
+        pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
 
 
 def load(r: redis.Redis, k: RunKeys) -> RunInfo:
