@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import os
 import re
@@ -44,7 +43,7 @@ from common.report import runhealth
 from common.sglang.client import SGLang
 from common.store import s3 as store
 from common.store.ship import Shipper
-from consumer import servers
+from consumer import servers, shutdown
 from consumer.settings import ConsumeSettings
 from consumer.worker import Consumer, RunState
 
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     probe.close()
     quiet_gc()
-    return asyncio.run(servers.drive(s, serve))
+    return asyncio.run(shutdown.to_the_end(servers.drive(s, serve)))
 
 
 def check_writable(out: str) -> None:
@@ -307,6 +306,4 @@ class Shipping:
         return 1
 
     async def cancel(self) -> None:
-        self.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.task
+        await shutdown.cancel_and_wait([self.task])

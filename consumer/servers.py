@@ -24,6 +24,7 @@ from common.log import REDIS_OUTAGE
 from common.queue.keys import RunKeys, server_lease
 from common.queue.scripts import ScriptRunner, expire_call, reap_call
 from common.report import runhealth
+from consumer import shutdown
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
@@ -164,7 +165,8 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                 logger.warning(event, driven_by=owners, lease_s=s.server_lease)
                 last = owners
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=min(1.0, s.server_lease / 3))
+                async with asyncio.timeout(min(1.0, s.server_lease / 3)):
+                    await stop.wait()
             if stop.is_set():
                 return None
             try:
@@ -241,9 +243,7 @@ async def drive(s: ConsumeSettings, serve: Callable[[ConsumeSettings], Awaitable
         try:
             code = await serve(replace(s, server=url))
         finally:
-            keeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await keeper
+            await shutdown.cancel_and_wait([keeper])
             with contextlib.suppress(*REDIS_TROUBLE):
                 if await r.eval(RELEASE, 1, server_lease(url), token):
                     logger.info("server_released")

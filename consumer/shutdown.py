@@ -7,10 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import faulthandler
+import os
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -63,8 +64,9 @@ async def bounded(slots: Sequence[asyncio.Task]) -> None:
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
-    """Cancel the tasks until they are done, for at most `bound` seconds: redis-py's asyncio
-    client (8.x) can swallow a cancellation, and a loop around it then runs on."""
+    """Cancel the tasks until they are done, for at most `bound` seconds: a single cancel()
+    is not enough, as redis-py's asyncio client writes through `asyncio.wait_for`, which on
+    Python 3.11 drops a cancellation landing as the write ends, and a loop around it runs on."""
     pending = {t for t in tasks if not t.done()}
     deadline = time.monotonic() + bound
     while pending and time.monotonic() < deadline:
@@ -83,3 +85,19 @@ async def withdraw(body: Callable[[], Awaitable[None]]) -> None:
             await body()
     except REDIS_TROUBLE as e:  # includes TimeoutError
         logger.warning("deregister_failed", error=str(e) or type(e).__name__)
+
+
+async def to_the_end(main: Coroutine[Any, Any, int]) -> int:
+    """Run the consumer, then end every task it left: asyncio.run's own cleanup cancels each
+    once and waits for ever, so one task that lost its cancellation kept a finished --burst
+    consumer alive. One that will not end even so is left behind, and the process exits."""
+    rc = 1
+    try:
+        rc = await main
+        return rc
+    finally:
+        await cancel_and_wait(asyncio.all_tasks() - {asyncio.current_task()})
+        if len(asyncio.all_tasks()) > 1:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)

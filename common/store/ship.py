@@ -110,8 +110,11 @@ class Shipper:
             self.check_watched()
             if not self.queue:
                 self.wake.clear()
-                with contextlib.suppress(TimeoutError):  # the age rotation needs a tick
-                    await asyncio.wait_for(self.wake.wait(), 1.0)
+                # the age rotation needs a tick; asyncio.timeout, as 3.11's wait_for can
+                # drop a cancellation that lands as the wait ends
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(1.0):
+                        await self.wake.wait()
                 continue
             item = next(iter(self.queue.values()))
             try:
