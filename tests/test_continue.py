@@ -1,0 +1,89 @@
+"""`genq requeue --redo truncated --continue` on the simulator and real Redis: each truncated
+answer goes on from its partial, and the run ends exactly where regenerating would, for fewer
+decode tokens."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import orjson
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl, write_dataset
+
+from common.queue.keys import RunKeys
+
+
+def run_to_end(redis_url, run, sim, out) -> None:
+    c = ConsumerProcess(redis_url, run, sim.url, out, "--burst")
+    assert c.wait(120) == 0
+    c.cleanup()
+
+
+def export(tmp_path, redis_url, run) -> dict[int, dict]:
+    out = tmp_path / f"{run}.jsonl"
+    genq("export", "--out", str(out), redis_url=redis_url, run=run)
+    return {rec["index"]: rec for rec in read_jsonl(out)}
+
+
+def decoded(sim) -> int:
+    return httpx.get(sim.url + "/_sim/stats", timeout=5).json()["output_tokens"]
+
+
+@pytest.mark.timeout(300)
+def test_continue_ends_where_regenerating_would(tmp_path, redis_url, r, run_name, sim_factory):
+    n = 200
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    runs = {"cont": run_name, "again": run_name + "-again"}
+    sims = {way: sim_factory(time_scale=1000, reasoning_parser="qwen3",
+                             length_dist="lognormal:300:0.8") for way in runs}
+    for way, run in runs.items():
+        genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run)
+        run_to_end(redis_url, run, sims[way], tmp_path / way)
+    first = export(tmp_path, redis_url, runs["cont"])
+    truncated = {i for i, rec in first.items() if rec["finish_reason"] == "length"}
+    assert 20 < len(truncated) < n  # some stopped inside the thinking, some in the answer
+    assert any(first[i]["content"] for i in truncated)
+    assert any(not first[i]["content"] for i in truncated)
+
+    dry = genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
+               "--dry-run", redis_url=redis_url, run=runs["cont"]).stdout
+    assert f"continue: {len(truncated)} truncated answers" in dry
+    assert r.exists(RunKeys(runs["cont"]).partials) == 0  # a dry run keeps nothing
+    before = {way: decoded(sim) for way, sim in sims.items()}
+    out = genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=runs["cont"]).stdout
+    assert f"partials kept for --continue: {len(truncated)}" in out
+    genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated",
+         redis_url=redis_url, run=runs["again"])
+    for way, run in runs.items():
+        run_to_end(redis_url, run, sims[way], tmp_path / way)
+    redo = {way: decoded(sim) - before[way] for way, sim in sims.items()}
+
+    cont, again = export(tmp_path, redis_url, runs["cont"]), export(tmp_path, redis_url,
+                                                                      runs["again"])
+    for i in truncated:
+        old, new = first[i], cont[i]
+        assert new["continued_from"] == {"version": 1, "attempt": old["attempt"],
+                                         "tokens": old["completion_tokens"]}
+        assert new["reasoning_content"].startswith(old["reasoning_content"])
+        assert new["content"].startswith(old["content"])
+        # The whole answer is the one the prompt gets straight at the larger limit.
+        assert (new["reasoning_content"], new["content"], new["completion_tokens"],
+                new["finish_reason"]) == (again[i]["reasoning_content"], again[i]["content"],
+                                          again[i]["completion_tokens"],
+                                          again[i]["finish_reason"])
+    assert Counter(rec["completion_tokens"] for rec in cont.values()) == Counter(
+        rec["completion_tokens"] for rec in again.values())
+    prefix = sum(first[i]["completion_tokens"] for i in truncated)
+    assert redo["cont"] == redo["again"] - prefix
+    assert r.exists(RunKeys(runs["cont"]).partials) == 0  # each deleted by its accepted ack
+    st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=runs["cont"]).stdout)
+    assert st["continued"] == {"2": {"continued": len(truncated), "decode_tokens_saved": prefix}}
+
+
+def test_continue_needs_redo_truncated(redis_url, run_name):
+    out = genq("requeue", "--set", "max_tokens=10", "--continue", redis_url=redis_url,
+               run=run_name, check=False)
+    assert out.returncode != 0 and "give --redo truncated" in out.stderr
