@@ -87,3 +87,47 @@ def test_continue_needs_redo_truncated(redis_url, run_name):
     out = genq("requeue", "--set", "max_tokens=10", "--continue", redis_url=redis_url,
                run=run_name, check=False)
     assert out.returncode != 0 and "give --redo truncated" in out.stderr
+
+
+@pytest.mark.real_sglang
+@pytest.mark.timeout(900)
+def test_continue_on_real_sglang(tmp_path, redis_url, r, run_name):
+    """Greedy decoding on the real server (thinking on, --reasoning-parser qwen3). The tiny
+    random model's greedy answers end after a token or two, so ignore_eos keeps them going:
+    every answer is cut at max_tokens, and its continuation too."""
+    from faultkit import record_figures
+    from sglang_servers import start_server
+
+    server = start_server("real", "tuned")
+    try:
+        n, small, large = 24, 40, 100
+        data = write_dataset(tmp_path / "d.jsonl", n)
+        runs = {"cont": run_name, "straight": run_name + "-straight"}
+        for run, limit in ((runs["cont"], small), (runs["straight"], large)):
+            genq("produce", str(data), "--once", "--max-tokens", str(limit), "--temperature",
+                 "0", "--raw", "ignore_eos=true", redis_url=redis_url, run=run)
+            run_to_end(redis_url, run, server, tmp_path / run)
+        first = export(tmp_path, redis_url, runs["cont"])
+        assert all(rec["finish_reason"] == "length" for rec in first.values())
+        _, generated_before = server.token_counters()
+        out = genq("requeue", "--set", f"max_tokens={large}", "--redo", "truncated",
+                   "--continue", redis_url=redis_url, run=runs["cont"]).stdout
+        assert f"partials kept for --continue: {n}" in out
+        run_to_end(redis_url, runs["cont"], server, tmp_path / runs["cont"])
+        _, generated_after = server.token_counters()
+        cont, straight = (export(tmp_path, redis_url, run) for run in runs.values())
+    finally:
+        server.close()
+    for i, old in first.items():
+        new = cont[i]
+        assert new["continued_from"]["tokens"] == old["completion_tokens"] == small
+        assert new["reasoning_content"].startswith(old["reasoning_content"])
+        assert new["content"].startswith(old["content"])
+        assert new["completion_tokens"] == large  # the partial's 40 and the new 60
+    grown = generated_after - generated_before
+    regenerating = n * large
+    same = sum((cont[i]["reasoning_content"], cont[i]["content"]) ==
+               (straight[i]["reasoning_content"], straight[i]["content"]) for i in first)
+    record_figures("continue_real", answers=n, generated=grown, regenerating=regenerating,
+                   ratio=round(grown / regenerating, 3), equal_to_straight=same)
+    assert grown == n * (large - small) <= 0.8 * regenerating
