@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, write_dataset
+from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from common.queue.keys import RunKeys
 
@@ -131,3 +131,40 @@ def test_continue_on_real_sglang(tmp_path, redis_url, r, run_name):
     record_figures("continue_real", answers=n, generated=grown, regenerating=regenerating,
                    ratio=round(grown / regenerating, 3), equal_to_straight=same)
     assert grown == n * (large - small) <= 0.8 * regenerating
+
+
+@pytest.mark.timeout(300)
+def test_a_probe_that_continues_decodes_only_the_new_part(tmp_path, redis_url, r, run_name,
+                                                          sim_factory):
+    from test_probe import FLAGS, settled
+
+    sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", length_dist="lognormal:300:0.8")
+    n, k = 120, RunKeys(run_name)
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", n)), "--once", "--max-tokens", "400",
+         redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", *FLAGS)
+    try:
+        wait_for(lambda: settled(r, k, n), timeout=120, what="the first pass")
+        args = ("--set", "max_tokens=1200", "--redo", "truncated", "--continue")
+        before = decoded(sim)
+        rep = orjson.loads(genq("requeue", "--probe", "8", *args, "--json",
+                                redis_url=redis_url, run=run_name).stdout)
+        assert rep["probe_n"] == 8 and not rep["errors"]
+        # Each probed answer decoded only what it adds to its partial of 400 tokens.
+        probed = sum(t - 400 for t in kept_lengths(r, k))
+        assert decoded(sim) - before == probed
+        genq("requeue", *args, redis_url=redis_url, run=run_name)
+        wait_for(lambda: settled(r, k, n) and not r.exists(k.partials), timeout=120,
+                 what="the redo")
+        reused = [e for e in consumer.events() if e.get("event") == "probe_answer_reused"]
+        assert len(reused) == 8
+        records = export(tmp_path, redis_url, run_name)
+        assert all(rec["continued_from"]["tokens"] == 400 for rec in records.values()
+                   if rec["params_version"] == 2)
+    finally:
+        consumer.cleanup()
+
+
+def kept_lengths(r, k) -> list[int]:
+    """completion_tokens of the answers the probe kept."""
+    return [orjson.loads(v)["completion"]["completion_tokens"] for v in r.hvals(k.probe)]
