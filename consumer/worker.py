@@ -410,10 +410,11 @@ class Consumer:
 
     async def continued(self, inflight: Inflight, body: dict[str, Any]) -> Completion | None:
         """`requeue --continue`: the answer continued from the partial kept for this index,
-        looked up only while the heartbeat sees partials kept."""
+        looked up while the heartbeat sees partials kept, or for a claim of a version newer
+        than this consumer has seen (the requeue keeps them before it makes the version)."""
         lease = inflight.lease
-        partial = await partials.get(self.redis, self.keys, lease.index) if self.partials_kept \
-            else None
+        look = self.partials_kept or lease.version > self.version
+        partial = await partials.get(self.redis, self.keys, lease.index) if look else None
         if partial is None or partial["params_version"] >= lease.version:
             return None
         whole = await continue_answer(lambda b: self.ask(inflight, b), body, partial)
@@ -480,8 +481,7 @@ class Consumer:
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
-                "run_state": self.runstate.state, "probe_kept": self.probe_kept,
-                "partials_kept": self.partials_kept}
+                "run_state": self.runstate.state, "probe_kept": self.probe_kept}
         await presence.announce(self.redis, self.keys, self.settings.name, now, beat,
                                 birth=self.birth, held=list(self.held))
 

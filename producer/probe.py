@@ -50,14 +50,12 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
     return [int(v) for v in cast(list[int], field.execute())]
 
 
-def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0,
-              flag: str = "probe_kept") -> list[str]:
-    """Wait until every live consumer's heartbeat says it looks for kept answers (`flag`:
-    probe_kept, or partials_kept for --continue; they check once a second, never on a task's
-    path); returns those that did not in time."""
+def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
+    """Wait until every live consumer's heartbeat says it looks for kept answers (they check
+    once a second, never on a task's path); returns those that did not in time."""
     deadline = time.monotonic() + timeout
     while True:
-        blind = sorted(n for n, b in heartbeats.read(r, k).items() if not b.get(flag))
+        blind = sorted(n for n, b in heartbeats.read(r, k).items() if not b.get("probe_kept"))
         if not blind or time.monotonic() > deadline:
             return blind
         time.sleep(0.2)
