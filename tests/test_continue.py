@@ -10,7 +10,9 @@ import httpx
 import orjson
 import pytest
 from conftest import genq
+from faultkit import record_figures
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from sglang_servers import start_server
 
 from common.queue.keys import RunKeys
 
@@ -77,6 +79,10 @@ def test_continue_ends_where_regenerating_would(tmp_path, redis_url, r, run_name
     assert Counter(rec["completion_tokens"] for rec in cont.values()) == Counter(
         rec["completion_tokens"] for rec in again.values())
     prefix = sum(first[i]["completion_tokens"] for i in truncated)
+    record_figures("continue_sim", truncated=len(truncated), redo_decoded_continue=redo["cont"],
+                   redo_decoded_regenerate=redo["again"], prefix_tokens=prefix,
+                   lengths_p50_p90_max=[sorted(x["completion_tokens"] for x in cont.values())[
+                       int(q * (n - 1))] for q in (0.5, 0.9, 1.0)])
     assert redo["cont"] == redo["again"] - prefix
     assert r.exists(RunKeys(runs["cont"]).partials) == 0  # each deleted by its accepted ack
     st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=runs["cont"]).stdout)
@@ -95,8 +101,6 @@ def test_continue_on_real_sglang(tmp_path, redis_url, r, run_name):
     """Greedy decoding on the real server (thinking on, --reasoning-parser qwen3). The tiny
     random model's greedy answers end after a token or two, so ignore_eos keeps them going:
     every answer is cut at max_tokens, and its continuation too."""
-    from faultkit import record_figures
-    from sglang_servers import start_server
 
     server = start_server("real", "tuned")
     try:
