@@ -1,12 +1,13 @@
 """The run genq is built for, replayed time-scaled on the simulator: 7 servers x 40 slots, the
 seed run's lengths (lognormal:2326:0.62; ~18 % truncated at max_tokens 4096), and the pivot to
-max_tokens 8192 a third of the way in, two ways, one after the other on fresh servers and Redis,
-same prompts. genq: one `genq requeue --set max_tokens=8192 --redo truncated` on the live run.
-By hand: SIGKILL every consumer, a human's pause, the same requeue, relaunch every consumer.
+max_tokens 8192 a third of the way in, three ways, one after the other on fresh servers and
+Redis, same prompts. genq: one `genq requeue --set max_tokens=8192 --redo truncated` on the live
+run. continue: the same with `--continue` (each truncated answer goes on from its partial). By
+hand: SIGKILL every consumer, a human's pause, the same requeue as genq's, relaunch them all.
 Reports wall time to the finished data set, GPU-idle seconds around the pivot and over the run
 (from the servers' own running counts), and tokens generated and thrown away.
 
-    python bench/replay_story.py                     # 4200 prompts, ~2 x 40 s
+    python bench/replay_story.py                     # 4200 prompts, ~3 x 40 s
     python bench/replay_story.py --prompts 14000 --json out.json
 """
 
@@ -30,14 +31,14 @@ DECODE_TPS = 87.5  # the simulator's default; a running slot makes this many tok
 PIVOT = ("requeue", "--set", "max_tokens=8192", "--redo", "truncated")
 
 
-def pivot(redis_url: str) -> float:
+def pivot(redis_url: str, *extra: str) -> float:
     """`genq requeue ...` run in this process (the CLI's own code, imported beforehand): a
     subprocess's 1-3 s of interpreter start-up would be minutes of a time-scaled run, during
     which old-limit results keep coming. Returns how long the command took."""
     from genq.cli import main as genq_main
     t0 = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):
-        rc = genq_main([*PIVOT, "--redis-url", redis_url, "--run", "story"])
+        rc = genq_main([*PIVOT, *extra, "--redis-url", redis_url, "--run", "story"])
     if rc:
         raise RuntimeError(f"genq requeue exited {rc}")
     return time.monotonic() - t0
@@ -78,7 +79,7 @@ class Fleet:
 
 def one_way(a, way: str, dataset: Path, work: Path) -> dict:
     flags = ["--time-scale", str(a.time_scale), "--length-dist", "lognormal:2326:0.62",
-             "--max-running-requests", str(a.slots)]
+             "--max-running-requests", str(a.slots), "--reasoning-parser", "qwen3"]
     with kit.simulators(a.servers, *flags) as sims, kit.private_redis() as rs:
         kit.genq("produce", str(dataset), "--once", "--max-tokens", "4096",
                  redis_url=rs.url, run="story")
@@ -92,7 +93,7 @@ def one_way(a, way: str, dataset: Path, work: Path) -> dict:
             if way == "hand":
                 fleet.kill()
                 time.sleep(a.hand_delay)
-            pivot_s = pivot(rs.url)
+            pivot_s = pivot(rs.url, *(["--continue"] if way == "continue" else []))
             if way == "hand":
                 fleet = Fleet(a, rs, sims, work, way + "-relaunched")
             fleet.wait(timeout=a.timeout)
@@ -110,6 +111,9 @@ def export_tokens(rs, out: Path, n: int) -> dict:
         raise RuntimeError(f"export holds {len(records)} records, expected every one of {n}")
     return {"tokens": sum(rec["completion_tokens"] for rec in records),
             "v2": sum(rec["params_version"] == 2 for rec in records),
+            "continued": sum("continued_from" in rec for rec in records),
+            "prefix_tokens": sum(rec.get("continued_from", {}).get("tokens", 0)
+                                 for rec in records),
             "length": sum(rec["finish_reason"] == "length" for rec in records)}
 
 
@@ -132,15 +136,14 @@ def figures(a, way: str, sampler: kit.LoadSampler, t_pivot: float,
             "requests": sum(x["received"] for x in stats), **kept}
 
 
-def report(a, g: dict, h: dict) -> None:
+def report(a, g: dict, c: dict, h: dict) -> None:
     s = a.time_scale
+    for way in (g, c, h):
+        way["thrown"] = way["tokens_busy_estimate"] - way["tokens_kept"]
 
     def row(label: str, key: str, fmt: str, scale: float = 1.0) -> tuple:
-        gv, hv = g[key] * scale, h[key] * scale
-        return (label, format(gv, fmt), format(hv, fmt), f"{gv / hv:.2f}" if hv else "-")
+        return (label, *(format(way[key] * scale, fmt) for way in (g, c, h)))
 
-    thrown_g = g["tokens_busy_estimate"] - g["tokens_kept"]
-    thrown_h = h["tokens_busy_estimate"] - h["tokens_kept"]
     rows = [
         row("wall s to the finished data set", "wall_s", ".1f"),
         row("  same, in real-run hours (x time scale / 3600)", "wall_s", ".2f", s / 3600),
@@ -155,8 +158,9 @@ def report(a, g: dict, h: dict) -> None:
         row("tokens generated, incl. aborted partials (busy slot-s x rate)",
             "tokens_busy_estimate", ".0f"),
         row("tokens kept in the data set", "tokens_kept", ".0f"),
-        ("tokens thrown away (generated - kept)", f"{thrown_g:.0f}", f"{thrown_h:.0f}",
-         f"{thrown_g / thrown_h:.2f}" if thrown_h else "-"),
+        row("tokens thrown away (generated - kept)", "thrown", ".0f"),
+        row("answers continued from their partial", "continued", ".0f"),
+        row("  their partials' tokens, not decoded again", "prefix_tokens", ".0f"),
         row("results under max_tokens 8192 (version 2)", "v2", ".0f"),
         row("the requeue command itself, ms", "pivot_s", ".0f", 1000),
         row("results still truncated (`length`)", "length", ".0f"),
@@ -166,7 +170,8 @@ def report(a, g: dict, h: dict) -> None:
           f"pause {a.hand_delay:g} s (= {a.hand_delay * s / 60:.0f} real minutes), lease "
           f"{a.visibility_timeout:g} s; {os.cpu_count()} cores, load average before: "
           f"{a.load_before}, after: {kit.load_average()}\n")
-    print(kit.table(rows, ("figure", "genq requeue", "by hand (kill, relaunch)", "genq/by hand")))
+    print(kit.table(rows, ("figure", "genq requeue", "genq requeue --continue",
+                           "by hand (kill, relaunch)")))
 
 
 def main() -> int:
@@ -191,10 +196,12 @@ def main() -> int:
         dataset = kit.write_dataset(work / "prompts.jsonl", a.prompts)
         g = one_way(a, "genq", dataset, work)
         print(f"genq: {g['wall_s']:.1f} s", file=sys.stderr)
+        c = one_way(a, "continue", dataset, work)
+        print(f"continue: {c['wall_s']:.1f} s", file=sys.stderr)
         h = one_way(a, "hand", dataset, work)
         print(f"by hand: {h['wall_s']:.1f} s", file=sys.stderr)
-    report(a, g, h)
-    kit.dump_json(a.json, {"genq": g, "hand": h, "args": vars(a)})
+    report(a, g, c, h)
+    kit.dump_json(a.json, {"genq": g, "continue": c, "hand": h, "args": vars(a)})
     return 0
 
 

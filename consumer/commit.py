@@ -35,7 +35,8 @@ class Finished:
         return Result(job_id=lease.job_id, index=lease.index, exec_id=lease.exec_id,
                       completion_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
                       finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt,
-                      created_at=self.record["created_at"])
+                      created_at=self.record["created_at"],
+                      continued=(c.continued_from or {}).get("tokens", 0))
 
 
 class Committer:

@@ -22,12 +22,12 @@ from common.data.rows import Dataset, Prompt
 from common.data.shards import ShardWriter
 from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
 from common.params import DEFAULTS, request_body
-from common.queue import feed, probe_store
+from common.queue import feed, partials, probe_store
 from common.queue.keys import RunKeys
 from common.queue.run import OK, REPLACED, judge
 from common.queue.scripts import ScriptRunner, iso_now
 from common.report import runhealth
-from common.sglang.client import SGLang
+from common.sglang.client import SGLang, continue_answer
 from common.sglang.stream import Completion
 from consumer import presence, shutdown
 from consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
@@ -120,6 +120,7 @@ class Consumer:
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
         self.pause = ClaimPause()
         self.probe_kept = False  # answers of `requeue --probe` to look for, as last checked
+        self.partials_kept = False  # partials of `requeue --continue` to look for, likewise
         self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the duty that died, if one did
@@ -360,7 +361,9 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return None
-            completion = await self.kept_answer(body, lease.index) or await self.ask(inflight, body)
+            completion = (await self.kept_answer(body, lease.index)
+                          or await self.continued(inflight, body)
+                          or await self.ask(inflight, body))
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -404,6 +407,20 @@ class Consumer:
             return None
         logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])
         return Completion(**stored)
+
+    async def continued(self, inflight: Inflight, body: dict[str, Any]) -> Completion | None:
+        """`requeue --continue`: the answer continued from the partial kept for this index,
+        looked up while the heartbeat sees partials kept, or for a claim of a version newer
+        than this consumer has seen (the requeue keeps them before it makes the version)."""
+        lease = inflight.lease
+        look = self.partials_kept or lease.version > self.version
+        partial = await partials.get(self.redis, self.keys, lease.index) if look else None
+        if partial is None or partial["params_version"] >= lease.version:
+            return None
+        whole = await continue_answer(lambda b: self.ask(inflight, b), body, partial)
+        if whole is None:
+            await partials.drop(self.redis, self.keys, lease.index)
+        return whole
 
     async def fail(self, lease: Lease, reason: str) -> None:
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
@@ -455,6 +472,7 @@ class Consumer:
         self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
         self.probe_kept = bool(await self.redis.exists(self.keys.probe))
+        self.partials_kept = bool(await self.redis.exists(self.keys.partials))
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,

@@ -26,7 +26,7 @@ from common.queue.replies import blob
 from common.queue.run import RunInfo
 from common.report.stats import percentiles, wilson
 from common.report.status import read_status
-from common.sglang.client import SGLang
+from common.sglang.client import SGLang, continue_answer
 
 POPULATIONS = {**params.REDO_PASSES, "none": ("truncated",)}
 
@@ -62,8 +62,10 @@ def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
 
 
 async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str, Any],
-                  concurrency: int) -> tuple[dict[int, tuple[dict, Any]], list[str]]:
-    """Run each (index, prompt) on the servers in turn, `concurrency` at a time per server."""
+                  concurrency: int, partials: dict[int, dict] | None = None,
+                  ) -> tuple[dict[int, tuple[dict, Any]], list[str]]:
+    """Run each (index, prompt) on the servers in turn, `concurrency` at a time per server;
+    one with a partial in `partials` (--continue) is continued from it."""
     answers: dict[int, tuple[dict, Any]] = {}
     errors: list[str] = []
 
@@ -72,7 +74,10 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
         body = params.request_body(prompt.messages, new, model)
         async with gate:
             try:
-                answers[index] = (body, await server.chat(body, index))
+                partial = (partials or {}).get(index)
+                whole = partial and await continue_answer(
+                    lambda b: server.chat(b, index), body, partial)
+                answers[index] = (body, whole or await server.chat(body, index))
             except Exception as e:  # one failed probe request is reported, not fatal
                 errors.append(f"index {index}: {e}")
 
@@ -88,7 +93,8 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
 
 
 def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dict[str, Any],
-              mode: str, concurrency: int) -> dict[str, Any]:
+              mode: str, concurrency: int,
+              partials: dict[int, dict] | None = None) -> dict[str, Any]:
     """Probe n prompts of the redo's population under the changed parameters; the report."""
     pool = population(r, k, mode)
     if not pool:
@@ -102,7 +108,7 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
     data.verify(info.fingerprint)
     jobs = [(i, data.prompt(i)) for i in sample]
     new = {**params.current(r, k)[1], **changes}
-    answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency))
+    answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency, partials))
     probe_store.replace_all(r, k, answers)
     blind = wait_seen(r, k) if answers else []
     probed = sorted(answers)

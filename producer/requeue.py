@@ -4,6 +4,7 @@ under them, without restarting anything or losing finished work."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -16,12 +17,15 @@ from common import params
 from common.cli import add_common, connect, guarded, run_keys
 from common.data import manifest as manifests
 from common.errors import UsageError
+from common.queue import bitmap, partials
 from common.queue import run as runs
 from common.queue.keys import RunKeys
-from common.queue.replies import text
+from common.queue.replies import blob, text
 from common.queue.scripts import ScriptRunner, redo_call
 from common.report.status import read_status
 from common.report.status_table import human_duration
+from common.sglang.stream import continuable
+from common.store import export
 from producer import probe
 
 
@@ -40,6 +44,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="requests running under older parameters: abort and requeue them "
                         "(default when parameters change) or let them finish (default for "
                         "a --redo alone)")
+    p.add_argument("--continue", dest="cont", action="store_true",
+                   help="with --redo truncated: continue each truncated answer from where it "
+                        "stopped instead of generating it again (reads the shards as genq "
+                        "export does)")
+    p.add_argument("--shards", action="append", default=[], metavar="DIR",
+                   help="with --continue: shard directory to read (default: those the "
+                        "consumers registered)")
     p.add_argument("--dry-run", action="store_true",
                    help="say what would change and what it costs, change nothing")
     p.add_argument("--probe", type=_positive, metavar="N",
@@ -71,11 +82,15 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--probe needs the parameters to try: give --set KEY=VALUE")
     if not changes and not a.unset and a.redo == "none":
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
+    if a.cont and a.redo != "truncated":
+        raise UsageError("--continue continues truncated answers: give --redo truncated")
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
-    plan = make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo, inflight=inflight)
+    found = find_partials(r, k, info.total, a.shards) if a.cont else None
+    plan = make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo, inflight=inflight,
+                     partials=found)
     if not plan.diff and a.redo == "none":
         raise UsageError("nothing to change: the parameters already have these values")
     # Refused before any version is made, so a refused requeue undoes no result.
@@ -83,12 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     params.check_fits(r, k, int(max_tokens))
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
-                                 concurrency=a.probe_concurrency)
+                                 concurrency=a.probe_concurrency,
+                                 partials={p["index"]: p for p in found[0]} if found else None)
         print(orjson.dumps(report).decode() if a.json else probe.describe(report))
         return 0
     if a.dry_run:
         print("\n".join(["dry run, nothing changed:", *render(plan)]))
         return 0
+    if found:  # kept before the version that redoes them: every claim of it can find them
+        print(f"partials kept for --continue: {len(found[0])} "
+              f"({partials.put_all(r, k, found[0]):,} bytes of Redis, zstd)")
     # A redo always makes a version, even without parameter changes: its scope is "results
     # of versions before this one", which must not include what runs after it.
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
@@ -99,6 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.redo != "none":
         print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")
     return 0
+
+
+def find_partials(r: redis.Redis, k: RunKeys, total: int,
+                  shards: list[str]) -> tuple[list[dict], int, list[str]]:
+    """The standing truncated results that can be continued, how many cannot (not found in the
+    shards, or not continuable), and the directories read."""
+    dirs = [d for d in shards or sorted(text(d) for d in r.smembers(k.outdirs))
+            if os.path.isdir(d)]
+    truncated = blob(r.get(k.truncated))
+    records = export.standing(r, k, total, dirs, lambda i: bitmap.is_set(truncated, i))
+    usable = [rec for rec in records if continuable(rec)]
+    return usable, sum(1 for _ in bitmap.set_indices(truncated, below=total)) - len(usable), dirs
 
 
 def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple[int, int]:
@@ -132,15 +163,19 @@ class Plan:
     aborted: int  # requests in flight that are aborted and queued again
     tokens: tuple[int, int]  # extra output tokens, low and high estimate
     tok_per_s: float
+    continued: tuple[int, int, int] | None = None  # --continue: answers, tokens kept, regenerated
+    dirs: tuple[str, ...] = ()  # the shard directories --continue read
 
 
 def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: float,
-                 ctok_sum: int, old_max: int, new_max: int) -> tuple[int, int]:
+                 ctok_sum: int, old_max: int, new_max: int, continued: int = 0) -> tuple[int, int]:
     """(low, high) output tokens the requeue adds. A truncated result regenerates at least
-    its old max_tokens and at most the new one; `all` regenerates about what it has; failed
-    prompts and aborted requests about a mean result each."""
+    its old max_tokens and at most the new one, one continued at most their difference; `all`
+    regenerates about what it has; failed prompts and aborted requests about a mean result."""
     low = high = round((failed + aborted) * mean)
     if redo == "truncated":
+        high += continued * max(0, new_max - old_max)
+        results -= continued
         low += results * old_max
         high += results * max(old_max, new_max)
     elif redo == "all":
@@ -150,7 +185,8 @@ def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: fl
 
 
 def make_plan(r: redis.Redis, k: RunKeys, *, changes: dict[str, Any], unset: list[str],
-              redo: str, inflight: str) -> Plan:
+              redo: str, inflight: str,
+              partials: tuple[list[dict], int, list[str]] | None = None) -> Plan:
     version, old = params.current(r, k)
     new, diff = params.apply(old, changes, unset)
     st = read_status(r, k.run)
@@ -161,10 +197,14 @@ def make_plan(r: redis.Redis, k: RunKeys, *, changes: dict[str, Any], unset: lis
     new_max = int(new.get("max_tokens", params.DEFAULTS["max_tokens"]))
     tokens = extra_tokens(redo=redo, results=results, failed=failed, aborted=aborted,
                           mean=st["output_tokens"]["mean"] or 0.0,
-                          ctok_sum=st["output_tokens_total"], old_max=old_max, new_max=new_max)
+                          ctok_sum=st["output_tokens_total"], old_max=old_max, new_max=new_max,
+                          continued=len(partials[0]) if partials else 0)
+    continued = (len(partials[0]), sum(p["completion_tokens"] for p in partials[0]),
+                 partials[1]) if partials else None
     return Plan(run=k.run, version=version, new_version=version + 1, diff=diff,
                 new_params=new, redo=redo, inflight=inflight, results=results, failed=failed,
-                aborted=aborted, tokens=tokens, tok_per_s=st["rate"]["tok_per_s"])
+                aborted=aborted, tokens=tokens, tok_per_s=st["rate"]["tok_per_s"],
+                continued=continued, dirs=tuple(partials[2]) if partials else ())
 
 
 def _tokens(n: int) -> str:
@@ -184,6 +224,12 @@ def render(plan: Plan) -> list[str]:
         scope = "that ended truncated" if plan.redo == "truncated" else "all"
         lines.append(f"redo {plan.redo}: {plan.results} finished results ({scope}) of older "
                      "versions run again, and any still in flight that end in scope")
+    if plan.continued:
+        n, kept, again = plan.continued
+        lines.append(f"continue: {n} truncated answers continue from their partial ({kept:,} "
+                     f"tokens not decoded again); {again} are generated again (partial not "
+                     f"found in {', '.join(plan.dirs) or 'any shard directory'}, or not "
+                     "continuable)")
     if plan.redo in ("failed", "all"):
         lines.append(f"redo failed: {plan.failed} failed prompts run again")
     if plan.inflight == "abort":

@@ -77,6 +77,16 @@ def _check_sampling(params: dict[str, Any]) -> None:
         raise ApiError(400, f"temperature must be >= 0, got {temperature}")
 
 
+def _final_assistant(data: dict[str, Any]) -> tuple[Any, str]:
+    """SGLang's continue_final_message: the final assistant message is the answer's start."""
+    messages = data.get("messages")
+    if (data.get("continue_final_message") and isinstance(messages, list) and len(messages) > 1
+            and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant"
+            and isinstance(messages[-1].get("content"), str)):
+        return messages[:-1], messages[-1]["content"]
+    return messages, ""
+
+
 def _message_text(messages: Any) -> str:
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", PYDANTIC)
@@ -107,21 +117,28 @@ async def chat(engine: Engine, body: bytes) -> Any:
     """`POST /v1/chat/completions`, answered in the OpenAI shape SGLang uses: one JSON body,
     or with `stream: true` an async iterator of server-sent events."""
     data = _json_object(body)
-    text = _message_text(data.get("messages"))
+    messages, prefix = _final_assistant(data)
+    text = _message_text(messages)
     limit = data.get("max_completion_tokens", data.get("max_tokens"))
     max_tokens = DEFAULT_MAX_TOKENS if limit is None else _token_limit(limit, "max_tokens")
     _check_sampling(data)
     _check_marker(engine, text)
     kwargs = data.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True
-    prompt_tokens = max(1, count_words(text))
+    # A continued answer's prefix is prefilled, not decoded: one token a word, as everywhere.
+    held = count_words(prefix.replace("<think>", " ").replace("</think>", " "))
+    prompt_tokens = max(1, count_words(text)) + held
     _check_context(engine, prompt_tokens, max_tokens)
     done = complete(
         natural_length(text, engine.settings.seed, engine.settings.length_dist),
-        max_tokens,
+        held + max_tokens,
         thinking,
     )
     done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
+    if held:  # the prompt's natural answer, less the part the prefix holds
+        done = dataclasses.replace(done, natural=done.natural - held, tokens=done.tokens - held,
+                                   reasoning_tokens=max(0, done.reasoning_tokens - held),
+                                   after="answer" if held > done.reasoning_tokens else "thinking")
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None

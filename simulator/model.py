@@ -42,6 +42,9 @@ class Completion:
     thinking: bool
     # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
     forced_finish: str = ""
+    # A continuation (continue_final_message): where its prefix stopped, "thinking" or
+    # "answer"; the counts above are of this part, whose text goes on from the prefix's word.
+    after: str = ""
 
     @property
     def finish_reason(self) -> str | None:
@@ -85,6 +88,10 @@ def texts(done: Completion, parser: bool, tokens: int | None = None) -> tuple[st
     think = min(k, done.reasoning_tokens)
     reasoning = (THINK_WORD * think).rstrip()
     answer = (ANSWER_WORD * (k - think)).rstrip()
+    if reasoning and done.after == "thinking":  # the words go on from the prefix's last one
+        reasoning = " " + reasoning
+    if answer and done.after == "answer":
+        answer = " " + answer
     if not done.thinking:
         return None, answer
     if parser:

@@ -47,8 +47,11 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
     queue_jobs(r, run, list(range(200, 230)))
     r.hset(
         k.counters,
-        mapping={"finish:stop": 80, "finish:length": 20, "ctok_sum": 160_000, "ptok_sum": 9_000},
+        mapping={"finish:stop": 80, "finish:length": 20, "ctok_sum": 160_000, "ptok_sum": 9_000,
+                 "continued|3": 7, "saved|3": 2_800},  # requeue --continue under v3
     )
+    r.rpush(k.params_history, orjson.dumps({"version": 3, "changes": {"max_tokens": [2048, 4096]},
+                                            "redo": "truncated", "inflight": "abort", "at": 1}))
     r.hset(k.length_hist, mapping={"1000": 60, "2000": 20, "4096": 20})
     r.set(k.params_version, 3)
     r.hset(k.params, "3", orjson.dumps({"max_tokens": 4096}))
@@ -257,6 +260,8 @@ def test_status_cli(redis_url, r, run_name, capsys):
     assert status_main(["--redis-url", redis_url, "--run", run_name]) == 0
     out = capsys.readouterr().out
     assert "100 / 1,000 done" in out and "genq requeue --set max_tokens=8192" in out
+    assert s["continued"] == {"3": {"continued": 7, "decode_tokens_saved": 2800}}
+    assert "7 continued, 2,800 decode tokens saved" in out
     assert status_main(["--redis-url", redis_url, "--run", "nosuchrun"]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown run 'nosuchrun'" in err
@@ -300,6 +305,7 @@ def test_page_shows_the_status(monitor):
             page.screenshot(path=str(artifacts / "monitor.png"), full_page=True)
             alert = page.text_content("#alert-command-0")
             reasons = page.text_content("#failure-reasons")
+            history = page.text_content("#params-history")
             injected = page.evaluate("window.pwned") or page.query_selector("#failure-reasons img")
             row = page.text_content(
                 f"tr[data-server='{SERVER.replace(chr(92), chr(92) * 2)}']".replace('"', '\\"')
@@ -319,6 +325,7 @@ def test_page_shows_the_status(monitor):
     # The failure reason is shown with its count, as text: its markup is never parsed.
     assert s["failure_reasons"] == [{"reason": REASON, "count": 1, "example_index": 999}]
     assert REASON in reasons and reasons.startswith("1") and not injected
+    assert "7 continued, 2,800 decode tokens saved" in history
 
 
 def test_the_log_says_what_the_page_says(monitor, run_name):

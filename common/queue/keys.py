@@ -112,7 +112,8 @@ class RunKeys:
     acc_tokens = _Own("BITFIELD u32 per index: completion_tokens of the accepted result.")
     acc_ptoks = _Own("BITFIELD u32 per index: prompt_tokens of the accepted result.")
     acc_finish = _Own("BITFIELD u8 per index: FINISH_CODES code of the accepted result.")
-    counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum.")
+    counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum; per "
+                    "params version continued|<v>, saved|<v> (answers continued, tokens kept).")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
     errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
     fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "
@@ -130,6 +131,8 @@ class RunKeys:
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")
     probe = _Own("Hash: index -> JSON {digest, completion}: a kept `requeue --probe` answer; "
                  "expires an hour after the probe (probe_store.KEEP_S).")
+    partials = _Own("Hash: index -> zstd JSON partial answer `requeue --continue` continues (at "
+                    "most one per truncated index; its accepted ack deletes it).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "

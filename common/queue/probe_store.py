@@ -16,7 +16,7 @@ from common.queue.keys import RunKeys
 KEEP_S = 3600  # a probe's answers wait this long for the pivot to be committed
 # The Completion fields a stored answer carries (common.sglang.stream.Completion).
 FIELDS = ("finish_reason", "content", "reasoning_content", "prompt_tokens",
-          "completion_tokens", "max_tokens")
+          "completion_tokens", "max_tokens", "continued_from")
 
 
 def digest(body: dict[str, Any]) -> str:

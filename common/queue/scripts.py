@@ -109,6 +109,7 @@ class Result:
     attempt: int
     created_at: float | None = None  # by Redis's clock (None: as if now), judged against the
     # abort switches' times
+    continued: int = 0  # tokens of the partial answer it continued (not decoded again)
 
 
 def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
@@ -117,12 +118,12 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors, k.meta, k.params_history]
+            k.errors, k.meta, k.params_history, k.partials]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
         rows.append([r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
-                     FINISH_NAMES[code], code, r.version, r.attempt, r.created_at])
+                     FINISH_NAMES[code], code, r.version, r.attempt, r.created_at, r.continued])
     # One JSON argument: redis-py packs one bytes object instead of nine values per result.
     args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
                        RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows), life]

@@ -222,6 +222,11 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         "kept": counters.get("kept", 0),
         "output_tokens_total": counters.get("ctok_sum", 0),
         "prompt_tokens_total": counters.get("ptok_sum", 0),
+        # Per parameter version: answers `requeue --continue` continued, and their partials'
+        # tokens, which regenerating them would have decoded again.
+        "continued": {v.partition("|")[2]: {"continued": c, "decode_tokens_saved": counters.get(
+            "saved|" + v.partition("|")[2], 0)} for v, c in counters.items()
+            if v.startswith("continued|")},
         "params": params, "params_history": [_json(h) for h in raw["history"]],
         "length_histogram": stats.histogram_bins(hist),
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),

@@ -58,6 +58,9 @@ def history_lines(status: dict) -> list[str]:
             else f"{key}={value}" for key, value in changes.items())
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(h.get("at", 0)))
         extra = f" (redo {h['redo']}, {h['inflight']} in-flight)" if h.get("version", 1) > 1 else ""
+        if c := (status.get("continued") or {}).get(str(h.get("version"))):
+            extra += (f"; {c['continued']:,} continued, {c['decode_tokens_saved']:,} decode "
+                      "tokens saved")
         out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
     return out
 

@@ -5,7 +5,7 @@ server sent, so tests can feed them the real server's answers."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -30,6 +30,8 @@ class Completion:
     completion_tokens: int
     # Set only when genq had to lower max_tokens so prompt + completion fit the context.
     max_tokens: int | None = None
+    # Set on an answer continued from a partial one: {version, attempt, tokens} of the partial.
+    continued_from: dict[str, int] | None = None
 
 
 class ContextExceeded(TryAgain):
@@ -113,6 +115,45 @@ def finished(url: str, finish: str | None, content: str, reasoning: str | None,
         finish_reason=finish, content=content, reasoning_content=reasoning,
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         completion_tokens=int(usage.get("completion_tokens") or 0))
+
+
+def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
+    """The request that continues a partial answer (a record's fields), max_tokens less what it
+    holds. SGLang 0.5.x drops a final assistant message sent with continue_final_message,
+    renders the chat template without it and appends the message's tokens after the generation
+    prompt (the template never sees it), and its reasoning parser reads that message: after a
+    `<think>` the new text is thinking, after a `</think>` answer. The qwen3 parser takes only
+    the tags out of the text, so the tags put back make the text the model wrote."""
+    reasoning, content = partial.get("reasoning_content"), partial.get("content") or ""
+    prefix = content
+    if reasoning is not None and thinking_on(body):
+        # A partial without content stopped inside its thinking: the tag stays open.
+        prefix = f"<think>{reasoning}" + (f"</think>{content}" if content else "")
+    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": prefix}],
+            "continue_final_message": True,
+            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
+
+
+def continuable(record: dict[str, Any]) -> bool:
+    """Whether a truncated record can be continued: it holds tokens, and no think tag in its
+    texts, which the prefix continue_body builds would split differently than the server did."""
+    texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
+    return (record.get("finish_reason") == "length"
+            and int(record.get("completion_tokens") or 0) > 0
+            and "<think>" not in texts and "</think>" not in texts)
+
+
+def joined(partial: dict[str, Any], new: Completion) -> Completion:
+    """The whole answer: the partial's texts with the continuation's after them (the parser
+    split the new text already), completion_tokens the sum, finish_reason the continuation's."""
+    reasoning, more = partial.get("reasoning_content"), new.reasoning_content
+    return replace(new, reasoning_content=None if reasoning is None and more is None
+                   else (reasoning or "") + (more or ""),
+                   content=(partial.get("content") or "") + new.content,
+                   completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
+                   continued_from={"version": partial["params_version"],
+                                   "attempt": partial["attempt"],
+                                   "tokens": int(partial["completion_tokens"])})
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:

@@ -21,7 +21,7 @@ import orjson
 import redis
 
 from common.data.records import shard_files
-from common.data.shards import NEWEST, NONE, Picks, pick_lines
+from common.data.shards import ACCEPTED, NEWEST, NONE, Picks, pick_lines
 from common.errors import GenqError
 from common.queue import bitmap
 from common.queue import run as runs
@@ -196,6 +196,25 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
             for index in group:
                 line = _read_at(src, lengths[index], offsets[index], path)
                 _pwrite_all(dst, mark_kept(line) if index in marked else line, starts[index])
+
+
+def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
+             wanted: Callable[[int], bool]) -> list[dict]:
+    """The accepted record of each done index that is ``wanted``, read from the shards the way
+    export reads them; an index whose accepted line is not there is left out."""
+    accepted, is_done, _ = _accepted_state(r, k)
+    paths = shard_paths(dirs, k.run)
+    picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i))
+    by_file: dict[int, list[int]] = {}
+    for i in range(total):
+        if picks.state[i] == ACCEPTED:
+            by_file.setdefault(picks.file[i], []).append(i)
+    found = []
+    for file_no, chosen in by_file.items():
+        with _open_shard(paths[file_no]) as fd:
+            found += [orjson.loads(_read_at(fd, picks.length[i], picks.offset[i], paths[file_no]))
+                      for i in chosen]
+    return found
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,

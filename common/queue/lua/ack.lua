@@ -8,12 +8,13 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta, 22 params_history
+--       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
 --       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
---       params version, attempt, created_at (Redis's clock)] (one argument: the client encodes
+--       params version, attempt, created_at (Redis's clock), tokens of the partial answer it
+--       continued] (one argument: the client encodes
 --       it with one call),
 --       12 the run's life the caller knows, "epoch|generation" ('': not checked)
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
@@ -24,7 +25,8 @@
 local items, jids, out = {}, {}, {}
 for n, r in ipairs(cjson.decode(ARGV[11])) do
   items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
-    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9], at = r[10]}
+    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9], at = r[10],
+    cont = tonumber(r[11]) or 0}
   jids[n], out[n] = r[1], 0
 end
 local function push(list, ...)
@@ -126,6 +128,10 @@ if #accept > 0 then
       -- the page says whether a raised max_tokens is enough.
       add(bucket, 'vreq|' .. it.ver, 1)
       if it.fname == 'length' then add(bucket, 'vlen|' .. it.ver, 1) end
+      if it.cont > 0 then  -- `requeue --continue`: answers continued, tokens not decoded again
+        add(counters, 'continued|' .. it.ver, 1)
+        add(counters, 'saved|' .. it.ver, it.cont)
+      end
     end
   end
   if #pending > 0 then
@@ -168,6 +174,7 @@ if #accept == 0 then return out end
 local indices, finished, old = {}, {}, {}
 for _, it in ipairs(accept) do indices[#indices + 1] = it.idx end
 redis.call('HDEL', KEYS[20], unpack(indices))
+redis.call('HDEL', KEYS[23], unpack(indices))  -- a partial is continued once at most
 -- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
 -- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
 for _, it in ipairs(accept) do
