@@ -22,7 +22,7 @@ from common.data.rows import Dataset, Prompt
 from common.data.shards import ShardWriter
 from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
 from common.params import DEFAULTS, request_body
-from common.queue import feed, probe_store
+from common.queue import feed
 from common.queue.keys import RunKeys
 from common.queue.run import OK, REPLACED, judge
 from common.queue.scripts import ScriptRunner, iso_now
@@ -119,7 +119,6 @@ class Consumer:
         self.out_dirs = 0  # output directories the run has, as last counted
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
         self.pause = ClaimPause()
-        self.probe_kept = False  # answers of `requeue --probe` to look for, as last checked
         self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the duty that died, if one did
@@ -360,7 +359,7 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return None
-            completion = await self.kept_answer(body, lease.index) or await self.ask(inflight, body)
+            completion = await self.ask(inflight, body)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -393,17 +392,6 @@ class Consumer:
             if inflight.abort or self.stop.is_set():  # aborted or stopping while it waited
                 inflight.abort = inflight.abort or "shutdown"
                 raise asyncio.CancelledError
-
-    async def kept_answer(self, body: dict[str, Any], index: int) -> Completion | None:
-        """The answer `requeue --probe` kept for this very request (used once), looked up only
-        while the heartbeat sees answers kept: no round trip otherwise."""
-        if not self.probe_kept:
-            return None
-        stored = await probe_store.take(self.redis, self.keys, index, body)
-        if stored is None:
-            return None
-        logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])
-        return Completion(**stored)
 
     async def fail(self, lease: Lease, reason: str) -> None:
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
@@ -454,7 +442,6 @@ class Consumer:
         # Records are dated by Redis's clock (an abort switch's time is), whatever this host's.
         self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
-        self.probe_kept = bool(await self.redis.exists(self.keys.probe))
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,
@@ -463,7 +450,7 @@ class Consumer:
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
-                "run_state": self.runstate.state, "probe_kept": self.probe_kept}
+                "run_state": self.runstate.state}
         await presence.announce(self.redis, self.keys, self.settings.name, now, beat,
                                 birth=self.birth, held=list(self.held))
 

@@ -128,8 +128,6 @@ class RunKeys:
     consumers = _Own("Sorted set: consumer name -> last heartbeat (Redis TIME).")
     servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} from its consumer.")
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")
-    probe = _Own("Hash: index -> JSON {digest, completion}: a kept `requeue --probe` answer; "
-                 "expires an hour after the probe (probe_store.KEEP_S).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "
