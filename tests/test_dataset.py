@@ -28,7 +28,6 @@ def write_jsonl(path: Path, rows: list[object], trailing_newline: bool = True) -
 @pytest.fixture
 def idx_dir(tmp_path, monkeypatch) -> Path:
     """Keep indexes away from ~/.cache even if a test's data set directory is not writable."""
-    monkeypatch.delenv("GENQ_INDEX_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
@@ -146,21 +145,6 @@ def test_corrupt_index_is_rebuilt(idx_dir):
     index.write_bytes(index.read_bytes()[:-5])
     with open_dataset(path) as ds:
         assert [ds.prompt(i).messages[0]["content"] for i in range(5)] == list("01234")
-
-
-def test_explicit_index_dir(idx_dir, monkeypatch):
-    data_dir, elsewhere = idx_dir / "data", idx_dir / "idx"
-    data_dir.mkdir()
-    path = write_jsonl(data_dir / "d.jsonl", [{"prompt": "x"}] * 3)
-    with open_dataset(path, index_dir=elsewhere) as ds:
-        assert ds.total == 3
-    assert len(list(elsewhere.glob("*.genq-idx"))) == 1
-    assert not list(data_dir.glob("*.genq-idx"))
-
-    monkeypatch.setenv("GENQ_INDEX_DIR", str(idx_dir / "env"))
-    open_dataset(path).close()
-    assert len(list((idx_dir / "env").glob("*.genq-idx"))) == 1
-    assert not list(data_dir.glob("*.genq-idx"))
 
 
 def test_falls_back_to_the_cache_when_beside_is_impossible(idx_dir):
