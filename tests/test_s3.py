@@ -234,7 +234,7 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
     uri = store.parse_uri(URI)
     w = ShardWriter(tmp_path, run_name, "gpu0", rotate_every=2)
     for i in range(4):
-        w.write({"index": i, "attempt": 1})
+        w.write_many([{"index": i, "attempt": 1}])
     w.close()
     first, second = w.closed_shards
     k = RunKeys(run_name)

@@ -88,10 +88,6 @@ class ShardWriter:
         finally:
             os.close(fd)
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record and fdatasync it; on failure the shard is as it was before."""
-        self.write_many([record])
-
     def write_many(self, records: list[dict[str, Any]]) -> None:
         """Append several records with one fdatasync per shard they span; all durable, or an
         error raised (lines written before a rotation then run again, as after a crash)."""
