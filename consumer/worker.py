@@ -24,7 +24,7 @@ from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, 
 from common.params import DEFAULTS, request_body
 from common.queue import feed
 from common.queue.keys import RunKeys
-from common.queue.run import OK, REPLACED, judge
+from common.queue.run import OK, REPLACED, finished, judge
 from common.queue.scripts import ScriptRunner, iso_now
 from common.report import runhealth
 from common.sglang.client import SGLang
@@ -311,13 +311,7 @@ class Consumer:
             self.finished_said = True
 
     async def settled(self) -> bool:
-        k, pipe = self.keys, self.redis.pipeline(transaction=False)
-        pipe.bitcount(k.done)
-        pipe.bitcount(k.failed)
-        pipe.zcard(k.leases)
-        pipe.llen(k.rq_queue)
-        done, failed, leased, queued = await pipe.execute()
-        return done + failed >= self.total and not leased and not queued
+        return await asyncio.to_thread(finished, self.sync, self.keys, self.total)
 
     def committed(self, batch: list[Inflight], accepted: int) -> None:
         if accepted:  # counted per batch: a log call per task was 1 % of a busy consumer
