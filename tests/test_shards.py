@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import orjson
@@ -35,7 +36,7 @@ def lines(path: Path) -> list[dict]:
 
 def test_writer_names_locks_and_appends(tmp_path):
     out = tmp_path / "out"  # created on demand
-    with ShardWriter(out, "run1", "gpu0:30000") as w:
+    with closing(ShardWriter(out, "run1", "gpu0:30000")) as w:
         path = w.path
         assert path is not None and path.parent == out
         assert path.name.startswith("run1.gpu0_30000.") and path.name.endswith(".jsonl")
@@ -50,7 +51,7 @@ def test_writer_names_locks_and_appends(tmp_path):
 
 
 def test_writes_from_many_threads_never_interleave(tmp_path):
-    with ShardWriter(tmp_path, "r", "c") as w:
+    with closing(ShardWriter(tmp_path, "r", "c")) as w:
 
         def worker(k: int) -> None:
             for i in range(50):

@@ -144,12 +144,6 @@ class ShardWriter:
             self._close_current()
             self._closed = True
 
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
     """Every non-empty shard of ``run`` in ``out_dir`` that no live writer holds."""
