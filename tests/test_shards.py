@@ -73,31 +73,34 @@ def test_rotation_closes_every_n_records(tmp_path):
     w = ShardWriter(tmp_path, "r", "c", rotate_every=3, on_close=shipped.append)
     for i in range(7):
         w.write_many([rec(i)])
-    assert len(w.closed_shards) == 2 and shipped == w.closed_shards
+    assert len(shipped) == 2
     w.close()
-    assert len(w.closed_shards) == 3
-    assert [len(lines(p)) for p in w.closed_shards] == [3, 3, 1]
-    assert sorted(tmp_path.glob("r.*.jsonl")) == w.closed_shards  # names sort by start time
+    assert len(shipped) == 3
+    assert [len(lines(p)) for p in shipped] == [3, 3, 1]
+    assert sorted(tmp_path.glob("r.*.jsonl")) == shipped  # names sort by start time
     assert [r["index"] for r in read_records(tmp_path, "r")] == list(range(7))
 
 
 def test_an_unused_or_just_rotated_writer_leaves_no_empty_shard(tmp_path):
     ShardWriter(tmp_path, "r", "idle").close()
-    w = ShardWriter(tmp_path, "r", "c", rotate_every=2)
+    shipped: list[Path] = []
+    w = ShardWriter(tmp_path, "r", "c", rotate_every=2, on_close=shipped.append)
     w.write_many([rec(0)])
     w.write_many([rec(1)])
     w.close()
     shards = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
-    assert shards == [w.closed_shards[0].name]  # the dot files are the shard counters
+    assert shards == [shipped[0].name]  # the dot files are the shard counters
 
 
 def test_shards_are_numbered_for_good_and_rotate_by_age(tmp_path):
-    w = ShardWriter(tmp_path, "r", "gpu0", rotate_every=1)
+    shipped: list[Path] = []
+    w = ShardWriter(tmp_path, "r", "gpu0", rotate_every=1, on_close=shipped.append)
     w.write_many([rec(0)])
     w.close()
-    for path in w.closed_shards:
+    for path in shipped:
         path.unlink()  # shipped and removed: the next writer still takes a new number
-    w = ShardWriter(tmp_path, "r", "gpu0")
+    shipped.clear()
+    w = ShardWriter(tmp_path, "r", "gpu0", on_close=shipped.append)
     w.write_many([rec(1)])
     w.rotate_if_older(3600)
     assert closed_shards(tmp_path, "r") == []  # young, and held by the writer
@@ -105,7 +108,7 @@ def test_shards_are_numbered_for_good_and_rotate_by_age(tmp_path):
     assert [shard_parts(p) for p in closed_shards(tmp_path, "r")] == [("r", "gpu0", "000002")]
     w.rotate_if_older(0)  # nothing written since: no empty shard
     w.close()
-    assert len(w.closed_shards) == 1
+    assert len(shipped) == 1
 
 
 def test_unwritable_output_is_output_unavailable(tmp_path):
@@ -238,13 +241,14 @@ def test_repair_edge_cases(tmp_path):
 
 
 def test_repair_skips_a_shard_a_live_writer_holds(tmp_path):
-    w = ShardWriter(tmp_path, "r", "live")
+    shipped: list[Path] = []
+    w = ShardWriter(tmp_path, "r", "live", on_close=shipped.append)
     w.write_many([rec(0)])
     with open(w.path, "ab") as f:  # what a torn write in progress looks like from outside
         f.write(b'{"index": 1')
     assert repair_shards(tmp_path, "r") == []
     w.close()
-    assert repair_shards(tmp_path, "r") == [(w.closed_shards[0], 11)]
+    assert repair_shards(tmp_path, "r") == [(shipped[0], 11)]
 
 
 def test_read_records_skips_and_counts_torn_lines(tmp_path):
