@@ -22,9 +22,9 @@ from common.data.rows import Dataset, Prompt
 from common.data.shards import ShardWriter
 from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
 from common.params import DEFAULTS, request_body
-from common.queue import feed, partials, probe_store
+from common.queue import feed, partials
 from common.queue.keys import RunKeys
-from common.queue.run import OK, REPLACED, judge
+from common.queue.run import OK, REPLACED, finished, judge
 from common.queue.scripts import ScriptRunner, iso_now
 from common.report import runhealth
 from common.sglang.client import SGLang, continue_answer
@@ -119,8 +119,7 @@ class Consumer:
         self.out_dirs = 0  # output directories the run has, as last counted
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
         self.pause = ClaimPause()
-        self.probe_kept = False  # answers of `requeue --probe` to look for, as last checked
-        self.partials_kept = False  # partials of `requeue --continue` to look for, likewise
+        self.partials_kept = False  # partials of `requeue --continue` to look for, as last seen
         self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the duty that died, if one did
@@ -313,13 +312,7 @@ class Consumer:
             self.finished_said = True
 
     async def settled(self) -> bool:
-        k, pipe = self.keys, self.redis.pipeline(transaction=False)
-        pipe.bitcount(k.done)
-        pipe.bitcount(k.failed)
-        pipe.zcard(k.leases)
-        pipe.llen(k.rq_queue)
-        done, failed, leased, queued = await pipe.execute()
-        return done + failed >= self.total and not leased and not queued
+        return await asyncio.to_thread(finished, self.sync, self.keys, self.total)
 
     def committed(self, batch: list[Inflight], accepted: int) -> None:
         if accepted:  # counted per batch: a log call per task was 1 % of a busy consumer
@@ -361,9 +354,7 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return None
-            completion = (await self.kept_answer(body, lease.index)
-                          or await self.continued(inflight, body)
-                          or await self.ask(inflight, body))
+            completion = await self.continued(inflight, body) or await self.ask(inflight, body)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -396,17 +387,6 @@ class Consumer:
             if inflight.abort or self.stop.is_set():  # aborted or stopping while it waited
                 inflight.abort = inflight.abort or "shutdown"
                 raise asyncio.CancelledError
-
-    async def kept_answer(self, body: dict[str, Any], index: int) -> Completion | None:
-        """The answer `requeue --probe` kept for this very request (used once), looked up only
-        while the heartbeat sees answers kept: no round trip otherwise."""
-        if not self.probe_kept:
-            return None
-        stored = await probe_store.take(self.redis, self.keys, index, body)
-        if stored is None:
-            return None
-        logger.info("probe_answer_reused", completion_tokens=stored["completion_tokens"])
-        return Completion(**stored)
 
     async def continued(self, inflight: Inflight, body: dict[str, Any]) -> Completion | None:
         """`requeue --continue`: the answer continued from the partial kept for this index,
@@ -471,7 +451,6 @@ class Consumer:
         # Records are dated by Redis's clock (an abort switch's time is), whatever this host's.
         self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
-        self.probe_kept = bool(await self.redis.exists(self.keys.probe))
         self.partials_kept = bool(await self.redis.exists(self.keys.partials))
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
@@ -481,7 +460,7 @@ class Consumer:
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
-                "run_state": self.runstate.state, "probe_kept": self.probe_kept}
+                "run_state": self.runstate.state}
         await presence.announce(self.redis, self.keys, self.settings.name, now, beat,
                                 birth=self.birth, held=list(self.held))
 

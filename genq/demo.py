@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from common.errors import mask_secrets
+from common.cli import connect, guarded
 from common.files import write_atomic
 from common.net import free_port, wait_port
 from common.queue.keys import RunKeys
@@ -52,12 +52,7 @@ def redis_url(procs: list[subprocess.Popen], workdir: Path) -> tuple[str, bool]:
     in the demo's temp dir, so the demo never writes to a Redis it was not pointed at."""
     url = os.environ.get("REDIS_URL")
     if url:
-        try:
-            redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-        except (redis.RedisError, ValueError) as e:
-            raise SystemExit(f"genq demo: error: cannot reach Redis at "
-                             f"REDIS_URL={mask_secrets(url)}: {mask_secrets(str(e))}") \
-                from None
+        connect(url).close()  # one clear line (a bad or unreachable URL) before anything starts
         return url, False
     if not shutil.which("redis-server"):
         raise SystemExit("genq demo: error: no redis-server binary to start a private Redis; "
@@ -90,6 +85,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
+@guarded
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.write_dataset:

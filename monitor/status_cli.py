@@ -9,19 +9,11 @@ import time
 import orjson
 import redis
 
-from common.cli import add_common, guarded
-from common.errors import GenqError
+from common.cli import add_common, connect, guarded
 from common.report.status import read_status
 from common.report.status_table import render_table
 
 WATCH_INTERVAL_S = 2.0
-
-
-def _read(client: redis.Redis, url: str, run: str) -> dict:
-    try:
-        return read_status(client, run)
-    except (redis.ConnectionError, redis.TimeoutError) as e:
-        raise GenqError(f"cannot reach Redis at {url}: {e}") from None
 
 
 def _view(status: dict):
@@ -35,14 +27,14 @@ def _view(status: dict):
     return Group(bar, render_table(status))
 
 
-def _watch(client: redis.Redis, url: str, run: str) -> int:
+def _watch(client: redis.Redis, run: str) -> int:
     from rich.live import Live
 
-    with Live(_view(_read(client, url, run)), auto_refresh=False) as live:
+    with Live(_view(read_status(client, run)), auto_refresh=False) as live:
         try:
             while True:
                 time.sleep(WATCH_INTERVAL_S)
-                live.update(_view(_read(client, url, run)), refresh=True)
+                live.update(_view(read_status(client, run)), refresh=True)
         except KeyboardInterrupt:
             return 0
 
@@ -55,14 +47,11 @@ def status_main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch", action="store_true",
                    help=f"refresh every {WATCH_INTERVAL_S:g} s until Ctrl-C")
     args = p.parse_args(argv)
-    try:
-        client = redis.Redis.from_url(args.redis_url, socket_connect_timeout=5, socket_timeout=10)
-    except ValueError as e:
-        raise GenqError(f"bad Redis URL {args.redis_url}: {e}") from None
+    client = connect(args.redis_url, socket_timeout=10)
     try:
         if args.watch:
-            return _watch(client, args.redis_url, args.run)
-        status = _read(client, args.redis_url, args.run)
+            return _watch(client, args.run)
+        status = read_status(client, args.run)
         if args.json:
             sys.stdout.buffer.write(orjson.dumps(status) + b"\n")
             sys.stdout.flush()

@@ -27,6 +27,7 @@ from common.errors import REDIS_TROUBLE, RunStateLost
 from common.queue import feed, heartbeats
 from common.queue import run as runs
 from common.queue.keys import RunKeys
+from common.queue.replies import text
 from common.queue.scripts import ScriptRunner, reap_call
 from common.report import runhealth
 
@@ -197,7 +198,8 @@ def top_up_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.
 def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:
     """Queue nothing while Redis does not hold the run this producer registered: after a loss
     every index looks unfinished, and a re-created run is not this producer's to feed."""
-    current = runs.epoch_of(r, k)
+    raw = r.hget(k.meta, "epoch")
+    current = None if raw is None else text(raw)
     state = runs.judge(current, info.epoch)
     if state != was:
         runhealth.report_change(logger, state, run=k.run, mine=info.epoch, current=current,

@@ -1,16 +1,14 @@
 """`genq requeue --probe N --set KEY=VALUE`: try a pivot on a sample before committing it.
 
 The probe calls the run's servers (those its live consumers use) directly, a few requests at
-a time, rather than through the queue, so it touches no result, counter or shard. Its answers
-are kept in Redis (common/queue/probe_store.py): committing the pivot with the same parameters
-lets the consumers use them unchanged.
+a time, rather than through the queue, so it touches no result, counter or shard, and keeps
+none of its answers: the committed redo generates every prompt again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections import Counter
 from statistics import fmean
 from typing import Any, cast
@@ -20,7 +18,7 @@ import redis
 from common import params
 from common.data.dataset import open_dataset
 from common.errors import UsageError
-from common.queue import bitmap, heartbeats, probe_store
+from common.queue import bitmap, heartbeats
 from common.queue.keys import RunKeys
 from common.queue.replies import blob
 from common.queue.run import RunInfo
@@ -50,23 +48,12 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
     return [int(v) for v in cast(list[int], field.execute())]
 
 
-def wait_seen(r: redis.Redis, k: RunKeys, timeout: float = 10.0) -> list[str]:
-    """Wait until every live consumer's heartbeat says it looks for kept answers (they check
-    once a second, never on a task's path); returns those that did not in time."""
-    deadline = time.monotonic() + timeout
-    while True:
-        blind = sorted(n for n, b in heartbeats.read(r, k).items() if not b.get("probe_kept"))
-        if not blind or time.monotonic() > deadline:
-            return blind
-        time.sleep(0.2)
-
-
 async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str, Any],
                   concurrency: int, partials: dict[int, dict] | None = None,
-                  ) -> tuple[dict[int, tuple[dict, Any]], list[str]]:
+                  ) -> tuple[dict[int, Any], list[str]]:
     """Run each (index, prompt) on the servers in turn, `concurrency` at a time per server;
     one with a partial in `partials` (--continue) is continued from it."""
-    answers: dict[int, tuple[dict, Any]] = {}
+    answers: dict[int, Any] = {}
     errors: list[str] = []
 
     async def one(server: SGLang, model: str, gate: asyncio.Semaphore, index: int,
@@ -77,7 +64,7 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
                 partial = (partials or {}).get(index)
                 whole = partial and await continue_answer(
                     lambda b: server.chat(b, index), body, partial)
-                answers[index] = (body, whole or await server.chat(body, index))
+                answers[index] = whole or await server.chat(body, index)
             except Exception as e:  # one failed probe request is reported, not fatal
                 errors.append(f"index {index}: {e}")
 
@@ -109,17 +96,15 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
     jobs = [(i, data.prompt(i)) for i in sample]
     new = {**params.current(r, k)[1], **changes}
     answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency, partials))
-    probe_store.replace_all(r, k, answers)
-    blind = wait_seen(r, k) if answers else []
     probed = sorted(answers)
     status = read_status(r, k.run)
     report = summarize(
-        [(answers[i][1].completion_tokens, answers[i][1].finish_reason) for i in probed],
+        [(answers[i].completion_tokens, answers[i].finish_reason) for i in probed],
         old_tokens(r, k, probed), population=len(pool), remaining=status["remaining"],
         remaining_mean=status["output_tokens"]["mean"] or 0.0,
         tok_per_s=status["rate"]["tok_per_s"], servers=len(servers))
     return {**report, "changes": changes, "population_mode": mode, "errors": errors,
-            "servers": servers, "kept_for_commit": len(answers), "consumers_not_seen": blind}
+            "servers": servers}
 
 
 def summarize(new: list[tuple[int, str | None]], old_tokens: list[int], *, population: int,
@@ -137,8 +122,7 @@ def summarize(new: list[tuple[int, str | None]], old_tokens: list[int], *, popul
     pct = percentiles(Counter(lengths))  # nearest rank, as genq status reports them
     mean_new = fmean(lengths) if lengths else 0.0
     mean_old = fmean(old_tokens) if old_tokens else 0.0
-    # The probed prompts are already answered and are reused: the redo runs the rest.
-    redo_tokens = max(0, population - n) * mean_new
+    redo_tokens = population * mean_new
     left = remaining * remaining_mean + redo_tokens
     per_gpu = tok_per_s / servers if servers else 0.0
     return {
@@ -172,10 +156,6 @@ def describe(rep: dict[str, Any]) -> str:
         f"  whole redo: {rep['redo_tokens']:,} tokens to generate, "
         f"{rep['extra_tokens']:+,} tokens in the data set, GPU time {dur(rep['gpu_s'])}",
         f"  ETA with the redo, at {rep['tok_per_s']:,.0f} tok/s: {dur(rep['eta_s'])}",
-        f"  {rep['kept_for_commit']} answers kept: committing the same --set reuses them",
     ]
     lines += [f"  error: {e}" for e in rep["errors"][:5]]
-    if rep["consumers_not_seen"]:
-        lines.append(f"  note: {', '.join(rep['consumers_not_seen'])} did not confirm seeing "
-                     "the kept answers; commit in a few seconds")
     return "\n".join(lines)

@@ -14,7 +14,6 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import suppress
-from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -27,12 +26,6 @@ from common.queue.keys import RunKeys
 from common.queue.replies import text
 from common.report.runhealth import recover_command
 from common.store.export import shard_paths
-
-
-@dataclass(frozen=True)
-class Outcome:
-    recovered: bool
-    message: str
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -86,13 +79,14 @@ def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
 
 def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
             streams: Iterable[Iterable[bytes]], out_dirs: list[str], *,
-            replace: bool = False) -> Outcome:
-    """Rebuild the run from a manifest and shard line streams (local or shipped)."""
+            replace: bool = False) -> tuple[bool, str]:
+    """Rebuild the run from a manifest and shard line streams (local or shipped); returns
+    whether this call rebuilt it, and what happened in one line."""
     if manifest["run"] != k.run:
         raise UsageError(f"the manifest is of run {manifest['run']!r}, not {k.run!r}")
     state = present(r, k, manifest["epoch"])
     if state == "present":
-        return Outcome(False, f"run {k.run!r} is in Redis already: nothing to recover")
+        return False, f"run {k.run!r} is in Redis already: nothing to recover"
     if state is not None and not replace:
         raise GenqError(state)
     rec = recovery.rebuild(manifest, streams)
@@ -100,20 +94,19 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
         try:
             pipe.watch(k.meta)  # two recovers at once: the second sees the first's meta
             if present(pipe, k, manifest["epoch"]) == "present":
-                return Outcome(False, f"run {k.run!r} was recovered meanwhile: nothing to do")
+                return False, f"run {k.run!r} was recovered meanwhile: nothing to do"
             pipe.multi()
             if replace:
                 pipe.delete(k.meta)
             recovery.restore(pipe, k, manifest, rec, out_dirs)
             pipe.execute()
         except redis.WatchError:
-            return Outcome(False,
-                           f"run {k.run!r} changed while recovering; run genq recover again")
+            return False, f"run {k.run!r} changed while recovering; run genq recover again"
     message = (f"recovered run {k.run!r}: {len(rec.standing)} of {manifest['total']} done, "
                f"{len(rec.kept)} results kept aside by a redo, parameters "
                f"v{manifest['params_version']}, from {rec.lines} shard lines"
                + (f" ({rec.skipped} unreadable skipped)" if rec.skipped else ""))
-    return Outcome(True, message)
+    return True, message
 
 
 @guarded
@@ -142,10 +135,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"{every} (or --partial to go on without them)")
     r = connect(a.redis_url)
     started = time.monotonic()
-    outcome = recover(r, k, manifest, (s for group in streams for s in group),
-                      sorted({*dirs, *listed}), replace=a.replace)
-    print(f"{outcome.message} in {time.monotonic() - started:.1f} s")
-    if outcome.recovered:
+    recovered, message = recover(r, k, manifest, (s for group in streams for s in group),
+                                 sorted({*dirs, *listed}), replace=a.replace)
+    print(f"{message} in {time.monotonic() - started:.1f} s")
+    if recovered:
         print("waiting consumers resume by themselves; start a producer (`genq produce "
               f"{manifest['dataset']}`) if none is running", file=sys.stderr)
     return 0

@@ -56,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--probe", type=_positive, metavar="N",
                    help="change nothing: run N of the prompts the redo would run (default: "
                         "the truncated) under --set, report truncation, lengths, cost and "
-                        "ETA, and keep the answers for the commit (docs/REFERENCE.md)")
+                        "ETA (docs/REFERENCE.md)")
     p.add_argument("--probe-concurrency", type=_positive, default=4, metavar="C",
                    help="probe requests at once per server (default 4)")
     p.add_argument("--json", action="store_true", help="with --probe: one JSON object")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import orjson
@@ -28,7 +29,6 @@ def write_jsonl(path: Path, rows: list[object], trailing_newline: bool = True) -
 @pytest.fixture
 def idx_dir(tmp_path, monkeypatch) -> Path:
     """Keep indexes away from ~/.cache even if a test's data set directory is not writable."""
-    monkeypatch.delenv("GENQ_INDEX_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
@@ -42,7 +42,7 @@ def test_jsonl_messages_prompt_and_ids(idx_dir):
             {"prompt": "no id"},
         ],
     )
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 3
         assert ds.prompt(0) == Prompt(0, MSG, "a1")
         assert ds.prompt(1) == Prompt(1, [{"role": "user", "content": "tell me a joke"}], 7)
@@ -66,7 +66,7 @@ def test_jsonl_messages_prompt_and_ids(idx_dir):
 )
 def test_bad_rows_are_bad_tasks_naming_the_row(idx_dir, raw, reason):
     path = write_jsonl(idx_dir / "d.jsonl", [{"prompt": "ok"}, raw, {"prompt": "after"}])
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 3
         with pytest.raises(BadTask) as info:
             ds.prompt(1)
@@ -76,7 +76,7 @@ def test_bad_rows_are_bad_tasks_naming_the_row(idx_dir, raw, reason):
 
 
 def test_out_of_range_is_a_bad_task(idx_dir):
-    with open_dataset(write_jsonl(idx_dir / "d.jsonl", [{"prompt": "x"}])) as ds:
+    with closing(open_dataset(write_jsonl(idx_dir / "d.jsonl", [{"prompt": "x"}]))) as ds:
         for index in (1, -1, 10**12):
             with pytest.raises(BadTask, match="out of range"):
                 ds.prompt(index)
@@ -89,21 +89,21 @@ def test_bad_task_survives_pickling():
 
 def test_trailing_lines(idx_dir):
     path = write_jsonl(idx_dir / "a.jsonl", [{"prompt": "1"}, {"prompt": "2"}], False)
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 2  # a final line without newline is a row
         assert ds.prompt(1).messages[0]["content"] == "2"
     path = write_jsonl(idx_dir / "b.jsonl", [{"prompt": "1"}, {"prompt": "2"}], True)
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 2  # the empty "line" after the final newline is not
     (idx_dir / "c.jsonl").write_bytes(b"")
-    with open_dataset(idx_dir / "c.jsonl") as ds:
+    with closing(open_dataset(idx_dir / "c.jsonl")) as ds:
         assert ds.total == 0
 
 
 def test_rows_spanning_read_chunks(idx_dir, monkeypatch):
     monkeypatch.setattr("common.data.dataset._CHUNK", 7)  # every line crosses a chunk boundary
     rows = [{"prompt": "p" * (i % 13), "id": i} for i in range(200)]
-    with open_dataset(write_jsonl(idx_dir / "d.jsonl", rows)) as ds:
+    with closing(open_dataset(write_jsonl(idx_dir / "d.jsonl", rows))) as ds:
         assert ds.total == 200
         assert [ds.prompt(i).id for i in range(200)] == list(range(200))
 
@@ -122,17 +122,17 @@ def test_missing_or_unreadable_data_set(tmp_path):
 def test_index_is_reused_then_rebuilt_when_the_file_changes(idx_dir):
     path = write_jsonl(idx_dir / "d.jsonl", [{"prompt": str(i)} for i in range(50)])
     index = idx_dir / "d.jsonl.genq-idx"
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         first = ds.fingerprint
     stamp = index.stat().st_mtime_ns
     os.utime(index, ns=(stamp - 10**9, stamp - 10**9))  # so a rewrite would show
     stamp = index.stat().st_mtime_ns
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.fingerprint == first and ds.total == 50
     assert index.stat().st_mtime_ns == stamp
 
     write_jsonl(path, [{"prompt": "new " + str(i)} for i in range(60)])
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 60
         assert ds.fingerprint != first
         assert ds.prompt(59).messages[0]["content"] == "new 59"
@@ -144,33 +144,18 @@ def test_corrupt_index_is_rebuilt(idx_dir):
     open_dataset(path).close()
     index = idx_dir / "d.jsonl.genq-idx"
     index.write_bytes(index.read_bytes()[:-5])
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert [ds.prompt(i).messages[0]["content"] for i in range(5)] == list("01234")
-
-
-def test_explicit_index_dir(idx_dir, monkeypatch):
-    data_dir, elsewhere = idx_dir / "data", idx_dir / "idx"
-    data_dir.mkdir()
-    path = write_jsonl(data_dir / "d.jsonl", [{"prompt": "x"}] * 3)
-    with open_dataset(path, index_dir=elsewhere) as ds:
-        assert ds.total == 3
-    assert len(list(elsewhere.glob("*.genq-idx"))) == 1
-    assert not list(data_dir.glob("*.genq-idx"))
-
-    monkeypatch.setenv("GENQ_INDEX_DIR", str(idx_dir / "env"))
-    open_dataset(path).close()
-    assert len(list((idx_dir / "env").glob("*.genq-idx"))) == 1
-    assert not list(data_dir.glob("*.genq-idx"))
 
 
 def test_falls_back_to_the_cache_when_beside_is_impossible(idx_dir):
     path = write_jsonl(idx_dir / "d.jsonl", [{"prompt": "x"}] * 4)
     (idx_dir / "d.jsonl.genq-idx").mkdir()  # as good as an unwritable directory, even for root
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 4
     [cached] = (idx_dir / "cache" / "genq").glob("*.genq-idx")
     stamp = cached.stat().st_mtime_ns
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.prompt(3).messages == [{"role": "user", "content": "x"}]
     assert cached.stat().st_mtime_ns == stamp
     assert not list((idx_dir / "cache" / "genq").glob("*.tmp"))
@@ -181,7 +166,7 @@ def test_consumers_building_the_index_at_once(idx_dir):
     totals: list[int] = []
 
     def opener() -> None:
-        with open_dataset(path) as ds:
+        with closing(open_dataset(path)) as ds:
             totals.append(ds.total)
 
     threads = [threading.Thread(target=opener) for _ in range(6)]
@@ -200,7 +185,7 @@ def test_fingerprint_same_for_same_content(idx_dir):
     rows = [{"prompt": str(i)} for i in range(10)]
     a = write_jsonl(idx_dir / "a.jsonl", rows)
     b = write_jsonl(idx_dir / "b.jsonl", rows)
-    with open_dataset(a) as da, open_dataset(b) as db:
+    with closing(open_dataset(a)) as da, closing(open_dataset(b)) as db:
         assert da.fingerprint == db.fingerprint
         da.verify(db.fingerprint)
         with pytest.raises(DatasetError, match="changed since the run was registered"):
@@ -210,7 +195,7 @@ def test_fingerprint_same_for_same_content(idx_dir):
 def test_concurrent_reads_from_threads(idx_dir):
     rows = [{"prompt": "p" * (i % 50), "id": i} for i in range(2000)]
     errors: list[object] = []
-    with open_dataset(write_jsonl(idx_dir / "d.jsonl", rows)) as ds:
+    with closing(open_dataset(write_jsonl(idx_dir / "d.jsonl", rows))) as ds:
 
         def reader(offset: int) -> None:
             for i in range(offset, 2000, 7):
@@ -239,7 +224,7 @@ def test_parquet_rows_across_row_groups(tmp_path):
             "messages": [[{"role": "user", "content": f"q{i}"}] for i in range(n)],
         }
     )
-    with open_dataset(write_parquet(tmp_path / "d.parquet", table, 4)) as ds:
+    with closing(open_dataset(write_parquet(tmp_path / "d.parquet", table, 4))) as ds:
         assert ds.total == n
         order = [24, 0, 5, 6, 23, 11, 12, 3]  # backwards, forwards, across group edges
         for i in order:
@@ -260,14 +245,14 @@ def test_parquet_prompt_column_nulls_and_missing_fields(tmp_path):
             "id": pa.array([1, 2, None], type=pa.int64()),
         }
     )
-    with open_dataset(write_parquet(tmp_path / "p.parquet", table, 2)) as ds:
+    with closing(open_dataset(write_parquet(tmp_path / "p.parquet", table, 2))) as ds:
         assert ds.prompt(0) == Prompt(0, [{"role": "user", "content": "hello"}], 1)
         with pytest.raises(BadTask, match="row 1: has neither 'messages' nor 'prompt'"):
             ds.prompt(1)
         assert ds.prompt(2).id is None
 
     other = pa.table({"text": ["a", "b"]})
-    with open_dataset(write_parquet(tmp_path / "t.parquet", other, 1)) as ds:
+    with closing(open_dataset(write_parquet(tmp_path / "t.parquet", other, 1))) as ds:
         assert ds.total == 2
         with pytest.raises(BadTask, match="row 0: has neither"):
             ds.prompt(0)
@@ -276,9 +261,9 @@ def test_parquet_prompt_column_nulls_and_missing_fields(tmp_path):
 def test_parquet_detected_by_magic_and_fingerprint_changes(tmp_path):
     table = pa.table({"prompt": ["a", "b", "c"]})
     path = write_parquet(tmp_path / "data.bin", table, 2)
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.total == 3 and ds.prompt(2).messages[0]["content"] == "c"
         before = ds.fingerprint
     write_parquet(path, pa.table({"prompt": ["a", "b", "c", "d"]}), 2)
-    with open_dataset(path) as ds:
+    with closing(open_dataset(path)) as ds:
         assert ds.fingerprint != before

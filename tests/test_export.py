@@ -35,7 +35,7 @@ def test_claim_counter_counts_past_255(r, run_name):
         assert runner(scripts.release_call(k, jid, idx, ex, refund=True)) == 1
     final = claim(runner, k)[0]
     assert final[3] == 301 and ack(runner, k, final) == 1
-    accepted, _ = export.accepted_lookup(r, k)
+    accepted, _, _ = export.accepted_state(r, k)
     assert accepted(0) == (1, 301)
 
 

@@ -28,7 +28,7 @@ from common.store import export
 
 def reference(r, k, total, dirs, out, ambiguous, *, include_failed=False) -> export.ExportResult:
     """genq export as it was before issue 21 (every shard it touched kept open)."""
-    accepted, is_done = export.accepted_lookup(r, k)
+    accepted, is_done, _ = export.accepted_state(r, k)
     paths = export.shard_paths(dirs, k.run)
     torn = [0]
 

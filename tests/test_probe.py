@@ -1,7 +1,7 @@
 """`genq requeue --probe`: the statistics as pure functions, and end to end on the simulator:
 a probe of the truncated prompts at a larger max_tokens touches no result, predicts the
-truncation rate the full redo then measures (within its interval), and its answers are used
-by the commit instead of being generated again."""
+truncation rate the full redo then measures (within its interval), and keeps none of its
+answers: the commit generates every redone prompt."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from test_monitor import Monitor
 
-from common.queue import probe_store
 from common.queue.keys import RunKeys
 from common.report.stats import wilson
 from common.report.status import read_status
@@ -50,9 +49,9 @@ def test_summary_projects_the_whole_redo():
     assert rep["length_mean"] == 5638.4 and rep["length_p50"] == 5000
     assert rep["length_p90"] == 8192
     assert rep["extra_tokens"] == 1_542_400  # 1,000 x (5,638.4 - 4,096)
-    assert rep["redo_tokens"] == 5_582_016  # 990 x 5,638.4: the 10 probed are reused
-    assert rep["gpu_s"] == 5582.0  # at 1,000 tok/s per GPU (7,000 over 7)
-    assert rep["eta_s"] == 831.7  # (100 x 2,400 + 5,582,016) / 7,000
+    assert rep["redo_tokens"] == 5_638_400  # 1,000 x 5,638.4: the probed run again too
+    assert rep["gpu_s"] == 5638.4  # at 1,000 tok/s per GPU (7,000 over 7)
+    assert rep["eta_s"] == 839.8  # (100 x 2,400 + 5,638,400) / 7,000
 
 
 def sim_stats(url: str) -> dict:
@@ -64,8 +63,8 @@ def settled(r, k: RunKeys, total: int) -> bool:
             and not r.llen(k.rq_queue))
 
 
-def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_url, run_name,
-                                                            r, tmp_path):
+def test_probe_predicts_the_redo_and_touches_nothing(sim_factory, redis_url, run_name, r,
+                                                     tmp_path):
     sim = sim_factory(time_scale=1000)  # default lengths: ~18 % cut at max_tokens 4096
     total = 300
     genq("produce", str(write_dataset(tmp_path / "d.jsonl", total)), "--once",
@@ -82,10 +81,7 @@ def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_u
                      redis_url=redis_url, run=run_name)
         rep = json.loads(probe.stdout)
         assert rep["probe_n"] == 30 and rep["population"] == cut
-        assert rep["kept_for_commit"] == 30 and not rep["errors"]
-        # Kept for the commit, not for good: the answers expire with the probe.
-        assert 0 < r.ttl(k.probe) <= probe_store.KEEP_S
-        assert rep["consumers_not_seen"] == []  # the consumer looks for them before the commit
+        assert not rep["errors"]
         low, high = rep["truncation_ci"]
         assert low <= rep["truncation_rate"] <= high and rep["length_p90"] <= 8192
         assert rep["length_p50"] > 4096 and rep["extra_tokens"] > 0 and rep["eta_s"] is not None
@@ -99,11 +95,8 @@ def test_probe_predicts_the_redo_and_its_answers_are_reused(sim_factory, redis_u
         wait_for(lambda: settled(r, k, total), timeout=120, what="the redo")
         measured = int(r.bitcount(k.truncated)) / cut
         assert low <= measured <= high, (measured, rep)
-        # Only the prompts the probe did not answer were generated again.
-        assert sim_stats(sim.url)["completed"] == generated + cut
-        assert r.hlen(k.probe) == 0
-        reused = [e for e in consumer.events() if e.get("event") == "probe_answer_reused"]
-        assert len(reused) == 30
+        # Every redone prompt was generated again, the probed ones too.
+        assert sim_stats(sim.url)["completed"] == generated + 30 + cut
         redone = [x for f in (tmp_path / "out").glob("*.jsonl") for x in read_jsonl(f)
                   if x["params_version"] == 2]
         assert len(redone) == cut and all(x["completion_tokens"] <= 8192 for x in redone)
@@ -169,9 +162,8 @@ def test_the_report_reads_for_a_person():
                     population=1000, remaining=100, remaining_mean=2400.0, tok_per_s=7000.0,
                     servers=7)
     text = describe({**rep, "changes": {"max_tokens": 8192}, "population_mode": "none",
-                     "errors": [], "kept_for_commit": 10, "consumers_not_seen": ["c1"]})
+                     "errors": []})
     assert "truncated at the new limit: 2/10 = 20.0% (95% CI 5.7% - 51.0%)" in text
     assert "new length: mean 5,638, p50 5,000, p90 8,192" in text
-    assert "5,582,016 tokens to generate, +1,542,400 tokens in the data set" in text
-    assert "GPU time 1.6 h (5,582 s)" in text and "ETA with the redo, at 7,000 tok/s" in text
-    assert "c1 did not confirm seeing the kept answers" in text
+    assert "5,638,400 tokens to generate, +1,542,400 tokens in the data set" in text
+    assert "GPU time 1.6 h (5,638 s)" in text and "ETA with the redo, at 7,000 tok/s" in text

@@ -232,11 +232,12 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
 
     client, _ = s3
     uri = store.parse_uri(URI)
-    w = ShardWriter(tmp_path, run_name, "gpu0", rotate_every=2)
+    closed: list = []
+    w = ShardWriter(tmp_path, run_name, "gpu0", rotate_every=2, on_close=closed.append)
     for i in range(4):
-        w.write({"index": i, "attempt": 1})
+        w.write_many([{"index": i, "attempt": 1}])
     w.close()
-    first, second = w.closed_shards
+    first, second = closed
     k = RunKeys(run_name)
     client.put_object(Bucket=BUCKET, Key=store.shard_key(uri, first),
                       Body=store.compress(b'{"index": 99, "note": "an earlier gpu0"}\n'))

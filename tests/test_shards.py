@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from contextlib import closing
 from pathlib import Path
 
 import orjson
@@ -35,26 +36,26 @@ def lines(path: Path) -> list[dict]:
 
 def test_writer_names_locks_and_appends(tmp_path):
     out = tmp_path / "out"  # created on demand
-    with ShardWriter(out, "run1", "gpu0:30000") as w:
+    with closing(ShardWriter(out, "run1", "gpu0:30000")) as w:
         path = w.path
         assert path is not None and path.parent == out
         assert path.name.startswith("run1.gpu0_30000.") and path.name.endswith(".jsonl")
         assert f"-{os.getpid()}." in path.name
-        w.write(rec(0, content="héllo"))
-        w.write(rec(1))
+        w.write_many([rec(0, content="héllo")])
+        w.write_many([rec(1)])
         assert lines(path) == [rec(0, content="héllo"), rec(1)]
         assert repair_shards(out, "run1") == []  # held by the writer: left alone
     assert lines(path) == [rec(0, content="héllo"), rec(1)]
     with pytest.raises(ValueError, match="closed"):
-        w.write(rec(2))
+        w.write_many([rec(2)])
 
 
 def test_writes_from_many_threads_never_interleave(tmp_path):
-    with ShardWriter(tmp_path, "r", "c") as w:
+    with closing(ShardWriter(tmp_path, "r", "c")) as w:
 
         def worker(k: int) -> None:
             for i in range(50):
-                w.write(rec(k * 1000 + i, content="x" * 5000))
+                w.write_many([rec(k * 1000 + i, content="x" * 5000)])
 
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
         for t in threads:
@@ -71,40 +72,43 @@ def test_rotation_closes_every_n_records(tmp_path):
     shipped: list[Path] = []
     w = ShardWriter(tmp_path, "r", "c", rotate_every=3, on_close=shipped.append)
     for i in range(7):
-        w.write(rec(i))
-    assert len(w.closed_shards) == 2 and shipped == w.closed_shards
+        w.write_many([rec(i)])
+    assert len(shipped) == 2
     w.close()
-    assert len(w.closed_shards) == 3
-    assert [len(lines(p)) for p in w.closed_shards] == [3, 3, 1]
-    assert sorted(tmp_path.glob("r.*.jsonl")) == w.closed_shards  # names sort by start time
+    assert len(shipped) == 3
+    assert [len(lines(p)) for p in shipped] == [3, 3, 1]
+    assert sorted(tmp_path.glob("r.*.jsonl")) == shipped  # names sort by start time
     assert [r["index"] for r in read_records(tmp_path, "r")] == list(range(7))
 
 
 def test_an_unused_or_just_rotated_writer_leaves_no_empty_shard(tmp_path):
     ShardWriter(tmp_path, "r", "idle").close()
-    w = ShardWriter(tmp_path, "r", "c", rotate_every=2)
-    w.write(rec(0))
-    w.write(rec(1))
+    shipped: list[Path] = []
+    w = ShardWriter(tmp_path, "r", "c", rotate_every=2, on_close=shipped.append)
+    w.write_many([rec(0)])
+    w.write_many([rec(1)])
     w.close()
     shards = [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")]
-    assert shards == [w.closed_shards[0].name]  # the dot files are the shard counters
+    assert shards == [shipped[0].name]  # the dot files are the shard counters
 
 
 def test_shards_are_numbered_for_good_and_rotate_by_age(tmp_path):
-    w = ShardWriter(tmp_path, "r", "gpu0", rotate_every=1)
-    w.write(rec(0))
+    shipped: list[Path] = []
+    w = ShardWriter(tmp_path, "r", "gpu0", rotate_every=1, on_close=shipped.append)
+    w.write_many([rec(0)])
     w.close()
-    for path in w.closed_shards:
+    for path in shipped:
         path.unlink()  # shipped and removed: the next writer still takes a new number
-    w = ShardWriter(tmp_path, "r", "gpu0")
-    w.write(rec(1))
+    shipped.clear()
+    w = ShardWriter(tmp_path, "r", "gpu0", on_close=shipped.append)
+    w.write_many([rec(1)])
     w.rotate_if_older(3600)
     assert closed_shards(tmp_path, "r") == []  # young, and held by the writer
     w.rotate_if_older(0)
     assert [shard_parts(p) for p in closed_shards(tmp_path, "r")] == [("r", "gpu0", "000002")]
     w.rotate_if_older(0)  # nothing written since: no empty shard
     w.close()
-    assert len(w.closed_shards) == 1
+    assert len(shipped) == 1
 
 
 def test_unwritable_output_is_output_unavailable(tmp_path):
@@ -125,12 +129,12 @@ FULL_DISK = textwrap.dedent("""
     written = 0
     try:
         for i in range(100):
-            w.write({"index": i, "params_version": 1, "attempt": 1, "content": "y" * 300})
+            w.write_many([{"index": i, "params_version": 1, "attempt": 1, "content": "y" * 300}])
             written += 1
     except OutputUnavailable as e:
         print(written, e, sep="|")
     # After the failure the shard still takes a small record that fits.
-    w.write({"index": -1})
+    w.write_many([{"index": -1}])
     w.close()
 """)
 
@@ -160,13 +164,13 @@ FULL_DISK_THREADS = textwrap.dedent("""
     from common.errors import OutputUnavailable
     from common.data.shards import ShardWriter
     w = ShardWriter(sys.argv[1], "r", "c")
-    per_call = int(sys.argv[2])  # 1: write(record); more: write_many(records), as consumers do
+    per_call = int(sys.argv[2])  # records per write_many call (consumers write batches)
     written, failed = [], []
     def worker(k):
         for i in range(0, 100, per_call):
             batch = [{"index": k * 1000 + j, "content": "y" * 300} for j in range(i, i + per_call)]
             try:
-                w.write(batch[0]) if per_call == 1 else w.write_many(batch)
+                w.write_many(batch)
             except OutputUnavailable:
                 failed.append(k)
                 return
@@ -237,13 +241,14 @@ def test_repair_edge_cases(tmp_path):
 
 
 def test_repair_skips_a_shard_a_live_writer_holds(tmp_path):
-    w = ShardWriter(tmp_path, "r", "live")
-    w.write(rec(0))
+    shipped: list[Path] = []
+    w = ShardWriter(tmp_path, "r", "live", on_close=shipped.append)
+    w.write_many([rec(0)])
     with open(w.path, "ab") as f:  # what a torn write in progress looks like from outside
         f.write(b'{"index": 1')
     assert repair_shards(tmp_path, "r") == []
     w.close()
-    assert repair_shards(tmp_path, "r") == [(w.closed_shards[0], 11)]
+    assert repair_shards(tmp_path, "r") == [(shipped[0], 11)]
 
 
 def test_read_records_skips_and_counts_torn_lines(tmp_path):

@@ -3,8 +3,7 @@
 Fingerprint: ``"{rows}r-{size}b-{sha}"``, sha hashing the file's first and last MiB: cheap for
 a 10 GB file, and it changes when rows are added, removed or edited near either end (a same-size
 edit in the middle goes unnoticed). JSONL row offsets are indexed once per file version into
-``PATH.genq-idx`` (or, when its directory is not writable, ``~/.cache/genq/<hash>.genq-idx``;
-``index_dir=`` or ``GENQ_INDEX_DIR`` choose the directory explicitly).
+``PATH.genq-idx`` (or, when its directory is not writable, ``~/.cache/genq/<hash>.genq-idx``).
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ _MAGIC = b"GENQIDX1"
 
 
 class JsonlDataset(Dataset):
-    def __init__(self, path: Path, fd: int, index_dir: Path | None) -> None:
+    def __init__(self, path: Path, fd: int) -> None:
         self.path, self._fd = path, fd
         st = os.fstat(fd)
         key = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha": edge_digest(fd, st.st_size)}
-        candidates = _index_paths(path, index_dir)
+        candidates = _index_paths(path)
         offsets = _load_index(candidates, key)
         if offsets is None:
             offsets = _build_offsets(fd, st.st_size)
@@ -83,13 +82,9 @@ def _build_offsets(fd: int, size: int) -> array:
     return offsets
 
 
-def _index_paths(path: Path, index_dir: Path | None) -> list[Path]:
+def _index_paths(path: Path) -> list[Path]:
     """Where the index may live, in order of preference."""
-    if index_dir is None and os.environ.get("GENQ_INDEX_DIR"):
-        index_dir = Path(os.environ["GENQ_INDEX_DIR"])
     name = hashlib.sha256(str(path).encode()).hexdigest()[:24] + ".genq-idx"
-    if index_dir is not None:
-        return [index_dir / name]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "genq"
     return [path.with_name(path.name + ".genq-idx"), cache / name]
 
@@ -133,8 +128,7 @@ def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) ->
                 tmp.unlink()
 
 
-def open_dataset(path: str | os.PathLike[str],
-                 index_dir: str | os.PathLike[str] | None = None) -> Dataset:
+def open_dataset(path: str | os.PathLike[str]) -> Dataset:
     """Open a data set; Parquet by suffix or magic bytes, JSON lines otherwise."""
     p = Path(path).expanduser().absolute()
     if p.is_dir():
@@ -150,7 +144,7 @@ def open_dataset(path: str | os.PathLike[str],
             from common.data.parquet import ParquetDataset  # pyarrow only when needed
 
             return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
-        return JsonlDataset(p, fd, Path(index_dir) if index_dir is not None else None)
+        return JsonlDataset(p, fd)
     except OSError as e:
         os.close(fd)
         raise DatasetError(f"data set {p}: {e.strerror}") from None

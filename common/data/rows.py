@@ -80,9 +80,3 @@ class Dataset:
 
     def close(self) -> None:
         raise NotImplementedError
-
-    def __enter__(self) -> Dataset:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

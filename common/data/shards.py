@@ -36,15 +36,14 @@ def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
 class ShardWriter:
     """Appends records to the current shard, durably, one whole line or nothing; thread-safe.
     With ``rotate_every=N`` a shard is closed after N records (``rotate_if_older`` closes one
-    by age, so a slow trickle still ships); each closed, non-empty shard is appended to
-    ``closed_shards`` and passed to ``on_close``, the hook for shipping it."""
+    by age, so a slow trickle still ships); each closed, non-empty shard is passed to
+    ``on_close``, the hook for shipping it."""
 
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
                  rotate_every: int | None = None,
                  on_close: Callable[[Path], None] | None = None) -> None:
         self.out_dir, self.run, self.name = Path(out_dir), run, _UNSAFE.sub("_", name) or "consumer"
         self.rotate_every, self.on_close = rotate_every, on_close
-        self.closed_shards: list[Path] = []
         self._lock = threading.Lock()
         self.path: Path | None = None  # the shard being written now (None after a rotation)
         self._fd, self._size, self._count, self._opened, self._closed = -1, 0, 0, 0.0, False
@@ -87,10 +86,6 @@ class ShardWriter:
             return seq
         finally:
             os.close(fd)
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record and fdatasync it; on failure the shard is as it was before."""
-        self.write_many([record])
 
     def write_many(self, records: list[dict[str, Any]]) -> None:
         """Append several records with one fdatasync per shard they span; all durable, or an
@@ -138,21 +133,13 @@ class ShardWriter:
         if count == 0:
             path.unlink(missing_ok=True)  # nothing to ship; unlink while still holding the lock
         os.close(fd)  # releases the flock: the shard is now complete for repair and shipping
-        if count:
-            self.closed_shards.append(path)
-            if self.on_close is not None:
-                self.on_close(path)
+        if count and self.on_close is not None:
+            self.on_close(path)
 
     def close(self) -> None:
         with self._lock:
             self._close_current()
             self._closed = True
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:

@@ -129,8 +129,6 @@ class RunKeys:
     consumers = _Own("Sorted set: consumer name -> last heartbeat (Redis TIME).")
     servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} from its consumer.")
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")
-    probe = _Own("Hash: index -> JSON {digest, completion}: a kept `requeue --probe` answer; "
-                 "expires an hour after the probe (probe_store.KEEP_S).")
     partials = _Own("Hash: index -> zstd JSON partial answer `requeue --continue` continues (at "
                     "most one per truncated index; its accepted ack deletes it).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")

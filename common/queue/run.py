@@ -101,15 +101,9 @@ def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
 OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 
-def epoch_of(r: redis.Redis, k: RunKeys) -> str | None:
-    """The epoch of the run Redis holds under this name now; None once it forgot the run."""
-    current = r.hget(k.meta, "epoch")
-    return None if current is None else text(current)
-
-
 def judge(current: str | None, epoch: str) -> str:
     """OK while Redis holds the run a service started on (`epoch`), LOST once it forgot it,
-    REPLACED once another run of the name was registered; `current` comes from epoch_of."""
+    REPLACED once another run of the name was registered; `current`: the epoch Redis holds now."""
     return LOST if current is None else OK if current == epoch else REPLACED
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import datetime as dt
 import itertools
 from collections import Counter
 from functools import partial
@@ -44,16 +42,11 @@ def _json(value: Any) -> Any:
 
 
 def _timestamp(value: Any) -> float | None:
-    """created_at as Unix seconds, whether it was written as a number or as ISO 8601."""
-    if value is None:
+    """A time genq wrote (created_at, started_at: Unix seconds); None where there is none."""
+    try:
+        return float(text(value))
+    except (TypeError, ValueError):
         return None
-    raw = str(text(value))
-    with contextlib.suppress(ValueError):
-        return float(raw)
-    with contextlib.suppress(ValueError):
-        parsed = dt.datetime.fromisoformat(raw.replace("Z", "+00:00"))
-        return (parsed if parsed.tzinfo else parsed.replace(tzinfo=dt.UTC)).timestamp()
-    return None
 
 
 def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:

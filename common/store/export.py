@@ -41,15 +41,9 @@ class ExportResult:
     failed_written: int
 
 
-def accepted_lookup(r: redis.Redis, k: RunKeys):
-    """(accepted, is_done): index -> (params_version, attempt) of its accepted result, or None
-    if not done; index -> whether it is done."""
-    accepted, is_done, _ = _accepted_state(r, k)
-    return accepted, is_done
-
-
-def _accepted_state(r: redis.Redis, k: RunKeys):
-    """accepted_lookup's pair, and the done bitmap they were read with."""
+def accepted_state(r: redis.Redis, k: RunKeys):
+    """(accepted, is_done, done): index -> (params_version, attempt) of its accepted result, or
+    None if not done; index -> whether it is done; the done bitmap they were read with."""
     done_raw, versions, attempts = r.mget(k.done, k.acc_version, k.acc_attempt)  # one snapshot
     done = blob(done_raw)
     # Padded once (2 bytes a u16 BITFIELD field) so each lookup is two byte reads: a done index
@@ -202,7 +196,7 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
              wanted: Callable[[int], bool]) -> list[dict]:
     """The accepted record of each done index that is ``wanted``, read from the shards the way
     export reads them; an index whose accepted line is not there is left out."""
-    accepted, is_done, _ = _accepted_state(r, k)
+    accepted, is_done, _ = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
     picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i))
     by_file: dict[int, list[int]] = {}
@@ -219,7 +213,7 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
            *, include_failed: bool = False, allow_ambiguous: bool = False) -> ExportResult:
-    accepted, is_done, done_raw = _accepted_state(r, k)
+    accepted, is_done, done_raw = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
     picks = pick_lines(paths, total, accepted, is_done)  # done indices only
     picks.drop_keys()

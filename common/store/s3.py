@@ -20,19 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zstandard
+
 from common.data.shards import shard_parts
 from common.errors import GenqError, StoreUnavailable, UsageError
 
-try:  # zstd when the package is there (it is a dependency); gzip keeps working without it
-    import zstandard
-    HAVE_ZSTD = True
-except ImportError:  # pragma: no cover - exercised only where zstandard is missing
-    HAVE_ZSTD = False
-
 # Reading a shard back: a damaged or foreign object.
-_READ_ERRORS: tuple[type[Exception], ...] = (
-    OSError, EOFError, gzip.BadGzipFile, *((zstandard.ZstdError,) if HAVE_ZSTD else ()))
-SUFFIX = ".jsonl.zst" if HAVE_ZSTD else ".jsonl.gz"
+_READ_ERRORS = (OSError, EOFError, gzip.BadGzipFile, zstandard.ZstdError)
+SUFFIX = ".jsonl.zst"
 MANIFEST = "manifest.json"  # <prefix>/<run>/<consumer>/manifest.json, one per consumer
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SHARD_KEY = re.compile(r"/([^/]+)/shard-([^/]+)\.jsonl\.(zst|gz)$")
@@ -84,9 +79,7 @@ def shard_key(uri: S3Uri, path: Path) -> str:
 
 
 def compress(data: bytes) -> bytes:
-    if HAVE_ZSTD:
-        return zstandard.ZstdCompressor(level=3).compress(data)
-    return gzip.compress(data, compresslevel=6, mtime=0)  # mtime 0: same bytes, same object
+    return zstandard.ZstdCompressor(level=3).compress(data)
 
 
 @contextlib.contextmanager
@@ -141,11 +134,10 @@ def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
 
 
 def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
-    """A binary stream of the object's content, decompressed by its suffix."""
+    """A binary stream of the object's content, decompressed by its suffix (genq writes zstd;
+    a gzip object, put there by other tools, reads too)."""
     body = s3.get_object(Bucket=uri.bucket, Key=key)["Body"]
     if key.endswith(".zst"):
-        if not HAVE_ZSTD:
-            raise UsageError(f"{key} is zstd-compressed: pip install zstandard")
         # Buffered, so that callers can iterate lines (the bare reader cannot readline).
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(body, closefd=True),
                                  1 << 20)
