@@ -1,8 +1,7 @@
 """The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
 lost (data set, fingerprint, epoch and generation, every parameter version, the requeue history,
-every consumer's output directory). Plain JSON
-beside the shards as ``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or
-its parameters change.
+every consumer's output directory). Plain JSON beside the shards as
+``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or its parameters change.
 """
 
 from __future__ import annotations
