@@ -62,7 +62,7 @@ def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> Any:
     return mask_tree(event)
 
 
-def setup(level: str = "INFO") -> None:
+def setup() -> None:
     processors: list = [structlog.contextvars.merge_contextvars,
                         structlog.processors.add_log_level,
                         structlog.processors.TimeStamper(fmt="iso", utc=True)]
@@ -75,7 +75,7 @@ def setup(level: str = "INFO") -> None:
         logger = SafeLogger(sys.stderr.buffer)
     structlog.configure(
         processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
         logger_factory=lambda *_args: logger,
         cache_logger_on_first_use=True,
     )

@@ -12,6 +12,7 @@ from typing import TypeVar
 
 import structlog
 
+from common.cli import RETRY_FIRST_S, RETRY_MAX_S
 from common.errors import REDIS_TROUBLE, ServerStalled, ServerUnavailable, mask_secrets
 from common.log import REDIS_OUTAGE
 
@@ -90,7 +91,7 @@ class ShuttingDown(Exception):
 async def redis_retry(op: Callable[[], Awaitable[T]],
                       give_up: Callable[[], bool] = lambda: False) -> T:
     """Retry a Redis operation through outages; ShuttingDown once `give_up()` says to stop."""
-    delay = 0.2
+    delay = RETRY_FIRST_S
     while True:
         try:
             result = await op()
@@ -101,7 +102,7 @@ async def redis_retry(op: Callable[[], Awaitable[T]],
                 raise ShuttingDown(str(e)) from None
             REDIS_OUTAGE.seen(e)
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+            delay = min(delay * 2, RETRY_MAX_S)
 
 
 @dataclass(frozen=True)

@@ -188,11 +188,9 @@ def top_up_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.
                   runner: ScriptRunner) -> None:
     runner(reap_call(k))
     want = window_size(r, k, s.window) - int(r.llen(k.rq_queue))
-    try:
+    with contextlib.suppress(RunStateLost):  # gone since this round's check; the next says so
         if want > 0 and feed.top_up(r, k, info.total, want, runner, epoch=info.epoch):
             logger.debug("topped_up", queued=r.llen(k.rq_queue))
-    except RunStateLost:
-        pass  # gone since this round's check; the next round says so
 
 
 def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:

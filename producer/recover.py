@@ -31,7 +31,7 @@ from common.store.export import shard_paths
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="genq recover", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shards", action="append", default=[], metavar="DIR", nargs="+",
+    p.add_argument("--shards", action="extend", default=[], metavar="DIR", nargs="+",
                    help="output directories of the run's consumers (their --out); repeatable")
     p.add_argument("--from-s3", metavar="URI",
                    help="read the manifest and shards from S3 instead of (or as well as) DIRs")
@@ -43,7 +43,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "delete that one's state and recover this one in its place")
     add_common(p)
     a = p.parse_args(argv)
-    a.shards = [d for group in a.shards for d in group]
     if not a.shards and not a.from_s3:
         p.error("give the run's output directories with --shards DIR (or --from-s3 URI)")
     return a

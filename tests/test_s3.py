@@ -278,7 +278,7 @@ def test_a_slow_trickle_still_ships_by_shard_age(tmp_path, redis_url, r, run_nam
         shipper = Shipper(uri, RunKeys(run_name), "slow", tmp_path, aio, keep_local=False)
         w = ShardWriter(tmp_path, run_name, "slow", rotate_every=500, on_close=shipper.closed)
         task = asyncio.create_task(shipper.run(w, max_age_s=0.5))
-        await asyncio.to_thread(w.write, {"index": 7})  # one record, far from 500
+        await asyncio.to_thread(w.write_many, [{"index": 7}])  # one record, far from 500
         for _ in range(200):
             if r.hget(RunKeys(run_name).ship, "shards"):
                 break

@@ -1,12 +1,12 @@
 """The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
 lost (data set, fingerprint, epoch and generation, every parameter version, the requeue history,
-every consumer's output directory). Plain JSON
-beside the shards as ``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or
-its parameters change.
+every consumer's output directory). Plain JSON beside the shards as
+``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or its parameters change.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -56,11 +56,9 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
 def write(out_dir: str | os.PathLike[str], manifest: dict[str, Any]) -> bool:
     """Store the manifest atomically and durably; False if the file already says the same."""
     target = path(out_dir, manifest["run"])
-    try:
+    with contextlib.suppress(FileNotFoundError, UsageError):  # absent or unreadable: write anew
         if {**read(target), "written_at": 0} == {**manifest, "written_at": 0}:
             return False  # equal but for when each was written
-    except (FileNotFoundError, UsageError):
-        pass  # absent or unreadable: write a good one over it
     data = orjson.dumps({**manifest, "written_at": round(time.time(), 3)},
                         option=orjson.OPT_INDENT_2)
     write_atomic(target, data, durable=True)

@@ -6,9 +6,9 @@ so that mypy checks what is done with it."""
 from __future__ import annotations
 
 
-def text(value: bytes | str, errors: str = "strict") -> str:
+def text(value: bytes | str) -> str:
     """A string reply (a hash field or value, a set member) as text."""
-    return value.decode(errors=errors) if isinstance(value, bytes) else value
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def blob(value: bytes | str | None) -> bytes:

@@ -19,14 +19,12 @@ from common.queue.replies import blob, text
 
 @dataclass(frozen=True, kw_only=True)
 class RunInfo:
-    run: str
     dataset: str
     fingerprint: str
     total: int
     # A fresh token per registration, so services notice a run re-created under its name.
-    epoch: str = ""
-    created_at: float = 0.0
-    gen: int = 0  # the run's generation: each `genq recover` starts the next one
+    epoch: str
+    gen: int  # the run's generation: each `genq recover` starts the next one
 
 
 def new_epoch() -> str:
@@ -69,9 +67,8 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     if not meta.get("epoch"):  # registered before runs had one: HSETNX, so all agree
         r.hsetnx(k.meta, "epoch", new_epoch())
         meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
-    return RunInfo(run=k.run, dataset=meta["dataset"], fingerprint=meta["fingerprint"],
-                   total=int(meta["total"]), epoch=meta["epoch"],
-                   created_at=float(meta.get("created_at") or 0), gen=int(meta.get("gen") or 0))
+    return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
+                   total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0))
 
 
 class Ends:

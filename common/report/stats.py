@@ -115,15 +115,14 @@ def truncation_rate(length: int, done: int) -> float:
     return round(length / done, 4) if done > 0 else 0.0
 
 
-def recent_truncation(buckets: Buckets, now: float, window_s: float = RECENT_S,
-                      since: float | None = None,
+def recent_truncation(buckets: Buckets, now: float, since: float | None = None,
                       version: int | None = None) -> tuple[float, float]:
-    """(share of recent completions truncated, number of recent completions); with a version,
-    of that parameter version's results only."""
+    """(share of the last RECENT_S seconds' completions truncated, their number); with a
+    version, of that parameter version's results only."""
     length_field, req_field = ("fin|length", "req") if version is None else (
         f"vlen|{version}", f"vreq|{version}")
-    length, _ = window_sum(buckets, length_field, now, window_s, since)
-    req, _ = window_sum(buckets, req_field, now, window_s, since)
+    length, _ = window_sum(buckets, length_field, now, RECENT_S, since)
+    req, _ = window_sum(buckets, req_field, now, RECENT_S, since)
     return (round(length / req, 4) if req > 0 else 0.0), req
 
 
@@ -163,12 +162,12 @@ def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None,
                        "ones", max_tokens, run)
 
 
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
+def wilson(k: int, n: int) -> tuple[float, float]:
     """Wilson score interval for k successes in n trials: honest at small n and near 0 or 1,
     where the normal approximation gives impossible bounds."""
     if n <= 0:
         return 0.0, 1.0
-    p = k / n
+    p, z = k / n, Z95
     denom = 1 + z * z / n
     center = (p + z * z / (2 * n)) / denom
     half = z / denom * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
@@ -201,13 +200,13 @@ def version_alert(vt: dict[str, Any], max_tokens: int | None, run: str,
 
 
 def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],
-                 remaining: int, window_s: float = STALL_S) -> list[dict]:
-    """Alerts for servers with no completions in ``window_s`` while work remains; one seen for
-    less than the window is not judged yet (its first long answers may still be running)."""
+                 remaining: int) -> list[dict]:
+    """Alerts for servers with no completions in STALL_S seconds while work remains; one seen
+    for less than that is not judged yet (its first long answers may still be running)."""
     if remaining <= 0:
         return []
     return [{"kind": "stalled_server", "server": server,
-             "message": f"{server} completed nothing in the last {window_s / 60:g} min while "
+             "message": f"{server} completed nothing in the last {STALL_S / 60:g} min while "
                         f"{remaining} prompts remain; check the server and its consumer"}
             for server in sorted(recent_req)
-            if recent_req[server] <= 0 and known_for_s.get(server, 0.0) >= window_s]
+            if recent_req[server] <= 0 and known_for_s.get(server, 0.0) >= STALL_S]

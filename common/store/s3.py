@@ -134,16 +134,14 @@ def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
 
 
 def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
-    """A binary stream of the object's content, decompressed by its suffix (genq writes zstd;
-    a gzip object, put there by other tools, reads too)."""
+    """A binary stream of a shard object's content, decompressed by its suffix (genq writes
+    zstd; a gzip object, put there by other tools, reads too)."""
     body = s3.get_object(Bucket=uri.bucket, Key=key)["Body"]
     if key.endswith(".zst"):
         # Buffered, so that callers can iterate lines (the bare reader cannot readline).
         return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(body, closefd=True),
                                  1 << 20)
-    if key.endswith(".gz"):
-        return gzip.GzipFile(fileobj=body)
-    return body
+    return gzip.GzipFile(fileobj=body)  # _SHARD_KEY admits no other suffix
 
 
 def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]:
