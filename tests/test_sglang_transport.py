@@ -1,9 +1,11 @@
-"""The SGLang client's transport (httpx on aiohttp) still sorts every way a server can fail
-into ServerUnavailable, the verdict that gives the task back: real sockets, no mocks."""
+"""The SGLang client's transport (aiohttp: the chat request directly, the rest under httpx's API)
+sorts every way a server can fail into ServerUnavailable, the verdict that gives the task back,
+and sends the URL's credentials: real sockets, no mocks."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 
 import pytest
 
@@ -58,3 +60,34 @@ def test_nothing_listening_is_server_unavailable() -> None:
             await client.close()
 
     asyncio.run(go())
+
+
+def test_credentials_in_the_url_go_as_basic_auth() -> None:
+    """A server behind basic auth gets its credentials on the chat request (sent apart from
+    httpx's requests) as on the others, to the URL without them."""
+    async def go() -> list[bytes]:
+        heads: list[bytes] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            writer.write(b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", free_port())
+        port = server.sockets[0].getsockname()[1]
+        client = SGLang(f"http://gpu:s%40cret@127.0.0.1:{port}/pre", request_timeout=10.0)
+        try:
+            with pytest.raises(ServerUnavailable):
+                await client.chat(BODY, 0)
+            assert await client.load() is None
+        finally:
+            await client.close()
+            server.close()
+            await server.wait_closed()
+        return heads
+
+    chat, load = (head.decode().lower() for head in asyncio.run(go()))
+    auth = "authorization: basic " + base64.b64encode(b"gpu:s@cret").decode().lower()
+    assert chat.startswith("post /pre/v1/chat/completions ") and auth in chat
+    assert load.startswith("get /pre/v1/loads ") and auth in load
