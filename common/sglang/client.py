@@ -70,7 +70,8 @@ class SGLang:
             # aiohttp refuses credentials in the URL beside the Authorization header httpx
             # makes of them: send them once, as basic auth, to the URL without them.
             auth = httpx.BasicAuth(base.username, base.password)
-            self.json_headers["authorization"] = auth._auth_header  # the chat request's
+            self.json_headers["authorization"] = aiohttp.BasicAuth(  # the chat request's
+                base.username, base.password).encode()
             base = base.copy_with(userinfo=b"")
         self.transport = AiohttpTransport(limits=limits)
         self.http = httpx.AsyncClient(base_url=base, auth=auth, timeout=timeout, limits=limits,
