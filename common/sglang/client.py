@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from base64 import b64encode
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -70,8 +71,9 @@ class SGLang:
             # aiohttp refuses credentials in the URL beside the Authorization header httpx
             # makes of them: send them once, as basic auth, to the URL without them.
             auth = httpx.BasicAuth(base.username, base.password)
-            self.json_headers["authorization"] = aiohttp.BasicAuth(  # the chat request's
-                base.username, base.password).encode()
+            # the chat request's own, as httpx.BasicAuth builds it
+            userpass = f"{base.username}:{base.password}".encode()
+            self.json_headers["authorization"] = f"Basic {b64encode(userpass).decode()}"
             base = base.copy_with(userinfo=b"")
         self.transport = AiohttpTransport(limits=limits)
         self.http = httpx.AsyncClient(base_url=base, auth=auth, timeout=timeout, limits=limits,
