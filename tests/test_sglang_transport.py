@@ -1,6 +1,6 @@
-"""The SGLang client's transport (aiohttp: the chat request directly, the rest under httpx's API)
-sorts every way a server can fail into ServerUnavailable, the verdict that gives the task back,
-and sends the URL's credentials: real sockets, no mocks."""
+"""The SGLang client's transport (aiohttp) sorts every way a server can fail into
+ServerUnavailable, the verdict that gives the task back, and sends the URL's credentials: real
+sockets, no mocks."""
 
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def test_nothing_listening_is_server_unavailable() -> None:
 
 
 def test_credentials_in_the_url_go_as_basic_auth() -> None:
-    """A server behind basic auth gets its credentials on the chat request (sent apart from
-    httpx's requests) as on the others, to the URL without them."""
+    """A server behind basic auth gets its credentials on the chat request as on the others, to
+    the URL without them."""
     async def go() -> list[bytes]:
         heads: list[bytes] = []
 

@@ -1,6 +1,6 @@
-"""The SGLang HTTP client: where capacity, load and context length live in each SGLang version,
-a chat answer under a stall watchdog (whole, or streamed with --stream), and retrying one that
-overflows the context.
+"""The SGLang HTTP client (aiohttp): where capacity, load and context length live in each SGLang
+version, a chat answer under a stall watchdog (whole, or streamed with --stream), and retrying one
+that overflows the context.
 What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
-import httpx
 import orjson
 import structlog
-from httpx_aiohttp import AiohttpTransport
+from yarl import URL
 
 from common.errors import ServerStalled, ServerUnavailable
 from common.sglang.stream import (
@@ -40,9 +39,12 @@ logger = structlog.get_logger("consumer")
 LOAD_MAX_AGE_S = 1.5
 # Newest first: /get_load is gone in 0.5.x (404); older servers have only it.
 LOAD_PATHS = ("/v1/loads", "/get_load")
-# The aiohttp transport maps aiohttp's connection and timeout errors to httpx's; anything else
-# aiohttp raises (a malformed response head, say) is still the server's trouble, not the task's.
-TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
+# No answer, a broken one or none in time: the server's trouble, never the task's.
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
+# The server's own endpoints (health, load, what it is) answer at once when it is alive.
+GET_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+# Under SGLang's (uvicorn's) 5 s: a connection the server closed idle is never reused.
+KEEPALIVE_S = 4.0
 
 
 @dataclass
@@ -59,56 +61,60 @@ class SGLang:
                  connections: int | None = None, stream: bool = False) -> None:
         self.url, self.stream = url.rstrip("/"), stream
         self.request_timeout, self.stall_timeout = request_timeout, stall_timeout
+        self.connections = connections
+        base = URL(self.url)
+        self.headers = {"content-type": "application/json"}
+        if base.user is not None:
+            # aiohttp refuses credentials in the URL beside an Authorization header: they go
+            # once, as basic auth, to the URL without them.
+            userpass = f"{base.user}:{base.password or ''}".encode()
+            self.headers["authorization"] = f"Basic {b64encode(userpass).decode()}"
+            base = base.with_user(None)
+        self.base = str(base)
+        self.chat_url = self.base + "/v1/chat/completions"
         # Silence is policed by chat()'s watchdog, so the socket timeout only backs it up.
-        timeout = httpx.Timeout(connect=10.0, read=request_timeout, write=60.0, pool=None)
-        # One connection per request in flight: a pool smaller than the server's capacity
-        # would queue requests here, where the stall watchdog would take them for a hang.
-        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=1024)
-        # httpx's API on aiohttp's connection pool, which costs far less CPU per request.
-        base, auth = httpx.URL(self.url), None
-        self.json_headers = {"content-type": "application/json"}
-        if base.userinfo:
-            # aiohttp refuses credentials in the URL beside the Authorization header httpx
-            # makes of them: send them once, as basic auth, to the URL without them.
-            auth = httpx.BasicAuth(base.username, base.password)
-            # the chat request's own, as httpx.BasicAuth builds it
-            userpass = f"{base.username}:{base.password}".encode()
-            self.json_headers["authorization"] = f"Basic {b64encode(userpass).decode()}"
-            base = base.copy_with(userinfo=b"")
-        self.transport = AiohttpTransport(limits=limits)
-        self.http = httpx.AsyncClient(base_url=base, auth=auth, timeout=timeout, limits=limits,
-                                      transport=self.transport)
-        # Parsed once: merging a relative path into base_url re-parses it on every request.
-        self.chat_url = str(self.http.base_url.join("v1/chat/completions"))
-        # A whole answer is asked of aiohttp itself, on the same pool: httpx's request and
-        # response objects doubled the CPU of a request, all of it spent while the slot is empty.
         self.chat_timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=request_timeout)
+        self._session: aiohttp.ClientSession | None = None  # made on first use, in the loop
         self.load_path: str | None = None  # the load endpoint this server has, once known
         self._load_unknown_said = False
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, load)
         self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # One connection per request in flight: a pool smaller than the server's capacity
+            # would queue requests here, where the stall watchdog would take them for a hang.
+            connector = aiohttp.TCPConnector(limit=self.connections or 0,
+                                             keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
     async def close(self) -> None:
         # aiohttp waits for each connection to close; one that never does must not hold up exit.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.http.aclose(), timeout=5.0)
+        if self._session is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._session.close(), timeout=5.0)
 
-    async def _get(self, path: str) -> httpx.Response:
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        """A GET's status and body."""
         try:
-            return await self.http.get(path, timeout=10.0)
+            async with self.session.get(self.base + path, headers=self.headers,
+                                        timeout=GET_TIMEOUT, allow_redirects=False) as resp:
+                return resp.status, await resp.read()
         except TRANSPORT_ERRORS as e:
             raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
 
     async def _get_json(self, path: str) -> Any:
-        response = await self._get(path)
-        if response.status_code != 200:
-            raise ServerUnavailable(f"{self.url}{path}: HTTP {response.status_code}")
-        return orjson.loads(response.content)
+        status, content = await self._get(path)
+        if status != 200:
+            raise ServerUnavailable(f"{self.url}{path}: HTTP {status}")
+        return orjson.loads(content)
 
     # --- what the server is ----------------------------------------------------------------
     async def health(self) -> None:
         """Returns once /health says 200; SGLang answers 503 until its warm-up is over."""
-        status = (await self._get("/health")).status_code
+        status, _ = await self._get("/health")
         if status != 200:
             raise ServerUnavailable(f"{self.url}/health: HTTP {status} (still starting?)")
 
@@ -157,12 +163,12 @@ class SGLang:
     async def _read_load(self) -> dict[str, Any] | None:
         for path in ([self.load_path] if self.load_path else LOAD_PATHS):
             try:
-                response = await self._get(path)
-                if response.status_code in (404, 405):
+                status, content = await self._get(path)
+                if status in (404, 405):
                     continue
-                if response.status_code != 200:
+                if status != 200:
                     return None
-                load = parse_load(orjson.loads(response.content))
+                load = parse_load(orjson.loads(content))
             except (ServerUnavailable, TypeError, ValueError, AttributeError):  # JSON: ValueError
                 return None
             if self.load_path is None:
@@ -234,10 +240,8 @@ class SGLang:
                 await asyncio.gather(task, return_exceptions=True)
 
     async def _whole(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
-        t = self.transport  # its aiohttp session, made on first use (it needs a running loop)
-        t.client = t.client if isinstance(t.client, aiohttp.ClientSession) else t.get_client()
-        async with t.client.post(self.chat_url, data=orjson.dumps(body), headers=self.json_headers,
-                                 timeout=self.chat_timeout, allow_redirects=False) as resp:
+        async with self.session.post(self.chat_url, data=orjson.dumps(body), headers=self.headers,
+                                     timeout=self.chat_timeout, allow_redirects=False) as resp:
             content = await resp.read()
         if resp.status != 200:
             raise status_error(resp.status, error_message(content), index, self.url,
@@ -246,16 +250,14 @@ class SGLang:
 
     async def _stream(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
-        async with self.http.stream("POST", self.chat_url, content=orjson.dumps(body),
-                                    headers=self.json_headers) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                raise status_error(resp.status_code, error_message(resp.content), index,
+        async with self.session.post(self.chat_url, data=orjson.dumps(body), headers=self.headers,
+                                     timeout=self.chat_timeout, allow_redirects=False) as resp:
+            if resp.status != 200:
+                raise status_error(resp.status, error_message(await resp.read()), index,
                                    self.url, resp.headers.get("retry-after"))
-            # Raw bytes split into lines here: httpx's text and line decoders cost more per
-            # chunk than the parsing itself, and a chunk comes for every token.
+            # Raw bytes split into lines here, as they come: a chunk comes for every token.
             answer, rest = Answer(), b""
-            async for data in resp.aiter_raw():
+            async for data in resp.content.iter_any():
                 progress.last = time.monotonic()
                 progress.chunks += 1
                 *lines, rest = (rest + data).split(b"\n")
