@@ -15,7 +15,9 @@ Redis commands are counted for genq (those inside scripts included).
 
 from __future__ import annotations
 
+import compileall
 import json
+import os
 import subprocess
 import sys
 import time
@@ -123,6 +125,11 @@ def main() -> int:
     if a.time_scale:
         flags = [*flags, "--time-scale", str(a.time_scale)]
     a.load_before = kit.load_average()
+    # Both start from compiled bytecode, as an installed package does: where the environment
+    # says never to write it, each start would compile genq's sources again.
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    for package in ("common", "consumer", "genq", "bench"):
+        compileall.compile_dir(kit.REPO / package, quiet=1)
     with kit.workdir() as work, kit.private_redis() as rs, kit.simulators(
             1, *flags, "--max-running-requests", str(a.slots)) as [sim]:
         dataset = kit.write_dataset(work / "prompts.jsonl", n)
