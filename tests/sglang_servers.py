@@ -97,10 +97,17 @@ class RealServer(Server):
     kind = "real"
 
     def __init__(self, mode: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.mode = mode
-        self.restart(mode)
+        # free_port() only finds a port free now: another server's own ports (SGLang takes
+        # several for its processes) may take it before this one binds it. Another port, then.
+        for attempt in range(3):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            started = self._script("start", mode)
+            taken = "address already in use" in started.stdout + started.stderr
+            if started.returncode == 0 or not taken or attempt == 2:
+                break
+        self._started(started)
 
     def _script(self, action: str, mode: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "PORT": str(self.port), **MODES[mode]}
@@ -109,7 +116,10 @@ class RealServer(Server):
 
     def restart(self, mode: str | None = None) -> None:
         self.mode = mode or self.mode
-        started = self._script("start", self.mode)
+        self._started(self._script("start", self.mode))
+
+    @staticmethod
+    def _started(started: subprocess.CompletedProcess) -> None:
         if started.returncode != 0:
             pytest.fail(f"real SGLang did not start ({SCRIPT} start):\n"
                         f"{started.stdout[-3000:]}\n{started.stderr[-3000:]}")
