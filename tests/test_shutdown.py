@@ -149,3 +149,31 @@ def test_background_loops_on_redis_end_when_cancelled(redis_url):
     assert ended == 40, f"{40 - ended} loops still running after cancel_and_wait"
     # Not asserted (it depends on redis-py and timing), only shown.
     print(f"{survived_one_cancel} of 40 loops survived a single cancel()")
+
+
+STUBBORN = """
+import asyncio
+from common.errors import GenqError
+from consumer import shutdown
+
+async def serve():
+    async def stubborn():  # swallows every cancellation, as a lost one would look
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                pass
+    asyncio.get_running_loop().create_task(stubborn())
+    await asyncio.sleep(0)
+    raise GenqError("the run was replaced")
+
+asyncio.run(shutdown.to_the_end(serve()))
+"""
+
+
+def test_an_error_is_said_even_when_a_task_that_will_not_end_forces_the_exit():
+    """The forced exit skips the command's own report of the error: it must be said anyway."""
+    done = subprocess.run([sys.executable, "-c", STUBBORN], cwd=REPO, capture_output=True,
+                          text=True, timeout=EXIT_BOUND_S)
+    assert done.returncode == 1
+    assert "genq: error: the run was replaced" in done.stderr
