@@ -135,20 +135,24 @@ def guarded(main: Callable[[list[str] | None], int]) -> Callable[..., int]:
     def wrapper(argv: list[str] | None = None) -> int:
         try:
             return main(argv)
-        except GenqError as e:
-            say(f"genq: error: {e}")
-            return 2 if isinstance(e, UsageError) else 1
-        except (redis.ConnectionError, redis.TimeoutError) as e:
-            say(f"genq: error: lost Redis: {e}")
-            return 1
-        except redis.exceptions.OutOfMemoryError as e:
-            say(f"genq: error: Redis is full (maxmemory reached, noeviction refuses writes): "
-                f"{e}; free memory or raise maxmemory, then run the command again")
-            return 1
-        except redis.RedisError as e:
-            say(f"genq: error: Redis refused a command: {e}")
-            return 1
+        except (GenqError, redis.RedisError) as e:
+            return explain(e)
         except KeyboardInterrupt:
             return 130
 
     return wrapper
+
+
+def explain(e: GenqError | redis.RedisError) -> int:
+    """Say what ended the command, in one line; its exit code."""
+    if isinstance(e, GenqError):
+        say(f"genq: error: {e}")
+        return 2 if isinstance(e, UsageError) else 1
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError)):
+        say(f"genq: error: lost Redis: {e}")
+    elif isinstance(e, redis.exceptions.OutOfMemoryError):
+        say(f"genq: error: Redis is full (maxmemory reached, noeviction refuses writes): "
+            f"{e}; free memory or raise maxmemory, then run the command again")
+    else:
+        say(f"genq: error: Redis refused a command: {e}")
+    return 1

@@ -14,9 +14,11 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
+import redis
 import structlog
 
-from common.errors import REDIS_TROUBLE
+from common.cli import explain
+from common.errors import REDIS_TROUBLE, GenqError
 
 logger = structlog.get_logger("consumer")
 
@@ -91,13 +93,18 @@ async def to_the_end(main: Coroutine[Any, Any, int]) -> int:
     """Run the consumer, then end every task it left: asyncio.run's own cleanup cancels each
     once and waits for ever, so one task that lost its cancellation kept a finished --burst
     consumer alive. One that will not end even so is left behind, and the process exits."""
-    rc = 1
+    rc, error = 1, None
     try:
         rc = await main
         return rc
+    except (GenqError, redis.RedisError) as e:
+        error = e
+        raise
     finally:
         await cancel_and_wait(asyncio.all_tasks() - {asyncio.current_task()})
         if len(asyncio.all_tasks()) > 1:
+            if error is not None:  # the exit skips the command's own report of it
+                rc = explain(error)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(rc)
