@@ -141,6 +141,9 @@ class Consumer:
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
         await redis_retry(self.heartbeat)  # the clock offset before the first record
+        # The version before the first claim: a claim of a version newer than the one seen
+        # looks for a `requeue --continue` partial, an extra round trip per task.
+        await redis_retry(self.watch_params)
         loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
         try:
             async with asyncio.TaskGroup() as tg:
