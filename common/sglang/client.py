@@ -1,7 +1,6 @@
-"""The SGLang HTTP client: where capacity, load and context length live in each SGLang version,
-a chat answer under a stall watchdog (whole, or streamed with --stream), and retrying one that
-overflows the context.
-What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
+"""The HTTP client for SGLang 0.5.x (docs/SGLANG.md): capacity, load and context length, a chat
+answer under a stall watchdog (whole, or streamed with --stream), retried when it overflows the
+context."""
 
 from __future__ import annotations
 
@@ -38,8 +37,6 @@ logger = structlog.get_logger("consumer")
 
 # A load older than this is read again for the watchdog (the follower reads it every second).
 LOAD_MAX_AGE_S = 1.5
-# Newest first: /get_load is gone in 0.5.x (404); older servers have only it.
-LOAD_PATHS = ("/v1/loads", "/get_load")
 # The aiohttp transport maps aiohttp's connection and timeout errors to httpx's; anything else
 # aiohttp raises (a malformed response head, say) is still the server's trouble, not the task's.
 TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
@@ -83,8 +80,6 @@ class SGLang:
         # A whole answer is asked of aiohttp itself, on the same pool: httpx's request and
         # response objects doubled the CPU of a request, all of it spent while the slot is empty.
         self.chat_timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=request_timeout)
-        self.load_path: str | None = None  # the load endpoint this server has, once known
-        self._load_unknown_said = False
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, load)
         self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
 
@@ -155,24 +150,13 @@ class SGLang:
         return load
 
     async def _read_load(self) -> dict[str, Any] | None:
-        for path in ([self.load_path] if self.load_path else LOAD_PATHS):
-            try:
-                response = await self._get(path)
-                if response.status_code in (404, 405):
-                    continue
-                if response.status_code != 200:
-                    return None
-                load = parse_load(orjson.loads(response.content))
-            except (ServerUnavailable, TypeError, ValueError, AttributeError):  # JSON: ValueError
+        try:
+            response = await self._get("/v1/loads")
+            if response.status_code != 200:
                 return None
-            if self.load_path is None:
-                self.load_path = path
-                logger.info("server_load_source", endpoint=path)
-            return {**load, "endpoint": path}
-        if not self._load_unknown_said:
-            self._load_unknown_said = True
-            logger.warning("server_load_unknown", reason="neither /v1/loads nor /get_load")
-        return None
+            return parse_load(orjson.loads(response.content))
+        except (ServerUnavailable, LookupError, TypeError, ValueError, AttributeError):
+            return None
 
     async def recent_load(self) -> dict[str, Any] | None:
         at, load = self._load

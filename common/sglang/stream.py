@@ -1,6 +1,6 @@
-"""The SGLang wire format (common/sglang/client.py speaks it): the streamed chat answer, the
-load answers of each version, and the verdict on an HTTP error. Pure functions of what the
-server sent, so tests can feed them the real server's answers."""
+"""The SGLang wire format (common/sglang/client.py speaks it): the chat answer, the load and the
+verdict on an HTTP error. Pure functions of what the server sent, so tests can feed them the real
+server's answers."""
 
 from __future__ import annotations
 
@@ -170,23 +170,18 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
 
 def parse_load(data: Any) -> dict[str, Any]:
-    """/v1/loads is {"loads": [per rank]}; the older /get_load a list (or one dict) of ranks.
-    Requests are summed over the ranks, and so are KV-cache use and decode speed (0.5.x
-    /v1/loads; None where absent, as in /get_load): what the capacity advice weighs."""
-    if isinstance(data, dict) and "loads" in data:
-        ranks, running_key = data["loads"] or [], "num_running_reqs"
-    else:
-        ranks, running_key = (data if isinstance(data, list) else [data]), "num_reqs"
+    """/v1/loads is {"loads": [per rank]}; requests, KV-cache use and decode speed are summed
+    over the ranks (None where absent): what the capacity advice weighs."""
+    ranks = data["loads"] or []
 
     def total(key: str, cast: type = int) -> Any:
         values = [rank.get(key) for rank in ranks if rank.get(key) is not None]
         return sum(cast(v) for v in values) if values else None
 
     used, pool = total("num_used_tokens"), total("max_total_num_tokens")
-    if used is None:
-        used = total("num_tokens")  # /get_load's name for the same figure
     usage = used / pool if used is not None and pool else None
-    return {"num_reqs": total(running_key) or 0, "num_waiting_reqs": total("num_waiting_reqs") or 0,
+    return {"num_reqs": total("num_running_reqs") or 0,
+            "num_waiting_reqs": total("num_waiting_reqs") or 0,
             "max_running_requests": total("max_running_requests") or None,
             "num_used_tokens": used, "max_total_num_tokens": pool,
             "token_usage": round(usage, 4) if usage is not None else None,
