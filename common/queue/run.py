@@ -1,5 +1,4 @@
-"""A run's registration in Redis: its data set, fingerprint, size and identity, checked on
-every use."""
+"""A run's registration in Redis: its data set, fingerprint, size and identity."""
 
 from __future__ import annotations
 
@@ -27,16 +26,12 @@ class RunInfo:
     gen: int  # the run's generation: each `genq recover` starts the next one
 
 
-def new_epoch() -> str:
-    return secrets.token_hex(8)
-
-
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: int) -> RunInfo:
     """Create the run, or check that an existing run is on the same data set."""
     path = os.path.abspath(dataset)
     fields: dict[FieldT, EncodableT] = {
         "dataset": path, "fingerprint": fingerprint, "total": total, "queue": k.queue_name,
-        "created_at": time.time(), "epoch": new_epoch()}
+        "created_at": time.time(), "epoch": secrets.token_hex(8)}
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         pipe = r.pipeline(transaction=False)
@@ -64,9 +59,6 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     if "total" not in meta:
         raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
-    if not meta.get("epoch"):  # registered before runs had one: HSETNX, so all agree
-        r.hsetnx(k.meta, "epoch", new_epoch())
-        meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
     return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0))
 
@@ -84,8 +76,7 @@ class Ends:
 
 
 def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
-    """Every prompt done or failed, nothing queued or leased: the run has ended (until a
-    requeue brings work back)."""
+    """Every prompt done or failed, nothing queued or leased (until a requeue brings work)."""
     pipe = r.pipeline(transaction=False)
     pipe.bitcount(k.done)
     pipe.bitcount(k.failed)
@@ -108,8 +99,7 @@ NO_REASON = "(no reason recorded)"
 
 
 def failure_reasons(r: redis.Redis, k: RunKeys, indices: Sequence[int]) -> list[str]:
-    """The reason each of these failed indices (ascending) failed for: its number in fail_kind,
-    named in fail_kinds (the reason with its per-prompt parts blanked)."""
+    """The reason each of these failed indices (ascending) failed for, as fail_kind names it."""
     if not indices:
         return []
     lo = indices[0]
