@@ -34,8 +34,7 @@ def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def where(task: asyncio.Task) -> list[str]:
-    """The whole chain of awaits a task is suspended in, innermost last (print_stack shows
-    only the outermost coroutine)."""
+    """The whole chain of awaits a task is suspended in, innermost last."""
     chain: list[str] = []
     coro: Any = task.get_coro()
     while coro is not None:
@@ -64,9 +63,8 @@ async def bounded(slots: Sequence[asyncio.Task]) -> None:
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
-    """Cancel the tasks until they are done, for at most `bound` seconds: a single cancel()
-    is not enough, as redis-py's asyncio client writes through `asyncio.wait_for`, which on
-    Python 3.11 drops a cancellation landing as the write ends, and a loop around it runs on."""
+    """Cancel the tasks until they are done, for at most `bound` seconds: on Python 3.11
+    redis-py's `asyncio.wait_for` can drop one cancellation, and a loop around it runs on."""
     pending = {t for t in tasks if not t.done()}
     deadline = time.monotonic() + bound
     while pending and time.monotonic() < deadline:
@@ -88,9 +86,8 @@ async def withdraw(body: Callable[[], Awaitable[None]]) -> None:
 
 
 async def to_the_end(main: Coroutine[Any, Any, int]) -> int:
-    """Run the consumer, then end every task it left: asyncio.run's own cleanup cancels each
-    once and waits for ever, so one task that lost its cancellation kept a finished --burst
-    consumer alive. One that will not end even so is left behind, and the process exits."""
+    """Run the consumer, then end every task it left (asyncio.run's cleanup cancels once and
+    waits for ever); one that will not end is left behind, and the process exits."""
     rc = 1
     try:
         rc = await main

@@ -1,9 +1,6 @@
-"""`genq requeue --probe N --set KEY=VALUE`: try a pivot on a sample before committing it.
-
-The probe calls the run's servers (those its live consumers use) directly, a few requests at
-a time, rather than through the queue, so it touches no result, counter or shard, and keeps
-none of its answers: the committed redo generates every prompt again.
-"""
+"""`genq requeue --probe N --set KEY=VALUE`: try a pivot on a sample before committing it. It
+calls the live consumers' servers directly, not through the queue, so it touches no result,
+counter or shard, and keeps none of its answers."""
 
 from __future__ import annotations
 

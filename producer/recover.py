@@ -1,10 +1,8 @@
-"""`genq recover --shards DIR…`: rebuild a run that Redis lost (restarted without persistence,
-flushed, replaced) from its output: the run manifest beside the shards and every shard line.
+"""`genq recover --shards DIR…`: rebuild a run that Redis lost from its output: the run
+manifest beside the shards and every shard line.
 
-Safe to run twice and while consumers wait: when the run is already in Redis it changes
-nothing, and the run reappears in one MULTI with its identity written last, so a waiting
-consumer resumes on the whole state or not at all.
-"""
+Safe to run twice and while consumers wait: a run already in Redis is left alone, and the run
+reappears in one MULTI, its identity last, so a waiting consumer resumes on all of it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
-lost (data set, fingerprint, epoch and generation, every parameter version, the requeue history,
-every consumer's output directory). Plain JSON beside the shards as
-``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or its parameters change.
-"""
+"""The run manifest ``{out_dir}/{run}.manifest.json``: what `genq recover` needs besides the
+shards (data set, identity, parameter versions and history, output directories), rewritten
+atomically whenever the run or its parameters change."""
 
 from __future__ import annotations
 
@@ -105,9 +103,8 @@ def newest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def upkeep(r: redis.Redis, k: RunKeys, out_dirs: list[str], epoch: str) -> int:
-    """Rewrite the manifest in every output directory of the run on this machine; returns how
-    many changed. Only while Redis holds the run of this epoch: a re-created run's manifest
-    must never replace the one an earlier run's shards need."""
+    """Rewrite the manifest in the run's output directories here; returns how many changed. Only
+    while Redis holds this epoch's run: a re-created run's must not replace an earlier one's."""
     manifest = snapshot(r, k)
     if manifest is None or manifest["epoch"] != epoch:
         return 0

@@ -1,21 +1,12 @@
 """Which result stands for each index, decided from a run manifest and the shard lines alone,
-and writing that state back into Redis as if the run had never stopped (`genq recover`).
+and writing that state back into Redis (`genq recover`). The rules are Redis's own:
+- a result older than a requeue with ``--inflight abort`` and written after it never stood;
+- of the rest, the newest (params_version, generation, attempt) stands, unless a ``--redo``
+  issued with a newer version covers it (``truncated``: it ended with ``length``; ``all``:
+  any): then it is kept aside and the index runs again. Each recover starts a new generation
+  (``gen`` in later lines), telling its claims from older ones under the same attempt.
 
-The rules are the ones Redis applies while the run lives:
-- a result whose parameter version is older than a requeue with ``--inflight abort`` and that
-  was written after that switch was refused by its ack: it never stood;
-- a result of an older version than a ``--redo`` whose scope covers it (``truncated``: it ended
-  with ``length``; ``all``: any) was set aside by the redo, even if it was accepted after the
-  redo was issued;
-- of what remains, the newest (params_version, generation, attempt) decides: it stands, or, if
-  a redo covers it, it is kept aside and the index runs again. A recover starts a new
-  generation (``gen`` in each line written after it), so a claim made after it is told apart
-  from one made before it under the same attempt number (a consumer that slept through the
-  loss may write that one later: its ack was refused).
-
-``rebuild`` reads shard line streams from anywhere (local files, S3) one at a time, in about
-50 bytes an index of the data set, whatever the number of shards or lines.
-"""
+``rebuild`` reads shard line streams (local files, S3) in about 50 bytes an index."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Every Redis key genq touches, derived from the run name in one place.
-
-RQ's own keys (``rq:queue:<q>``, ``rq:job:<id>``, the registries) are written in RQ 2.12's
-layout so that ``rq info`` and rq-dashboard show the real work; genq's own state lives under
-``genq:<run>:``. No other module builds key strings.
-"""
+"""Every Redis key genq touches, derived from the run name; no other module builds key strings.
+RQ's own keys are in RQ 2.12's layout so that ``rq info`` and rq-dashboard show the real work;
+genq's own state lives under ``genq:<run>:``."""
 
 from __future__ import annotations
 

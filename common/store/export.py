@@ -1,10 +1,7 @@
-"""`genq export`: one record per done index from every shard, the accepted attempt first.
-
-Any number of shards in a few dozen bytes an index and a few open files: the first pass notes
-where each index's chosen line is (shards.pick_lines); the second lays the output out in index
-order and copies the lines into place shard by shard. Where the accepted (version, attempt) is
-missing from the shards, the newest line is written and reported (`not_accepted`).
-"""
+"""`genq export`: one record per done index from every shard, the accepted attempt first, in a
+few dozen bytes an index: the first pass notes where each chosen line is (shards.pick_lines),
+the second copies the lines into place in index order, shard by shard. Without the accepted
+line, the newest is written and reported (`not_accepted`)."""
 
 from __future__ import annotations
 

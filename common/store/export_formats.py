@@ -1,8 +1,6 @@
-"""Where `genq export` reads from and what it writes, around common/store/export.py's rules:
-``--from-s3 URI`` exports, as from disk, the run's shards downloaded into a temporary directory;
-``--format parquet`` writes typed columns in row groups of bounded size, a file that
-``datasets.load_dataset("parquet", data_files=...)`` and pyarrow read as they are.
-"""
+"""`genq export`'s sources and formats: ``--from-s3`` downloads the shards into a temporary
+directory; ``--format parquet`` writes typed columns in bounded row groups, a file that
+``datasets.load_dataset("parquet", ...)`` reads as it is."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""genq's view of S3: ``s3://bucket/prefix`` URIs, deterministic object keys, compressed and
-verified uploads, and reading a run's shards back for export and recover.
-
-Credentials, region and ``AWS_ENDPOINT_URL`` come from boto3's own resolution; genq adds only
-timeouts and a single attempt per call, so the shipper's own backoff decides when to retry.
-"""
+"""genq's view of S3: ``s3://bucket/prefix`` URIs, deterministic keys, compressed and verified
+uploads, and reading a run's shards back. boto3 finds credentials and endpoint; genq sets one
+attempt per call, so the shipper's own backoff decides when to retry."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Ship closed shards (and any other run file, such as the manifest) to S3 in the background.
-
-One asyncio task per consumer; compression and boto3 calls run in threads, so generation never
-waits for S3. A shard is uploaded under its deterministic key, verified, then recorded in
-``genq:<run>:shipped``; only then may its local copy go. When S3 fails, shards stay on disk and
-are retried with backoff, and the backlog is reported in ``genq:<run>:ship``.
-"""
+"""Ship closed shards (and the manifest) to S3 from one asyncio task per consumer, boto3 in
+threads. A shard is uploaded, verified, then recorded in ``genq:<run>:shipped`` before its local
+copy may go; on S3 trouble it stays on disk, retried with backoff (backlog: ``genq:<run>:ship``)."""
 
 from __future__ import annotations
 
