@@ -43,8 +43,8 @@ class SafeLogger:
 
 
 def silence(stream: IO[Any]) -> None:
-    """Point the stream's descriptor at /dev/null and drop what is still buffered, so the next
-    write (ours or anyone's) succeeds into nothing instead of raising again."""
+    """Point the stream's descriptor at /dev/null and drop its buffer, so later writes succeed
+    into nothing."""
     with contextlib.suppress(OSError, ValueError):
         fd = stream.fileno()
         null = os.open(os.devnull, os.O_WRONLY)

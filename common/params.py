@@ -64,8 +64,8 @@ def _split(pair: str, flag: str) -> tuple[str, str]:
 
 
 def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]:
-    """Typed values from --set KEY=VALUE (known parameters only: a typo must not make a new
-    version) and --raw KEY=VALUE (passed to the server as-is; JSON where it parses)."""
+    """Typed values from --set KEY=VALUE (known keys only: a typo must not make a version) and
+    --raw KEY=VALUE (as-is; JSON where it parses)."""
     changes: dict[str, Any] = {}
     for pair in pairs:
         key, raw = _split(pair, "--set")
@@ -92,8 +92,7 @@ def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]
 
 def apply(old: dict[str, Any], changes: dict[str, Any],
           unset: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """The new parameters and what changed ({key: [old, new]}, None for absent); a change to
-    the value a key already has is no change."""
+    """The new parameters and what changed ({key: [old, new]}, None for absent)."""
     new = {**old, **changes}
     for key in unset:
         if key not in old:

@@ -191,8 +191,8 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
 
 
 def redis_client(url: str) -> aioredis.Redis:
-    """A few dozen connections serve thousands of slots (short scripts); the pool blocks where
-    redis-py's default raises "Too many connections"."""
+    """A blocking pool of a few dozen connections serves thousands of slots (redis-py's default
+    raises past 100)."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
         socket_timeout=SERVICE_SOCKET_TIMEOUT_S,

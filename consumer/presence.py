@@ -66,7 +66,7 @@ async def withdraw(r: aioredis.Redis, k: RunKeys, name: str) -> None:
 
 async def record_server(r: aioredis.Redis, k: RunKeys, server: str, context_length: int | None,
                         capacity: int) -> None:
-    """What a server said about itself, kept after its consumers are gone: `genq requeue`
-    refuses a max_tokens that cannot fit the smallest context among them."""
+    """What a server said about itself, kept after its consumers go: `genq requeue` checks
+    max_tokens against it."""
     entry = {"context_length": context_length, "capacity": capacity, "at": int(time.time())}
     await r.hset(k.servers, server, orjson.dumps(entry))

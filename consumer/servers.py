@@ -61,8 +61,7 @@ def owner_of(token: bytes | str | None) -> str:
 
 
 def process_start(pid: int) -> str | None:
-    """When a process started (/proc/PID/stat field 22: a reused pid has another), or None when
-    no such process exists."""
+    """When a process started (/proc/PID/stat field 22), or None if there is none."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -73,8 +72,7 @@ def process_start(pid: int) -> str | None:
 
 
 def pid_space() -> str:
-    """Where a pid means the same process: this host, since this boot, in this pid namespace
-    (two containers sharing a hostname do not share pids)."""
+    """Where a pid means the same process: this host, this boot, this pid namespace."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.readlink("/proc/self/ns/pid")
@@ -105,8 +103,7 @@ def provably_gone(token: bytes | str | None) -> bool:
 
 async def try_take(r: aioredis.Redis, s: ConsumeSettings,
                    token: str) -> tuple[str | None, dict[str, str], str | None]:
-    """The first free server of s.servers, now leased to `token`, and the dead holder it was
-    taken from (or None); else None and who drives each one."""
+    """(first free server, now ours, dead holder taken from), else (None, who drives each)."""
     owners: dict[str, str] = {}
     ms = int(s.server_lease * 1000)
     for url in s.servers:
@@ -139,12 +136,9 @@ async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
 
 
 async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | None:
-    """Lease one of the servers, waiting as a spare while all are driven. None: stop asked
-    (SIGTERM/SIGINT) or, with --burst, the run settled while waiting.
-
-    A spare takes a server only once Redis has answered with the same run for a whole server
-    lease: after a lost run or a long outage a live holder takes its lease back (`RENEW`, same
-    token) as soon as Redis answers, before any spare may take its server."""
+    """Lease one of the servers, waiting as a spare while all are driven; None when stopped or
+    (--burst) the run settled. A spare takes one only after Redis held the same run for a whole
+    lease, so a live holder renews first."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -202,8 +196,8 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
 
 async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
                lost: asyncio.Event) -> None:
-    """Renew every third of the lease; once another consumer holds it, or on a bug, SIGTERM
-    ourselves: the work is given back as at any stop."""
+    """Renew every third of the lease; once another holds it, or on a bug, SIGTERM ourselves (the
+    work goes back)."""
     ms = int(lease_s * 1000)
     try:
         while not lost.is_set():
@@ -224,8 +218,8 @@ async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
 
 
 async def drive(s: ConsumeSettings, serve: Callable[[ConsumeSettings], Awaitable[int]]) -> int:
-    """Lease a server, run `serve` on it while renewing the lease, release it on the way out.
-    Exit code 3 when the lease was lost, so a supervisor restarts this replica as a spare."""
+    """Lease a server, run `serve` on it, release it; exit code 3 when the lease was lost
+    (restart as a spare)."""
     if s.share_server:
         structlog.contextvars.bind_contextvars(server=s.server)
         return await serve(s)

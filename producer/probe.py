@@ -48,8 +48,8 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
 async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str, Any],
                   concurrency: int, partials: dict[int, dict] | None = None,
                   ) -> tuple[dict[int, Any], list[str]]:
-    """Run each (index, prompt) on the servers in turn, `concurrency` at a time per server;
-    one with a partial in `partials` (--continue) is continued from it."""
+    """Run each (index, prompt) on the servers, `concurrency` at a time each; one in `partials`
+    is continued."""
     answers: dict[int, Any] = {}
     errors: list[str] = []
 

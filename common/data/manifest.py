@@ -92,8 +92,7 @@ def find(out_dir: str | os.PathLike[str], run: str) -> dict[str, Any] | None:
 
 
 def newest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest that has seen the most of the run (consumers that were down missed some
-    requeues); all must be of the same run, or recovery would mix two runs' results."""
+    """The manifest that saw the most of the run; all must be of one run (else two would mix)."""
     epochs = {m["epoch"] for m in manifests}
     if len(epochs) > 1:
         raise UsageError(f"the output directories hold manifests of {len(epochs)} different "

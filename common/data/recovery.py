@@ -177,15 +177,13 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 
 
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
-    """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), at its
-    final size (as a new run's: see PER_INDEX_BITS); 0 where an index has none, as in Redis."""
+    """Each per-index field as BITFIELD keeps it (big-endian), at full size."""
     columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt}
     return {name: _packed(column, WIDTHS[name]) for name, column in columns.items()}
 
 
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
-    """The run's counters (finish reasons, token sums) and its completion-length histogram,
-    over the standing results."""
+    """The run's counters and completion-length histogram over the standing results."""
     finish, ctoks, ptoks = rec.columns[2:]
     names = Counter(FINISH_NAMES.get(finish[i], "other") for i in rec.standing)
     counters = {f"finish:{name}": n for name, n in names.items()}

@@ -32,9 +32,8 @@ def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
 
 
 class ShardWriter:
-    """Appends records to the current shard, durably, whole lines only; thread-safe. A shard is
-    closed after ``rotate_every`` records or by age (``rotate_if_older``) and passed to
-    ``on_close`` (shipping) unless empty."""
+    """Appends records to the current shard durably, whole lines only, thread-safe; a shard
+    closes after ``rotate_every`` records or by age and goes to ``on_close``."""
 
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
                  rotate_every: int | None = None,
@@ -85,8 +84,7 @@ class ShardWriter:
             os.close(fd)
 
     def write_many(self, records: list[dict[str, Any]]) -> None:
-        """Append several records with one fdatasync per shard they span; all durable, or an
-        error raised (lines written before a rotation then run again, as after a crash)."""
+        """Append records, one fdatasync per shard they span; all durable, or an error."""
         lines = [orjson.dumps(record) + b"\n" for record in records]
         done = 0  # lines durable so far
         while done < len(lines):
@@ -155,10 +153,9 @@ NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far;
 
 
 class Picks:
-    """Per index < total, the (shard number, offset, length) of the line export keeps, in flat
-    arrays (54 bytes an index): the accepted (version, attempt) of the newest generation holding
-    it (a pre-recover claim can share it), else the newest line. Two different lines under the
-    accepted key in one generation are `ambiguous`: the first read is kept."""
+    """Per index < total, where the line export keeps is (flat arrays, 54 bytes an index): the
+    accepted (version, attempt) of the newest generation, else the newest line; two different
+    accepted lines of one generation are `ambiguous`."""
 
     def __init__(self, total: int) -> None:
         self.total = total

@@ -152,6 +152,6 @@ RUNS = "genq:runs"
 
 
 def server_lease(url: str) -> str:
-    """String: "<consumer>|<run>|<nonce>" of the one consumer driving this SGLang server, any
-    run; expires unless renewed (consumer/servers.py)."""
+    """String: the lease token of the one consumer driving this SGLang server, any run
+    (consumer/servers.py)."""
     return f"genq:server:{url}"

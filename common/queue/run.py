@@ -48,8 +48,7 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
 
 
 def preallocate(pipe: redis.client.Pipeline, k: RunKeys, total: int) -> None:
-    """Queue the creation of each per-index bitmap and bitfield not there yet, at its final
-    size (see PER_INDEX_BITS): a new run's, and a recovered one's."""
+    """Queue the creation of each per-index key not there yet, at its final size."""
     for name, bits in PER_INDEX_BITS.items():
         pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
 
@@ -64,8 +63,7 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
 
 
 class Ends:
-    """Says each end of a run once: when it is first seen finished, and again after a requeue
-    (a new parameter version) even if the redo it brought ran out between two looks."""
+    """Says each end of a run once: when first seen finished, and after each requeue."""
 
     def __init__(self) -> None:
         self.seen: int | None = None  # the version last seen finished; None: not finished
@@ -90,8 +88,8 @@ OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 
 def judge(current: str | None, epoch: str) -> str:
-    """OK while Redis holds the run a service started on (`epoch`), LOST once it forgot it,
-    REPLACED once another run of the name was registered; `current`: the epoch Redis holds now."""
+    """OK while Redis holds the run of `epoch`, LOST once it forgot it, REPLACED once another
+    took its name."""
     return LOST if current is None else OK if current == epoch else REPLACED
 
 

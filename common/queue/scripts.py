@@ -107,8 +107,7 @@ class Result:
 
 
 def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
-    """Several results of one consumer in one call; the script answers a code per result (all
-    refused if the run is not `life`, "epoch|generation", when given)."""
+    """Several results in one call: a code each (all refused if the run is not `life`)."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,

@@ -44,8 +44,8 @@ TRANSPORT_ERRORS = (httpx.TransportError, aiohttp.ClientError)
 
 @dataclass
 class Progress:
-    """When the answer last showed a sign of life: a streamed chunk, or (a whole answer) the
-server's load moving while it holds this request."""
+    """When the answer last showed life: a streamed chunk, or (whole) the server's load moving
+    while it holds it."""
     started: float = field(default_factory=time.monotonic)
     last: float = field(default_factory=time.monotonic)
     chunks: int = 0
@@ -108,8 +108,8 @@ class SGLang:
             raise ServerUnavailable(f"{self.url}/health: HTTP {status} (still starting?)")
 
     async def capacity(self) -> int | None:
-        """Requests the server runs at once, whatever flags it was launched with: 0.5.x reports
-        null in /get_server_info unless --max-running-requests was given."""
+        """Requests the server runs at once: 0.5.x reports null in /get_server_info without
+        --max-running-requests."""
         load = await self.load()
         if load and load.get("max_running_requests"):
             return int(load["max_running_requests"])
@@ -136,9 +136,8 @@ class SGLang:
         return str(models["data"][0]["id"])
 
     async def load(self) -> dict[str, Any] | None:
-        """Running and waiting requests summed over the server's DP ranks, and the capacity
-        in force when the server says it; None when the server cannot tell. Each read is kept
-        for the stall watchdog: one load poll per server, whatever the number of requests."""
+        """Running and waiting requests summed over DP ranks, with the capacity in force; None
+        when unknown. Each read is kept for the stall watchdog: one poll per server."""
         previous, load = self._load[1], await self._read_load()
         self._load = (time.monotonic(), load)
         if not self.stream and load and previous and load_moved(previous, load):
@@ -170,9 +169,8 @@ class SGLang:
     # --- one generation ------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], index: int,
                    on_request: Callable[[asyncio.Task], None] | None = None) -> Completion:
-        """One chat completion, run again with the max_tokens that fit when prompt +
-        max_tokens exceed the context. on_request gets the task of each request sent:
-        cancelling it aborts the request, and chat() raises CancelledError."""
+        """One chat completion, retried with the max_tokens that fit when it overflows the
+        context; cancelling a task passed to on_request aborts the request."""
         try:
             return await self._watched(body, index, on_request)
         except ContextExceeded as e:
@@ -252,9 +250,8 @@ class SGLang:
 
 async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
                           body: dict[str, Any], partial: dict[str, Any]) -> Completion | None:
-    """The whole answer continued from `partial` (its record's fields), asked with `ask`, or
-    None if the server did not take the partial as the answer's start (its prompt did not
-    grow): then the answer must be generated again."""
+    """The whole answer continued from `partial` (a record's fields) with `ask`, or None if the
+    server did not take the partial as its start (generate it again)."""
     prompt_tokens = int(partial["prompt_tokens"])
     if body["max_tokens"] <= int(partial["completion_tokens"]):  # the limit adds nothing
         return joined(partial, Completion(finish_reason="length", content="",

@@ -63,8 +63,7 @@ def jsonl_to_parquet(src: str, out: str) -> int:
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
                from_s3: str | None = None, fmt: str = "jsonl",
                **options: Any) -> export.ExportResult:
-    """export.export from ``dirs`` or from S3 (the run's shards downloaded into a temporary
-    directory), into JSONL or Parquet; ``options`` go to it as they are."""
+    """export.export from ``dirs`` or S3 into JSONL or Parquet; ``options`` are passed on."""
     with contextlib.ExitStack() as stack:
         if from_s3:
             dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="genq-s3-"))]
