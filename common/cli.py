@@ -48,9 +48,8 @@ def run_keys(run: str) -> RunKeys:
         raise UsageError(str(e)) from None
 
 
-# redis-py's own retries (10, backoff up to 10 s) would hold one call a minute or more while
-# Redis is down, deaf to SIGTERM and silent in the log. Services retry with their own logged
-# backoff, so the client retries once at once: enough to reconnect a dropped connection.
+# redis-py's own retries would hold a call for a minute, deaf to SIGTERM and silent; services
+# retry with their own logged backoff, so the client retries once: enough to reconnect.
 def service_retry() -> Retry:
     return Retry(NoBackoff(), 1)
 

@@ -70,10 +70,8 @@ class StoreUnavailable(Retryable):
     """S3 cannot take or give a shard now; the shard stays on disk and is shipped later."""
 
 
-# Redis trouble that passes on its own or once an operator acts: unreachable, timed out,
-# loading its AOF (BusyLoadingError is a ConnectionError), at maxmemory, a read-only replica.
-# The builtin ConnectionError and TimeoutError are the socket's own (reset, refused, an
-# asyncio.timeout around a call); any other OSError is judged by `classify`.
+# Redis trouble that passes on its own or once an operator acts (unreachable, loading its AOF,
+# at maxmemory, a read-only replica), and the socket's own errors; `classify` judges other OSErrors.
 REDIS_TROUBLE: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError, ConnectionError, TimeoutError)

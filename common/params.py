@@ -1,6 +1,5 @@
-"""Versioned generation parameters: parsing `--set KEY=VALUE`, storing versions, the request body.
-A job names no parameters: a consumer reads the current version when it starts a request, so
-changing parameters never rewrites queued work."""
+"""Versioned generation parameters: `--set KEY=VALUE`, stored versions, the request body. Jobs
+name no parameters: a request reads the current version."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The consumer follows its server: a changed capacity or context length within seconds, and a
-slot count of what it runs at once less what other clients hold. A queue there lowers it at once
-(requests queued would start late, their slots idle); other changes need two samples agreeing."""
+"""The consumer follows its server: capacity and context changes within seconds, and slots of
+what it runs less other clients' share (a queue lowers them at once)."""
 
 from __future__ import annotations
 

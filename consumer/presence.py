@@ -1,6 +1,5 @@
-"""How a consumer shows itself: a genq heartbeat and an RQ worker entry (`rq info`,
-rq-dashboard), both expiring on their own if the consumer dies. Beats go on while Redis has lost
-the run: their `run_state` keeps a restarted producer from registering it anew."""
+"""A consumer's heartbeat and RQ worker entry, expiring if it dies; `run_state` in beats keeps a
+producer from registering a lost run anew."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Bounds on a consumer's shutdown: after the --grace drain, slots still stuck (a release or ack
-on an unreachable Redis) get FORCE_AFTER_S more, then are cancelled (their leases expire on
-their own); a watchdog logs every stack if shutdown has not finished long after that."""
+"""Bounds on a consumer's shutdown: slots stuck after the --grace drain are cancelled
+FORCE_AFTER_S later, and a watchdog logs every stack after that."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""`python -m genq.dashboard`: rq-dashboard on the run's Redis, read-only unless asked.
-
-rq-dashboard's buttons change RQ's lists behind genq's back (docs/REFERENCE.md), so every write
-is refused (HTTP 403) unless --allow-write; genq redoes work with `genq requeue --redo failed`."""
+"""`python -m genq.dashboard`: rq-dashboard on the run's Redis; its buttons change RQ's lists
+behind genq's back, so writes answer 403 unless --allow-write."""
 
 from __future__ import annotations
 

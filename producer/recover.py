@@ -1,8 +1,5 @@
-"""`genq recover --shards DIR…`: rebuild a run that Redis lost from its output: the run
-manifest beside the shards and every shard line.
-
-Safe to run twice and while consumers wait: a run already in Redis is left alone, and the run
-reappears in one MULTI, its identity last, so a waiting consumer resumes on all of it."""
+"""`genq recover --shards DIR…`: rebuild a run Redis lost from its manifest and shards; safe to
+repeat, and the run reappears in one MULTI, its identity last."""
 
 from __future__ import annotations
 

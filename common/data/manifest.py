@@ -1,6 +1,5 @@
 """The run manifest ``{out_dir}/{run}.manifest.json``: what `genq recover` needs besides the
-shards (data set, identity, parameter versions and history, output directories), rewritten
-atomically whenever the run or its parameters change."""
+shards, rewritten atomically on every change."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Parquet data sets by row index: a row group is decoded in C++ (the GIL released) and
-converted to Python 1,024 rows at a time, so one read costs milliseconds however large the
-row group."""
+"""Parquet data sets by row index: a row group decoded in C++ (GIL released), converted 1,024
+rows at a time, so a read takes milliseconds."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Output shards: the consumer's durable JSON-lines sink, and reading shards back.
-
-A shard is ``{out_dir}/{run}.{name}.{start_ts}-{pid}.{seq:06d}.jsonl``, flock-ed by its writer
-while open (one nobody holds is finished). ``seq`` counts one consumer name's shards in one
-directory durably (``.{run}.{name}.seq``), so it never repeats; it names the S3 object."""
+"""Output shards ``{run}.{name}.{start}-{pid}.{seq:06d}.jsonl``, flock-ed by their writer while
+open; ``seq`` never repeats per name and directory (``.{run}.{name}.seq``)."""
 
 from __future__ import annotations
 

@@ -45,9 +45,8 @@ SOURCES = {name: _source(name) for name in NAMES}
 # rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past
 # its genq deadline in rq:wip so they never mistake it for abandoned work.
 WIP_MARGIN_S = 24 * 3600
-# rq's tools see the last FINISHED_KEEP finished jobs (ack.lua trims the registry and deletes
-# older hashes), so a long run leaves no hash per task; 100 keeps the registry a small listpack
-# (zsets up to 128 members). Their TTL is only a backstop.
+# rq's tools see the last FINISHED_KEEP finished jobs (ack.lua deletes older ones), so a long run
+# leaves no hash per task; 100 keeps the registry a small listpack. Their TTL is a backstop.
 FINISHED_KEEP = 100
 RESULT_TTL_S = 30 * 24 * 3600
 FAILURE_TTL_S = 7 * 24 * 3600  # RQ's tools show a failed job this long; genq's failed bit stays

@@ -138,10 +138,12 @@ def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
     return out
 
 
-def _truncation(message: str, max_tokens: int | None, run: str) -> dict:
-    """A truncation alert, with the command that redoes the truncated prompts at twice the limit
-    where it is known."""
-    alert: dict = {"kind": "truncation", "message": message}
+def _truncation(finding: str, max_tokens: int | None, run: str, threshold: float) -> dict:
+    """A truncation alert (`finding` names the {limit}), with the command that redoes the
+    truncated prompts at twice the limit where it is known."""
+    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
+    alert: dict = {"kind": "truncation", "message": finding.format(limit=limit) + (
+        f" (threshold {threshold:.0%}); raise it and redo the truncated ones")}
     if max_tokens:
         # Pasted as is, the command must act on this run, not on whatever GENQ_RUN says.
         alert["command"] = (f"genq requeue --set max_tokens={2 * int(max_tokens)} --redo "
@@ -154,10 +156,8 @@ def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None,
     """An alert when recent completions hit max_tokens more often than ``threshold``."""
     if samples < TRUNCATION_MIN_SAMPLES or recent_rate <= threshold:
         return None
-    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
     return _truncation(f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
-                       f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated "
-                       "ones", max_tokens, run)
+                       "{limit}", max_tokens, run, threshold)
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:
@@ -188,12 +188,10 @@ def version_alert(vt: dict[str, Any], max_tokens: int | None, run: str,
     if (vt["version"] <= 1 or vt["completions"] < TRUNCATION_MIN_SAMPLES
             or vt["rate"] <= threshold):
         return None
-    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
     low, high = vt["ci"]
     return _truncation(f"{vt['rate']:.0%} (95% CI {low:.0%}-{high:.0%}) of the "
-                       f"{vt['completions']} completions under v{vt['version']} ({limit}) "
-                       f"still hit the limit (threshold {threshold:.0%}); raise it and redo "
-                       "the truncated ones", max_tokens, run)
+                       f"{vt['completions']} completions under v{vt['version']} ({{limit}}) "
+                       "still hit the limit", max_tokens, run, threshold)
 
 
 def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],

@@ -1,6 +1,5 @@
-"""The HTTP client for SGLang 0.5.x (docs/SGLANG.md): capacity, load and context length, a chat
-answer under a stall watchdog (whole, or streamed with --stream), retried when it overflows the
-context."""
+"""The HTTP client for SGLang 0.5.x (docs/SGLANG.md): capacity, load, context length, and a chat
+answer under a stall watchdog."""
 
 from __future__ import annotations
 

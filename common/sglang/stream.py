@@ -1,6 +1,5 @@
-"""The SGLang wire format (common/sglang/client.py speaks it): the chat answer, the load and the
-verdict on an HTTP error. Pure functions of what the server sent, so tests can feed them the real
-server's answers."""
+"""The SGLang wire format: chat answers, the load and HTTP error verdicts, as pure functions
+tests feed real answers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""`genq export`: one record per done index from every shard, the accepted attempt first, in a
-few dozen bytes an index: the first pass notes where each chosen line is (shards.pick_lines),
-the second copies the lines into place in index order, shard by shard. Without the accepted
-line, the newest is written and reported (`not_accepted`)."""
+"""`genq export`: one record per done index, the accepted attempt (else the newest, reported), in
+a few dozen bytes an index: where each line is, then copies in index order."""
 
 from __future__ import annotations
 

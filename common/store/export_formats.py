@@ -1,6 +1,5 @@
-"""`genq export`'s sources and formats: ``--from-s3`` downloads the shards into a temporary
-directory; ``--format parquet`` writes typed columns in bounded row groups, a file that
-``datasets.load_dataset("parquet", ...)`` reads as it is."""
+"""`genq export`'s sources and formats: ``--from-s3`` downloads the shards first; ``--format
+parquet`` writes typed columns in bounded row groups."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""genq's view of S3: ``s3://bucket/prefix`` URIs, deterministic keys, compressed and verified
-uploads, and reading a run's shards back. boto3 finds credentials and endpoint; genq sets one
-attempt per call, so the shipper's own backoff decides when to retry."""
+"""S3 for genq: URIs, deterministic keys, compressed and verified uploads, reading shards back;
+one attempt per call (the shipper backs off)."""
 
 from __future__ import annotations
 
