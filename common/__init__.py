@@ -1,3 +1,2 @@
-"""Shared building blocks of genq's services, in rooms by concern (queue, data, store, report,
-sglang) beside a few loose modules every service uses (cli, errors, log, net, params). Services
-import common/, never each other."""
+"""Shared building blocks in rooms by concern (queue, data, store, report, sglang) beside a few
+loose modules; services import common/, never each other."""

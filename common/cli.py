@@ -48,9 +48,8 @@ def run_keys(run: str) -> RunKeys:
         raise UsageError(str(e)) from None
 
 
-# redis-py's own retries (10, backoff up to 10 s) would hold one call a minute or more while
-# Redis is down, deaf to SIGTERM and silent in the log. Services retry with their own logged
-# backoff, so the client retries once at once: enough to reconnect a dropped connection.
+# redis-py's own retries would hold a call for a minute, deaf to SIGTERM and silent; services
+# retry with their own logged backoff, so the client retries once: enough to reconnect.
 def service_retry() -> Retry:
     return Retry(NoBackoff(), 1)
 
@@ -76,9 +75,8 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
 def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False,
             stop: threading.Event | None = None,
             give_up_after: float | None = None) -> redis.Redis | None:
-    """A client that has answered PING, or one clear error naming the URL (masked); with
-    `wait=True` it waits for Redis, logging once as it starts, at a slowing pace meanwhile and
-    once at its end (None if `stop` is set), for at most `give_up_after` seconds if given."""
+    """A client that answered PING, or one clear error naming the URL (masked); `wait=True` waits
+    for Redis, logging the outage (None once `stop` is set; at most `give_up_after` s)."""
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30,
                                       socket_timeout=socket_timeout, retry=service_retry())
@@ -111,8 +109,8 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
 
 
 def risky_redis_settings(r: redis.Redis) -> list[str]:
-    """What in this Redis's configuration can lose a run's state (docs/RELIABILITY.md:
-    appendonly yes, maxmemory-policy noeviction). Empty when CONFIG is not allowed."""
+    """What in this Redis's configuration can lose a run's state (docs/RELIABILITY.md); empty
+    when CONFIG is not allowed."""
     try:
         config = r.config_get("appendonly")
         config.update(r.config_get("maxmemory-policy"))
@@ -128,8 +126,7 @@ def risky_redis_settings(r: redis.Redis) -> list[str]:
 
 
 def guarded(main: Callable[[list[str] | None], int]) -> Callable[..., int]:
-    """Wrap a command's main (argv, or sys.argv[1:] without one): GenqError and Redis trouble
-    become one line and an exit code."""
+    """Wrap a command's main: GenqError and Redis trouble become one line and an exit code."""
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:

@@ -38,8 +38,8 @@ class BadTask(GenqError):
 
 
 class TryAgain(GenqError):
-    """No finished result (finish_reason missing or unknown), or a prompt longer than this
-    server's context: not proof of a bad prompt, so the task runs again, spending an attempt."""
+    """No finished result, or a prompt too long for this server's context: not proof of a bad
+    prompt, so the task runs again, spending an attempt."""
 
 
 class Retryable(GenqError):
@@ -47,8 +47,7 @@ class Retryable(GenqError):
 
 
 class ServerUnavailable(Retryable):
-    """The LLM server answered 5xx, refused or reset the connection, or timed out.
-    `retry_after`: the seconds the server asked to wait (its Retry-After header), if it did."""
+    """The server answered 5xx, refused, reset or timed out; `retry_after`: its Retry-After."""
 
     def __init__(self, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
@@ -71,19 +70,16 @@ class StoreUnavailable(Retryable):
     """S3 cannot take or give a shard now; the shard stays on disk and is shipped later."""
 
 
-# Redis trouble that passes on its own or once an operator acts: unreachable, timed out,
-# loading its AOF (BusyLoadingError is a ConnectionError), at maxmemory, a read-only replica.
-# The builtin ConnectionError and TimeoutError are the socket's own (reset, refused, an
-# asyncio.timeout around a call); any other OSError is judged by `classify`.
+# Redis trouble that passes on its own or once an operator acts (unreachable, loading its AOF,
+# at maxmemory, a read-only replica), and the socket's own errors; `classify` judges other OSErrors.
 REDIS_TROUBLE: tuple[type[Exception], ...] = (
     redis.ConnectionError, redis.TimeoutError, redis.exceptions.OutOfMemoryError,
     redis.exceptions.ReadOnlyError, ConnectionError, TimeoutError)
 
 
 def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:
-    """The one verdict on a failed task: BadTask (fail it now), TryAgain (give it back, spending
-    an attempt), Retryable (give it back without spending one, and back off), or None (a bug:
-    let it crash). Any other OSError (EIO on the data set) spends an attempt, so it ends."""
+    """The one verdict on a failed task: BadTask (fail it), TryAgain (retry, spending an attempt;
+    also any other OSError), Retryable (retry without spending one) or None (a bug)."""
     if isinstance(exc, BadTask):
         return BadTask
     if isinstance(exc, TryAgain):
@@ -100,8 +96,8 @@ _CREDENTIALS = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)([^\s:/@]*):[^\s/]*@")
 
 
 def mask_secrets(text: str) -> str:
-    """`redis://:secret@host` -> `redis://:***@host`, wherever a URL appears in the text: every
-    error, log line, status field and page goes through this before anyone sees it."""
+    """`redis://:secret@host` -> `redis://:***@host` wherever a URL appears: every message goes
+    through this."""
     return _CREDENTIALS.sub(r"\1\2:***@", text)
 
 
@@ -121,6 +117,6 @@ _POSITION = re.compile(r"line \d+ column \d+ \(char \d+\)|\(char \d+\)")
 
 
 def reason_kind(reason: str) -> str:
-    """A failure reason without what differs per prompt (its row number, a JSON error's
-    position), so that one cause is one kind, kept once for all the prompts it failed."""
+    """A failure reason without its per-prompt parts (row number, JSON error position): one
+    cause, one kind."""
     return _POSITION.sub("…", _ROW.sub("row N", reason)).strip()[:300] or "(no reason given)"

@@ -8,8 +8,7 @@ from pathlib import Path
 
 
 def write_atomic(path: Path, data: bytes, *, durable: bool = False) -> None:
-    """Write through a private temp file and a rename. durable: fsync the file before the
-    rename and the directory after it, so the new file also survives a crash of the machine."""
+    """Write via a private temp file and a rename; durable: fsync the file and directory too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -1,10 +1,6 @@
 """structlog configured once per process: JSON lines (orjson) off a terminal, readable on one.
-
-Logging must never stop a service: once stderr is a dead pipe (`genq consume ... | tee log`
-after Ctrl-C), a log call that raised would break its caller, the SIGTERM handler included.
-Failed writes are swallowed, and the descriptor is pointed at /dev/null so that nothing else
-written to it later (a traceback, the flush at exit) fails either.
-"""
+Logging never stops a service: once stderr is a dead pipe (`genq consume | tee` after Ctrl-C)
+writes are swallowed and the descriptor pointed at /dev/null, so later writes fail neither."""
 
 from __future__ import annotations
 
@@ -47,8 +43,8 @@ class SafeLogger:
 
 
 def silence(stream: IO[Any]) -> None:
-    """Point the stream's descriptor at /dev/null and drop what is still buffered, so the next
-    write (ours or anyone's) succeeds into nothing instead of raising again."""
+    """Point the stream's descriptor at /dev/null and drop its buffer, so later writes succeed
+    into nothing."""
     with contextlib.suppress(OSError, ValueError):
         fd = stream.fileno()
         null = os.open(os.devnull, os.O_WRONLY)
@@ -90,10 +86,8 @@ def say(text: str) -> None:
 
 
 class Outage:
-    """An outage of Redis (or another service), logged once when it starts, then at a slowing
-    pace (10 s, 20 s, 40 s... at most every 10 min), and once when it ends. Thread-safe.
-    `events`: those three events' names, when not <what>_unavailable, _still_unavailable and
-    _back."""
+    """An outage logged once when it starts, then at a slowing pace (10 s, 20 s... at most every
+    10 min), and once when it ends; `events` names those three. Thread-safe."""
 
     FIRST_REMINDER_S, MAX_REMINDER_S = 10.0, 600.0
 

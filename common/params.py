@@ -1,8 +1,5 @@
-"""Versioned generation parameters: parsing `--set KEY=VALUE`, storing versions, the request body.
-
-A job names no parameters. The run has a current version in Redis; a consumer reads it when it
-starts a request, so changing parameters never rewrites queued work.
-"""
+"""Versioned generation parameters: `--set KEY=VALUE`, stored versions, the request body. Jobs
+name no parameters: a request reads the current version."""
 
 from __future__ import annotations
 
@@ -66,8 +63,8 @@ def _split(pair: str, flag: str) -> tuple[str, str]:
 
 
 def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]:
-    """Typed values from --set KEY=VALUE (known parameters only: a typo must not make a new
-    version) and --raw KEY=VALUE (passed to the server as-is; JSON where it parses)."""
+    """Typed values from --set KEY=VALUE (known keys only: a typo must not make a version) and
+    --raw KEY=VALUE (as-is; JSON where it parses)."""
     changes: dict[str, Any] = {}
     for pair in pairs:
         key, raw = _split(pair, "--set")
@@ -94,8 +91,7 @@ def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]
 
 def apply(old: dict[str, Any], changes: dict[str, Any],
           unset: Iterable[str] = ()) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-    """The new parameters and what changed ({key: [old, new]}, None for absent); a change to
-    the value a key already has is no change."""
+    """The new parameters and what changed ({key: [old, new]}, None for absent)."""
     new = {**old, **changes}
     for key in unset:
         if key not in old:
@@ -126,8 +122,7 @@ def init_version_one(r: redis.Redis, k: RunKeys, params: dict[str, Any]) -> bool
 
 def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
     """Refuse a max_tokens that cannot fit the smallest context any consumer has read, even
-    with an empty prompt: every request would be refused, and a redo would have undone good
-    results for nothing."""
+    with an empty prompt: every request would be refused."""
     known = [(text(server), int(context)) for server, raw in r.hgetall(k.servers).items()
              if (context := orjson.loads(raw).get("context_length"))]
     server, context = min(known, key=lambda item: item[1], default=("", 0))
@@ -156,9 +151,8 @@ REDO_PASSES = {"truncated": ("truncated",), "failed": ("failed",), "all": ("done
 def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, inflight: str,
          unset: Iterable[str] = ()) -> tuple[int, dict[str, list[Any]]]:
     """Make a new current version from the current one plus `changes`; returns (version, what
-    changed). With inflight="abort" results of older versions written from now on (by Redis's
-    clock, as the records' created_at is) are refused. The redo
-    scope is recorded in the same step, so an older result acked later falls under it too."""
+    changed). inflight="abort" refuses older versions' results written from now on (Redis's
+    clock); the redo scope is recorded in the same step, covering older results acked later."""
     with r.pipeline() as pipe:
         while True:
             try:

@@ -27,9 +27,8 @@ REFUSALS_EVERY_S = 60.0
 
 
 class ClaimPause:
-    """Jittered pause of new requests: as long as the server asks (Retry-After), or doubled for
-    each failure in a row; requests in flight that fail during a pause do not lengthen it. A
-    refusal between successes is only retried by its slot after a moment (`in_slot`)."""
+    """Jittered pause of new requests: as long as the server asks (Retry-After), or doubled per
+    failure in a row; failures during a pause do not lengthen it."""
 
     def __init__(self) -> None:
         self.until = 0.0
@@ -41,9 +40,8 @@ class ClaimPause:
         return max(0.0, self.until - time.monotonic())
 
     def in_slot(self, e: Exception) -> float | None:
-        """The moment a refused request waits before its slot sends it again, as a plain client
-        would; None (give the task back: settle_error) for anything but a server's refusal, once
-        refusals come in a row, while a pause is on, or when the server asks for over a second."""
+        """The moment a refused request waits before its slot resends it, as a plain client
+        would; None (give the task back) unless a lone server refusal asking at most a second."""
         if not isinstance(e, ServerUnavailable) or isinstance(e, ServerStalled):
             return None
         wait = e.retry_after
@@ -114,8 +112,8 @@ class Duty:
 
 
 async def run_duty(duty: Duty, on_crash: Callable[[str], None]) -> None:
-    """Run the duty every period until cancelled, riding out Redis trouble (logged as an outage,
-    common/log.py); anything else is a bug: logged with its traceback, and the consumer stops."""
+    """Run the duty every period until cancelled, riding out Redis trouble; anything else is a
+    bug: logged, and the consumer stops."""
     while True:
         try:
             await duty.body()

@@ -54,8 +54,8 @@ REDIS_CONNECTIONS = 64
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="genq consume", description=__doc__)
     p.add_argument("--server", action="append", default=[],
-                   help="SGLang base URL, e.g. http://gpu0:30000; repeatable: the consumer "
-                        "leases one that no other consumer drives (env GENQ_SERVERS, a list)")
+                   help="SGLang base URL; repeatable: the consumer leases one no other "
+                        "consumer drives (env GENQ_SERVERS, a list)")
     p.add_argument("--server-lease", type=float, default=15.0,
                    help="seconds a dead consumer keeps its server from spares (default 15)")
     p.add_argument("--share-server", action="store_true",
@@ -63,8 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int,
                    help="requests kept in flight (default: the server's max_running_requests)")
     p.add_argument("--visibility-timeout", type=float, default=15.0,
-                   help="task lease length in seconds, renewed every third of it; a consumer "
-                        "that dies unseen has its tasks back this long after (default 15)")
+                   help="task lease length in seconds, renewed every third of it (default 15)")
     p.add_argument("--out", default="out", help="directory for output shards (default ./out)")
     p.add_argument("--burst", action="store_true",
                    help="exit once every prompt of the run is done or failed")
@@ -73,12 +72,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="longest one generation may take, in seconds (default 3600)")
     p.add_argument("--stall-timeout", type=float, default=60.0,
-                   help="seconds an answer may show no progress (the server's load not moving "
-                        "while it holds it; with --stream, no chunk) before the server is "
-                        "taken as hung and the task given back (default 60)")
+                   help="seconds an answer may show no progress (no load change; with "
+                        "--stream, no chunk) before the task is given back (default 60)")
     p.add_argument("--stream", action="store_true",
-                   help="stream answers: silence is seen per answer, but the server makes "
-                        "fewer tokens per second (docs/SGLANG.md)")
+                   help="stream answers: silence seen per answer, fewer tokens/s (docs/SGLANG.md)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default 10)")
     p.add_argument("--server-wait", type=float, default=10.0,
@@ -86,8 +83,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--name", help="consumer name shown in status (default host-pid)")
     p.add_argument("--poll", type=float, default=0.2, help="idle poll period, seconds")
     p.add_argument("--s3-uri", metavar="URI", default=os.environ.get("GENQ_S3_URI") or None,
-                   help="ship closed shards to s3://bucket/prefix (env GENQ_S3_URI); "
-                        "credentials, region and AWS_ENDPOINT_URL as boto3 finds them")
+                   help="ship closed shards to s3://bucket/prefix (env GENQ_S3_URI)")
     p.add_argument("--shard-records", type=int, default=500, metavar="N",
                    help="close a shard after this many records (default 500)")
     p.add_argument("--shard-minutes", type=float, default=10.0, metavar="M",
@@ -144,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("consumer_stopped", acked=0)
         return 0
     probe.close()
-    quiet_gc()
+    # Each task allocates short-lived objects by the hundred: the default thresholds made a
+    # full collection, walking everything start-up loaded, every ~1,000 tasks.
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
     return asyncio.run(shutdown.to_the_end(servers.drive(s, serve)))
 
 
 def check_writable(out: str) -> None:
-    """Fail at start, in one line naming the fix, on an output directory this user cannot write
-    (not with a traceback from the first shard, after claiming)."""
+    """Fail at start, in one line naming the fix, on an output directory this user cannot write."""
     path = os.path.abspath(out)
     while not os.path.isdir(path):  # made later; its nearest existing parent must allow that
         path = os.path.dirname(path)
@@ -164,8 +162,7 @@ def check_writable(out: str) -> None:
 
 
 def check_outdir(k: RunKeys, out: str, epoch: str) -> None:
-    """Refuse to write a new run's shards beside an earlier run's of the same name: its manifest
-    would be overwritten and its results mixed into this run's export."""
+    """Refuse to mix a new run's shards (and manifest) with an earlier run's of the same name."""
     found = manifests.find(out, k.run)
     if found is not None and found["epoch"] != epoch:
         fix = runhealth.recover_command(k.run, [os.path.abspath(out)])
@@ -173,13 +170,6 @@ def check_outdir(k: RunKeys, out: str, epoch: str) -> None:
             f"{out} holds the output of an earlier run {k.run!r} (epoch {found['epoch']}, "
             f"parameters v{found['params_version']}) that Redis no longer has; recover it with "
             f"`{fix}`, or give this run another --out")
-
-
-def quiet_gc() -> None:
-    """Each task allocates short-lived objects by the hundred: with the default thresholds a
-    full collection, walking everything start-up loaded, came every ~1,000 tasks."""
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
 
 
 async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str, int | None]:
@@ -201,8 +191,8 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
 
 
 def redis_client(url: str) -> aioredis.Redis:
-    """A few dozen connections keep up with thousands of slots (the calls are short scripts);
-    the pool blocks where redis-py's default one raises "Too many connections" past 100."""
+    """A blocking pool of a few dozen connections serves thousands of slots (redis-py's default
+    raises past 100)."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=REDIS_CONNECTIONS, timeout=None, socket_connect_timeout=5,
         socket_timeout=SERVICE_SOCKET_TIMEOUT_S,

@@ -1,6 +1,5 @@
-"""The consumer follows its server: a changed capacity or context length within seconds, and a
-slot count of what it runs at once less what other clients hold. A queue there lowers it at once
-(requests queued would start late, their slots idle); other changes need two samples agreeing."""
+"""The consumer follows its server: capacity and context changes within seconds, and slots of
+what it runs less other clients' share (a queue lowers them at once)."""
 
 from __future__ import annotations
 
@@ -24,15 +23,13 @@ def others(running: int, waiting: int, ours: int) -> int:
 
 
 def target_slots(running: int, waiting: int, max_running: int, ours: int) -> int:
-    """The slots that fill what the server runs at once, less the other clients' share;
-    always at least one (a server held by others still gets our work, in its turn)."""
+    """The server's max less the other clients' share, at least one."""
     return min(max_running, max(1, max_running - others(running, waiting, ours)))
 
 
 def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: int) -> int:
-    """The slot count a waiting queue asks for: the excess over the server's max, withdrawn in
-    proportion to our part (another genq withdraws its part), never below target_slots; nothing
-    more while ours above a lowered count are still there (their queue is being answered)."""
+    """The slot count a waiting queue asks for: the excess over the server's max withdrawn in
+    proportion to our part, never below target_slots, and not again until ours drop."""
     held = running + waiting
     excess = held - max_running  # a queue while slots are free is the KV pool's, not ours
     if waiting <= 0 or excess <= 0 or ours > current:
@@ -43,9 +40,9 @@ def withdrawn(current: int, running: int, waiting: int, max_running: int, ours: 
 
 def next_capacity(current: int, target: int, previous: int | None, lowered: int,
                   waiting: int) -> int:
-    """The slot count after one sample: `lowered` at once by a waiting queue; else moved only as
-    far as the smaller move of this sample's target and the previous one's, when both lie on the
-    same side (one sample taken as a request ended is noise). Never raised during a queue."""
+    """The slot count after one sample: `lowered` at once; else moved as far as the smaller move
+    of this and the previous target on the same side (one sample is noise), never raised during a
+    queue."""
     if lowered < current:
         return lowered
     if previous is None or waiting > 0:
@@ -117,8 +114,8 @@ class Follower:
         return capacity
 
     async def server_tick(self) -> tuple[int | None, bool]:
-        """Pick up a context length that changed, or the capacity of a server without a load
-        endpoint: the new slot count (or None), and whether the context changed."""
+        """Reread the context length, and the capacity of a server whose load lacks it: (new slot
+        count or None, context changed)."""
         try:
             capacity = None
             if not (self.load or {}).get("max_running_requests") and not self.fixed:

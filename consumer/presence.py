@@ -1,6 +1,5 @@
-"""How a consumer shows itself: a genq heartbeat and an RQ worker entry (`rq info`,
-rq-dashboard), both expiring on their own if the consumer dies. Beats go on while Redis has lost
-the run: their `run_state` keeps a restarted producer from registering it anew."""
+"""A consumer's heartbeat and RQ worker entry, expiring if it dies; `run_state` in beats keeps a
+producer from registering a lost run anew."""
 
 from __future__ import annotations
 
@@ -66,7 +65,7 @@ async def withdraw(r: aioredis.Redis, k: RunKeys, name: str) -> None:
 
 async def record_server(r: aioredis.Redis, k: RunKeys, server: str, context_length: int | None,
                         capacity: int) -> None:
-    """What a server said about itself, kept after its consumers are gone: `genq requeue`
-    refuses a max_tokens that cannot fit the smallest context among them."""
+    """What a server said about itself, kept after its consumers go: `genq requeue` checks
+    max_tokens against it."""
     entry = {"context_length": context_length, "capacity": capacity, "at": int(time.time())}
     await r.hset(k.servers, server, orjson.dumps(entry))

@@ -1,6 +1,5 @@
 """Which SGLang server a consumer drives: one lease per server in Redis (not per run), so that
-identical replicas need no configuration of their own. A spare waits, driving nothing (two
-consumers on one server would each keep its full capacity in flight)."""
+identical replicas need no configuration of their own; a spare waits, driving nothing."""
 
 from __future__ import annotations
 
@@ -49,17 +48,20 @@ return 1
 """
 
 
+def _parts(token: bytes | str) -> list[str]:
+    return (token.decode() if isinstance(token, bytes) else token).split("|")
+
+
 def owner_of(token: bytes | str | None) -> str:
     """The readable part of a lease token: consumer name and run."""
     if token is None:
         return "nobody"
-    parts = (token.decode() if isinstance(token, bytes) else token).split("|")
+    parts = _parts(token)
     return f"{parts[0]} (run {parts[1]})" if len(parts) > 1 else parts[0]
 
 
 def process_start(pid: int) -> str | None:
-    """When a process started (clock ticks since boot, /proc/PID/stat field 22), or None
-    when no such process exists. A pid reused by another process has another start."""
+    """When a process started (/proc/PID/stat field 22), or None if there is none."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
@@ -70,8 +72,7 @@ def process_start(pid: int) -> str | None:
 
 
 def pid_space() -> str:
-    """Where a pid means the same process: this host, since this boot, in this pid namespace
-    (two containers sharing a hostname do not share pids)."""
+    """Where a pid means the same process: this host, this boot, this pid namespace."""
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         namespace = os.readlink("/proc/self/ns/pid")
@@ -87,11 +88,10 @@ def new_token(name: str, run: str) -> str:
 
 
 def provably_gone(token: bytes | str | None) -> bool:
-    """The holder ran in this pid space and its process is gone (killed and relaunched in place):
-    no need to wait its lease out. One elsewhere, or that cannot be told apart, stays."""
+    """The holder ran in this pid space and its process is gone: no need to wait its lease out."""
     if not token:
         return False
-    parts = (token.decode() if isinstance(token, bytes) else token).split("|")
+    parts = _parts(token)
     if len(parts) < 6 or not parts[2] or parts[2] != pid_space() or not parts[3].isdigit():
         return False
     pid = int(parts[3])
@@ -103,8 +103,7 @@ def provably_gone(token: bytes | str | None) -> bool:
 
 async def try_take(r: aioredis.Redis, s: ConsumeSettings,
                    token: str) -> tuple[str | None, dict[str, str], str | None]:
-    """The first free server of s.servers, now leased to `token`, and the dead holder it was
-    taken from (or None); else None and who drives each one."""
+    """(first free server, now ours, dead holder taken from), else (None, who drives each)."""
     owners: dict[str, str] = {}
     ms = int(s.server_lease * 1000)
     for url in s.servers:
@@ -137,15 +136,9 @@ async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
 
 
 async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | None:
-    """Lease one of the servers, waiting as a spare while all are driven. None: stop asked
-    (SIGTERM/SIGINT) or, with --burst, the run settled while waiting.
-
-    A spare takes a server only once Redis has answered with the same run (epoch and last
-    recovery) for a whole server lease: a lost run (FLUSHALL, a restart without persistence)
-    takes the server leases with it, and an outage longer than the lease expires them, but a
-    live holder renews three times a lease and takes its lease back (`RENEW`, same token) as
-    soon as Redis answers, so it is back before any spare may take its server. While Redis
-    does not hold the run a spare waits (and reaps nothing), as the consumers do."""
+    """Lease one of the servers, waiting as a spare while all are driven; None when stopped or
+    (--burst) the run settled. A spare takes one only after Redis held the same run for a whole
+    lease, so a live holder renews first."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -203,8 +196,8 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
 
 async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
                lost: asyncio.Event) -> None:
-    """Renew every third of the lease. Once another consumer holds it (this one was frozen or cut
-    off past the lease), or on a bug, SIGTERM ourselves: the work is given back as at any stop."""
+    """Renew every third of the lease; once another holds it, or on a bug, SIGTERM ourselves (the
+    work goes back)."""
     ms = int(lease_s * 1000)
     try:
         while not lost.is_set():
@@ -225,8 +218,8 @@ async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
 
 
 async def drive(s: ConsumeSettings, serve: Callable[[ConsumeSettings], Awaitable[int]]) -> int:
-    """Lease a server, run `serve` on it while renewing the lease, release it on the way out.
-    Exit code 3 when the lease was lost, so a supervisor restarts this replica as a spare."""
+    """Lease a server, run `serve` on it, release it; exit code 3 when the lease was lost
+    (restart as a spare)."""
     if s.share_server:
         structlog.contextvars.bind_contextvars(server=s.server)
         return await serve(s)

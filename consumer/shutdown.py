@@ -1,6 +1,5 @@
-"""Bounds on a consumer's shutdown: after the --grace drain, slots still stuck (a release or ack
-on an unreachable Redis) get FORCE_AFTER_S more, then are cancelled (their leases expire on
-their own); a watchdog logs every stack if shutdown has not finished long after that."""
+"""Bounds on a consumer's shutdown: slots stuck after the --grace drain are cancelled
+FORCE_AFTER_S later, and a watchdog logs every stack after that."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ def dump_stuck(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def where(task: asyncio.Task) -> list[str]:
-    """The whole chain of awaits a task is suspended in, innermost last (print_stack shows
-    only the outermost coroutine)."""
+    """The whole chain of awaits a task is suspended in, innermost last."""
     chain: list[str] = []
     coro: Any = task.get_coro()
     while coro is not None:
@@ -66,9 +64,8 @@ async def bounded(slots: Sequence[asyncio.Task]) -> None:
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AFTER_S) -> None:
-    """Cancel the tasks until they are done, for at most `bound` seconds: a single cancel()
-    is not enough, as redis-py's asyncio client writes through `asyncio.wait_for`, which on
-    Python 3.11 drops a cancellation landing as the write ends, and a loop around it runs on."""
+    """Cancel the tasks until they are done, for at most `bound` seconds: on Python 3.11
+    redis-py's `asyncio.wait_for` can drop one cancellation, and a loop around it runs on."""
     pending = {t for t in tasks if not t.done()}
     deadline = time.monotonic() + bound
     while pending and time.monotonic() < deadline:
@@ -90,9 +87,8 @@ async def withdraw(body: Callable[[], Awaitable[None]]) -> None:
 
 
 async def to_the_end(main: Coroutine[Any, Any, int]) -> int:
-    """Run the consumer, then end every task it left: asyncio.run's own cleanup cancels each
-    once and waits for ever, so one task that lost its cancellation kept a finished --burst
-    consumer alive. One that will not end even so is left behind, and the process exits."""
+    """Run the consumer, then end every task it left (asyncio.run's cleanup cancels once and
+    waits for ever); one that will not end is left behind, and the process exits."""
     rc, error = 1, None
     try:
         rc = await main

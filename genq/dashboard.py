@@ -1,10 +1,5 @@
-"""`python -m genq.dashboard`: rq-dashboard on the run's Redis, read-only unless asked.
-
-rq-dashboard's buttons (requeue, delete, empty, compact) change RQ's lists behind genq's back
-(docs/REFERENCE.md says what genq then does), so every write is refused here (HTTP 403) unless
---allow-write is given; rq-dashboard's own --disable-delete gates only delete and empty. The
-genq way to redo work is `genq requeue --redo failed`.
-"""
+"""`python -m genq.dashboard`: rq-dashboard on the run's Redis; its buttons change RQ's lists
+behind genq's back, so writes answer 403 unless --allow-write."""
 
 from __future__ import annotations
 

@@ -40,16 +40,14 @@ def dataset(n: int) -> bytes:
 
 
 def die_with_parent() -> None:
-    """Run in each child before exec: the kernel kills it if the demo dies, even by SIGKILL
-    (a test's timeout), so nothing the demo started outlives it. Linux only; elsewhere the
-    demo's own cleanup is all there is."""
+    """Run in each child before exec: the kernel kills it when the demo dies, even by SIGKILL
+    (Linux only)."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def redis_url(procs: list[subprocess.Popen], workdir: Path) -> tuple[str, bool]:
-    """(URL, private?): REDIS_URL when the user set it, else a private redis-server with AOF
-    in the demo's temp dir, so the demo never writes to a Redis it was not pointed at."""
+    """(URL, private?): REDIS_URL if set, else a private redis-server (AOF) in `workdir`."""
     url = os.environ.get("REDIS_URL")
     if url:
         connect(url).close()  # one clear line (a bad or unreachable URL) before anything starts
@@ -178,8 +176,7 @@ def summary(env: dict[str, str]) -> str:
 
 
 def closing_advice(out: str, run: str, url: str, private: bool) -> str:
-    """Only commands that still work once the demo has stopped its services (and, with a
-    private Redis, deleted it): each line after "$ " is a command to copy."""
+    """Commands that still work once the demo's services (and private Redis) are gone."""
     q = shlex.quote
     lines = ["next:", f"  $ head -n 2 {q(out)}", "  $ genq demo --help"]
     if not private:

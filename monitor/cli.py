@@ -85,9 +85,8 @@ class Periodic(threading.Thread):
 
 
 def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
-    """A task body that logs each alert once when it appears (with its fix command) and once
-    when it clears, and the run's end once, so the log says what the page and the status table
-    say."""
+    """A task logging each alert once as it appears (with its fix) and as it clears, and the
+    run's end once."""
     active: dict[str, dict] = {}
     ends = runs.Ends()
 
@@ -111,8 +110,8 @@ def alert_logger(read: Callable[[], tuple[dict | None, str | None]]):
 
 
 def periodic_tasks(s: argparse.Namespace, client: redis.Redis, source: StatusSource) -> list[Task]:
-    """The progress file, alert logging, and the lease reaper: expired leases return to the
-    queue even when every consumer is gone (docs/RELIABILITY.md)."""
+    """The progress file, alert logging, and the reaper (expired leases return even with no
+    consumer left)."""
     runner, keys = ScriptRunner(client), RunKeys(s.run)
 
     def write_progress() -> None:

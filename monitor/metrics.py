@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UP_HELP = "Whether the monitor can read the run's status."
-LOADS = "its /v1/loads, or /get_load before SGLang 0.5"
+LOADS = "its /v1/loads"
 
 
 def _shipping(key: str):

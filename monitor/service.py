@@ -48,8 +48,7 @@ class StatusSource:
         return status, None
 
     def _check_identity(self, status: dict) -> None:
-        """A run re-created under the same name is another run: say so for as long as this
-        monitor runs, since its figures started again from nothing."""
+        """A run re-created under its name is another run: say so while this monitor runs."""
         epoch = status.get("epoch")
         with self._lock:
             if self._epoch is None:

@@ -97,13 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event) -> bool:
-    """Never register anew a run Redis lost: its new epoch would make every consumer following
-    the lost one exit, and `genq recover` then need --replace. Redis keeps no trace of a lost
-    run, the output directories (manifests) may be out of this producer's reach, and the data
-    set's index is any run's, but the consumers waiting for the recover keep heartbeats saying
-    the run is lost (consumer/presence.py): with any, wait (saying so once) until the run is
-    back; False if stopped meanwhile. With none (a new run, or every consumer gone) the run is
-    registered as usual."""
+    """Never register anew a run Redis lost while consumers' heartbeats wait for it (its new
+    epoch would make them exit): wait for it to be back; False if stopped."""
     if r.exists(k.meta):
         return True
     waiting = [b for b in heartbeats.read(r, k).values() if b.get("run_state") == runs.LOST]
@@ -123,9 +118,8 @@ def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event) -> bool:
 
 def enqueue_once(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,
                  runner: ScriptRunner) -> int:
-    """Every unfinished index, unless consumers are working the run: then only a window, so
-    a large data set is not dumped into Redis at once (a million RQ jobs is gigabytes);
-    the consumers' own top-up and the windowed producer queue the rest as it drains."""
+    """Every unfinished index, or only a window while consumers work the run (a million jobs is
+    gigabytes of Redis)."""
     live = live_capacity(r, k) > 0 or int(r.zcard(k.leases)) > 0
     want = max(0, window_size(r, k, s.window) - int(r.llen(k.rq_queue))) if live else info.total
     added = feed.top_up(r, k, info.total, want, runner, epoch=info.epoch) if want else 0
@@ -194,8 +188,7 @@ def top_up_window(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.
 
 
 def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:
-    """Queue nothing while Redis does not hold the run this producer registered: after a loss
-    every index looks unfinished, and a re-created run is not this producer's to feed."""
+    """Queue nothing while Redis does not hold the run this producer registered."""
     raw = r.hget(k.meta, "epoch")
     current = None if raw is None else text(raw)
     state = runs.judge(current, info.epoch)

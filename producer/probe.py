@@ -1,9 +1,5 @@
-"""`genq requeue --probe N --set KEY=VALUE`: try a pivot on a sample before committing it.
-
-The probe calls the run's servers (those its live consumers use) directly, a few requests at
-a time, rather than through the queue, so it touches no result, counter or shard, and keeps
-none of its answers: the committed redo generates every prompt again.
-"""
+"""`genq requeue --probe N`: try a pivot on a sample, calling the consumers' servers directly, so
+no result, counter or shard is touched."""
 
 from __future__ import annotations
 
@@ -51,8 +47,8 @@ def old_tokens(r: redis.Redis, k: RunKeys, indices: list[int]) -> list[int]:
 async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str, Any],
                   concurrency: int, partials: dict[int, dict] | None = None,
                   ) -> tuple[dict[int, Any], list[str]]:
-    """Run each (index, prompt) on the servers in turn, `concurrency` at a time per server;
-    one with a partial in `partials` (--continue) is continued from it."""
+    """Run each (index, prompt) on the servers, `concurrency` at a time each; one in `partials`
+    is continued."""
     answers: dict[int, Any] = {}
     errors: list[str] = []
 
@@ -110,11 +106,9 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
 def summarize(new: list[tuple[int, str | None]], old_tokens: list[int], *, population: int,
               remaining: int, remaining_mean: float, tok_per_s: float, servers: int,
               ) -> dict[str, Any]:
-    """The report: the truncation rate at the new limit with a Wilson interval, the new
-    lengths, and what the whole redo will cost. new: (completion_tokens, finish_reason) per
-    probed prompt; old_tokens: what those prompts' current results hold; population: prompts
-    the redo would run again; remaining: prompts not done yet, expected at remaining_mean
-    tokens each; tok_per_s: the run's output rate; servers: GPUs sharing it."""
+    """The report: truncation at the new limit (Wilson interval), the new lengths, and the whole
+    redo's cost. new: (completion_tokens, finish_reason) per probed prompt; old_tokens: their
+    current results'; population: prompts the redo runs; servers: GPUs sharing tok_per_s."""
     n = len(new)
     lengths = [t for t, _ in new]
     truncated = sum(1 for _, f in new if f == "length")

@@ -1,10 +1,5 @@
-"""`genq recover --shards DIR…`: rebuild a run that Redis lost (restarted without persistence,
-flushed, replaced) from its output: the run manifest beside the shards and every shard line.
-
-Safe to run twice and while consumers wait: when the run is already in Redis it changes
-nothing, and the run reappears in one MULTI with its identity written last, so a waiting
-consumer resumes on the whole state or not at all.
-"""
+"""`genq recover --shards DIR…`: rebuild a run Redis lost from its manifest and shards; safe to
+repeat, and the run reappears in one MULTI, its identity last."""
 
 from __future__ import annotations
 
@@ -64,8 +59,8 @@ def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
 
 
 def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
-    """Why the run must not be rebuilt now (it is there already, or another run holds the
-    name), or None when its state is gone."""
+    """Why the run must not be rebuilt now (present, or another run holds the name); None when it
+    is gone."""
     meta = {text(key): text(v) for key, v in r.hgetall(k.meta).items()}
     if "total" not in meta:
         return None
@@ -79,8 +74,8 @@ def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
 def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
             streams: Iterable[Iterable[bytes]], out_dirs: list[str], *,
             replace: bool = False) -> tuple[bool, str]:
-    """Rebuild the run from a manifest and shard line streams (local or shipped); returns
-    whether this call rebuilt it, and what happened in one line."""
+    """Rebuild the run from a manifest and shard line streams; (whether this call did, one line
+    saying what happened)."""
     if manifest["run"] != k.run:
         raise UsageError(f"the manifest is of run {manifest['run']!r}, not {k.run!r}")
     state = present(r, k, manifest["epoch"])

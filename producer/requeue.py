@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def find_partials(r: redis.Redis, k: RunKeys, total: int,
                   shards: list[str]) -> tuple[list[dict], int, list[str]]:
-    """The standing truncated results that can be continued, how many cannot (not found in the
-    shards, or not continuable), and the directories read."""
+    """The continuable standing truncated results, how many others, the directories read."""
     dirs = [d for d in shards or sorted(text(d) for d in r.smembers(k.outdirs))
             if os.path.isdir(d)]
     truncated = blob(r.get(k.truncated))
@@ -149,8 +148,7 @@ def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    """What a requeue will do, before it does it: --dry-run prints it and stops; every requeue
-    prints it after acting."""
+    """What a requeue will do: --dry-run prints it; every requeue prints it after acting."""
     run: str
     version: int  # the current version
     new_version: int
@@ -169,9 +167,8 @@ class Plan:
 
 def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: float,
                  ctok_sum: int, old_max: int, new_max: int, continued: int = 0) -> tuple[int, int]:
-    """(low, high) output tokens the requeue adds. A truncated result regenerates at least
-    its old max_tokens and at most the new one, one continued at most their difference; `all`
-    regenerates about what it has; failed prompts and aborted requests about a mean result."""
+    """(low, high) output tokens the requeue adds: a truncated result between its old and new
+    max_tokens (continued: their difference), `all` about what it has, others a mean result."""
     low = high = round((failed + aborted) * mean)
     if redo == "truncated":
         high += continued * max(0, new_max - old_max)

@@ -37,18 +37,12 @@ def real(name: str):
     return orjson.loads((REAL / name).read_bytes())
 
 
-def test_load_and_capacity_from_real_v1_loads_and_the_old_get_load():
+def test_load_and_capacity_from_real_v1_loads():
     # The KV figures are the real server's: a 65,536-token pool, idle.
     assert parse_load(real("v1_loads.json")) == {
         "num_reqs": 0, "num_waiting_reqs": 0, "max_running_requests": 16,
         "num_used_tokens": 0, "max_total_num_tokens": 65536, "token_usage": 0.0,
         "gen_throughput": 0.0}
-    old = [{"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 2, "num_tokens": 9},
-           {"dp_rank": 1, "num_reqs": 4, "num_waiting_reqs": None, "num_tokens": 1}]
-    assert parse_load(old) == {"num_reqs": 7, "num_waiting_reqs": 2,
-                               "max_running_requests": None, "num_used_tokens": 10,
-                               "max_total_num_tokens": None, "token_usage": None,
-                               "gen_throughput": None}
     busy = {"loads": [{"num_running_reqs": 16, "num_waiting_reqs": 0, "num_used_tokens": 1500,
                        "max_total_num_tokens": 65536, "max_running_requests": 16,
                        "gen_throughput": 812.5}] * 2}  # two DP ranks add up
@@ -175,11 +169,11 @@ def test_answers_without_a_finish_reason_spend_attempts_and_fail_with_the_reason
     assert httpx.get(sim.url + "/_sim/stats").json()["completed"] == 2 * n
 
 
-def test_a_warming_server_is_waited_for_and_an_older_ones_load_read_from_get_load(
+def test_a_warming_server_is_waited_for(
         tmp_path, redis_url, r, run_name):
     n = 6
     produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
-    sim = SimProcess(*sim_flags(legacy_get_load=True, max_running_requests=4, warmup=4,
+    sim = SimProcess(*sim_flags(max_running_requests=4, warmup=4,
                                 time_scale=20, length_dist="fixed:30"))
     with pytest.raises(TimeoutError):  # /health says 503 for the first 4 s
         sim.start(timeout=1)
@@ -198,6 +192,4 @@ def test_a_warming_server_is_waited_for_and_an_older_ones_load_read_from_get_loa
         sim.cleanup()
     waits = [e for e in events if e.get("event") == "waiting_for_server"]
     assert waits and "HTTP 503" in waits[0]["error"]
-    assert [e["endpoint"] for e in events if e.get("event") == "server_load_source"] == \
-        ["/get_load"]
-    assert rows[0]["load"]["endpoint"] == "/get_load" and rows[0]["capacity"] == 4
+    assert rows[0]["capacity"] == 4

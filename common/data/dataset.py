@@ -1,10 +1,6 @@
-"""Random access to a JSONL or Parquet data set by 0-based row index, as chat prompts.
-
-Fingerprint: ``"{rows}r-{size}b-{sha}"``, sha hashing the file's first and last MiB: cheap for
-a 10 GB file, and it changes when rows are added, removed or edited near either end (a same-size
-edit in the middle goes unnoticed). JSONL row offsets are indexed once per file version into
-``PATH.genq-idx`` (or, when its directory is not writable, ``~/.cache/genq/<hash>.genq-idx``).
-"""
+"""A JSONL or Parquet data set by 0-based row index, as chat prompts. Fingerprint:
+``"{rows}r-{size}b-{sha}"`` over the first and last MiB; JSONL offsets are indexed into
+``PATH.genq-idx`` (or ``~/.cache/genq/``)."""
 
 from __future__ import annotations
 

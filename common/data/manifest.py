@@ -1,8 +1,5 @@
-"""The run manifest: what `genq recover` needs besides the shards to rebuild a run that Redis
-lost (data set, fingerprint, epoch and generation, every parameter version, the requeue history,
-every consumer's output directory). Plain JSON beside the shards as
-``{out_dir}/{run}.manifest.json``, rewritten atomically whenever the run or its parameters change.
-"""
+"""The run manifest ``{out_dir}/{run}.manifest.json``: what `genq recover` needs besides the
+shards, rewritten atomically on every change."""
 
 from __future__ import annotations
 
@@ -94,8 +91,7 @@ def find(out_dir: str | os.PathLike[str], run: str) -> dict[str, Any] | None:
 
 
 def newest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
-    """The manifest that has seen the most of the run (consumers that were down missed some
-    requeues); all must be of the same run, or recovery would mix two runs' results."""
+    """The manifest that saw the most of the run; all must be of one run (else two would mix)."""
     epochs = {m["epoch"] for m in manifests}
     if len(epochs) > 1:
         raise UsageError(f"the output directories hold manifests of {len(epochs)} different "
@@ -105,9 +101,8 @@ def newest(manifests: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def upkeep(r: redis.Redis, k: RunKeys, out_dirs: list[str], epoch: str) -> int:
-    """Rewrite the manifest in every output directory of the run on this machine; returns how
-    many changed. Only while Redis holds the run of this epoch: a re-created run's manifest
-    must never replace the one an earlier run's shards need."""
+    """Rewrite the manifest in the run's output directories here; returns how many changed. Only
+    while Redis holds this epoch's run: a re-created run's must not replace an earlier one's."""
     manifest = snapshot(r, k)
     if manifest is None or manifest["epoch"] != epoch:
         return 0

@@ -1,9 +1,5 @@
-"""Parquet data sets: random access by row index without stalling the caller.
-
-A row group is decoded into an Arrow table (in C++, the GIL released) and converted to Python
-in batches of 1,024 rows, so one read costs milliseconds even when a file is one row group of
-millions of rows, which would take seconds to convert whole.
-"""
+"""Parquet data sets by row index: a row group decoded in C++ (GIL released), converted 1,024
+rows at a time, so a read takes milliseconds."""
 
 from __future__ import annotations
 

@@ -20,8 +20,8 @@ def shard_files(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
 
 def unheld_shards(out_dir: str | os.PathLike[str], run: str, mode: int,
                   lock: int) -> Iterator[tuple[Path, int]]:
-    """(path, fd opened with `mode`) of each shard of the run that no live writer holds, with
-    `lock` (LOCK_SH or LOCK_EX) taken on it; the fd is closed when the next one is asked for."""
+    """(path, fd opened with `mode`, `lock` taken) of each of the run's shards no live writer
+    holds; the fd closes when the next is asked for."""
     for path in shard_files(out_dir, run):
         try:
             fd = os.open(path, mode)
@@ -37,8 +37,8 @@ def unheld_shards(out_dir: str | os.PathLike[str], run: str, mode: int,
 
 
 def parse_line(line: bytes) -> dict[str, Any] | None:
-    """A shard line's record; None for a torn line (without its newline: a write that never
-    completed, so was never acknowledged) or one that is not a JSON object."""
+    """A shard line's record; None for a torn line (no newline: never acknowledged) or one not a
+    JSON object."""
     if not line.endswith(b"\n"):
         return None
     try:

@@ -1,21 +1,12 @@
 """Which result stands for each index, decided from a run manifest and the shard lines alone,
-and writing that state back into Redis as if the run had never stopped (`genq recover`).
+and writing that state back into Redis (`genq recover`). The rules are Redis's own:
+- a result older than a requeue with ``--inflight abort`` and written after it never stood;
+- of the rest, the newest (params_version, generation, attempt) stands, unless a ``--redo``
+  issued with a newer version covers it (``truncated``: it ended with ``length``; ``all``:
+  any): then it is kept aside and the index runs again. Each recover starts a new generation
+  (``gen`` in later lines), telling its claims from older ones under the same attempt.
 
-The rules are the ones Redis applies while the run lives:
-- a result whose parameter version is older than a requeue with ``--inflight abort`` and that
-  was written after that switch was refused by its ack: it never stood;
-- a result of an older version than a ``--redo`` whose scope covers it (``truncated``: it ended
-  with ``length``; ``all``: any) was set aside by the redo, even if it was accepted after the
-  redo was issued;
-- of what remains, the newest (params_version, generation, attempt) decides: it stands, or, if
-  a redo covers it, it is kept aside and the index runs again. A recover starts a new
-  generation (``gen`` in each line written after it), so a claim made after it is told apart
-  from one made before it under the same attempt number (a consumer that slept through the
-  loss may write that one later: its ack was refused).
-
-``rebuild`` reads shard line streams from anywhere (local files, S3) one at a time, in about
-50 bytes an index of the data set, whatever the number of shards or lines.
-"""
+``rebuild`` reads shard line streams (local files, S3) in about 50 bytes an index."""
 
 from __future__ import annotations
 
@@ -186,15 +177,13 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 
 
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
-    """Each per-index field as the bytes Redis's BITFIELD keeps (big-endian, #index), at its
-    final size (as a new run's: see PER_INDEX_BITS); 0 where an index has none, as in Redis."""
+    """Each per-index field as BITFIELD keeps it (big-endian), at full size."""
     columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt}
     return {name: _packed(column, WIDTHS[name]) for name, column in columns.items()}
 
 
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
-    """The run's counters (finish reasons, token sums) and its completion-length histogram,
-    over the standing results."""
+    """The run's counters and completion-length histogram over the standing results."""
     finish, ctoks, ptoks = rec.columns[2:]
     names = Counter(FINISH_NAMES.get(finish[i], "other") for i in rec.standing)
     counters = {f"finish:{name}": n for name, n in names.items()}

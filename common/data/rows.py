@@ -65,8 +65,8 @@ class Dataset:
         return _row_to_prompt(index, self._row(index))
 
     def cached(self, index: int) -> bool:
-        """Whether prompt(index) is quick (no disk read or decoding): a caller on an event loop
-        reads it inline, otherwise in a thread. A JSON-lines row is a disk read."""
+        """Whether prompt(index) is quick (no disk read): an event loop reads it inline, else in
+        a thread."""
         return False
 
     def verify(self, expected: str) -> None:

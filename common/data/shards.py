@@ -1,10 +1,5 @@
-"""Output shards: the consumer's durable JSON-lines sink, and reading shards back.
-
-A shard is ``{out_dir}/{run}.{name}.{start_ts}-{pid}.{seq:06d}.jsonl``, written by one process
-that holds an exclusive ``flock`` on it while it is open; a shard nobody holds is finished and
-may be repaired, shipped or read. ``seq`` counts the shards of one consumer name in one
-directory, durably (``.{run}.{name}.seq``), so it never repeats; it names the S3 object.
-"""
+"""Output shards ``{run}.{name}.{start}-{pid}.{seq:06d}.jsonl``, flock-ed by their writer while
+open; ``seq`` never repeats per name and directory (``.{run}.{name}.seq``)."""
 
 from __future__ import annotations
 
@@ -34,10 +29,8 @@ def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
 
 
 class ShardWriter:
-    """Appends records to the current shard, durably, one whole line or nothing; thread-safe.
-    With ``rotate_every=N`` a shard is closed after N records (``rotate_if_older`` closes one
-    by age, so a slow trickle still ships); each closed, non-empty shard is passed to
-    ``on_close``, the hook for shipping it."""
+    """Appends records to the current shard durably, whole lines only, thread-safe; a shard
+    closes after ``rotate_every`` records or by age and goes to ``on_close``."""
 
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
                  rotate_every: int | None = None,
@@ -88,8 +81,7 @@ class ShardWriter:
             os.close(fd)
 
     def write_many(self, records: list[dict[str, Any]]) -> None:
-        """Append several records with one fdatasync per shard they span; all durable, or an
-        error raised (lines written before a rotation then run again, as after a crash)."""
+        """Append records, one fdatasync per shard they span; all durable, or an error."""
         lines = [orjson.dumps(record) + b"\n" for record in records]
         done = 0  # lines durable so far
         while done < len(lines):
@@ -149,24 +141,18 @@ def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
 
 
 def shard_parts(path: Path) -> tuple[str, str, str]:
-    """(run, consumer name, shard id) from a shard's file name; the id is its zero-padded
-    sequence number, or its start time and pid for shards written before numbering."""
+    """(run, consumer name, zero-padded sequence number) from a shard's file name."""
     parts = path.name.removesuffix(".jsonl").split(".")
-    return parts[0], parts[1], parts[3] if len(parts) > 3 else parts[2]
+    return parts[0], parts[1], parts[3]
 
 
 NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far; the accepted
 
 
 class Picks:
-    """choose_records over line locations, for indices 0 ≤ index < total: per index the
-    (shard number, offset, length) of the line it keeps, in flat arrays (54 bytes an index,
-    whatever the records hold), so a run of any size is chosen in bounded memory.
-
-    The accepted line is the one with the (version, attempt) Redis accepted, of the newest
-    generation holding that pair (one made before a `genq recover` can share it: a consumer
-    that slept through the loss writes it late, its ack refused). Two different lines of the
-    same generation under it are `ambiguous`: the first read is kept."""
+    """Per index < total, where the line export keeps is (flat arrays, 54 bytes an index): the
+    accepted (version, attempt) of the newest generation, else the newest line; two different
+    accepted lines of one generation are `ambiguous`."""
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -183,9 +169,7 @@ class Picks:
 
     def offer(self, index: int, version: int, attempt: int, gen: int, digest: int,
               wanted: tuple[int, int] | None, file_no: int, offset: int, length: int) -> None:
-        """A line of ``index`` with this (version, attempt) of generation ``gen`` at (file_no,
-        offset, length), in the order choose_records would see it; ``wanted`` is the index's
-        accepted pair."""
+        """A line of ``index`` at (file_no, offset, length); ``wanted``: its accepted pair."""
         state, kept = self.state[index], (self.version[index], self.gen[index],
                                            self.attempt[index])
         if (version, attempt) == wanted:
@@ -209,10 +193,8 @@ class Picks:
 def pick_lines(paths: Sequence[Path], total: int,
                accepted: Callable[[int], tuple[int, int] | None],
                wanted: Callable[[int], bool] = lambda index: True) -> Picks:
-    """Export's first pass: every line of every shard, one shard open at a time, offered to
-    ``Picks`` for the indices 0 ≤ index < total that are ``wanted``. A torn or non-JSON line
-    counts in ``Picks.torn``; one whose index, params_version or attempt is not a 64-bit integer
-    is passed over (genq never writes one)."""
+    """Export's first pass: every shard line of a ``wanted`` index < total, offered to ``Picks``,
+    one shard open at a time; torn lines count in ``Picks.torn``, non-64-bit keys are skipped."""
     picks = Picks(total)
     low, high = -(1 << 63), (1 << 63) - 1
     for file_no, path in enumerate(paths):

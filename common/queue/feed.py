@@ -29,8 +29,8 @@ def free_indices(r: redis.Redis, k: RunKeys, total: int) -> Iterator[int]:
 
 def enqueue(r: redis.Redis, k: RunKeys, indices: list[int], runner: ScriptRunner,
             epoch: str = "") -> int:
-    """Enqueue these indices (skipping any already settled or pending); returns how many.
-    Raises RunStateLost if the run in Redis is not of this epoch (given one)."""
+    """Enqueue these indices (skipping settled or pending ones); how many. RunStateLost if the
+    run in Redis is not of `epoch`."""
     count = 0
     for start in range(0, len(indices), ENQUEUE_BATCH):
         # RQ's data field is zlib(pickle((func, instance, args, kwargs))), as Job.to_dict writes.

@@ -13,8 +13,7 @@ from common.queue.keys import RunKeys
 
 
 def read(r: redis.Redis, k: RunKeys, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
-    """The live heartbeats by consumer name: of these names, or of every consumer in the set;
-    one that expired or is not a JSON object is left out."""
+    """The live heartbeats (JSON objects) by consumer name: of these names, or of every one."""
     if names is None:
         # cast: redis-py's annotation covers ZRANGE with and without scores.
         names = [n.decode() for n in cast(list[bytes], r.zrange(k.consumers, 0, -1))]

@@ -1,9 +1,5 @@
-"""Every Redis key genq touches, derived from the run name in one place.
-
-RQ's own keys (``rq:queue:<q>``, ``rq:job:<id>``, the registries) are written in RQ 2.12's
-layout so that ``rq info`` and rq-dashboard show the real work; genq's own state lives under
-``genq:<run>:``. No other module builds key strings.
-"""
+"""Every Redis key genq touches, derived from the run name: RQ's in RQ 2.12's layout (for `rq
+info` and rq-dashboard), genq's under ``genq:<run>:``."""
 
 from __future__ import annotations
 
@@ -20,9 +16,8 @@ FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "other"}
 FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 
 
-# Each per-index bitmap and bitfield, by RunKeys attribute, with its width in bits. A new run
-# creates them at their final size: Redis grows a string by doubling it, so a run that let
-# them grow would keep up to twice the bytes it needs.
+# Each per-index bitmap and bitfield's width in bits. A new run creates them at their final size:
+# Redis grows a string by doubling it, which would keep up to twice the bytes needed.
 PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
                   "spent": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
                   "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8}
@@ -155,6 +150,6 @@ RUNS = "genq:runs"
 
 
 def server_lease(url: str) -> str:
-    """String: "<consumer>|<run>|<nonce>" of the one consumer driving this SGLang server, any
-    run; expires unless renewed (consumer/servers.py)."""
+    """String: the lease token of the one consumer driving this SGLang server, any run
+    (consumer/servers.py)."""
     return f"genq:server:{url}"

@@ -1,5 +1,5 @@
-"""Partial answers `genq requeue --continue` left for the consumers to continue: one entry per
-truncated index, zstd-compressed JSON, deleted by the ack that accepts its continuation."""
+"""Partial answers `genq requeue --continue` left for the consumers: zstd JSON per truncated
+index, deleted by the ack that accepts its continuation."""
 
 from __future__ import annotations
 

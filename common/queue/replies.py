@@ -1,7 +1,5 @@
-"""Redis replies as genq reads them. Every client genq makes keeps redis-py's default
-``decode_responses=False``, so a string reply is bytes; redis-py's annotations cannot know
-that and say ``bytes | str``. These narrow a reply where it is read (one isinstance each),
-so that mypy checks what is done with it."""
+"""Redis replies narrowed for mypy: genq's clients keep ``decode_responses=False``, so a string
+reply is bytes, though redis-py's annotations say ``bytes | str``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A run's registration in Redis: its data set, fingerprint, size and identity, checked on
-every use."""
+"""A run's registration in Redis: its data set, fingerprint, size and identity."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
 
 
 def preallocate(pipe: redis.client.Pipeline, k: RunKeys, total: int) -> None:
-    """Queue the creation of each per-index bitmap and bitfield not there yet, at its final
-    size (see PER_INDEX_BITS): a new run's, and a recovered one's."""
+    """Queue the creation of each per-index key not there yet, at its final size."""
     for name, bits in PER_INDEX_BITS.items():
         pipe.set(getattr(k, name), bytes((total * bits + 7) // 8), nx=True)
 
@@ -64,7 +62,7 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     if "total" not in meta:
         raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
-    if not meta.get("epoch"):  # registered before runs had one: HSETNX, so all agree
+    if not meta.get("epoch"):  # a run registered without one (tests' bare runs): HSETNX agrees
         r.hsetnx(k.meta, "epoch", new_epoch())
         meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
     return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
@@ -72,8 +70,7 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
 
 
 class Ends:
-    """Says each end of a run once: when it is first seen finished, and again after a requeue
-    (a new parameter version) even if the redo it brought ran out between two looks."""
+    """Says each end of a run once: when first seen finished, and after each requeue."""
 
     def __init__(self) -> None:
         self.seen: int | None = None  # the version last seen finished; None: not finished
@@ -84,8 +81,7 @@ class Ends:
 
 
 def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
-    """Every prompt done or failed, nothing queued or leased: the run has ended (until a
-    requeue brings work back)."""
+    """Every prompt done or failed, nothing queued or leased (until a requeue brings work)."""
     pipe = r.pipeline(transaction=False)
     pipe.bitcount(k.done)
     pipe.bitcount(k.failed)
@@ -99,8 +95,8 @@ OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 
 def judge(current: str | None, epoch: str) -> str:
-    """OK while Redis holds the run a service started on (`epoch`), LOST once it forgot it,
-    REPLACED once another run of the name was registered; `current`: the epoch Redis holds now."""
+    """OK while Redis holds the run of `epoch`, LOST once it forgot it, REPLACED once another
+    took its name."""
     return LOST if current is None else OK if current == epoch else REPLACED
 
 
@@ -108,8 +104,7 @@ NO_REASON = "(no reason recorded)"
 
 
 def failure_reasons(r: redis.Redis, k: RunKeys, indices: Sequence[int]) -> list[str]:
-    """The reason each of these failed indices (ascending) failed for: its number in fail_kind,
-    named in fail_kinds (the reason with its per-prompt parts blanked)."""
+    """The reason each of these failed indices (ascending) failed for, as fail_kind names it."""
     if not indices:
         return []
     lo = indices[0]

@@ -1,9 +1,5 @@
-"""The Lua scripts that move a task through RQ's states atomically, and their call shapes.
-
-Each ``*_call`` function is pure: it returns the script name, KEYS and ARGV for one state
-change, so the synchronous producer/monitor and the asynchronous consumer share one definition.
-Every script lives in ``common/queue/lua/`` with a comment saying which change it makes atomic.
-"""
+"""The Lua scripts (common/queue/lua/) that move a task through RQ's states atomically. Each
+``*_call`` is pure (script name, KEYS, ARGV), so sync and asyncio callers share one definition."""
 
 from __future__ import annotations
 
@@ -49,9 +45,8 @@ SOURCES = {name: _source(name) for name in NAMES}
 # rq's registry sweeps (`rq info`) use their own host clock; a live lease sits this far past
 # its genq deadline in rq:wip so they never mistake it for abandoned work.
 WIP_MARGIN_S = 24 * 3600
-# rq's tools see the last FINISHED_KEEP finished jobs (ack.lua trims the registry and deletes
-# older hashes), so a long run leaves no hash per task; 100 keeps the registry a small listpack
-# (zsets up to 128 members). Their TTL is only a backstop.
+# rq's tools see the last FINISHED_KEEP finished jobs (ack.lua deletes older ones), so a long run
+# leaves no hash per task; 100 keeps the registry a small listpack. Their TTL is a backstop.
 FINISHED_KEEP = 100
 RESULT_TTL_S = 30 * 24 * 3600
 FAILURE_TTL_S = 7 * 24 * 3600  # RQ's tools show a failed job this long; genq's failed bit stays
@@ -81,8 +76,7 @@ def _prefixes(k: RunKeys) -> list[str]:
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
                life: str = "") -> Call:
-    """life: the run as the caller knows it, "epoch|generation"; claims nothing (answers {0})
-    if the run in Redis is another."""
+    """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
     keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
             k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished,
             k.fail_kind, k.fail_kinds, k.meta]
@@ -107,14 +101,12 @@ class Result:
     finish_reason: str
     version: int
     attempt: int
-    created_at: float | None = None  # by Redis's clock (None: as if now), judged against the
-    # abort switches' times
+    created_at: float | None = None  # by Redis's clock (None: now), as abort switches are
     continued: int = 0  # tokens of the partial answer it continued (not decoded again)
 
 
 def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
-    """Several results of one consumer in one call; the script answers a code per result (all
-    refused if the run is not `life`, "epoch|generation", when given)."""
+    """Several results in one call: a code each (all refused if the run is not `life`)."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
@@ -172,9 +164,8 @@ def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = ""
 
 def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
               limit: int = 10_000) -> Call:
-    """what: "truncated" or "done" (results to undo) or "failed" (prompts to revive). Each call
-    is atomic, so a bounded slice (`limit` indices) holds Redis only briefly and the consumers'
-    acks are not held up."""
+    """what: "truncated"/"done" (results to undo) or "failed" (prompts to revive); a bounded
+    slice per call, so the atomic script never holds up the consumers' acks for long."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
             k.pending, k.kept]

@@ -37,8 +37,8 @@ def as_dicts(history: list[Any] | None) -> list[dict[str, Any]]:
 
 
 def window(samples: list[dict], now: float, window_s: float) -> list[dict]:
-    """The samples since the last one before the window began, all under the capacity in force
-    now; [] when they do not cover the window (too young, capacity changed, consumer gone)."""
+    """The samples covering the window, all under the capacity in force now; [] when they do not
+    cover it."""
     if not samples or now - samples[-1]["t"] > STALE_S:
         return []
     current = samples[-1]["max_running"]
@@ -80,7 +80,7 @@ def evidence(recent: list[dict]) -> dict[str, Any]:
 def capacity_advice(server: str, history: list[Any] | None, now: float,
                     window_s: float = WINDOW_S) -> dict[str, Any] | None:
     """"raise" or "lower" --max-running-requests for one server, with its evidence; None when
-    the samples do not cover the window or the server is sized right."""
+    sized right or unknown."""
     recent = window(as_dicts(history), now, window_s)
     if not recent or not recent[-1]["max_running"]:
         return None
@@ -140,8 +140,8 @@ def advice_alert(advice: dict[str, Any]) -> dict[str, Any]:
 
 
 def annotate(servers: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
-    """Give each status row its history as named samples and its advice; return the advice.
-    GENQ_ADVICE_WINDOW_S shortens or lengthens the window (tests, impatient people)."""
+    """Give each status row its named samples and advice; return the advice. GENQ_ADVICE_WINDOW_S
+    sets the window."""
     try:
         window_s = float(os.environ.get("GENQ_ADVICE_WINDOW_S") or WINDOW_S)
     except ValueError:

@@ -21,8 +21,8 @@ def recover_command(run: str, dirs: list[str]) -> str:
 
 
 def persistence_alert(r: redis.Redis, k: RunKeys, out_dirs: list[str]) -> dict | None:
-    """An alert while Redis has no append-only file: a restart forgets the run's state. None
-    when it has one, or when CONFIG is not allowed (managed Redis keeps its own)."""
+    """An alert while Redis has no append-only file (a restart forgets the run); None when CONFIG
+    is not allowed."""
     try:
         appendonly = r.config_get("appendonly").get("appendonly")
     except redis.ResponseError:
@@ -47,8 +47,8 @@ def replaced(run: str, current: str | None, mine: str, service: str) -> str:
 
 def report_change(log: Any, state: str, *, run: str, mine: str, current: str | None,
                   service: str, duty: str, command: str, then: str) -> str:
-    """Log once that the run changed to `state` (common.queue.run.judge); returns the reason.
-    `duty` is what the service stops while the run is lost, `then` what it does if replaced."""
+    """Log once that the run changed to `state` (run.judge); the reason. `duty` stops while it is
+    lost; `then` happens if replaced."""
     if state == LOST:
         reason = (f"run {run!r} is no longer in Redis ({LOST_CAUSE}); {duty} stopped until "
                   "it is back")

@@ -21,8 +21,8 @@ Z95 = 1.959964  # two-sided 95 %
 
 
 def activity_start(buckets: Buckets, created_at: float | None = None) -> float | None:
-    """When the run began producing results: the earliest bucket with completions, or the
-    run's creation time when that falls inside it."""
+    """When the run began producing results: its first bucket with completions, or its creation
+    time within it."""
     active = [b for b, f in buckets.items() if f.get("req", 0) > 0]
     if not active:
         return created_at
@@ -34,9 +34,8 @@ def activity_start(buckets: Buckets, created_at: float | None = None) -> float |
 
 def window_sum(buckets: Buckets, field: str, now: float, window_s: float,
                since: float | None = None) -> tuple[float, float]:
-    """Sum of ``field`` over [max(now - window_s, since), now] and that span's length in s.
-    A bucket partly inside the window counts in proportion, so the rate slides smoothly (the
-    current one whole: it holds exactly [its start, now]); a young run counts from `since`."""
+    """Sum of ``field`` over [max(now - window_s, since), now], and that span in s; a bucket
+    partly inside counts in proportion, so the rate slides smoothly."""
     since = min(since, now) if since is not None else None
     start = now - window_s if since is None else max(now - window_s, since)
     total = 0.0
@@ -117,8 +116,7 @@ def truncation_rate(length: int, done: int) -> float:
 
 def recent_truncation(buckets: Buckets, now: float, since: float | None = None,
                       version: int | None = None) -> tuple[float, float]:
-    """(share of the last RECENT_S seconds' completions truncated, their number); with a
-    version, of that parameter version's results only."""
+    """(truncated share of the last RECENT_S s's completions, their number), of `version`."""
     length_field, req_field = ("fin|length", "req") if version is None else (
         f"vlen|{version}", f"vreq|{version}")
     length, _ = window_sum(buckets, length_field, now, RECENT_S, since)
@@ -140,10 +138,12 @@ def throughput_series(buckets: Buckets, now_bucket: int, points: int = 60,
     return out
 
 
-def _truncation(message: str, max_tokens: int | None, run: str) -> dict:
-    """A truncation alert; where the limit is known, with the exact command that re-runs the
-    truncated prompts with twice the output budget."""
-    alert: dict = {"kind": "truncation", "message": message}
+def _truncation(finding: str, max_tokens: int | None, run: str, threshold: float) -> dict:
+    """A truncation alert (`finding` names the {limit}), with the command that redoes the
+    truncated prompts at twice the limit where it is known."""
+    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
+    alert: dict = {"kind": "truncation", "message": finding.format(limit=limit) + (
+        f" (threshold {threshold:.0%}); raise it and redo the truncated ones")}
     if max_tokens:
         # Pasted as is, the command must act on this run, not on whatever GENQ_RUN says.
         alert["command"] = (f"genq requeue --set max_tokens={2 * int(max_tokens)} --redo "
@@ -156,15 +156,12 @@ def truncation_alert(recent_rate: float, samples: float, max_tokens: int | None,
     """An alert when recent completions hit max_tokens more often than ``threshold``."""
     if samples < TRUNCATION_MIN_SAMPLES or recent_rate <= threshold:
         return None
-    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
     return _truncation(f"{recent_rate:.0%} of completions in the last {RECENT_S // 60} min hit "
-                       f"{limit} (threshold {threshold:.0%}); raise it and redo the truncated "
-                       "ones", max_tokens, run)
+                       "{limit}", max_tokens, run, threshold)
 
 
 def wilson(k: int, n: int) -> tuple[float, float]:
-    """Wilson score interval for k successes in n trials: honest at small n and near 0 or 1,
-    where the normal approximation gives impossible bounds."""
+    """Wilson score interval for k successes in n trials: honest at small n and near 0 or 1."""
     if n <= 0:
         return 0.0, 1.0
     p, z = k / n, Z95
@@ -175,8 +172,8 @@ def wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def version_truncation(buckets: Buckets, version: int) -> dict[str, Any]:
-    """Is the new limit enough? Completions and truncations under `version` in the buckets
-    read (the last hour), with a Wilson interval."""
+    """Is the new limit enough? `version`'s completions and truncations in the last hour, with a
+    Wilson interval."""
     n = int(sum(b.get(f"vreq|{version}", 0) for b in buckets.values()))
     k = int(sum(b.get(f"vlen|{version}", 0) for b in buckets.values()))
     low, high = wilson(k, n)
@@ -191,18 +188,15 @@ def version_alert(vt: dict[str, Any], max_tokens: int | None, run: str,
     if (vt["version"] <= 1 or vt["completions"] < TRUNCATION_MIN_SAMPLES
             or vt["rate"] <= threshold):
         return None
-    limit = f"max_tokens={max_tokens}" if max_tokens else "max_tokens"
     low, high = vt["ci"]
     return _truncation(f"{vt['rate']:.0%} (95% CI {low:.0%}-{high:.0%}) of the "
-                       f"{vt['completions']} completions under v{vt['version']} ({limit}) "
-                       f"still hit the limit (threshold {threshold:.0%}); raise it and redo "
-                       "the truncated ones", max_tokens, run)
+                       f"{vt['completions']} completions under v{vt['version']} ({{limit}}) "
+                       "still hit the limit", max_tokens, run, threshold)
 
 
 def stall_alerts(recent_req: Mapping[str, float], known_for_s: Mapping[str, float],
                  remaining: int) -> list[dict]:
-    """Alerts for servers with no completions in STALL_S seconds while work remains; one seen
-    for less than that is not judged yet (its first long answers may still be running)."""
+    """Alerts for servers known STALL_S s without a completion in that long, while work remains."""
     if remaining <= 0:
         return []
     return [{"kind": "stalled_server", "server": server,

@@ -139,9 +139,8 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
 
 
 def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int) -> tuple[list[dict], int]:
-    """Why prompts failed, from the failed bitmap and each failed index's reason number
-    (fail_kind, fail_kinds: the reason with its per-prompt parts blanked): [{"reason", "count",
-    "example_index"}...] (most common first), and how many failed indices were looked at."""
+    """[{"reason", "count", "example_index"}] of the failed prompts (most common first), and how
+    many were looked at."""
     bits = blob(r.get(k.failed)) if failed else b""
     indices = list(itertools.islice(bitmap.set_indices(bits), REASONS_CAP))
     kinds = runs.failure_reasons(r, k, indices)
@@ -153,8 +152,8 @@ def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int) -> tuple[list[dict
 
 
 def _shipping(raw: dict) -> dict | None:
-    """Shards in S3 (run totals) and still on disk (each consumer's backlog, kept until it
-    clears), with the newest upload error; None when nothing was ever shipped or tried."""
+    """Shards shipped (run totals) and pending (each consumer's backlog), the newest upload
+    error; None if nothing was tried."""
     if not raw:
         return None
     ship = {text(f): text(v) for f, v in raw.items()}

@@ -1,7 +1,5 @@
-"""The SGLang HTTP client (aiohttp): where capacity, load and context length live in each SGLang
-version, a chat answer under a stall watchdog (whole, or streamed with --stream), and retrying one
-that overflows the context.
-What real SGLang 0.5.x does differently is listed in docs/SGLANG.md."""
+"""The HTTP client (aiohttp) for SGLang 0.5.x (docs/SGLANG.md): capacity, load, context length,
+and a chat answer under a stall watchdog."""
 
 from __future__ import annotations
 
@@ -37,8 +35,6 @@ logger = structlog.get_logger("consumer")
 
 # A load older than this is read again for the watchdog (the follower reads it every second).
 LOAD_MAX_AGE_S = 1.5
-# Newest first: /get_load is gone in 0.5.x (404); older servers have only it.
-LOAD_PATHS = ("/v1/loads", "/get_load")
 # No answer, a broken one or none in time: the server's trouble, never the task's.
 TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 # The server's own endpoints (health, load, what it is) answer at once when it is alive.
@@ -49,8 +45,8 @@ KEEPALIVE_S = 4.0
 
 @dataclass
 class Progress:
-    """When the answer last showed a sign of life: a streamed chunk, or (a whole answer) the
-server's load moving while it holds this request."""
+    """When the answer last showed life: a streamed chunk, or (whole) the server's load moving
+    while it holds it."""
     started: float = field(default_factory=time.monotonic)
     last: float = field(default_factory=time.monotonic)
     chunks: int = 0
@@ -75,8 +71,6 @@ class SGLang:
         # Silence is policed by chat()'s watchdog, so the socket timeout only backs it up.
         self.chat_timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=request_timeout)
         self._session: aiohttp.ClientSession | None = None  # made on first use, in the loop
-        self.load_path: str | None = None  # the load endpoint this server has, once known
-        self._load_unknown_said = False
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, load)
         self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
 
@@ -119,8 +113,8 @@ class SGLang:
             raise ServerUnavailable(f"{self.url}/health: HTTP {status} (still starting?)")
 
     async def capacity(self) -> int | None:
-        """Requests the server runs at once, whatever flags it was launched with: 0.5.x reports
-        null in /get_server_info unless --max-running-requests was given."""
+        """Requests the server runs at once: 0.5.x reports null in /get_server_info without
+        --max-running-requests."""
         load = await self.load()
         if load and load.get("max_running_requests"):
             return int(load["max_running_requests"])
@@ -147,9 +141,8 @@ class SGLang:
         return str(models["data"][0]["id"])
 
     async def load(self) -> dict[str, Any] | None:
-        """Running and waiting requests summed over the server's DP ranks, and the capacity
-        in force when the server says it; None when the server cannot tell. Each read is kept
-        for the stall watchdog: one load poll per server, whatever the number of requests."""
+        """Running and waiting requests summed over DP ranks, with the capacity in force; None
+        when unknown. Each read is kept for the stall watchdog: one poll per server."""
         previous, load = self._load[1], await self._read_load()
         self._load = (time.monotonic(), load)
         if not self.stream and load and previous and load_moved(previous, load):
@@ -161,24 +154,13 @@ class SGLang:
         return load
 
     async def _read_load(self) -> dict[str, Any] | None:
-        for path in ([self.load_path] if self.load_path else LOAD_PATHS):
-            try:
-                status, content = await self._get(path)
-                if status in (404, 405):
-                    continue
-                if status != 200:
-                    return None
-                load = parse_load(orjson.loads(content))
-            except (ServerUnavailable, TypeError, ValueError, AttributeError):  # JSON: ValueError
+        try:
+            status, content = await self._get("/v1/loads")
+            if status != 200:
                 return None
-            if self.load_path is None:
-                self.load_path = path
-                logger.info("server_load_source", endpoint=path)
-            return {**load, "endpoint": path}
-        if not self._load_unknown_said:
-            self._load_unknown_said = True
-            logger.warning("server_load_unknown", reason="neither /v1/loads nor /get_load")
-        return None
+            return parse_load(orjson.loads(content))
+        except (ServerUnavailable, LookupError, TypeError, ValueError, AttributeError):
+            return None
 
     async def recent_load(self) -> dict[str, Any] | None:
         at, load = self._load
@@ -192,9 +174,8 @@ class SGLang:
     # --- one generation ------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], index: int,
                    on_request: Callable[[asyncio.Task], None] | None = None) -> Completion:
-        """One chat completion, run again with the max_tokens that fit when prompt +
-        max_tokens exceed the context. on_request gets the task of each request sent:
-        cancelling it aborts the request, and chat() raises CancelledError."""
+        """One chat completion, retried with the max_tokens that fit when it overflows the
+        context; cancelling a task passed to on_request aborts the request."""
         try:
             return await self._watched(body, index, on_request)
         except ContextExceeded as e:
@@ -270,9 +251,8 @@ class SGLang:
 
 async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
                           body: dict[str, Any], partial: dict[str, Any]) -> Completion | None:
-    """The whole answer continued from `partial` (its record's fields), asked with `ask`, or
-    None if the server did not take the partial as the answer's start (its prompt did not
-    grow): then the answer must be generated again."""
+    """The whole answer continued from `partial` (a record's fields) with `ask`, or None if the
+    server did not take the partial as its start (generate it again)."""
     prompt_tokens = int(partial["prompt_tokens"])
     if body["max_tokens"] <= int(partial["completion_tokens"]):  # the limit adds nothing
         return joined(partial, Completion(finish_reason="length", content="",

@@ -1,6 +1,5 @@
-"""The SGLang wire format (common/sglang/client.py speaks it): the streamed chat answer, the
-load answers of each version, and the verdict on an HTTP error. Pure functions of what the
-server sent, so tests can feed them the real server's answers."""
+"""The SGLang wire format: chat answers, the load and HTTP error verdicts, as pure functions
+tests feed real answers."""
 
 from __future__ import annotations
 
@@ -53,8 +52,8 @@ class Answer:
         self.done = False
 
     def feed(self, line: bytes, index: int, url: str) -> bool:
-        """Take one line (bytes, as read); True at the end of the stream. Constant work per
-        chunk: a thinking answer of 8,000 tokens is 8,000 chunks."""
+        """Take one line; True at the end of the stream. Constant work per chunk: an answer is
+        thousands of chunks."""
         if not line.startswith(b"data:"):
             return False
         data = line[5:].strip()
@@ -118,12 +117,10 @@ def finished(url: str, finish: str | None, content: str, reasoning: str | None,
 
 
 def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
-    """The request that continues a partial answer (a record's fields), max_tokens less what it
-    holds. SGLang 0.5.x drops a final assistant message sent with continue_final_message,
-    renders the chat template without it and appends the message's tokens after the generation
-    prompt (the template never sees it), and its reasoning parser reads that message: after a
-    `<think>` the new text is thinking, after a `</think>` answer. The qwen3 parser takes only
-    the tags out of the text, so the tags put back make the text the model wrote."""
+    """The request that continues a partial answer, max_tokens less what it holds. SGLang 0.5.x
+    appends a final assistant message sent with continue_final_message after the generation
+    prompt, and its reasoning parser reads it (after `<think>` new text is thinking): the tags
+    put back make the text the model wrote."""
     reasoning, content = partial.get("reasoning_content"), partial.get("content") or ""
     prefix = content
     if reasoning is not None and thinking_on(body):
@@ -135,8 +132,8 @@ def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, An
 
 
 def continuable(record: dict[str, Any]) -> bool:
-    """Whether a truncated record can be continued: it holds tokens, and no think tag in its
-    texts, which the prefix continue_body builds would split differently than the server did."""
+    """Whether a truncated record can be continued: it holds tokens and no think tag (the server
+    would split the prefix otherwise)."""
     texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
     return (record.get("finish_reason") == "length"
             and int(record.get("completion_tokens") or 0) > 0
@@ -144,8 +141,8 @@ def continuable(record: dict[str, Any]) -> bool:
 
 
 def joined(partial: dict[str, Any], new: Completion) -> Completion:
-    """The whole answer: the partial's texts with the continuation's after them (the parser
-    split the new text already), completion_tokens the sum, finish_reason the continuation's."""
+    """The whole answer: the partial's texts then the continuation's, tokens summed, the
+    continuation's finish_reason."""
     reasoning, more = partial.get("reasoning_content"), new.reasoning_content
     return replace(new, reasoning_content=None if reasoning is None and more is None
                    else (reasoning or "") + (more or ""),
@@ -157,9 +154,8 @@ def joined(partial: dict[str, Any], new: Completion) -> Completion:
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:
-    """A server without --reasoning-parser leaves the thinking in content; split it off the
-    way SGLang's qwen3/deepseek-r1 parsers do, so records look the same either way. Without a
-    `</think>` only an explicit `<think>` start marks (unfinished) thinking."""
+    """Split thinking a server without --reasoning-parser left in content as SGLang's qwen3
+    parser does; without `</think>` only a leading `<think>` marks (unfinished) thinking."""
     body = text.lstrip()
     if "</think>" in text:
         thought, _, answer = text.partition("</think>")
@@ -170,23 +166,18 @@ def split_thinking(text: str) -> tuple[str | None, str]:
 
 
 def parse_load(data: Any) -> dict[str, Any]:
-    """/v1/loads is {"loads": [per rank]}; the older /get_load a list (or one dict) of ranks.
-    Requests are summed over the ranks, and so are KV-cache use and decode speed (0.5.x
-    /v1/loads; None where absent, as in /get_load): what the capacity advice weighs."""
-    if isinstance(data, dict) and "loads" in data:
-        ranks, running_key = data["loads"] or [], "num_running_reqs"
-    else:
-        ranks, running_key = (data if isinstance(data, list) else [data]), "num_reqs"
+    """/v1/loads is {"loads": [per rank]}; requests, KV-cache use and decode speed are summed
+    over the ranks (None where absent): what the capacity advice weighs."""
+    ranks = data["loads"] or []
 
     def total(key: str, cast: type = int) -> Any:
         values = [rank.get(key) for rank in ranks if rank.get(key) is not None]
         return sum(cast(v) for v in values) if values else None
 
     used, pool = total("num_used_tokens"), total("max_total_num_tokens")
-    if used is None:
-        used = total("num_tokens")  # /get_load's name for the same figure
     usage = used / pool if used is not None and pool else None
-    return {"num_reqs": total(running_key) or 0, "num_waiting_reqs": total("num_waiting_reqs") or 0,
+    return {"num_reqs": total("num_running_reqs") or 0,
+            "num_waiting_reqs": total("num_waiting_reqs") or 0,
             "max_running_requests": total("max_running_requests") or None,
             "num_used_tokens": used, "max_total_num_tokens": pool,
             "token_usage": round(usage, 4) if usage is not None else None,
@@ -195,7 +186,7 @@ def parse_load(data: Any) -> dict[str, Any]:
 
 def load_moved(before: dict[str, Any], after: dict[str, Any]) -> bool:
     """Two load reads show the server working: a queue, or running requests whose KV use or
-    decode speed changed (a frozen server answers the same figures, or not at all)."""
+    decode speed changed."""
     keys = ("num_reqs", "num_used_tokens", "gen_throughput")
     return after["num_waiting_reqs"] > 0 or (
         after["num_reqs"] > 0 and any(before[key] != after[key] for key in keys))

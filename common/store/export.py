@@ -1,10 +1,5 @@
-"""`genq export`: one record per done index from every shard, the accepted attempt first.
-
-Any number of shards in a few dozen bytes an index and a few open files: the first pass notes
-where each index's chosen line is (shards.pick_lines); the second lays the output out in index
-order and copies the lines into place shard by shard. Where the accepted (version, attempt) is
-missing from the shards, the newest line is written and reported (`not_accepted`).
-"""
+"""`genq export`: one record per done index, the accepted attempt (else the newest, reported), in
+a few dozen bytes an index: where each line is, then copies in index order."""
 
 from __future__ import annotations
 
@@ -68,8 +63,7 @@ def _failed_line(run: str, index: int, reason: str) -> bytes:
 
 
 def kept_lookup(r: redis.Redis, k: RunKeys):
-    """index -> whether its result is one a redo set aside that stands again because the
-    new attempt failed for good (only asked of done indices)."""
+    """index -> whether its result is a redo's set-aside one, standing again."""
     raw = blob(r.get(k.kept))
     return lambda i: bitmap.is_set(raw, i)
 
@@ -88,8 +82,8 @@ _FAILED_BATCH = 5_000  # failure reasons read at a time
 
 def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
                   spill: IO[bytes]) -> tuple[array, array]:
-    """Write each failed index's record (in index order) to ``spill``, a batch of error texts
-    at a time, and rewind it; returns the indices and their records' lengths."""
+    """Write each failed index's record to ``spill`` in index order, then rewind it; the indices
+    and lengths."""
     indices = array("q", bitmap.set_indices(blob(r.get(k.failed)), below=total))
     lengths = array("q")
     for lo in range(0, len(indices), _FAILED_BATCH):
@@ -132,8 +126,8 @@ def _open_shard(path: Path) -> Iterator[int]:
 
 def _layout(picks: Picks, failed: array, failed_lengths: array, paths: list[Path],
             kept: Callable[[int], bool]) -> tuple[array, int, set[int]]:
-    """Where each written index starts in the output, the output's size, and the indices whose
-    line gets the kept mark: failed records and chosen lines, in index order."""
+    """Where each written index starts in the output, its size, and the indices whose line gets
+    the kept mark."""
     starts = array("q", bytes(8 * picks.total))
     state, lengths = picks.state, picks.length
     marked: set[int] = set()  # a redo's result kept when the redo failed: few
@@ -158,8 +152,7 @@ def _layout(picks: Picks, failed: array, failed_lengths: array, paths: list[Path
 
 
 def _by_shard(picks: Picks, n_files: int) -> tuple[array, array]:
-    """The indices to copy from shards grouped by shard (a counting sort): the indices, and
-    where each shard's run of them starts."""
+    """The indices to copy grouped by shard (counting sort), and each group's start."""
     state, files = picks.state, picks.file
     bounds = array("q", bytes(8 * (n_files + 1)))
     for index in range(picks.total):
@@ -178,8 +171,7 @@ def _by_shard(picks: Picks, n_files: int) -> tuple[array, array]:
 
 
 def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst: int) -> None:
-    """Copy each chosen line from its shard to its place in the output, one shard open at a
-    time, reading each shard's lines in file order."""
+    """Copy each chosen line to its place in the output, one shard open at a time, in file order."""
     grouped, bounds = _by_shard(picks, len(paths))
     offsets, lengths = picks.offset, picks.length
     for file_no, path in enumerate(paths):
@@ -194,8 +186,7 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
 
 def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
              wanted: Callable[[int], bool]) -> list[dict]:
-    """The accepted record of each done index that is ``wanted``, read from the shards the way
-    export reads them; an index whose accepted line is not there is left out."""
+    """The accepted record of each done, ``wanted`` index found in the shards."""
     accepted, is_done, _ = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
     picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i))

@@ -1,8 +1,5 @@
-"""Where `genq export` reads from and what it writes, around common/store/export.py's rules:
-``--from-s3 URI`` exports, as from disk, the run's shards downloaded into a temporary directory;
-``--format parquet`` writes typed columns in row groups of bounded size, a file that
-``datasets.load_dataset("parquet", data_files=...)`` and pyarrow read as they are.
-"""
+"""`genq export`'s sources and formats: ``--from-s3`` downloads the shards first; ``--format
+parquet`` writes typed columns in bounded row groups."""
 
 from __future__ import annotations
 
@@ -65,8 +62,7 @@ def jsonl_to_parquet(src: str, out: str) -> int:
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
                from_s3: str | None = None, fmt: str = "jsonl",
                **options: Any) -> export.ExportResult:
-    """export.export from ``dirs`` or from S3 (the run's shards downloaded into a temporary
-    directory), into JSONL or Parquet; ``options`` go to it as they are."""
+    """export.export from ``dirs`` or S3 into JSONL or Parquet; ``options`` are passed on."""
     with contextlib.ExitStack() as stack:
         if from_s3:
             dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="genq-s3-"))]

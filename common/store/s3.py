@@ -1,9 +1,5 @@
-"""genq's view of S3: ``s3://bucket/prefix`` URIs, deterministic object keys, compressed and
-verified uploads, and reading a run's shards back for export and recover.
-
-Credentials, region and ``AWS_ENDPOINT_URL`` come from boto3's own resolution; genq adds only
-timeouts and a single attempt per call, so the shipper's own backoff decides when to retry.
-"""
+"""S3 for genq: URIs, deterministic keys, compressed and verified uploads, reading shards back;
+one attempt per call (the shipper backs off)."""
 
 from __future__ import annotations
 
@@ -72,8 +68,7 @@ def client() -> Any:
 
 
 def shard_key(uri: S3Uri, path: Path) -> str:
-    """``<prefix>/<run>/<consumer>/shard-000123.jsonl.zst`` from the shard's own name, so a
-    retry or a restarted consumer writes the same object, never a second one."""
+    """``<prefix>/<run>/<consumer>/shard-000123.jsonl.zst``: a retry writes the same object."""
     run, name, shard_id = shard_parts(path)
     return uri.key(run, name, f"shard-{shard_id}{SUFFIX}")
 
@@ -106,8 +101,8 @@ def head(s3: Any, uri: S3Uri, key: str) -> dict | None:
 
 
 def put_verified(s3: Any, uri: S3Uri, key: str, body: bytes, meta: dict[str, str]) -> None:
-    """Upload ``body``; S3 checks it against its MD5 on the way in, and the head read back
-    must show the same length, MD5 (where the ETag is one) and SHA-256."""
+    """Upload ``body`` (S3 checks its MD5); the head read back must show the same length, MD5 and
+    SHA-256."""
     md5 = hashlib.md5(body, usedforsecurity=False)
     sha = hashlib.sha256(body).hexdigest()
     s3.put_object(Bucket=uri.bucket, Key=key, Body=body,
@@ -134,8 +129,7 @@ def shard_keys(s3: Any, uri: S3Uri, run: str) -> list[str]:
 
 
 def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
-    """A binary stream of a shard object's content, decompressed by its suffix (genq writes
-    zstd; a gzip object, put there by other tools, reads too)."""
+    """A shard object's content, decompressed by its suffix (zstd as genq writes it, or gzip)."""
     body = s3.get_object(Bucket=uri.bucket, Key=key)["Body"]
     if key.endswith(".zst"):
         # Buffered, so that callers can iterate lines (the bare reader cannot readline).
@@ -145,8 +139,8 @@ def open_object(s3: Any, uri: S3Uri, key: str) -> Any:
 
 
 def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]:
-    """(consumer, shard id, decompressed stream of lines) for each shard of the run; each
-    stream is closed once the next is asked for."""
+    """(consumer, shard id, stream of lines) per shard of the run; each closes when the next is
+    asked for."""
     with as_unavailable(f"listing {uri}/{run}"):
         keys = shard_keys(s3, uri, run)
     for key in keys:
@@ -162,9 +156,8 @@ def iter_shards(s3: Any, uri: S3Uri, run: str) -> Iterator[tuple[str, str, Any]]
 
 def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
                ) -> tuple[list[Any], Iterator[Any]]:
-    """What `genq recover --from-s3 URI` reads: every consumer's shipped manifest (each ships
-    its own, so one that missed a requeue never hides a newer one), checked by
-    ``parse_manifest(content, where)``, and the run's shards as streams of lines."""
+    """What `genq recover --from-s3` reads: every consumer's shipped manifest (checked by
+    ``parse_manifest``) and the run's shards as streams of lines."""
     parsed, s3 = parse_uri(uri), client()
     with as_unavailable(f"reading the manifests under {parsed}/{run}"):
         keys = sorted(key for key in _run_keys(s3, parsed, run) if key.endswith("/" + MANIFEST))
@@ -175,8 +168,7 @@ def run_source(uri: str, run: str, parse_manifest: Callable[[bytes, str], Any]
 
 
 def fetch_run(uri: S3Uri, run: str, dest: str | os.PathLike[str]) -> None:
-    """Download every shard of ``run`` into ``dest`` as ``{run}.{consumer}.{shard id}.jsonl``,
-    laid out like a consumer's output directory."""
+    """Download the run's shards into ``dest``, laid out like a consumer's output directory."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     path = dest

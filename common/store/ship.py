@@ -1,10 +1,6 @@
-"""Ship closed shards (and any other run file, such as the manifest) to S3 in the background.
-
-One asyncio task per consumer; compression and boto3 calls run in threads, so generation never
-waits for S3. A shard is uploaded under its deterministic key, verified, then recorded in
-``genq:<run>:shipped``; only then may its local copy go. When S3 fails, shards stay on disk and
-are retried with backoff, and the backlog is reported in ``genq:<run>:ship``.
-"""
+"""Ship closed shards (and the manifest) to S3 from one asyncio task per consumer, boto3 in
+threads. A shard is uploaded, verified, then recorded in ``genq:<run>:shipped`` before its local
+copy may go; on S3 trouble it stays on disk, retried with backoff (backlog: ``genq:<run>:ship``)."""
 
 from __future__ import annotations
 
@@ -93,8 +89,7 @@ class Shipper:
                 self.queue[path] = Item(path, key, False, st.st_size, version)
 
     def scan(self) -> int:
-        """Queue every finished shard of the run in the output directory (left by a consumer
-        that stopped or died); those already shipped are skipped after one look at Redis."""
+        """Queue every finished shard of the run in the output directory not shipped yet."""
         found = closed_shards(self.out, self.k.run)
         for path in found:
             self.add_shard(path)
@@ -150,9 +145,8 @@ class Shipper:
                     seconds=round(time.monotonic() - started, 3), backlog=len(self.queue) - 1)
 
     def upload(self, item: Item, body: bytes, meta: dict[str, str]) -> str:
-        """Upload under the item's key and return the key used. An object already there
-        with the same content is kept as it is; one with other content (a reused consumer
-        name on a wiped disk) is never overwritten: the shard goes beside it instead."""
+        """Upload under the item's key and return the key used: one holding other content is
+        never overwritten (the shard goes beside it)."""
         key = item.key
         with store.as_unavailable(f"uploading {item.path.name} to {self.uri}"):
             if item.shard:
@@ -184,8 +178,7 @@ class Shipper:
         await asyncio.sleep(delay)
 
     async def report(self) -> None:
-        """Backlog and last error of this consumer in genq:<run>:ship; fields removed once
-        clear, so the hash stays as small as the number of consumers with trouble."""
+        """This consumer's backlog and last error in genq:<run>:ship; fields removed once clear."""
         me, pending = self.consumer, [i.size for i in self.queue.values() if i.shard]
         backlog = {f"pending|{me}": len(pending), f"pending_bytes|{me}": sum(pending)}
         error = {f"error|{me}": self.last_error or "", f"error_at|{me}": round(time.time(), 3)}
@@ -209,8 +202,7 @@ class Shipper:
 
 
 async def mark_shipped(r: Any, k: RunKeys, field: str, key: str, entry: dict) -> bool:
-    """Record the shard as shipped, once: the totals count each shard exactly once however
-    often it is uploaded (a retry after a lost reply, two consumers on one directory)."""
+    """Record the shard as shipped once, however often it was uploaded."""
     entry = {**entry, "key": key}
     while True:
         async with r.pipeline(transaction=True) as pipe:
