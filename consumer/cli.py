@@ -180,8 +180,8 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
             await server.health()
             capacity = s.concurrency or await server.capacity()
             if not capacity:
-                raise GenqError(f"{s.server} reports no max_running_requests in /v1/loads or "
-                                "/get_server_info; pass --concurrency")
+                raise GenqError(f"{s.server} reports no max_running_requests in /v1/loads; "
+                                "pass --concurrency")
             return capacity, await server.model(), await server.context_length()
         except ServerUnavailable as e:
             if time.monotonic() >= deadline:
