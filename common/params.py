@@ -170,7 +170,6 @@ def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, infl
                     pipe.set(k.params_floor, version + 1)
                 for scope in REDO_SCOPES.get(redo, ()):
                     pipe.hset(k.redo_marks, scope, version + 1)
-                pipe.publish(k.events, orjson.dumps(entry))
                 pipe.execute()
                 return version + 1, diff
             except redis.WatchError:

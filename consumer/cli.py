@@ -180,8 +180,8 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
             await server.health()
             capacity = s.concurrency or await server.capacity()
             if not capacity:
-                raise GenqError(f"{s.server} reports no max_running_requests in /v1/loads or "
-                                "/get_server_info; pass --concurrency")
+                raise GenqError(f"{s.server} reports no max_running_requests in /v1/loads; "
+                                "pass --concurrency")
             return capacity, await server.model(), await server.context_length()
         except ServerUnavailable as e:
             if time.monotonic() >= deadline:
@@ -222,7 +222,7 @@ async def serve(s: ConsumeSettings) -> int:
     server = SGLang(s.server, request_timeout=s.request_timeout, stall_timeout=s.stall_timeout,
                     stream=s.stream)
     client = redis_client(s.redis_url)
-    ship = Shipping.start(s, k, writer, client)
+    shipper, shipping = start_shipping(s, k, writer, client)
     rc = 0
     try:
         capacity, model, context = await wait_for_server(server, s)
@@ -240,12 +240,12 @@ async def serve(s: ConsumeSettings) -> int:
         logger.info("consumer_stopped", acked=consumer.acked, crashed=consumer.crashed or None)
         if consumer.runstate.failure:
             raise GenqError(consumer.runstate.failure)
-        if ship is not None:
+        if shipper is not None:
             writer.close()  # the last shard joins the backlog
-            rc = await ship.finish(s.ship_wait if s.burst else min(s.ship_wait, s.grace))
+            wait = s.ship_wait if s.burst else min(s.ship_wait, s.grace)
+            rc = await finish_shipping(shipper, wait)
     finally:
-        if ship is not None:
-            await ship.cancel()
+        await shutdown.cancel_and_wait(shipping)
         await server.close()
         await client.aclose()
         sync.close()
@@ -261,39 +261,33 @@ def shipper_died(task: asyncio.Task) -> None:
         logger.error("shipper_died", error=repr(task.exception()))
 
 
-class Shipping:
-    def __init__(self, shipper: Shipper, task: asyncio.Task) -> None:
-        self.shipper, self.task = shipper, task
+def start_shipping(s: ConsumeSettings, k: RunKeys, writer: ShardWriter,
+                   client: aioredis.Redis) -> tuple[Shipper | None, list[asyncio.Task]]:
+    """The shipper and its task, or (None, []) without --s3-uri."""
+    if not s.s3_uri:
+        return None, []
+    shipper = Shipper(store.parse_uri(s.s3_uri), k, writer.name, s.out, client,
+                      keep_local=s.keep_local)
+    writer.on_close = shipper.closed
+    # The run manifest `genq recover` needs (written beside the shards) goes along.
+    shipper.watch(Path(s.out) / f"{s.run}.manifest.json", f"{writer.name}/{store.MANIFEST}")
+    found = shipper.scan()
+    if found:
+        logger.info("unshipped_shards_found", shards=found, out=s.out)
+    task = asyncio.create_task(shipper.run(writer, s.shard_minutes * 60))
+    task.add_done_callback(shipper_died)
+    return shipper, [task]
 
-    @classmethod
-    def start(cls, s: ConsumeSettings, k: RunKeys, writer: ShardWriter,
-              client: aioredis.Redis) -> Shipping | None:
-        if not s.s3_uri:
-            return None
-        shipper = Shipper(store.parse_uri(s.s3_uri), k, writer.name, s.out, client,
-                          keep_local=s.keep_local)
-        writer.on_close = shipper.closed
-        # The run manifest `genq recover` needs (written beside the shards) goes along.
-        shipper.watch(Path(s.out) / f"{s.run}.manifest.json", f"{writer.name}/{store.MANIFEST}")
-        found = shipper.scan()
-        if found:
-            logger.info("unshipped_shards_found", shards=found, out=s.out)
-        task = asyncio.create_task(shipper.run(writer, s.shard_minutes * 60))
-        task.add_done_callback(shipper_died)
-        return cls(shipper, task)
 
-    async def finish(self, wait: float) -> int:
-        """Ship what is left within `wait` seconds; 1, with one clear line, if some could not."""
-        left = await self.shipper.finish(wait)
-        if not left:
-            logger.info("all_shipped", shards=self.shipper.shipped, bytes=self.shipper.bytes)
-            return 0
-        print(f"genq: error: {len(left)} shard(s) not shipped to {self.shipper.uri} after "
-              f"{wait:g}s ({self.shipper.last_error or 'no answer yet'}); they stay in "
-              f"{self.shipper.out} and ship when a consumer starts there again with --s3-uri: "
-              f"{', '.join(p.name for p in left[:5])}{' …' if len(left) > 5 else ''}",
-              file=sys.stderr)
-        return 1
-
-    async def cancel(self) -> None:
-        await shutdown.cancel_and_wait([self.task])
+async def finish_shipping(shipper: Shipper, wait: float) -> int:
+    """Ship what is left within `wait` seconds; 1, with one clear line, if some could not."""
+    left = await shipper.finish(wait)
+    if not left:
+        logger.info("all_shipped", shards=shipper.shipped, bytes=shipper.bytes)
+        return 0
+    print(f"genq: error: {len(left)} shard(s) not shipped to {shipper.uri} after "
+          f"{wait:g}s ({shipper.last_error or 'no answer yet'}); they stay in "
+          f"{shipper.out} and ship when a consumer starts there again with --s3-uri: "
+          f"{', '.join(p.name for p in left[:5])}{' …' if len(left) > 5 else ''}",
+          file=sys.stderr)
+    return 1

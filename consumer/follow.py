@@ -82,8 +82,12 @@ class Follower:
             self.kept_at = now
             self.history.append(load_sample(now, self.load))
         if self.fixed or not self.load.get("max_running_requests"):
-            return None  # a server whose load does not say its max: server_tick reads it
-        return self.settle(self.track(self.load, ours))
+            return None
+        new = self.track(self.load, ours)
+        if new == self.capacity:
+            return None
+        self.capacity = new
+        return new
 
     def track(self, load: dict[str, Any], ours: int) -> int:
         """One load sample moves the slot count toward the server's max less the others'."""
@@ -107,26 +111,14 @@ class Follower:
                         others=others(running, waiting, ours))
         return new
 
-    def settle(self, capacity: int) -> int | None:
-        if capacity == self.capacity:
-            return None
-        self.capacity = capacity
-        return capacity
-
-    async def server_tick(self) -> tuple[int | None, bool]:
-        """Reread the context length, and the capacity of a server whose load lacks it: (new slot
-        count or None, context changed)."""
+    async def server_tick(self) -> bool:
+        """Reread the context length; whether it changed."""
         try:
-            capacity = None
-            if not (self.load or {}).get("max_running_requests") and not self.fixed:
-                capacity = await self.server.capacity()
             context = await self.server.context_length()
         except ServerUnavailable:
-            return None, False  # a restarting server: its slots are paused anyway
-        changed = context != self.context_length
-        if changed:
-            logger.info("server_context_changed", old=self.context_length, new=context)
-            self.context_length = context
-        if capacity and capacity != self.capacity:
-            logger.info("server_capacity_changed", old=self.capacity, new=capacity)
-        return (self.settle(capacity) if capacity else None), changed
+            return False  # a restarting server: its slots are paused anyway
+        if context == self.context_length:
+            return False
+        logger.info("server_context_changed", old=self.context_length, new=context)
+        self.context_length = context
+        return True

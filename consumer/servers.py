@@ -21,6 +21,7 @@ from common.cli import SERVICE_SOCKET_TIMEOUT_S
 from common.errors import REDIS_TROUBLE
 from common.log import REDIS_OUTAGE
 from common.queue.keys import RunKeys, server_lease
+from common.queue.replies import text
 from common.queue.scripts import ScriptRunner, expire_call, reap_call
 from common.report import runhealth
 from consumer import shutdown
@@ -48,15 +49,11 @@ return 1
 """
 
 
-def _parts(token: bytes | str) -> list[str]:
-    return (token.decode() if isinstance(token, bytes) else token).split("|")
-
-
 def owner_of(token: bytes | str | None) -> str:
     """The readable part of a lease token: consumer name and run."""
     if token is None:
         return "nobody"
-    parts = _parts(token)
+    parts = text(token).split("|")
     return f"{parts[0]} (run {parts[1]})" if len(parts) > 1 else parts[0]
 
 
@@ -91,7 +88,7 @@ def provably_gone(token: bytes | str | None) -> bool:
     """The holder ran in this pid space and its process is gone: no need to wait its lease out."""
     if not token:
         return False
-    parts = _parts(token)
+    parts = text(token).split("|")
     if len(parts) < 6 or not parts[2] or parts[2] != pid_space() or not parts[3].isdigit():
         return False
     pid = int(parts[3])
@@ -112,7 +109,7 @@ async def try_take(r: aioredis.Redis, s: ConsumeSettings,
         holder = await r.get(server_lease(url))
         if holder is not None and provably_gone(holder) and await r.eval(
                 TAKE_OVER, 1, server_lease(url), holder, token, ms):
-            return url, {}, holder.decode() if isinstance(holder, bytes) else holder
+            return url, {}, text(holder)
         owners[url] = owner_of(holder)
     return None, owners, None
 

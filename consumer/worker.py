@@ -83,9 +83,8 @@ class RunState:
 
     async def keep_manifest(self, sync: redis.Redis) -> None:
         """Rewrite the manifest beside the shards if the run or its parameters changed."""
-        if self.state != OK:
-            return
-        if await asyncio.to_thread(manifests.upkeep, sync, self.keys, [self.out_dir], self.epoch):
+        if self.state == OK and await asyncio.to_thread(manifests.upkeep, sync, self.keys,
+                                                        [self.out_dir], self.epoch):
             logger.debug("manifest_written", path=str(manifests.path(self.out_dir, self.keys.run)))
 
 
@@ -112,8 +111,7 @@ class Consumer:
             lambda records: self.sink.write_many(records),
             lambda results: self.retry(lambda: self.queue.ack(results)),
             on_error=lambda inflight, e: self.settle_error(inflight.lease, e),
-            on_done=self.committed, slots=lambda: self.capacity, busy=lambda: self.sending > 0)
-        self.sending = 0  # requests sent and not yet answered
+            on_done=self.committed, slots=lambda: self.capacity, busy=lambda: self.running > 0)
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0  # the newest parameter version seen
         self.out_dirs = 0  # output directories the run has, as last counted
@@ -377,15 +375,12 @@ class Consumer:
         """The server's answer. A refusal between successes is sent again by this slot after a
         moment, its lease held; one that ends the retries in the slot goes to settle_error."""
         while True:
-            self.sending += 1
             try:
                 return await self.server.chat(body, inflight.lease.index,
                                               on_request=inflight.sent)
             except Exception as e:
                 if (wait := self.pause.in_slot(e)) is None:
                     raise
-            finally:
-                self.sending -= 1
             await asyncio.sleep(wait)
             if inflight.abort or self.stop.is_set():  # aborted or stopping while it waited
                 inflight.abort = inflight.abort or "shutdown"
@@ -525,10 +520,7 @@ class Consumer:
             self.resize()
 
     async def follow_server(self) -> None:
-        capacity, changed = await self.follower.server_tick()
-        if capacity is not None:
-            self.resize()
-        if changed or not self.server_recorded:
+        if await self.follower.server_tick() or not self.server_recorded:
             f = self.follower
             await presence.record_server(self.redis, self.keys, self.settings.server,
                                          f.context_length, f.server_max or self.capacity)

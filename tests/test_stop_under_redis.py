@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from common.queue.keys import RunKeys
 from common.store import s3 as store
 from common.store.ship import Shipper
-from consumer.cli import Shipping
+from consumer.shutdown import cancel_and_wait
 
 TRIALS = 30
 
@@ -33,7 +33,7 @@ def test_the_shipper_ends_when_stopped_while_it_reports(redis_url, run_name, tmp
 
         task = asyncio.create_task(busy())
         await asyncio.sleep(random.random() * 0.003)
-        stopping = asyncio.create_task(Shipping(shipper, task).cancel())
+        stopping = asyncio.create_task(cancel_and_wait([task]))
         # asyncio.wait, not asyncio.timeout: a timeout's cancel would go to the task awaited
         await asyncio.wait([stopping], timeout=1)  # a cancel not lost ends it in milliseconds
         if stopping.done():

@@ -120,7 +120,6 @@ class RunKeys:
     params_history = _Own("List of JSON entries {version, changes, redo, inflight, at}.")
     redo_marks = _Own('Hash: redo scope ("truncated", "done") -> the version it was issued '
                       "with; an older result acked later still falls under it.")
-    events = _Own("Pub/sub channel: parameter changes, so consumers react within a second.")
     consumers = _Own("Sorted set: consumer name -> last heartbeat (Redis TIME).")
     servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} from its consumer.")
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")

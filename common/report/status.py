@@ -27,13 +27,6 @@ TOP_REASONS = 5
 REASONS_CAP = 20_000  # reasons of the first REASONS_CAP failed indices only: a bounded read
 
 
-def _num(value: Any, default: float = 0) -> float:
-    try:
-        return float(text(value))
-    except (TypeError, ValueError):
-        return default
-
-
 def _json(value: Any) -> Any:
     try:
         return orjson.loads(value) if value is not None else None
@@ -41,12 +34,17 @@ def _json(value: Any) -> Any:
         return None
 
 
-def _timestamp(value: Any) -> float | None:
-    """A time genq wrote (created_at, started_at: Unix seconds); None where there is none."""
+def _number(value: Any) -> float | None:
+    """A number genq wrote (a count, or a time in Unix seconds); None where there is none."""
     try:
         return float(text(value))
     except (TypeError, ValueError):
         return None
+
+
+def _num(value: Any, default: float = 0) -> float:
+    number = _number(value)
+    return default if number is None else number
 
 
 def _read(r: redis.Redis, k: RunKeys) -> dict[str, Any]:
@@ -107,7 +105,7 @@ def _servers(raw: dict, buckets: dict, beats: dict, now: float, since: float | N
         row = rows.get(server, {"capacity": None, "consumers": [], "load": None})
         rate = stats.rates(buckets, now, WINDOWS["5m"], since, suffix=f"|{server}")
         recent, _ = stats.window_sum(buckets, f"req|{server}", now, stats.STALL_S)
-        known = [t for t in (first_seen.get(server), _timestamp(row.get("started_at")), since)
+        known = [t for t in (first_seen.get(server), _number(row.get("started_at")), since)
                  if t is not None]
         # inflight: every lease on the server (a dead consumer's too, until it expires);
         # running: requests at the server now; claimed_ahead: leased, waiting for a slot.
@@ -178,7 +176,7 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
     remaining = max(0, total - done - failed)
     counters = {text(f): int(_num(v)) for f, v in raw["counters"].items()}
     hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
-    since = stats.activity_start(buckets, _timestamp(meta.get("created_at")))
+    since = stats.activity_start(buckets, _number(meta.get("created_at")))
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
     # The parameters a consumer would run with right now (common.params.current's fallback).
     version = int(_num(raw["version"], 1)) or 1
@@ -222,8 +220,8 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         "params": params, "params_history": [_json(h) for h in raw["history"]],
         "length_histogram": stats.histogram_bins(hist),
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),
-        "dataset": meta.get("dataset"), "created_at": _timestamp(meta.get("created_at")),
-        "epoch": meta.get("epoch"), "recovered_at": _timestamp(meta.get("recovered_at")),
+        "dataset": meta.get("dataset"), "created_at": _number(meta.get("created_at")),
+        "epoch": meta.get("epoch"), "recovered_at": _number(meta.get("recovered_at")),
         "alerts": alerts, "shipping": _shipping(raw["ship"]), "advice": server_advice,
         "time": round(now, 3),
     }

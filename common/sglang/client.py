@@ -113,19 +113,11 @@ class SGLang:
             raise ServerUnavailable(f"{self.url}/health: HTTP {status} (still starting?)")
 
     async def capacity(self) -> int | None:
-        """Requests the server runs at once: 0.5.x reports null in /get_server_info without
-        --max-running-requests."""
-        load = await self.load()
-        if load and load.get("max_running_requests"):
-            return int(load["max_running_requests"])
-        info = await self._get_json("/get_server_info")
-        if not isinstance(info, dict):
-            return None
-        if info.get("max_running_requests"):
-            return int(info["max_running_requests"])
-        states = info.get("internal_states") or [{}]
-        per_dp = states[0].get("effective_max_running_requests_per_dp") if states[0] else None
-        return int(per_dp) * int(info.get("dp_size") or 1) if per_dp else None
+        """Requests the server runs at once, in force whatever its launch flags (/v1/loads; its
+        /get_server_info says null without --max-running-requests)."""
+        if (load := await self.load()) is None:
+            raise ServerUnavailable(f"{self.url}/v1/loads: no load to read")
+        return load["max_running_requests"]
 
     async def context_length(self) -> int | None:
         """Prompt + completion tokens one request may use (max_model_len in /v1/models)."""

@@ -33,30 +33,23 @@ def _row(record: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def jsonl_to_parquet(src: str, out: str) -> int:
-    """Copy ``src`` (export's JSONL) into the Parquet file ``out``, replaced atomically."""
+def jsonl_to_parquet(src: str, out: str) -> None:
+    """Copy ``src`` (export's JSONL) into the Parquet file ``out``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    tmp, rows, n, size = f"{out}.tmp-{os.getpid()}", [], 0, 0
+    rows, size = [], 0
     fields = [pa.field(name, getattr(pa, kind)()) for name, kind in _FIELDS.items()]
     arrow_schema = pa.schema([*fields, pa.field("extra", pa.string())])
-    try:
-        with open(src, "rb") as f, pq.ParquetWriter(tmp, arrow_schema, compression="zstd") as w:
-            for line in f:
-                rows.append(_row(orjson.loads(line)))
-                size += len(line)
-                if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
-                    w.write_table(pa.Table.from_pylist(rows, schema=arrow_schema))
-                    n, rows, size = n + len(rows), [], 0
-            if rows:
+    with open(src, "rb") as f, pq.ParquetWriter(out, arrow_schema, compression="zstd") as w:
+        for line in f:
+            rows.append(_row(orjson.loads(line)))
+            size += len(line)
+            if len(rows) >= ROW_GROUP_ROWS or size >= ROW_GROUP_BYTES:
                 w.write_table(pa.Table.from_pylist(rows, schema=arrow_schema))
-                n += len(rows)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return n
+                rows, size = [], 0
+        if rows:
+            w.write_table(pa.Table.from_pylist(rows, schema=arrow_schema))
 
 
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
@@ -69,9 +62,11 @@ def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
             store.fetch_run(store.parse_uri(from_s3), k.run, dirs[0])
         if fmt == "jsonl":
             return export.export(r, k, total, dirs, out, **options)
+        # Beside `out`, so that the finished file is renamed into place whole.
         tmp = stack.enter_context(tempfile.TemporaryDirectory(
             prefix="genq-export-", dir=os.path.dirname(os.path.abspath(out))))
-        jsonl = os.path.join(tmp, "export.jsonl")
+        jsonl, parquet = os.path.join(tmp, "export.jsonl"), os.path.join(tmp, "export.parquet")
         result = export.export(r, k, total, dirs, jsonl, **options)
-        jsonl_to_parquet(jsonl, out)
+        jsonl_to_parquet(jsonl, parquet)
+        os.replace(parquet, out)
         return result
