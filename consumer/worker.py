@@ -83,8 +83,9 @@ class RunState:
 
     async def keep_manifest(self, sync: redis.Redis) -> None:
         """Rewrite the manifest beside the shards if the run or its parameters changed."""
-        if self.state == OK and await asyncio.to_thread(manifests.upkeep, sync, self.keys,
-                                                        [self.out_dir], self.epoch):
+        if self.state != OK:
+            return
+        if await asyncio.to_thread(manifests.upkeep, sync, self.keys, [self.out_dir], self.epoch):
             logger.debug("manifest_written", path=str(manifests.path(self.out_dir, self.keys.run)))
 
 
