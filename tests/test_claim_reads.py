@@ -35,7 +35,8 @@ def test_a_claim_reads_its_rows_in_a_thread(redis_url, run_name, tmp_path):
         return prompt(index)
 
     dataset.prompt = watched  # type: ignore[method-assign]
-    sync.hset(k.meta, mapping={"total": 4, "dataset": str(path), "fingerprint": "f"})
+    sync.hset(k.meta, mapping={"total": 4, "dataset": str(path), "fingerprint": "f",
+                               "epoch": "e"})
     feed.enqueue(sync, k, [0, 1, 2, 3], scripts.ScriptRunner(sync))
     s = ConsumeSettings(redis_url=redis_url, run=run_name, server="http://s", concurrency=4,
                         visibility_timeout=30, out=str(tmp_path), burst=True, max_attempts=3,

@@ -23,7 +23,7 @@ from consumer.worker import Consumer, RunState
 def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name, tmp_path):
     k = RunKeys(run_name)
     sync = redis.Redis.from_url(redis_url)
-    sync.hset(k.meta, mapping={"total": 1, "dataset": "/x", "fingerprint": "f"})
+    sync.hset(k.meta, mapping={"total": 1, "dataset": "/x", "fingerprint": "f", "epoch": "e"})
     feed.enqueue(sync, k, [0], scripts.ScriptRunner(sync))
     s = ConsumeSettings(redis_url=redis_url, run=run_name, server="http://s", concurrency=4,
                         visibility_timeout=30, out="/tmp", burst=True, max_attempts=3,

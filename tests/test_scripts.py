@@ -19,7 +19,7 @@ from common.queue.run import failure_reasons
 
 def setup_run(r: redis.Redis, run: str, n: int) -> tuple[RunKeys, scripts.ScriptRunner]:
     k = RunKeys(run)
-    r.hset(k.meta, mapping={"total": n, "dataset": "/x", "fingerprint": "f"})
+    r.hset(k.meta, mapping={"total": n, "dataset": "/x", "fingerprint": "f", "epoch": "e"})
     runner = scripts.ScriptRunner(r)
     feed.enqueue(r, k, list(range(n)), runner)
     return k, runner

@@ -26,16 +26,12 @@ class RunInfo:
     gen: int  # the run's generation: each `genq recover` starts the next one
 
 
-def new_epoch() -> str:
-    return secrets.token_hex(8)
-
-
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: int) -> RunInfo:
     """Create the run, or check that an existing run is on the same data set."""
     path = os.path.abspath(dataset)
     fields: dict[FieldT, EncodableT] = {
         "dataset": path, "fingerprint": fingerprint, "total": total, "queue": k.queue_name,
-        "created_at": time.time(), "epoch": new_epoch()}
+        "created_at": time.time(), "epoch": secrets.token_hex(8)}
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         pipe = r.pipeline(transaction=False)
@@ -62,9 +58,6 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     if "total" not in meta:
         raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
-    if not meta.get("epoch"):  # a run registered without one (tests' bare runs): HSETNX agrees
-        r.hsetnx(k.meta, "epoch", new_epoch())
-        meta["epoch"] = text(r.hget(k.meta, "epoch") or b"")
     return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0))
 
