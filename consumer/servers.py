@@ -22,32 +22,12 @@ from common.errors import REDIS_TROUBLE
 from common.log import REDIS_OUTAGE
 from common.queue.keys import RunKeys, server_lease
 from common.queue.replies import text
-from common.queue.scripts import ScriptRunner, expire_call, reap_call
+from common.queue.scripts import ScriptRunner, expire_call, reap_call, server_call
 from common.report import runhealth
 from consumer import shutdown
 from consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
-
-# Keep the lease if it is still ours; take it back if it is gone (expired while Redis was away,
-# or lost with Redis's data: spares wait a lease for this, see acquire); refuse if another holds it.
-RENEW = """
-local owner = redis.call('GET', KEYS[1])
-if owner == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
-if not owner then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
-return 0
-"""
-RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
-"""
-# Take the lease over from a holder known to be dead, unless it changed hands meanwhile.
-TAKE_OVER = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1
-"""
-
 
 def owner_of(token: bytes | str | None) -> str:
     """The readable part of a lease token: consumer name and run."""
@@ -107,8 +87,8 @@ async def try_take(r: aioredis.Redis, s: ConsumeSettings,
         if await r.set(server_lease(url), token, nx=True, px=ms):
             return url, {}, None
         holder = await r.get(server_lease(url))
-        if holder is not None and provably_gone(holder) and await r.eval(
-                TAKE_OVER, 1, server_lease(url), holder, token, ms):
+        if holder is not None and provably_gone(holder) and await ScriptRunner(r)(
+                server_call("server_take", server_lease(url), holder, token, ms)):
             return url, {}, text(holder)
         owners[url] = owner_of(holder)
     return None, owners, None
@@ -195,12 +175,12 @@ async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
                lost: asyncio.Event) -> None:
     """Renew every third of the lease; once another holds it, or on a bug, SIGTERM ourselves (the
     work goes back)."""
-    ms = int(lease_s * 1000)
+    ms, runner = int(lease_s * 1000), ScriptRunner(r)
     try:
         while not lost.is_set():
             await asyncio.sleep(lease_s / 3)
             try:
-                kept = await r.eval(RENEW, 1, server_lease(url), token, ms)
+                kept = await runner(server_call("server_renew", server_lease(url), token, ms))
             except REDIS_TROUBLE as e:
                 REDIS_OUTAGE.seen(e)
                 continue
@@ -235,7 +215,7 @@ async def drive(s: ConsumeSettings, serve: Callable[[ConsumeSettings], Awaitable
         finally:
             await shutdown.cancel_and_wait([keeper])
             with contextlib.suppress(*REDIS_TROUBLE):
-                if await r.eval(RELEASE, 1, server_lease(url), token):
+                if await ScriptRunner(r)(server_call("server_release", server_lease(url), token)):
                     logger.info("server_released")
         return 3 if lost.is_set() else code
     finally:

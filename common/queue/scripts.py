@@ -15,7 +15,8 @@ import orjson
 from common.errors import reason_kind
 from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
 
-NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire")
+NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
+         "server_renew", "server_release", "server_take")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
@@ -152,6 +153,11 @@ def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S
 def expire_call(k: RunKeys, server: str) -> Call:
     """End every lease of the run on `server` now (its consumer is provably gone)."""
     return Call("expire", [k.leases, k.lease_owner], [server])
+
+
+def server_call(script: str, lease: str, *args: Any) -> Call:
+    """server_renew, server_release or server_take on a server's lease (keys.server_lease)."""
+    return Call(script, [lease], list(args))
 
 
 def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
