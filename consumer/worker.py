@@ -50,10 +50,6 @@ class RunState:
         self.recovered = False  # rebuilt by `genq recover` while this consumer did not look
         self.failure = ""  # set when the consumer must stop: the run was replaced
 
-    @property
-    def paused(self) -> bool:
-        return self.state != OK
-
     async def check(self, r: aioredis.Redis) -> str:
         """Read the run's epoch; log each change of state once, with what fixes it."""
         raw, gen = await r.hmget(self.keys.meta, ["epoch", "gen"])
@@ -252,7 +248,7 @@ class Consumer:
 
     def claiming_paused(self) -> bool:
         """The run is gone from Redis, or the server or disk is in trouble."""
-        return self.runstate.paused or self.pause.remaining() > 0
+        return self.runstate.state != OK or self.pause.remaining() > 0
 
     async def claim(self, n: int) -> list[Inflight]:
         """Prefetch's claim: each claimed task is held from now on (renewed, abortable), and
@@ -325,13 +321,12 @@ class Consumer:
             self.let_go(inflight)
 
     async def process(self, inflight: Inflight) -> None:
-        lease, gave_up, answered = inflight.lease, "", None
-        if lease.spent > self.settings.max_attempts:
-            last = await self.retry(lambda: self.queue.last_error(lease.index))
-            gave_up = f"gave up after {self.settings.max_attempts} attempts; last error: {last}"
+        lease, answered = inflight.lease, None
         try:
-            if gave_up:
-                await self.fail(lease, gave_up)
+            if lease.spent > self.settings.max_attempts:
+                last = await self.retry(lambda: self.queue.last_error(lease.index))
+                await self.fail(lease, f"gave up after {self.settings.max_attempts} attempts; "
+                                       f"last error: {last}")
             else:
                 answered = await self.generate(inflight)
         finally:
@@ -479,7 +474,7 @@ class Consumer:
             self.version = 0
 
     async def watch_params(self) -> None:
-        if self.runstate.paused:
+        if self.runstate.state != OK:
             return
         pipe = self.redis.pipeline(transaction=False)
         pipe.get(self.keys.params_version)
@@ -506,7 +501,7 @@ class Consumer:
     async def upkeep(self) -> None:
         """Reap expired leases; top the queue up when it runs low, so the server stays full after
         a redo or with no producer running (the enqueue script prevents doubles)."""
-        if self.runstate.paused:
+        if self.runstate.state != OK:
             return
         await self.queue.reap()
         if await self.redis.llen(self.keys.rq_queue) >= self.capacity:
