@@ -108,7 +108,8 @@ class Consumer:
             lambda records: self.sink.write_many(records),
             lambda results: self.retry(lambda: self.queue.ack(results)),
             on_error=lambda inflight, e: self.settle_error(inflight.lease, e),
-            on_done=self.committed, slots=lambda: self.capacity, busy=lambda: self.running > 0)
+            on_done=self.committed, slots=lambda: self.capacity,
+            busy=lambda: any(i.at_server for i in self.held.values()))
         self.params: dict[int, dict[str, Any]] = {}
         self.version = 0  # the newest parameter version seen
         self.out_dirs = 0  # output directories the run has, as last counted
