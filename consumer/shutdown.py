@@ -71,7 +71,7 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], bound: float = FORCE_AF
     while pending and time.monotonic() < deadline:
         for task in pending:
             task.cancel()
-        _, pending = await asyncio.wait(pending, timeout=0.01)  # each try may be lost: many
+        _, pending = await asyncio.wait(pending, timeout=0.01)  # a lost one: again in 10 ms
     if pending:
         logger.error("shutdown_forced", tasks=[where(t) for t in pending],
                      reason="tasks that would not end; the process exits without them")
