@@ -61,19 +61,26 @@ class Consumer(ConsumerProcess):
         if name:
             args += ["--name", name]
         # PYTHONFAULTHANDLER: a consumer that hangs is sent SIGABRT and its stacks go to the log.
+        # Its own session: `faketime` forks genq as its child, and signals go to both.
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**genq_env(redis_url, run), "PYTHONFAULTHANDLER": "1", **(env or {})})
+
+    def signal(self, sig: int) -> None:
+        """To genq itself under a wrapper too: SIGSTOP to `faketime` alone pauses nothing."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout: float = 60) -> int:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.send_signal(signal.SIGABRT)
+            self.signal(signal.SIGABRT)
             with suppress(subprocess.TimeoutExpired):
                 self.proc.wait(5)
-            self.proc.kill()
+            self.signal(signal.SIGKILL)
+            self.proc.wait(10)
             raise AssertionError(f"consumer did not exit in {timeout}s:\n{self.log()[-6000:]}") \
                 from None
 

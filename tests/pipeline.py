@@ -76,7 +76,7 @@ class ConsumerProcess:
 
     def cleanup(self) -> None:
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
         self.log_path.unlink(missing_ok=True)
 
