@@ -164,11 +164,18 @@ def test_recover_judges_results_by_redis_clock_not_a_skewed_consumers(
     with private_redis() as redis_srv:
         url, r = redis_srv.url, redis_srv.client()
         genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=url, run=run_name)
-        c = Consumer(url, run_name, sim.url, out, "--burst", concurrency=8,
+        # Leases outlast the pause below, so every refusal is the switch's, not a lost lease's.
+        c = Consumer(url, run_name, sim.url, out, "--burst", concurrency=8, vt=10.0,
                      prefix=("faketime", "-m", "-f", "-90s"))
         try:
             wait_for(lambda: r.bitcount(k.done) >= 30, timeout=90, what="30 done")
+            # Paused while its requests end at the server and the switch is made: once resumed,
+            # it reads answers already there before its next look at the parameters (a race
+            # otherwise: 2 runs in 6 wrote none in the window on a busy machine).
+            c.signal(signal.SIGSTOP)
+            time.sleep(1.0)  # requests take about 0.5 s
             genq("requeue", "--set", "max_tokens=400", redis_url=url, run=run_name)  # aborts
+            c.signal(signal.SIGCONT)
             # Stopped as soon as Redis refused an older result written after the switch, before
             # its prompt runs again: recovery must not let that line stand.
             wait_for(lambda: "result_superseded" in c.log(), timeout=30, interval=0.01,
