@@ -11,8 +11,8 @@ from _common import genq
 from faultkit import bits
 from pipeline import read_jsonl
 
-from common.queue.keys import FINISH_NAMES, RunKeys
-from common.report.status import read_status
+from genq.common.queue.keys import FINISH_NAMES, RunKeys
+from genq.common.report.status import read_status
 
 
 def superseded(records: list[dict], requeues: list[dict]) -> list[int]:

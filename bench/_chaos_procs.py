@@ -15,7 +15,7 @@ import httpx
 from _common import REPO, genq_env
 from pipeline import wait_for
 
-from common.net import free_port, wait_port
+from genq.common.net import free_port, wait_port
 
 
 class Proc:
@@ -102,7 +102,7 @@ class Simulator(Proc):
     def __init__(self, n: int, workdir: Path, flags: list[str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        args = [sys.executable, "-m", "simulator", "--port", str(self.port), *flags]
+        args = [sys.executable, "-m", "genq.simulator", "--port", str(self.port), *flags]
         super().__init__(f"sim{n}", args, workdir / f"sim{n}.log", dict(os.environ))
 
     def ready(self) -> None:

@@ -33,7 +33,7 @@ from faultkit import private_redis  # noqa: E402,F401 (the scripts import it fro
 from pipeline import write_dataset  # noqa: E402,F401
 from sim_fixtures import SimProcess, sim_flags  # noqa: E402,F401
 
-from common.sglang.stream import parse_load  # noqa: E402
+from genq.common.sglang.stream import parse_load  # noqa: E402
 
 
 def genq(*args: str, redis_url: str, run: str, timeout: float = 1800, **kw):
@@ -81,7 +81,7 @@ def workdir(prefix: str = "genq-bench-") -> Iterator[Path]:
 
 @contextmanager
 def simulators(n: int, *flags: str) -> Iterator[list[SimProcess]]:
-    """n `python -m simulator` processes, healthy, stopped on exit."""
+    """n `python -m genq.simulator` processes, healthy, stopped on exit."""
     sims = [SimProcess(*flags) for _ in range(n)]
     try:
         for sim in sims:

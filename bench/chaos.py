@@ -28,8 +28,8 @@ from _chaos_procs import Proc, Redis, Simulator, genq_proc
 from _common import dump_json, genq, parser, sim_flags, write_dataset
 from faultkit import produce_once, sim_kwargs
 
-from common.net import free_port
-from common.queue.keys import RunKeys
+from genq.common.net import free_port
+from genq.common.queue.keys import RunKeys
 
 RUN = "chaos"
 STOP_BOUND_S = 30.0  # a consumer: --grace 2, then at most 5 s for slots stuck on Redis

@@ -14,7 +14,7 @@ import time
 import _common as kit
 from pipeline import wait_for
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ import _common as kit
 import redis
 from faultkit import Background
 
-from common.queue.keys import PER_INDEX_BITS, RunKeys
+from genq.common.queue.keys import PER_INDEX_BITS, RunKeys
 
 RUN = "mem"
 K = RunKeys(RUN)

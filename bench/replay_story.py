@@ -191,7 +191,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800, help="give up on a way after this, s")
     a = p.parse_args()
     a.load_before = kit.load_average()
-    import producer.requeue  # noqa: F401  (imported now, not at the pivot)
+    import genq.producer.requeue  # noqa: F401  (imported now, not at the pivot)
     with kit.workdir() as work:
         dataset = kit.write_dataset(work / "prompts.jsonl", a.prompts)
         g = one_way(a, "genq", dataset, work)

@@ -21,9 +21,9 @@ import orjson
 from faultkit import Background
 from faultproxy import FaultProxy
 
-from common.net import free_port
-from common.queue.keys import RunKeys
-from common.store import s3 as store
+from genq.common.net import free_port
+from genq.common.queue.keys import RunKeys
+from genq.common.store import s3 as store
 
 BUCKET = "genq-bench"
 SIM = ("--time-scale", "2000", "--ttft", "0", "--length-dist", "lognormal:2326:0.62",

@@ -23,7 +23,7 @@ from faultkit import Background
 from pipeline import wait_for
 from test_monitor import Monitor
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 RUN = "scale"
 SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",

@@ -16,9 +16,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from common.errors import GenqError, UsageError, mask_secrets
-from common.log import Outage, say
-from common.queue.keys import RunKeys
+from genq.common.errors import GenqError, UsageError, mask_secrets
+from genq.common.log import Outage, say
+from genq.common.queue.keys import RunKeys
 
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 # Long-running services (producer, consumer) give every Redis reply this long: without a read

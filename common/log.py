@@ -15,7 +15,7 @@ from typing import IO, Any
 import orjson
 import structlog
 
-from common.errors import mask_secrets, mask_tree
+from genq.common.errors import mask_secrets, mask_tree
 
 
 class SafeLogger:

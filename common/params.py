@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 import redis
 
-from common.errors import UsageError
-from common.queue.keys import RunKeys
-from common.queue.replies import text
+from genq.common.errors import UsageError
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import text
 
 DEFAULTS: dict[str, Any] = {"max_tokens": 4096, "temperature": 0.6, "enable_thinking": True}
 

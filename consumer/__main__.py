@@ -1,5 +1,5 @@
 import sys
 
-from consumer.cli import main
+from genq.consumer.cli import main
 
 sys.exit(main())

@@ -12,9 +12,9 @@ from typing import TypeVar
 
 import structlog
 
-from common.cli import RETRY_FIRST_S, RETRY_MAX_S
-from common.errors import REDIS_TROUBLE, ServerStalled, ServerUnavailable, mask_secrets
-from common.log import REDIS_OUTAGE
+from genq.common.cli import RETRY_FIRST_S, RETRY_MAX_S
+from genq.common.errors import REDIS_TROUBLE, ServerStalled, ServerUnavailable, mask_secrets
+from genq.common.log import REDIS_OUTAGE
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")

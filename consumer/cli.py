@@ -21,8 +21,8 @@ import structlog
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 
-from common import log
-from common.cli import (
+from genq.common import log
+from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
     add_redis_wait,
@@ -32,20 +32,20 @@ from common.cli import (
     run_keys,
     stop_on_signals,
 )
-from common.data import manifest as manifests
-from common.data.dataset import open_dataset
-from common.data.shard_repair import repair_shards
-from common.data.shards import ShardWriter
-from common.errors import GenqError, ServerUnavailable, UsageError
-from common.queue import run as runs
-from common.queue.keys import RunKeys
-from common.report import runhealth
-from common.sglang.client import SGLang
-from common.store import s3 as store
-from common.store.ship import Shipper
-from consumer import servers, shutdown
-from consumer.settings import ConsumeSettings
-from consumer.worker import Consumer, RunState
+from genq.common.data import manifest as manifests
+from genq.common.data.dataset import open_dataset
+from genq.common.data.shard_repair import repair_shards
+from genq.common.data.shards import ShardWriter
+from genq.common.errors import GenqError, ServerUnavailable, UsageError
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
+from genq.common.report import runhealth
+from genq.common.sglang.client import SGLang
+from genq.common.store import s3 as store
+from genq.common.store.ship import Shipper
+from genq.consumer import servers, shutdown
+from genq.consumer.settings import ConsumeSettings
+from genq.consumer.worker import Consumer, RunState
 
 logger = structlog.get_logger("consumer")
 REDIS_CONNECTIONS = 64

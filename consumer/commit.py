@@ -13,10 +13,10 @@ from typing import Any
 
 import structlog
 
-from common.queue.scripts import Result
-from common.sglang.stream import Completion
-from consumer.backoff import ShuttingDown
-from consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED, Inflight
+from genq.common.queue.scripts import Result
+from genq.common.sglang.stream import Completion
+from genq.consumer.backoff import ShuttingDown
+from genq.consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED, Inflight
 
 logger = structlog.get_logger("consumer")
 

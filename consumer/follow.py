@@ -9,9 +9,9 @@ from typing import Any
 
 import structlog
 
-from common.errors import ServerUnavailable
-from common.report.advice import HISTORY_SAMPLES, load_sample
-from common.sglang.client import SGLang
+from genq.common.errors import ServerUnavailable
+from genq.common.report.advice import HISTORY_SAMPLES, load_sample
+from genq.common.sglang.client import SGLang
 
 logger = structlog.get_logger("consumer")
 

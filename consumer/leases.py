@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 
-from common.data.rows import Prompt
-from common.queue import scripts
-from common.queue.keys import RunKeys
-from consumer.backoff import ShuttingDown, redis_retry
+from genq.common.data.rows import Prompt
+from genq.common.queue import scripts
+from genq.common.queue.keys import RunKeys
+from genq.consumer.backoff import ShuttingDown, redis_retry
 
 REFUSED, ACCEPTED, SUPERSEDED, SET_ASIDE = 0, 1, 2, 3  # what ack.lua answers
 KEPT = 2  # what fail.lua answers besides 0/1: a redo's set-aside result stands instead

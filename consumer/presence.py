@@ -12,8 +12,8 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
 
-from common.queue.keys import RunKeys
-from common.queue.scripts import iso_now
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.scripts import iso_now
 
 HEARTBEAT_TTL_S = 15
 RQ_WORKER_TTL_S = 30

@@ -17,15 +17,15 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import structlog
 
-from common.cli import SERVICE_SOCKET_TIMEOUT_S
-from common.errors import REDIS_TROUBLE
-from common.log import REDIS_OUTAGE
-from common.queue.keys import RunKeys, server_lease
-from common.queue.replies import text
-from common.queue.scripts import ScriptRunner, expire_call, reap_call, server_call
-from common.report import runhealth
-from consumer import shutdown
-from consumer.settings import ConsumeSettings
+from genq.common.cli import SERVICE_SOCKET_TIMEOUT_S
+from genq.common.errors import REDIS_TROUBLE
+from genq.common.log import REDIS_OUTAGE
+from genq.common.queue.keys import RunKeys, server_lease
+from genq.common.queue.replies import text
+from genq.common.queue.scripts import ScriptRunner, expire_call, reap_call, server_call
+from genq.common.report import runhealth
+from genq.consumer import shutdown
+from genq.consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 

@@ -16,8 +16,8 @@ from typing import Any
 import redis
 import structlog
 
-from common.cli import explain
-from common.errors import REDIS_TROUBLE, GenqError
+from genq.common.cli import explain
+from genq.common.errors import REDIS_TROUBLE, GenqError
 
 logger = structlog.get_logger("consumer")
 

@@ -16,25 +16,25 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from common.data import manifest as manifests
-from common.data.records import build_record
-from common.data.rows import Dataset, Prompt
-from common.data.shards import ShardWriter
-from common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
-from common.params import DEFAULTS, request_body
-from common.queue import feed, partials
-from common.queue.keys import RunKeys
-from common.queue.run import OK, REPLACED, finished, judge
-from common.queue.scripts import ScriptRunner, iso_now
-from common.report import runhealth
-from common.sglang.client import SGLang, continue_answer
-from common.sglang.stream import Completion
-from consumer import presence, shutdown
-from consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
-from consumer.commit import Committer
-from consumer.follow import HISTORY_PERIOD_S, Follower
-from consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
-from consumer.settings import ConsumeSettings
+from genq.common.data import manifest as manifests
+from genq.common.data.records import build_record
+from genq.common.data.rows import Dataset, Prompt
+from genq.common.data.shards import ShardWriter
+from genq.common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
+from genq.common.params import DEFAULTS, request_body
+from genq.common.queue import feed, partials
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import OK, REPLACED, finished, judge
+from genq.common.queue.scripts import ScriptRunner, iso_now
+from genq.common.report import runhealth
+from genq.common.sglang.client import SGLang, continue_answer
+from genq.common.sglang.stream import Completion
+from genq.consumer import presence, shutdown
+from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
+from genq.consumer.commit import Committer
+from genq.consumer.follow import HISTORY_PERIOD_S, Follower
+from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
+from genq.consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")

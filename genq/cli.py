@@ -7,17 +7,17 @@ import importlib
 import os
 import sys
 
-from common.cli import add_common, connect, guarded, run_keys
+from genq.common.cli import add_common, connect, guarded, run_keys
 
 COMMANDS = {
-    "sim": ("simulator.cli", "main", "a simulated SGLang server"),
-    "produce": ("producer.cli", "main", "register a run and queue its prompts"),
-    "consume": ("consumer.cli", "main", "one consumer for one SGLang server"),
-    "status": ("monitor.status_cli", "status_main", "where the run stands"),
-    "requeue": ("producer.requeue", "main", "new parameters for a live run"),
+    "sim": ("genq.simulator.cli", "main", "a simulated SGLang server"),
+    "produce": ("genq.producer.cli", "main", "register a run and queue its prompts"),
+    "consume": ("genq.consumer.cli", "main", "one consumer for one SGLang server"),
+    "status": ("genq.monitor.status_cli", "status_main", "where the run stands"),
+    "requeue": ("genq.producer.requeue", "main", "new parameters for a live run"),
     "export": ("genq.cli", "export_main", "one record per prompt, to a file"),
-    "recover": ("producer.recover", "main", "rebuild a run Redis lost, from its output"),
-    "monitor": ("monitor.cli", "main", "web page, /api/status, /metrics, progress.json"),
+    "recover": ("genq.producer.recover", "main", "rebuild a run Redis lost, from its output"),
+    "monitor": ("genq.monitor.cli", "main", "web page, /api/status, /metrics, progress.json"),
     "demo": ("genq.demo", "main", "the whole pipeline on one machine with the simulator"),
 }
 
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 @guarded
 def export_main(argv: list[str] | None = None) -> int:
     """Write the run's results, one record per done prompt index, newest version winning."""
-    from common.queue import run as runs
-    from common.queue.replies import text
-    from common.store import export_formats, s3
+    from genq.common.queue import run as runs
+    from genq.common.queue.replies import text
+    from genq.common.store import export_formats, s3
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
     p.add_argument("--out", required=True,

@@ -7,7 +7,7 @@ import argparse
 import logging
 import os
 
-from common.cli import DEFAULT_REDIS_URL
+from genq.common.cli import DEFAULT_REDIS_URL
 
 WRITE_REFUSED = ("rq-dashboard is read-only here: its buttons change RQ's lists behind genq's "
                  "back. Use `genq requeue --redo failed`, or start it with --allow-write.\n")

@@ -20,10 +20,10 @@ from pathlib import Path
 import redis
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from common.cli import connect, guarded
-from common.files import write_atomic
-from common.net import free_port, wait_port
-from common.queue.keys import RunKeys
+from genq.common.cli import connect, guarded
+from genq.common.files import write_atomic
+from genq.common.net import free_port, wait_port
+from genq.common.queue.keys import RunKeys
 
 # How long consumers get to exit once every prompt is settled (--burst exits within seconds).
 SETTLE_WAIT_S = 30.0

@@ -16,15 +16,15 @@ import orjson
 import redis
 import structlog
 
-from common import log as genq_log
-from common.cli import add_common
-from common.errors import REDIS_TROUBLE, mask_secrets
-from common.files import write_atomic
-from common.log import REDIS_OUTAGE
-from common.queue import run as runs
-from common.queue.keys import RUN_NAME, RunKeys
-from common.queue.scripts import ScriptRunner, reap_call
-from monitor.service import MonitorServer, StatusSource
+from genq.common import log as genq_log
+from genq.common.cli import add_common
+from genq.common.errors import REDIS_TROUBLE, mask_secrets
+from genq.common.files import write_atomic
+from genq.common.log import REDIS_OUTAGE
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RUN_NAME, RunKeys
+from genq.common.queue.scripts import ScriptRunner, reap_call
+from genq.monitor.service import MonitorServer, StatusSource
 
 log = structlog.get_logger("monitor")
 

@@ -11,14 +11,14 @@ import orjson
 import redis
 import structlog
 
-from common.errors import GenqError, mask_secrets
-from common.report import runhealth
-from common.report.status import read_status
-from monitor import metrics
+from genq.common.errors import GenqError, mask_secrets
+from genq.common.report import runhealth
+from genq.common.report.status import read_status
+from genq.monitor import metrics
 
 log = structlog.get_logger("monitor")
 
-PAGE = resources.files("monitor").joinpath("page.html").read_bytes()
+PAGE = resources.files("genq.monitor").joinpath("page.html").read_bytes()
 
 
 class StatusSource:

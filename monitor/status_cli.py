@@ -9,9 +9,9 @@ import time
 import orjson
 import redis
 
-from common.cli import add_common, connect, guarded
-from common.report.status import read_status
-from common.report.status_table import render_table
+from genq.common.cli import add_common, connect, guarded
+from genq.common.report.status import read_status
+from genq.common.report.status_table import render_table
 
 WATCH_INTERVAL_S = 2.0
 

@@ -1,5 +1,5 @@
 import sys
 
-from producer.cli import main
+from genq.producer.cli import main
 
 sys.exit(main())

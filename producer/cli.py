@@ -11,8 +11,8 @@ import threading
 import redis
 import structlog
 
-from common import log, params
-from common.cli import (
+from genq.common import log, params
+from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
     add_redis_wait,
@@ -22,14 +22,14 @@ from common.cli import (
     run_keys,
     stop_on_signals,
 )
-from common.data.dataset import open_dataset
-from common.errors import REDIS_TROUBLE, RunStateLost
-from common.queue import feed, heartbeats
-from common.queue import run as runs
-from common.queue.keys import RunKeys
-from common.queue.replies import text
-from common.queue.scripts import ScriptRunner, reap_call
-from common.report import runhealth
+from genq.common.data.dataset import open_dataset
+from genq.common.errors import REDIS_TROUBLE, RunStateLost
+from genq.common.queue import feed, heartbeats
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import text
+from genq.common.queue.scripts import ScriptRunner, reap_call
+from genq.common.report import runhealth
 
 logger = structlog.get_logger("producer")
 

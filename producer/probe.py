@@ -11,16 +11,16 @@ from typing import Any, cast
 
 import redis
 
-from common import params
-from common.data.dataset import open_dataset
-from common.errors import UsageError
-from common.queue import bitmap, heartbeats
-from common.queue.keys import RunKeys
-from common.queue.replies import blob
-from common.queue.run import RunInfo
-from common.report.stats import percentiles, wilson
-from common.report.status import read_status
-from common.sglang.client import SGLang, continue_answer
+from genq.common import params
+from genq.common.data.dataset import open_dataset
+from genq.common.errors import UsageError
+from genq.common.queue import bitmap, heartbeats
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
+from genq.common.queue.run import RunInfo
+from genq.common.report.stats import percentiles, wilson
+from genq.common.report.status import read_status
+from genq.common.sglang.client import SGLang, continue_answer
 
 POPULATIONS = {**params.REDO_PASSES, "none": ("truncated",)}
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import redis
 
-from common.cli import add_common, connect, guarded, run_keys
-from common.data import manifest as manifests
-from common.data import recovery
-from common.errors import GenqError, UsageError
-from common.queue.keys import RunKeys
-from common.queue.replies import text
-from common.report.runhealth import recover_command
-from common.store.export import shard_paths
+from genq.common.cli import add_common, connect, guarded, run_keys
+from genq.common.data import manifest as manifests
+from genq.common.data import recovery
+from genq.common.errors import GenqError, UsageError
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import text
+from genq.common.report.runhealth import recover_command
+from genq.common.store.export import shard_paths
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     found = local_manifests(dirs, k.run)
     streams: list[Iterable[Iterable[bytes]]] = [local_streams(dirs, k.run)]
     if a.from_s3:  # shipped output (docs/DEPLOY.md): every consumer's manifest, the shards
-        from common.store import s3 as store
+        from genq.common.store import s3 as store
 
         shipped, s3_streams = store.run_source(a.from_s3, k.run, manifests.parse)
         found += shipped

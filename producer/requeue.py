@@ -13,20 +13,20 @@ import orjson
 import redis
 from rich.progress import Progress
 
-from common import params
-from common.cli import add_common, connect, guarded, run_keys
-from common.data import manifest as manifests
-from common.errors import UsageError
-from common.queue import bitmap, partials
-from common.queue import run as runs
-from common.queue.keys import RunKeys
-from common.queue.replies import blob, text
-from common.queue.scripts import ScriptRunner, redo_call
-from common.report.status import read_status
-from common.report.status_table import human_duration
-from common.sglang.stream import continuable
-from common.store import export
-from producer import probe
+from genq.common import params
+from genq.common.cli import add_common, connect, guarded, run_keys
+from genq.common.data import manifest as manifests
+from genq.common.errors import UsageError
+from genq.common.queue import bitmap, partials
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob, text
+from genq.common.queue.scripts import ScriptRunner, redo_call
+from genq.common.report.status import read_status
+from genq.common.report.status_table import human_duration
+from genq.common.sglang.stream import continuable
+from genq.common.store import export
+from genq.producer import probe
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

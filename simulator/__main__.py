@@ -1,7 +1,7 @@
-"""Entry point for `python -m simulator`."""
+"""Entry point for `python -m genq.simulator`."""
 
 import sys
 
-from simulator.cli import main
+from genq.simulator.cli import main
 
 sys.exit(main())

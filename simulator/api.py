@@ -9,10 +9,10 @@ from typing import Any
 
 import orjson
 
-from simulator import generation, info
-from simulator.engine import ApiError, Engine
-from simulator.httpserver import Request, Response, error_body
-from simulator.settings import Settings
+from genq.simulator import generation, info
+from genq.simulator.engine import ApiError, Engine
+from genq.simulator.httpserver import Request, Response, error_body
+from genq.simulator.settings import Settings
 
 Route = Callable[[Request], Awaitable[Response]]
 

@@ -12,9 +12,9 @@ from collections.abc import Callable
 import orjson
 import structlog
 
-from simulator import httpserver
-from simulator.api import App
-from simulator.settings import LengthDist, Settings, parse_length_dist
+from genq.simulator import httpserver
+from genq.simulator.api import App
+from genq.simulator.settings import LengthDist, Settings, parse_length_dist
 
 log = structlog.get_logger()
 

@@ -11,10 +11,10 @@ from dataclasses import asdict, dataclass, field
 
 import structlog
 
-from simulator.httpserver import ResetConnection
-from simulator.kv import Slots
-from simulator.model import Completion
-from simulator.settings import Settings
+from genq.simulator.httpserver import ResetConnection
+from genq.simulator.kv import Slots
+from genq.simulator.model import Completion
+from genq.simulator.settings import Settings
 
 log = structlog.get_logger()
 

@@ -9,8 +9,8 @@ from typing import Any
 
 import orjson
 
-from simulator.engine import ApiError, Engine
-from simulator.model import (
+from genq.simulator.engine import ApiError, Engine
+from genq.simulator.model import (
     STOP_TOKEN_ID,
     Completion,
     complete,
@@ -19,7 +19,7 @@ from simulator.model import (
     texts,
     usage,
 )
-from simulator.streaming import stream_chat
+from genq.simulator.streaming import stream_chat
 
 # The error type SGLang gives when its request model (pydantic) rejects the body.
 PYDANTIC = "Bad Request"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from simulator.engine import Engine
-from simulator.settings import Settings
+from genq.simulator.engine import Engine
+from genq.simulator.settings import Settings
 
 VERSION = "0.5.23-sim"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from simulator.settings import LengthDist
+from genq.simulator.settings import LengthDist
 
 # Share of a natural completion spent thinking, like the reasoning model the run served.
 THINK_SHARE = 0.7

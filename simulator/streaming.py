@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from simulator.engine import Engine
-from simulator.model import ANSWER_WORD, STOP_TOKEN_ID, THINK_WORD, Completion, texts, usage
+from genq.simulator.engine import Engine
+from genq.simulator.model import ANSWER_WORD, STOP_TOKEN_ID, THINK_WORD, Completion, texts, usage
 
 _END = -1
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from common.net import free_port, wait_port  # noqa: F401 (tests import them from here)
-from common.queue import scripts
+from genq.common.net import free_port, wait_port  # noqa: F401 (tests import them from here)
+from genq.common.queue import scripts
 
 REPO = Path(__file__).resolve().parent.parent
 

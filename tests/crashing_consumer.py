@@ -17,8 +17,8 @@ from typing import Any
 
 import orjson
 
-from common.data.shards import ShardWriter
 from genq.cli import main
+from genq.common.data.shards import ShardWriter
 
 
 def crash_at(spec: str) -> None:

@@ -12,11 +12,11 @@ from typing import Any
 
 import redis
 
-from common.data.records import parse_line, shard_files
-from common.queue import bitmap
-from common.queue.keys import RunKeys
-from common.queue.replies import blob
-from common.queue.run import failure_reasons
+from genq.common.data.records import parse_line, shard_files
+from genq.common.queue import bitmap
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
+from genq.common.queue.run import failure_reasons
 
 
 @dataclass

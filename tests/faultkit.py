@@ -21,8 +21,8 @@ import redis
 from conftest import REPO, RedisServer, genq, genq_env
 from pipeline import ConsumerProcess, wait_for
 
-from common.queue.keys import FINISH_NAMES, RunKeys
-from common.report.status import read_status
+from genq.common.queue.keys import FINISH_NAMES, RunKeys
+from genq.common.report.status import read_status
 
 # Short leases keep the suite fast; every bound below is stated in terms of them.
 VT = 2.0

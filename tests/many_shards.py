@@ -17,7 +17,7 @@ from pathlib import Path
 
 import orjson
 
-from common.data import manifest as manifests
+from genq.common.data import manifest as manifests
 
 CONSUMERS = 4  # shards are spread over this many consumer names
 

@@ -102,8 +102,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def take_leases(r: redis.Redis, run: str, indices: list[int], server: str) -> None:
     """Lease these indices to `server` the real way (enqueue.lua, then claim.lua), so a test's
     hand-set run holds leases exactly as consumers write them."""
-    from common.queue import feed, scripts
-    from common.queue.keys import RunKeys
+    from genq.common.queue import feed, scripts
+    from genq.common.queue.keys import RunKeys
 
     k, runner = RunKeys(run), scripts.ScriptRunner(r)
     assert r.llen(k.rq_queue) == 0, "take leases before queueing other jobs"
@@ -114,8 +114,8 @@ def take_leases(r: redis.Redis, run: str, indices: list[int], server: str) -> No
 
 def queue_jobs(r: redis.Redis, run: str, indices: list[int]) -> None:
     """Queue these indices as the producer does (enqueue.lua)."""
-    from common.queue import feed, scripts
-    from common.queue.keys import RunKeys
+    from genq.common.queue import feed, scripts
+    from genq.common.queue.keys import RunKeys
 
     k = RunKeys(run)
     assert feed.enqueue(r, k, indices, scripts.ScriptRunner(r)) == len(indices)
@@ -124,7 +124,7 @@ def queue_jobs(r: redis.Redis, run: str, indices: list[int]) -> None:
 def record_failure(r: redis.Redis, k, index: int, reason: str) -> None:
     """What fail.lua keeps of a failed index's reason: the number of its kind (for tests that
     build a run's state by hand)."""
-    from common.errors import reason_kind
+    from genq.common.errors import reason_kind
 
     kind = reason_kind(reason)
     number = r.hget(k.fail_kinds, kind) or r.hlen(k.fail_kinds) + 1
@@ -133,6 +133,6 @@ def record_failure(r: redis.Redis, k, index: int, reason: str) -> None:
 
 
 def failure_reason(r: redis.Redis, k, index: int) -> str:
-    from common.queue.run import failure_reasons
+    from genq.common.queue.run import failure_reasons
 
     return failure_reasons(r, k, [index])[0]

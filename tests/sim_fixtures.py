@@ -15,7 +15,7 @@ from conftest import REPO, free_port
 
 
 class SimProcess:
-    """One `python -m simulator` on a free port; `.url` once `/health` answers."""
+    """One `python -m genq.simulator` on a free port; `.url` once `/health` answers."""
 
     def __init__(self, *flags: str, port: int | None = None) -> None:
         self.port = port or free_port()
@@ -33,7 +33,7 @@ class SimProcess:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         with open(self._log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "simulator", "--port", str(self.port), *self.flags],
+                [sys.executable, "-m", "genq.simulator", "--port", str(self.port), *self.flags],
                 cwd=REPO,
                 env=env,
                 stdout=log,

@@ -3,8 +3,8 @@ the value it suggests, and the evidence it names."""
 
 from __future__ import annotations
 
-from common.report import advice
-from common.report.advice import capacity_advice, load_sample
+from genq.common.report import advice
+from genq.common.report.advice import capacity_advice, load_sample
 
 S = "http://gpu0:30000"
 NOW = 10_000.0

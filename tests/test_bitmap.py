@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.queue import bitmap
+from genq.common.queue import bitmap
 
 raws = st.one_of(st.none(), st.binary(max_size=40))
 

@@ -14,8 +14,8 @@ import pytest
 from conftest import REPO, genq
 from pipeline import ConsumerProcess, wait_for, write_dataset
 
-from common.report.status import read_status
-from consumer.follow import next_capacity, others, target_slots, withdrawn
+from genq.common.report.status import read_status
+from genq.consumer.follow import next_capacity, others, target_slots, withdrawn
 
 FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")
 MAX, K = 16, 6  # the server's max running requests; the neighbour's requests in flight

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import structlog
 
-from common.errors import ServerStalled, ServerUnavailable
-from consumer import backoff
-from consumer.backoff import FIRST_PAUSE_S, MAX_BACKOFF_S, RETRIES_IN_SLOT, ClaimPause
+from genq.common.errors import ServerStalled, ServerUnavailable
+from genq.consumer import backoff
+from genq.consumer.backoff import FIRST_PAUSE_S, MAX_BACKOFF_S, RETRIES_IN_SLOT, ClaimPause
 
 
 def test_a_refusal_between_successes_costs_a_moment(monkeypatch):

@@ -11,13 +11,13 @@ import redis
 import redis.asyncio as aioredis
 from pipeline import write_dataset
 
-from common.data.dataset import open_dataset
-from common.data.rows import Prompt
-from common.errors import BadTask
-from common.queue import feed, scripts
-from common.queue.keys import RunKeys
-from consumer.settings import ConsumeSettings
-from consumer.worker import Consumer, RunState
+from genq.common.data.dataset import open_dataset
+from genq.common.data.rows import Prompt
+from genq.common.errors import BadTask
+from genq.common.queue import feed, scripts
+from genq.common.queue.keys import RunKeys
+from genq.consumer.settings import ConsumeSettings
+from genq.consumer.worker import Consumer, RunState
 
 
 def test_a_claim_reads_its_rows_in_a_thread(redis_url, run_name, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, write_dataset
 
-from consumer.leases import Inflight, Lease
+from genq.consumer.leases import Inflight, Lease
 
 
 def evalsha_calls(r) -> int:

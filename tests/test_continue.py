@@ -14,7 +14,7 @@ from faultkit import record_figures
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from sglang_servers import start_server
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def run_to_end(redis_url, run, sim, out) -> None:

@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, free_port, genq, genq_env, wait_port
 from pipeline import write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def dashboard(redis_url: str, *flags: str) -> tuple[subprocess.Popen, str]:

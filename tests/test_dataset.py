@@ -13,9 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.data.dataset import open_dataset
-from common.data.rows import Prompt
-from common.errors import BadTask, DatasetError, GenqError
+from genq.common.data.dataset import open_dataset
+from genq.common.data.rows import Prompt
+from genq.common.errors import BadTask, DatasetError, GenqError
 
 MSG = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 
@@ -101,7 +101,7 @@ def test_trailing_lines(idx_dir):
 
 
 def test_rows_spanning_read_chunks(idx_dir, monkeypatch):
-    monkeypatch.setattr("common.data.dataset._CHUNK", 7)  # every line crosses a chunk boundary
+    monkeypatch.setattr("genq.common.data.dataset._CHUNK", 7)  # every line crosses a chunk boundary
     rows = [{"prompt": "p" * (i % 13), "id": i} for i in range(200)]
     with closing(open_dataset(write_jsonl(idx_dir / "d.jsonl", rows))) as ds:
         assert ds.total == 200

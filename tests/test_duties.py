@@ -12,7 +12,7 @@ from conftest import genq
 from faultkit import produce_once, sim_kwargs
 from pipeline import ConsumerProcess, wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 NAME = "duty-test"
 WATCH_S = 8.0

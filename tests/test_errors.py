@@ -10,8 +10,8 @@ import pytest
 import redis
 import structlog
 
-from common import log
-from common.errors import (
+from genq.common import log
+from genq.common.errors import (
     REDIS_TROUBLE,
     BadTask,
     OutputUnavailable,

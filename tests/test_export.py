@@ -9,8 +9,8 @@ from conftest import genq
 from pipeline import read_jsonl
 from test_scripts import ack, claim, setup_run
 
-from common.queue import scripts
-from common.store import export
+from genq.common.queue import scripts
+from genq.common.store import export
 
 
 def shard(tmp_path, run: str, records: list[dict]):

@@ -18,12 +18,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pipeline import record_failure
 
-from common.data.records import parse_line
-from common.data.shards import Picks, pick_lines
-from common.errors import GenqError
-from common.queue import bitmap
-from common.queue.keys import RunKeys
-from common.store import export
+from genq.common.data.records import parse_line
+from genq.common.data.shards import Picks, pick_lines
+from genq.common.errors import GenqError
+from genq.common.queue import bitmap
+from genq.common.queue.keys import RunKeys
+from genq.common.store import export
 
 
 def reference(r, k, total, dirs, out, ambiguous, *, include_failed=False) -> export.ExportResult:

@@ -29,7 +29,7 @@ from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def held_by(r, run: str, server: str) -> set[str]:

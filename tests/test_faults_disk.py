@@ -14,7 +14,7 @@ import pytest
 from faultkit import Consumer, check_truth, produce_once, record_figures, sim_kwargs, wait_done
 from pipeline import wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 class FullDisk:

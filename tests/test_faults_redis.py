@@ -20,7 +20,7 @@ from faultkit import (
 from faultproxy import FaultProxy
 from pipeline import wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def start_producer(data, redis_url: str, run: str, r) -> Background:

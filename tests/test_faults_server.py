@@ -24,10 +24,10 @@ from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 
-from common.errors import reason_kind
-from common.queue.keys import RunKeys
-from common.queue.run import failure_reasons
-from consumer.backoff import MAX_BACKOFF_S
+from genq.common.errors import reason_kind
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import failure_reasons
+from genq.consumer.backoff import MAX_BACKOFF_S
 
 
 def sim_faults(sim, **body) -> None:

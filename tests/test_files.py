@@ -3,7 +3,7 @@ by the other users its services may run as, not private to their writer."""
 
 from __future__ import annotations
 
-from common.files import write_atomic
+from genq.common.files import write_atomic
 
 
 def test_a_file_written_whole_is_readable_by_all(tmp_path):

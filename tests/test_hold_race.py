@@ -13,11 +13,11 @@ import redis
 import redis.asyncio as aioredis
 from pipeline import write_dataset
 
-from common.data.dataset import open_dataset
-from common.queue import feed, scripts
-from common.queue.keys import RunKeys
-from consumer.settings import ConsumeSettings
-from consumer.worker import Consumer, RunState
+from genq.common.data.dataset import open_dataset
+from genq.common.queue import feed, scripts
+from genq.common.queue.keys import RunKeys
+from genq.consumer.settings import ConsumeSettings
+from genq.consumer.worker import Consumer, RunState
 
 
 def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name, tmp_path):

@@ -15,7 +15,7 @@ from faultkit import Consumer, check_truth, claims, produce_once, record_figures
 from faultkit import wait_done as wait_done_at_least
 from pipeline import wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 STALL_S = 2.0
 

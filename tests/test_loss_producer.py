@@ -9,8 +9,8 @@ from conftest import genq
 from faultkit import Background, Consumer, check_truth, private_redis, sim_kwargs
 from pipeline import wait_for, write_dataset
 
-from common.queue import heartbeats
-from common.queue.keys import RunKeys
+from genq.common.queue import heartbeats
+from genq.common.queue.keys import RunKeys
 
 N = 100
 

@@ -16,8 +16,8 @@ from faultkit import private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 from test_server_leasing import LEASE_S, Replica, Watch
 
-from common.data import manifest as manifests
-from common.queue.keys import RunKeys, server_lease
+from genq.common.data import manifest as manifests
+from genq.common.queue.keys import RunKeys, server_lease
 
 N = 160
 PAUSE_S = LEASE_S / 2 + 0.2  # longer than the spare's poll, within the holder's lease

@@ -17,8 +17,8 @@ from many_shards import write_run
 from moto.server import ThreadedMotoServer
 from pipeline import read_jsonl
 
-from common.data import manifest as manifests
-from common.store import s3 as store
+from genq.common.data import manifest as manifests
+from genq.common.store import s3 as store
 
 PROMPTS, SHARDS, FILES = 3_000, 300, 64
 BUCKET = "genq-many"

@@ -17,8 +17,8 @@ from conftest import REPO, free_port, genq_env, wait_port
 from pipeline import queue_jobs, record_failure, take_leases, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.queue.keys import RATE_BUCKET_S, RunKeys
-from monitor.status_cli import status_main
+from genq.common.queue.keys import RATE_BUCKET_S, RunKeys
+from genq.monitor.status_cli import status_main
 
 SERVER = 'http://gpu0:30000/"odd"\\path'  # a label value that needs escaping
 REASON = 'server refused the request (HTTP 400): <img src=x onerror="window.pwned=1"> & co'
@@ -340,7 +340,7 @@ def test_the_log_says_what_the_page_says(monitor, run_name):
 
 def test_the_monitor_reaps_expired_leases(monitor, r, run_name):
     """With every consumer gone, the monitor alone returns expired leases to the queue."""
-    from common.queue import feed, scripts
+    from genq.common.queue import feed, scripts
 
     k = RunKeys(run_name)
     runner = scripts.ScriptRunner(r)

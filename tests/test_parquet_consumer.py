@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from faultkit import Background, Consumer, sim_kwargs
 from pipeline import wait_for
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 ROWS = 200_000
 

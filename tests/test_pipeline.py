@@ -16,8 +16,8 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-from common.queue import scripts
-from common.queue.keys import RunKeys
+from genq.common.queue import scripts
+from genq.common.queue.keys import RunKeys
 
 RECORD_KEYS = {"index", "id", "params_version", "finish_reason", "prompt_tokens",
                "completion_tokens", "reasoning_content", "content", "server", "attempt"}

@@ -14,10 +14,10 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from test_monitor import Monitor
 
-from common.queue.keys import RunKeys
-from common.report.stats import wilson
-from common.report.status import read_status
-from producer.probe import summarize
+from genq.common.queue.keys import RunKeys
+from genq.common.report.stats import wilson
+from genq.common.report.status import read_status
+from genq.producer.probe import summarize
 
 pytestmark = pytest.mark.timeout(300)
 FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", "--grace", "2")
@@ -156,7 +156,7 @@ def page_figures(monitor: Monitor) -> tuple[str, str]:
 
 
 def test_the_report_reads_for_a_person():
-    from producer.probe import describe
+    from genq.producer.probe import describe
 
     rep = summarize([(8192, "length")] * 2 + [(5000, "stop")] * 8, [4096] * 10,
                     population=1000, remaining=100, remaining_mean=2400.0, tok_per_s=7000.0,

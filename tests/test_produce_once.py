@@ -8,7 +8,7 @@ from conftest import genq
 from faultkit import Background
 from pipeline import ConsumerProcess, wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 @pytest.mark.timeout(120)

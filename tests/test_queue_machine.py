@@ -29,10 +29,10 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, StartedJobRegistry
 
-from common import params
-from common.queue import feed, scripts
-from common.queue.keys import RunKeys
-from common.queue.run import failure_reasons
+from genq.common import params
+from genq.common.queue import feed, scripts
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import failure_reasons
 
 N = 6
 CONSUMERS = ("c0", "c1")

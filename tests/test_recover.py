@@ -13,8 +13,8 @@ from conftest import genq
 from faultkit import Background, Consumer, check_truth, private_redis, record_figures, sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
-from common.data import manifest as manifests
-from common.queue.keys import RunKeys
+from genq.common.data import manifest as manifests
+from genq.common.queue.keys import RunKeys
 
 N = 120
 
@@ -148,7 +148,7 @@ def _line(index: int, version: int, attempt: int, finish: str = "stop", tokens: 
 
 
 def test_rebuild_applies_the_acceptance_rules_redis_applied():
-    from common.data.recovery import LENGTH, rebuild
+    from genq.common.data.recovery import LENGTH, rebuild
     history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0},
                {"version": 2, "redo": "truncated", "inflight": "abort", "at": 50.0}]
     shard_a = [
@@ -175,7 +175,7 @@ def test_rebuild_applies_the_acceptance_rules_redis_applied():
 def test_a_redo_covers_results_accepted_after_it_was_issued():
     """--redo truncated --inflight finish: an old request that ends truncated after the redo
     is set aside too (issue: 4 such results survived in the export)."""
-    from common.data.recovery import rebuild
+    from genq.common.data.recovery import rebuild
     history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0},
                {"version": 2, "redo": "truncated", "inflight": "finish", "at": 50.0}]
     rec = rebuild(_manifest(history), [[_line(0, 1, 1, "length", 300, at=80),

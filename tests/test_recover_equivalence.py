@@ -12,10 +12,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.data import recovery
-from common.data.recovery import FIELDS, WIDTHS, Rules, _light
-from common.queue import bitmap
-from common.queue.keys import FINISH_NAMES
+from genq.common.data import recovery
+from genq.common.data.recovery import FIELDS, WIDTHS, Rules, _light
+from genq.common.queue import bitmap
+from genq.common.queue.keys import FINISH_NAMES
 
 TOTAL = 30
 

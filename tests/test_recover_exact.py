@@ -24,7 +24,7 @@ from faultkit import (
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from test_recover import lose_redis
 
-from common.queue.keys import PER_INDEX_BITS, RunKeys
+from genq.common.queue.keys import PER_INDEX_BITS, RunKeys
 
 
 def lines_of(dirs, run: str) -> list[dict]:

@@ -10,7 +10,7 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def status(redis_url: str, run: str) -> dict:

@@ -7,9 +7,9 @@ import pytest
 from conftest import ack_call, genq
 from pipeline import write_dataset
 
-from common.queue import scripts
-from common.queue.keys import RunKeys
-from producer.requeue import extra_tokens
+from genq.common.queue import scripts
+from genq.common.queue.keys import RunKeys
+from genq.producer.requeue import extra_tokens
 
 
 def test_extra_tokens():
@@ -69,7 +69,7 @@ def test_every_requeue_prints_the_summary_after_acting(live_run, redis_url, r, r
 
 
 def test_render_turns_tokens_into_time_at_the_current_rate():
-    from producer.requeue import Plan, render
+    from genq.producer.requeue import Plan, render
     plan = Plan(run="r", version=1, new_version=2, diff={"max_tokens": [4096, 8192]},
                 new_params={}, redo="truncated", inflight="finish", results=1710, failed=0,
                 aborted=0, tokens=(7_004_160, 14_008_320), tok_per_s=24310.0)

@@ -19,7 +19,7 @@ from rq import Queue, Worker
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 @pytest.fixture

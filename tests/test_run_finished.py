@@ -11,7 +11,7 @@ from faultkit import Background
 from pipeline import ConsumerProcess, wait_for, write_dataset
 from test_monitor import Monitor
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def said(events) -> int:

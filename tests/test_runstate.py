@@ -12,12 +12,12 @@ from conftest import genq
 from faultkit import Consumer, private_redis
 from pipeline import wait_for, write_dataset
 
-from common.data.dataset import open_dataset
-from common.errors import RunStateLost
-from common.queue import feed
-from common.queue.keys import RunKeys
-from common.queue.run import register
-from common.queue.scripts import ScriptRunner
+from genq.common.data.dataset import open_dataset
+from genq.common.errors import RunStateLost
+from genq.common.queue import feed
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import register
+from genq.common.queue.scripts import ScriptRunner
 
 
 def forget_run(r, k: RunKeys) -> None:
@@ -103,8 +103,8 @@ def test_status_warns_when_redis_runs_without_persistence(tmp_path, run_name):
 
 
 def test_monitor_says_when_the_run_is_lost_or_recreated(tmp_path, redis_url, r, run_name):
-    from common.queue import run as runs
-    from monitor.service import StatusSource
+    from genq.common.queue import run as runs
+    from genq.monitor.service import StatusSource
 
     data = write_dataset(tmp_path / "d.jsonl", 4)
     genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)

@@ -14,8 +14,8 @@ from faultproxy import FaultProxy
 from moto.server import ThreadedMotoServer
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
-from common.queue.keys import RunKeys
-from common.store import s3 as store
+from genq.common.queue.keys import RunKeys
+from genq.common.store import s3 as store
 
 BUCKET = "genq-test"
 PREFIX = "runs/exp1"
@@ -211,7 +211,7 @@ async def ship_all(redis_url: str, uri, k: RunKeys, out) -> None:
     """One pass of a shipper over every finished shard in ``out``, in this process."""
     import redis.asyncio as aioredis
 
-    from common.store.ship import Shipper
+    from genq.common.store.ship import Shipper
 
     aio = aioredis.Redis.from_url(redis_url)
     shipper = Shipper(uri, k, "gpu0", out, aio)
@@ -228,7 +228,7 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
     import asyncio
     import gzip
 
-    from common.data.shards import ShardWriter
+    from genq.common.data.shards import ShardWriter
 
     client, _ = s3
     uri = store.parse_uri(URI)
@@ -267,8 +267,8 @@ def test_a_slow_trickle_still_ships_by_shard_age(tmp_path, redis_url, r, run_nam
 
     import redis.asyncio as aioredis
 
-    from common.data.shards import ShardWriter
-    from common.store.ship import Shipper
+    from genq.common.data.shards import ShardWriter
+    from genq.common.store.ship import Shipper
 
     client, _ = s3
     uri = store.parse_uri(URI)

@@ -12,9 +12,9 @@ from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 
-from common.queue import bitmap, feed, scripts
-from common.queue.keys import RunKeys
-from common.queue.run import failure_reasons
+from genq.common.queue import bitmap, feed, scripts
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import failure_reasons
 
 
 def setup_run(r: redis.Redis, run: str, n: int) -> tuple[RunKeys, scripts.ScriptRunner]:
@@ -221,7 +221,7 @@ def test_presence_prunes_dead_consumers_and_idle_has_no_current_job(r, run_name)
 
     import redis.asyncio as aioredis
 
-    from consumer import presence
+    from genq.consumer import presence
 
     k = RunKeys(run_name)
     now = int(r.time()[0])

@@ -17,7 +17,7 @@ from faultkit import Consumer, private_redis, sim_kwargs
 from pipeline import wait_for
 from test_monitor import Monitor
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 SECRET = "s3cretPW"
 # Each runs a script if it is ever parsed as markup; none contains "/" (a consumer's name is

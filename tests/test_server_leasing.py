@@ -17,8 +17,8 @@ from conftest import REPO, genq, genq_env
 from faultkit import sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
-from common.queue.keys import RunKeys, server_lease
-from consumer.servers import pid_space, process_start, provably_gone
+from genq.common.queue.keys import RunKeys, server_lease
+from genq.consumer.servers import pid_space, process_start, provably_gone
 
 # Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
 LEASE_S = 3.0

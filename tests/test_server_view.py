@@ -16,7 +16,7 @@ from pipeline import ConsumerProcess, wait_for, write_dataset
 from prometheus_client.parser import text_string_to_metric_families
 from test_monitor import Monitor
 
-from common.report.status import read_status
+from genq.common.report.status import read_status
 
 pytestmark = pytest.mark.timeout(300)
 WINDOW_S = "8"  # the advice window, shortened so the test runs in seconds

@@ -14,11 +14,18 @@ from faultkit import Consumer, check_truth, produce_once
 from pipeline import ConsumerProcess, wait_for, write_dataset
 from sim_fixtures import SimProcess, sim_flags
 
-from common.errors import BadTask, Retryable, ServerAborted, ServerUnavailable, TryAgain, classify
-from common.queue.keys import RunKeys
-from common.queue.run import failure_reasons
-from common.report.status import read_status
-from common.sglang.stream import (
+from genq.common.errors import (
+    BadTask,
+    Retryable,
+    ServerAborted,
+    ServerUnavailable,
+    TryAgain,
+    classify,
+)
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import failure_reasons
+from genq.common.report.status import read_status
+from genq.common.sglang.stream import (
     Answer,
     ContextExceeded,
     error_message,

@@ -17,8 +17,8 @@ from faultkit import check_truth, record_figures
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 from sglang_servers import CONTEXT, KINDS, SIM_PLAIN_CAPACITY, TUNED_CAPACITY, start_server
 
-from common.queue.keys import RunKeys
-from common.report.status import read_status
+from genq.common.queue.keys import RunKeys
+from genq.common.report.status import read_status
 
 pytestmark = pytest.mark.timeout(900)
 FLAGS = ("--poll", "0.05", "--server-wait", "300", "--visibility-timeout", "20",

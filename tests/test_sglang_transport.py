@@ -9,9 +9,9 @@ import base64
 
 import pytest
 
-from common.errors import ServerUnavailable
-from common.net import free_port
-from common.sglang.client import SGLang
+from genq.common.errors import ServerUnavailable
+from genq.common.net import free_port
+from genq.common.sglang.client import SGLang
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 

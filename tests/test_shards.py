@@ -17,9 +17,9 @@ from export_reference import ReadStats, choose_records, read_records
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common.data.shard_repair import repair_shards
-from common.data.shards import ShardWriter, closed_shards, shard_parts
-from common.errors import OutputUnavailable, Retryable
+from genq.common.data.shard_repair import repair_shards
+from genq.common.data.shards import ShardWriter, closed_shards, shard_parts
+from genq.common.errors import OutputUnavailable, Retryable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,8 +123,8 @@ FULL_DISK = textwrap.dedent("""
     import os, resource, signal, sys
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
     resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
-    from common.errors import OutputUnavailable
-    from common.data.shards import ShardWriter
+    from genq.common.errors import OutputUnavailable
+    from genq.common.data.shards import ShardWriter
     w = ShardWriter(sys.argv[1], "r", "c")
     written = 0
     try:
@@ -161,8 +161,8 @@ FULL_DISK_THREADS = textwrap.dedent("""
     import os, resource, signal, sys, threading
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))
-    from common.errors import OutputUnavailable
-    from common.data.shards import ShardWriter
+    from genq.common.errors import OutputUnavailable
+    from genq.common.data.shards import ShardWriter
     w = ShardWriter(sys.argv[1], "r", "c")
     per_call = int(sys.argv[2])  # records per write_many call (consumers write batches)
     written, failed = [], []

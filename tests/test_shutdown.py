@@ -13,7 +13,7 @@ from conftest import REPO, genq_env
 from faultkit import VT, Consumer, check_truth, owners, private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 # --grace 2 (BASE_FLAGS), then at most 5 s for slots waiting on Redis, then the goodbye: a
 # consumer must be gone well within this. A hang shows up as a failure, not a slow test.
@@ -120,7 +120,7 @@ def test_background_loops_on_redis_end_when_cancelled(redis_url):
 
     import redis.asyncio as aioredis
 
-    from consumer.shutdown import cancel_and_wait
+    from genq.consumer.shutdown import cancel_and_wait
 
     async def trials() -> tuple[int, int]:
         r = aioredis.Redis.from_url(redis_url)
@@ -153,8 +153,8 @@ def test_background_loops_on_redis_end_when_cancelled(redis_url):
 
 STUBBORN = """
 import asyncio
-from common.errors import GenqError
-from consumer import shutdown
+from genq.common.errors import GenqError
+from genq.consumer import shutdown
 
 async def serve():
     async def stubborn():  # swallows every cancellation, as a lost one would look

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from conftest import REPO
 
-from simulator.model import natural_length
-from simulator.settings import parse_length_dist
+from genq.simulator.model import natural_length
+from genq.simulator.settings import parse_length_dist
 
 pytest_plugins = ["sim_fixtures"]
 
@@ -295,7 +295,7 @@ def test_many_concurrent_requests_complete(sim_factory):
 
 def test_bad_flag_exits_2_with_one_line():
     proc = subprocess.run(
-        [sys.executable, "-m", "simulator", "--length-dist", "gamma:1"],
+        [sys.executable, "-m", "genq.simulator", "--length-dist", "gamma:1"],
         cwd=REPO,
         capture_output=True,
         text=True,

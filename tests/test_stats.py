@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.queue.keys import RATE_BUCKET_S as B
-from common.report import stats
+from genq.common.queue.keys import RATE_BUCKET_S as B
+from genq.common.report import stats
 
 NOW_BUCKET = 170_000_000
 T0 = NOW_BUCKET * B  # the start of the current bucket

@@ -8,11 +8,11 @@ import redis
 from pipeline import queue_jobs, record_failure, take_leases
 from rich.console import Console
 
-from common.errors import UsageError
-from common.queue.keys import RATE_BUCKET_S as B
-from common.queue.keys import RunKeys
-from common.report.status import read_status
-from common.report.status_table import human_duration, render_table
+from genq.common.errors import UsageError
+from genq.common.queue.keys import RATE_BUCKET_S as B
+from genq.common.queue.keys import RunKeys
+from genq.common.report.status import read_status
+from genq.common.report.status_table import human_duration, render_table
 
 A, Bsrv = "http://gpu0:30000", "http://gpu1:30000"
 

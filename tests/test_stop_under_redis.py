@@ -13,10 +13,10 @@ import random
 
 import redis.asyncio as aioredis
 
-from common.queue.keys import RunKeys
-from common.store import s3 as store
-from common.store.ship import Shipper
-from consumer.shutdown import cancel_and_wait
+from genq.common.queue.keys import RunKeys
+from genq.common.store import s3 as store
+from genq.common.store.ship import Shipper
+from genq.consumer.shutdown import cancel_and_wait
 
 TRIALS = 30
 

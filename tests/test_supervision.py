@@ -12,7 +12,7 @@ import httpx
 from faultkit import Consumer, check_truth, owners, produce_once, sim_kwargs
 from pipeline import write_dataset
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 # What a server in trouble may answer on /v1/models once the consumer runs: a context length
 # that is not a number. (A null field in /v1/loads or /get_load, the first example, is

@@ -7,8 +7,8 @@ import orjson
 from conftest import ack_call, genq
 from pipeline import write_dataset
 
-from common.queue import scripts
-from common.queue.keys import RunKeys
+from genq.common.queue import scripts
+from genq.common.queue.keys import RunKeys
 
 
 def ack_claimed(r, k: RunKeys, n: int, finish: str, tokens: int) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 
 import orjson
 
-from common.data.rows import Dataset, edge_digest
-from common.errors import BadTask, DatasetError
+from genq.common.data.rows import Dataset, edge_digest
+from genq.common.errors import BadTask, DatasetError
 
 _CHUNK = 16 << 20  # read size while indexing: big reads keep the pass I/O-bound
 _MAGIC = b"GENQIDX1"
@@ -137,7 +137,7 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
         raise DatasetError(f"data set {p}: {e.strerror}") from None
     try:
         if p.suffix == ".parquet" or os.pread(fd, 4, 0) == b"PAR1":
-            from common.data.parquet import ParquetDataset  # pyarrow only when needed
+            from genq.common.data.parquet import ParquetDataset  # pyarrow only when needed
 
             return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
         return JsonlDataset(p, fd)

@@ -12,9 +12,9 @@ from typing import Any
 import orjson
 import redis
 
-from common.errors import UsageError
-from common.files import write_atomic
-from common.queue.keys import RunKeys
+from genq.common.errors import UsageError
+from genq.common.files import write_atomic
+from genq.common.queue.keys import RunKeys
 
 FORMAT = 1
 REQUIRED = ("run", "dataset", "fingerprint", "total", "epoch", "params", "params_version",

@@ -12,8 +12,8 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from common.data.rows import Dataset, edge_digest
-from common.errors import DatasetError
+from genq.common.data.rows import Dataset, edge_digest
+from genq.common.errors import DatasetError
 
 _ROW_GROUPS_CACHED = 2  # decoded Arrow tables kept (Parquet is read a row group at a time)
 _BATCH_ROWS = 1024  # rows converted to Python at once

@@ -20,11 +20,11 @@ from typing import Any, TypeVar, cast
 import orjson
 import redis
 
-from common.data.records import parse_line
-from common.params import REDO_SCOPES
-from common.queue import bitmap
-from common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
-from common.queue.run import preallocate
+from genq.common.data.records import parse_line
+from genq.common.params import REDO_SCOPES
+from genq.common.queue import bitmap
+from genq.common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
+from genq.common.queue.run import preallocate
 
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens)
 Result = tuple[int, int, int, int, int]

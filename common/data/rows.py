@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.errors import BadTask, DatasetError
+from genq.common.errors import BadTask, DatasetError
 
 _EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
 

@@ -6,7 +6,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from common.data.records import parse_line, unheld_shards
+from genq.common.data.records import parse_line, unheld_shards
 
 _TAIL_BLOCK = 64 << 10
 

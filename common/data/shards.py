@@ -16,9 +16,9 @@ from typing import Any
 
 import orjson
 
-from common.data.records import parse_line, unheld_shards
-from common.errors import OutputUnavailable
-from common.files import fsync_dir
+from genq.common.data.records import parse_line, unheld_shards
+from genq.common.errors import OutputUnavailable
+from genq.common.files import fsync_dir
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

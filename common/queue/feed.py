@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import redis
 
-from common.errors import RunStateLost
-from common.queue import bitmap
-from common.queue.keys import RunKeys
-from common.queue.scripts import ScriptRunner, enqueue_call
-from common.queue.tasks import FUNC
+from genq.common.errors import RunStateLost
+from genq.common.queue import bitmap
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.scripts import ScriptRunner, enqueue_call
+from genq.common.queue.tasks import FUNC
 
 ENQUEUE_BATCH = 1000
 

@@ -9,7 +9,7 @@ from typing import Any, cast
 import orjson
 import redis
 
-from common.queue.keys import RunKeys
+from genq.common.queue.keys import RunKeys
 
 
 def read(r: redis.Redis, k: RunKeys, names: list[str] | None = None) -> dict[str, dict[str, Any]]:

@@ -10,8 +10,8 @@ import redis
 import redis.asyncio as aioredis
 import zstandard
 
-from common.queue.keys import RunKeys
-from common.queue.replies import blob
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
 
 # What a partial carries: the answer so far and which result it was.
 FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", "params_version",

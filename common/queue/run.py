@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import redis
 from redis.typing import EncodableT, FieldT
 
-from common.errors import DatasetError, UsageError
-from common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
-from common.queue.replies import blob, text
+from genq.common.errors import DatasetError, UsageError
+from genq.common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
+from genq.common.queue.replies import blob, text
 
 
 @dataclass(frozen=True, kw_only=True)

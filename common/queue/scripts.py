@@ -12,8 +12,14 @@ from typing import Any
 
 import orjson
 
-from common.errors import reason_kind
-from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RATE_BUCKET_TTL_S, RunKeys, finish_code
+from genq.common.errors import reason_kind
+from genq.common.queue.keys import (
+    FINISH_NAMES,
+    RATE_BUCKET_S,
+    RATE_BUCKET_TTL_S,
+    RunKeys,
+    finish_code,
+)
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
          "server_renew", "server_release", "server_take")
@@ -26,7 +32,7 @@ _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
 
 def _read(name: str) -> str:
-    return resources.files("common.queue.lua").joinpath(f"{name}.lua").read_text()
+    return resources.files("genq.common.queue.lua").joinpath(f"{name}.lua").read_text()
 
 
 def _source(name: str) -> str:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-FUNC = "common.queue.tasks.generate"
+FUNC = "genq.common.queue.tasks.generate"
 
 
 def generate(index: int) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import redis
 
-from common.queue import heartbeats
-from common.queue.keys import RunKeys
-from common.queue.run import LOST, REPLACED
+from genq.common.queue import heartbeats
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import LOST, REPLACED
 
 NO_PERSISTENCE = "redis_no_persistence"
 LOST_CAUSE = "restarted without persistence, flushed or evicted"

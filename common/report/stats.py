@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from itertools import accumulate
 from typing import Any
 
-from common.queue.keys import RATE_BUCKET_S
+from genq.common.queue.keys import RATE_BUCKET_S
 
 Buckets = Mapping[int, Mapping[str, float]]
 

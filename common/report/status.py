@@ -10,14 +10,14 @@ from typing import Any, cast
 import orjson
 import redis
 
-from common.cli import run_keys
-from common.errors import UsageError, mask_tree
-from common.params import DEFAULTS
-from common.queue import bitmap, heartbeats
-from common.queue import run as runs
-from common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
-from common.queue.replies import blob, text
-from common.report import advice, runhealth, stats
+from genq.common.cli import run_keys
+from genq.common.errors import UsageError, mask_tree
+from genq.common.params import DEFAULTS
+from genq.common.queue import bitmap, heartbeats
+from genq.common.queue import run as runs
+from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
+from genq.common.queue.replies import blob, text
+from genq.common.report import advice, runhealth, stats
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S

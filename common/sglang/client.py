@@ -16,8 +16,8 @@ import orjson
 import structlog
 from yarl import URL
 
-from common.errors import ServerStalled, ServerUnavailable
-from common.sglang.stream import (
+from genq.common.errors import ServerStalled, ServerUnavailable
+from genq.common.sglang.stream import (
     Answer,
     Completion,
     ContextExceeded,

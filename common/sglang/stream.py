@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from common.errors import BadTask, ServerAborted, ServerUnavailable, TryAgain
+from genq.common.errors import BadTask, ServerAborted, ServerUnavailable, TryAgain
 
 # Statuses that say "try again later", not "this request is wrong".
 RETRYABLE_STATUS = {408, 425, 429}

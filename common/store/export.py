@@ -15,13 +15,13 @@ from typing import IO
 import orjson
 import redis
 
-from common.data.records import shard_files
-from common.data.shards import ACCEPTED, NEWEST, NONE, Picks, pick_lines
-from common.errors import GenqError
-from common.queue import bitmap
-from common.queue import run as runs
-from common.queue.keys import RunKeys
-from common.queue.replies import blob
+from genq.common.data.records import shard_files
+from genq.common.data.shards import ACCEPTED, NEWEST, NONE, Picks, pick_lines
+from genq.common.errors import GenqError
+from genq.common.queue import bitmap
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
 
 
 @dataclass(frozen=True, kw_only=True)

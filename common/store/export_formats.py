@@ -10,8 +10,8 @@ from typing import Any
 
 import orjson
 
-from common.store import export
-from common.store import s3 as store
+from genq.common.store import export
+from genq.common.store import s3 as store
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large

@@ -18,8 +18,8 @@ from typing import Any
 
 import zstandard
 
-from common.data.shards import shard_parts
-from common.errors import GenqError, StoreUnavailable, UsageError
+from genq.common.data.shards import shard_parts
+from genq.common.errors import GenqError, StoreUnavailable, UsageError
 
 # Reading a shard back: a damaged or foreign object.
 _READ_ERRORS = (OSError, EOFError, gzip.BadGzipFile, zstandard.ZstdError)

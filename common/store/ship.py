@@ -17,10 +17,10 @@ import orjson
 import redis
 import structlog
 
-from common.data.shards import closed_shards
-from common.errors import REDIS_TROUBLE, StoreUnavailable
-from common.queue.keys import RunKeys
-from common.store import s3 as store
+from genq.common.data.shards import closed_shards
+from genq.common.errors import REDIS_TROUBLE, StoreUnavailable
+from genq.common.queue.keys import RunKeys
+from genq.common.store import s3 as store
 
 logger = structlog.get_logger("shipper")
 

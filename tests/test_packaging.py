@@ -1,0 +1,26 @@
+"""What `pip install genq` puts into site-packages: one import name, genq, so no other project's
+`common` (or `monitor`, `producer`…) can collide with genq's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+
+from conftest import REPO
+
+
+def test_the_wheel_installs_one_top_level_name(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(REPO)],
+        check=True, capture_output=True, timeout=300,
+    )
+    (wheel,) = tmp_path.glob("genq-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"genq"}
+    # the linked folders travel whole: code, the Lua scripts and the monitor's page
+    for path in ("genq/common/queue/keys.py", "genq/common/queue/lua/claim.lua",
+                 "genq/monitor/page.html", "genq/simulator/cli.py", "genq/consumer/worker.py"):
+        assert path in names
