@@ -208,9 +208,10 @@ class SGLang:
                                         f"(--stall-timeout {self.stall_timeout:g})")
         finally:
             del self.live[id(progress)]
-            if not task.done():
-                task.cancel()  # closes the connection, which aborts the request on the server
-                await asyncio.gather(task, return_exceptions=True)
+            task.cancel()  # closes the connection, which aborts the request on the server
+            # Also when it ended meanwhile (a paused process wakes with the request and its
+            # socket timed out together): its error is read here, not logged as unretrieved.
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _whole(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
         async with self.session.post(self.chat_url, data=orjson.dumps(body), headers=self.headers,
