@@ -8,8 +8,10 @@ import signal
 import time
 
 import httpx
-from faultkit import Consumer, produce_once, sim_kwargs
+from faultkit import Consumer, claims, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
+
+from genq.common.queue.keys import RunKeys
 
 
 def test_a_consumer_paused_past_the_request_timeout_leaves_no_exception_unretrieved(
@@ -35,3 +37,23 @@ def test_a_consumer_paused_past_the_request_timeout_leaves_no_exception_unretrie
     finally:
         c.cleanup()
     assert "was never retrieved" not in log, log[-4000:]
+
+
+def test_whole_answers_without_a_readable_load_finish_and_are_never_taken_for_a_hang(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A server without /v1/loads (404: an older SGLang, a gateway) gives whole answers no sign
+    # of life; answers three times --stall-timeout long must still finish, each at its first go.
+    n = 16
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(6.0, legacy_get_load=True))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--stall-timeout", "2",
+                 "--max-attempts", "1", concurrency=16)
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+        events = c.events()
+    finally:
+        c.cleanup()
+    assert not [e for e in events if "answer silent for" in str(e.get("error", ""))]
+    assert [e["event"] for e in events].count("stall_watch_off") == 1
+    assert r.bitcount(RunKeys(run_name).done) == n
+    assert claims(r, run_name, n) == [1] * n
