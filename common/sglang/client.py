@@ -72,6 +72,9 @@ class SGLang:
         self.chat_timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=request_timeout)
         self._session: aiohttp.ClientSession | None = None  # made on first use, in the loop
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, load)
+        # /v1/loads answers without a load (a gateway's 404, an older server): whole answers
+        # get no sign of life, so only --request-timeout ends a hung one.
+        self.blind = self.said_blind = False
         self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
 
     @property
@@ -148,11 +151,25 @@ class SGLang:
     async def _read_load(self) -> dict[str, Any] | None:
         try:
             status, content = await self._get("/v1/loads")
+        except ServerUnavailable:
+            return None  # the server's trouble (a hang, a restart): silence means something
+        try:
             if status != 200:
-                return None
-            return parse_load(orjson.loads(content))
-        except (ServerUnavailable, LookupError, TypeError, ValueError, AttributeError):
+                raise ValueError(f"HTTP {status}")
+            load, self.blind = parse_load(orjson.loads(content)), False
+            return load
+        except (LookupError, TypeError, ValueError, AttributeError) as e:
+            if status < 500:  # a 5xx is the server's trouble too
+                self._no_load(str(e) if status != 200 else f"no load in {content[:100]!r}")
             return None
+
+    def _no_load(self, why: str) -> None:
+        self.blind = not self.stream
+        if self.blind and not self.said_blind:
+            self.said_blind = True
+            logger.warning("stall_watch_off", reason=f"{self.url}/v1/loads: {why}",
+                           consequence="a hung server is noticed only at --request-timeout; "
+                                       "--stream notices it within --stall-timeout")
 
     async def recent_load(self) -> dict[str, Any] | None:
         at, load = self._load
@@ -203,7 +220,8 @@ class SGLang:
                                             f"--request-timeout {self.request_timeout:g} s")
                 silent = now - progress.last
                 # Before its first token a request may wait in the server's queue: not a hang.
-                if silent >= self.stall_timeout and (progress.chunks or not await self.queued()):
+                if (silent >= self.stall_timeout and not self.blind
+                        and (progress.chunks or not await self.queued())):
                     raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
                                         f"(--stall-timeout {self.stall_timeout:g})")
         finally:
