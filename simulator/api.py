@@ -50,6 +50,8 @@ class App:
 
     async def __call__(self, request: Request) -> Response:
         route = self.routes.get((request.method, request.path))
+        if route is not None and request.path in ("/v1/loads", "/get_load"):
+            self.engine.stats.load_reads += 1
         if route is None:
             # FastAPI's own answers, as SGLang gives them for unknown paths and methods.
             if request.path in self._paths:

@@ -47,6 +47,7 @@ class Stats:
     resets: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    load_reads: int = 0  # GETs of /v1/loads (or /get_load), answered or not yet
     # The most a stream fell behind its schedule (real seconds): the simulator could not keep
     # the pace --time-scale and --stream-interval ask for.
     behind_s: float = 0.0

@@ -57,3 +57,28 @@ def test_whole_answers_without_a_readable_load_finish_and_are_never_taken_for_a_
     assert [e["event"] for e in events].count("stall_watch_off") == 1
     assert r.bitcount(RunKeys(run_name).done) == n
     assert claims(r, run_name, n) == [1] * n
+
+
+def test_the_load_is_read_once_per_server_however_many_whole_answers_are_in_flight(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A load endpoint slow to answer (frozen 4 s) leaves every request's watchdog with a load
+    # older than it accepts: they must wait for the one read under way, not each send their own.
+    n = 64
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(20.0, max_running_requests=n))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", concurrency=n)
+
+    def stats() -> dict:
+        return httpx.get(sim.url + "/_sim/stats", timeout=10).json()
+
+    try:
+        wait_for(lambda: stats()["running"] >= n, timeout=60, what="every request in flight")
+        before, started = stats()["load_reads"], time.monotonic()
+        httpx.post(sim.url + "/_sim/faults", json={"info_hang": True, "for_s": 4},
+                   timeout=5).raise_for_status()
+        time.sleep(7)
+        reads, window_s = stats()["load_reads"] - before, time.monotonic() - started
+    finally:
+        c.cleanup()
+    # The follower's read once a second, and a watchdog's when that one is late: a few, not n.
+    assert reads <= window_s + 3, (reads, window_s)
