@@ -72,6 +72,7 @@ class SGLang:
         self.chat_timeout = aiohttp.ClientTimeout(sock_connect=10.0, sock_read=request_timeout)
         self._session: aiohttp.ClientSession | None = None  # made on first use, in the loop
         self._load: tuple[float, dict[str, Any] | None] = (0.0, None)  # (read at, load)
+        self._reading: asyncio.Future[dict[str, Any] | None] | None = None  # the read under way
         # /v1/loads answers without a load (a gateway's 404, an older server): whole answers
         # get no sign of life, so only --request-timeout ends a hung one.
         self.blind = self.said_blind = False
@@ -137,7 +138,14 @@ class SGLang:
 
     async def load(self) -> dict[str, Any] | None:
         """Running and waiting requests summed over DP ranks, with the capacity in force; None
-        when unknown. Each read is kept for the stall watchdog: one poll per server."""
+        when unknown. Each read is kept for the stall watchdog: one poll per server, and one
+        read at a time, shared by whoever asks while it is under way (the follower, every whole
+        answer's watchdog); a caller cancelled leaves it to the others."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._load_now())
+        return await asyncio.shield(self._reading)
+
+    async def _load_now(self) -> dict[str, Any] | None:
         previous, load = self._load[1], await self._read_load()
         self._load = (time.monotonic(), load)
         if not self.stream and load and previous and load_moved(previous, load):
