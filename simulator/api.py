@@ -118,6 +118,7 @@ _FAULT_KEYS = {
     "status",
     "hang",
     "info_hang",
+    "stall",
     "reset",
     "finish",
     "for_s",
@@ -152,12 +153,14 @@ def _is_number(value: Any) -> bool:
 def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
     """Apply a `POST /_sim/faults` body.
 
-    Timed modes (`status`, `hang`, `reset`) last `for_s` real seconds, or until changed when
-    `for_s` is absent; `null`/`false` ends one. Rates last until changed. `clear` first restores
-    the start-up flags. Nothing is applied when any part of the body is invalid.
+    Timed modes (`status`, `hang`, `info_hang`, `stall`, `reset`, `finish`) last `for_s` real
+    seconds, or until changed when `for_s` is absent; `null`/`false` ends one. Rates last until
+    changed. `clear` first restores the start-up flags. Nothing is applied when any part of the
+    body is invalid.
     """
     _check_faults(data)
     if data.get("clear"):
+        engine.clock()  # the decoding time an earlier stall took is kept
         engine.faults = engine.initial_faults()
     faults = engine.faults
     for_s = data.get("for_s")
@@ -169,6 +172,10 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         faults.hang_until = until if data["hang"] else 0.0
     if "info_hang" in data:
         faults.info_hang_until = until if data["info_hang"] else 0.0
+    if "stall" in data:
+        engine.clock()  # the decoding time an earlier stall took is kept
+        faults.stall_from = time.monotonic()
+        faults.stall_until = until if data["stall"] else 0.0
     if "reset" in data:
         faults.reset_until = until if data["reset"] else 0.0
     if "finish" in data:

@@ -21,6 +21,7 @@ log = structlog.get_logger()
 # A streamed answer sends what was decoded about this often (real seconds), like SGLang's
 # per-step chunks but cheap enough for hundreds of streams on two cores.
 BEHIND_WARN_S = 1.0  # a stream this far behind its schedule is worth a warning
+STALL_POLL_S = 0.05  # how soon decoding goes on once a `stall` fault ends
 
 Emit = Callable[[int], None]
 
@@ -64,6 +65,8 @@ class Faults:
     status_until: float = 0.0
     hang_until: float = 0.0
     info_hang_until: float = 0.0  # the info endpoints (load, server info) do not answer
+    stall_from: float = 0.0  # decoding stands still from stall_from to stall_until
+    stall_until: float = 0.0
     reset_until: float = 0.0
     finish: str = ""
     finish_until: float = 0.0
@@ -87,6 +90,10 @@ class Faults:
             return "reset"
         return None
 
+    def stalled_between(self, start: float, end: float) -> float:
+        """Seconds of [start, end] the `stall` fault covers."""
+        return max(0.0, min(end, self.stall_until) - max(start, self.stall_from))
+
     def forced_finish(self) -> str:
         """The finish reason answers are given while the `finish` fault lasts, else ""."""
         return self.finish if time.monotonic() < self.finish_until else ""
@@ -94,7 +101,7 @@ class Faults:
     def view(self) -> dict:
         now = time.monotonic()
         left = {k: max(0.0, getattr(self, k + "_until") - now)
-                for k in ("status", "hang", "reset", "info_hang")}
+                for k in ("status", "hang", "reset", "info_hang", "stall")}
         return {
             "error_rate": self.error_rate,
             "hang_rate": self.hang_rate,
@@ -104,6 +111,7 @@ class Faults:
             "hang_left_s": left["hang"],
             "reset_left_s": left["reset"],
             "info_hang_left_s": left["info_hang"],
+            "stall_left_s": left["stall"],
             "finish": self.forced_finish() or None,
         }
 
@@ -127,6 +135,9 @@ class Engine:
         self._ids = itertools.count()
         self.started = time.time()
         self._said_behind = False
+        # The decoding clock: monotonic time less what `stall` faults took, as of _clock_at.
+        self._clock_at = time.monotonic()
+        self._clock = self._clock_at
 
     def initial_faults(self) -> Faults:
         s = self.settings
@@ -136,6 +147,22 @@ class Engine:
             reset_rate=s.reset_rate,
             rng=random.Random(s.seed),
         )
+
+    def clock(self) -> float:
+        """Decoding time: the monotonic clock, standing still while a `stall` fault lasts
+        (running requests make no progress and the queue stays, as on a server that froze)."""
+        now = time.monotonic()
+        self._clock += now - self._clock_at - self.faults.stalled_between(self._clock_at, now)
+        self._clock_at = now
+        return self._clock
+
+    async def sleep(self, seconds: float) -> None:
+        """Sleep `seconds` of decoding time; 0 still yields to the other requests."""
+        end = self.clock() + seconds
+        await asyncio.sleep(max(0.0, seconds))
+        while (left := end - self.clock()) > 1e-3:
+            await asyncio.sleep(STALL_POLL_S if self.faults.stall_until > time.monotonic()
+                                else left)
 
     async def run(
         self, prompt_tokens: int, completion: Completion, emit: Emit | None = None
@@ -167,9 +194,9 @@ class Engine:
         await self.slots.acquire(cost)
         key = next(self._ids)
         try:
-            self._active[key] = _Running(prompt_tokens, completion.tokens, time.monotonic())
+            self._active[key] = _Running(prompt_tokens, completion.tokens, self.clock())
             if emit is None:
-                await asyncio.sleep((s.ttft + completion.tokens / s.decode_tps) / s.time_scale)
+                await self.sleep((s.ttft + completion.tokens / s.decode_tps) / s.time_scale)
             else:
                 await self._decode_steps(completion.tokens, emit)
         finally:
@@ -181,15 +208,15 @@ class Engine:
         set; never fewer, larger chunks: a simulator too slow for the pace falls behind and
         says so (`simulator_behind` once, `behind_s` in /_sim/stats)."""
         s = self.settings
-        await asyncio.sleep(s.ttft / s.time_scale)
+        await self.sleep(s.ttft / s.time_scale)
         per_s = s.decode_tps * s.time_scale
         done = min(1, tokens)  # the first token comes with the prefill, as in SGLang
         emit(done)
-        start = time.monotonic()
+        start = self.clock()
         while done < tokens:
             done += min(s.stream_interval, tokens - done)
-            late = time.monotonic() - (start + (done - 1) / per_s)
-            await asyncio.sleep(max(0.0, -late))  # 0: still yields to the other streams
+            late = self.clock() - (start + (done - 1) / per_s)
+            await self.sleep(max(0.0, -late))  # 0: still yields to the other streams
             if late > self.stats.behind_s:
                 self.stats.behind_s = late
                 if late > BEHIND_WARN_S and not self._said_behind:
@@ -201,7 +228,7 @@ class Engine:
     def tokens_in_use(self) -> int:
         """Prompt plus generated-so-far tokens of the running requests (SGLang's `num_tokens`)."""
         s = self.settings
-        now = time.monotonic()
+        now = self.clock()
         total = 0
         for r in self._active.values():
             decoded = ((now - r.started) * s.time_scale - s.ttft) * s.decode_tps
@@ -212,7 +239,7 @@ class Engine:
         """Output tokens per (real) second the batch decodes now: each running request past
         its first token decodes at --decode-tps, scaled by --time-scale."""
         s = self.settings
-        now = time.monotonic()
+        now = self.clock()
         decoding = sum(1 for r in self._active.values()
                        if (now - r.started) * s.time_scale >= s.ttft)
         return decoding * s.decode_tps * s.time_scale

@@ -265,6 +265,25 @@ def test_runtime_hang_and_reset_faults(sim_factory):
     assert s["hung"] == 1 and s["resets"] == 1 and s["completed"] == 1
 
 
+def test_stall_fault_freezes_decoding_and_the_queue_until_it_ends(sim_factory):
+    # Requests of ~1.1 s, one at a time: stalled for longer than one takes, none finishes
+    # and the load stands still; once the stall ends, all finish.
+    sim = sim_factory(max_running_requests=1, length_dist="fixed:50")
+    socks = [raw_chat(sim.port, f"q{i}", max_tokens=100) for i in range(3)]
+    wait_for(lambda: stats(sim.url)["waiting"] == 2)
+    httpx.post(sim.url + "/_sim/faults", json={"stall": True}).raise_for_status()
+    first = httpx.get(sim.url + "/v1/loads").json()["loads"][0]
+    time.sleep(1.5)
+    assert {**httpx.get(sim.url + "/v1/loads").json()["loads"][0], "timestamp": 0} == {
+        **first, "timestamp": 0}
+    assert stats(sim.url)["completed"] == 0 and first["num_waiting_reqs"] == 2
+    assert httpx.get(sim.url + "/_sim/faults").json()["stall_left_s"] > 0
+    httpx.post(sim.url + "/_sim/faults", json={"stall": False}).raise_for_status()
+    wait_for(lambda: stats(sim.url)["completed"] == 3)
+    for sock in socks:
+        sock.close()
+
+
 def test_error_rate_flag_answers_503(sim_factory):
     sim = sim_factory(error_rate=1, **FAST)
     r = chat(sim.url, "x", max_tokens=10)
