@@ -106,3 +106,35 @@ def test_requests_a_busy_server_lost_are_noticed_by_whole_answers_too(
     assert httpx.get(sim.url + "/_sim/stats").json()["hung"] >= 1
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
+
+
+@pytest.mark.parametrize("mode", ["whole", "stream"])
+def test_a_server_that_stops_decoding_while_it_holds_a_queue_is_noticed_by_silence(
+        tmp_path, redis_url, r, run_name, sim_factory, mode):
+    # Twice as many requests in flight as the server runs: it always holds a queue, which is
+    # no sign of life once its running requests stand still (the simulator's `stall` fault).
+    n = 40
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(1.0, max_running_requests=4))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--request-timeout", "3600", "--stall-timeout", str(STALL_S),
+                 *(["--stream"] if mode == "stream" else []), concurrency=8)
+    try:
+        wait_done_at_least(r, run_name, 4)
+        wait_for(lambda: httpx.get(sim.url + "/_sim/stats").json()["waiting"] > 0,
+                 what="a queue in the server")
+        stall_at = time.time()
+        httpx.post(sim.url + "/_sim/faults", json={"stall": True, "for_s": 60},
+                   timeout=5).raise_for_status()
+        # With an hour's request timeout, only the stall watchdog notices while it lasts.
+        wait_for(lambda: any("answer silent for" in str(e.get("error", "")) for e in c.events()),
+                 timeout=STALL_S + 20, what="the stalled server noticed")
+        noticed_s = round(time.time() - stall_at, 2)
+        httpx.post(sim.url + "/_sim/faults", json={"stall": False}, timeout=5).raise_for_status()
+        assert c.wait(120) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
+    record_figures(f"server_stalls_with_a_queue_{mode}", noticed_after_s=noticed_s,
+                   stall_timeout_s=STALL_S, **figures)
