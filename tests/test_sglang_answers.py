@@ -85,13 +85,13 @@ def test_a_real_whole_answer_reads_as_its_stream_does():
         whole_answer(orjson.dumps(aborted), URL, thinking=True)
 
 
-def test_a_load_moves_with_a_queue_or_with_work_that_changes():
+def test_a_load_moves_with_work_that_changes_not_with_a_queue():
     idle = parse_load(real("v1_loads.json"))
     busy = {**idle, "num_reqs": 4, "num_used_tokens": 900, "gen_throughput": 80.0}
     assert not load_moved(idle, idle)
     assert load_moved(idle, busy) and load_moved(busy, {**busy, "num_used_tokens": 950})
     assert not load_moved(busy, busy)  # a frozen server answers the same figures
-    assert load_moved(busy, {**busy, "num_waiting_reqs": 2})  # queued: waiting, not hung
+    assert not load_moved(busy, {**busy, "num_waiting_reqs": 2})  # a frozen server keeps its queue
 
 
 def test_the_real_context_length_400_lowers_max_tokens_and_is_never_a_bad_task():

@@ -227,9 +227,10 @@ class SGLang:
                     raise ServerUnavailable(f"{self.url}: no whole answer within "
                                             f"--request-timeout {self.request_timeout:g} s")
                 silent = now - progress.last
-                # Before its first token a request may wait in the server's queue: not a hang.
+                # A stream before its first chunk may wait in the server's queue: not a hang. A
+                # whole answer waiting there is alive while the load moves (load() says so).
                 if (silent >= self.stall_timeout and not self.blind
-                        and (progress.chunks or not await self.queued())):
+                        and (progress.chunks or not self.stream or not await self.queued())):
                     raise ServerStalled(f"{self.url}: answer silent for {silent:.1f} s "
                                         f"(--stall-timeout {self.stall_timeout:g})")
         finally:

@@ -185,11 +185,10 @@ def parse_load(data: Any) -> dict[str, Any]:
 
 
 def load_moved(before: dict[str, Any], after: dict[str, Any]) -> bool:
-    """Two load reads show the server working: a queue, or running requests whose KV use or
-    decode speed changed."""
+    """Two load reads show the server working: running requests whose number, KV use or decode
+    speed changed. A queue is no sign: a server that stopped decoding keeps its queue."""
     keys = ("num_reqs", "num_used_tokens", "gen_throughput")
-    return after["num_waiting_reqs"] > 0 or (
-        after["num_reqs"] > 0 and any(before[key] != after[key] for key in keys))
+    return after["num_reqs"] > 0 and any(before[key] != after[key] for key in keys)
 
 
 def status_error(status: int, message: str, index: int, url: str,
