@@ -34,7 +34,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         prog="genq monitor", description="Serve the run's status: a web page at /, JSON at "
         "/api/status, Prometheus text at /metrics; keep a progress file current.")
     add_common(p)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (%(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (%(default)s; 0.0.0.0 for every interface: no auth)")
     p.add_argument("--port", type=int, default=int(os.environ.get("GENQ_MONITOR_PORT", 8080)),
                    help="port to listen on (%(default)s)")
     p.add_argument("--progress-file", type=Path, default=Path("progress.json"),
