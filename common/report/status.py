@@ -196,6 +196,8 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         {s["server"]: s.pop("_known_s") for s in servers}, remaining)
     server_advice = advice.annotate(servers, now)
     alerts += [advice.advice_alert(a) for a in server_advice]
+    if stranded := advice.no_consumer_alert(run, raw["queued"], len(beats)):
+        alerts.append(stranded)
     return {
         "run": run, "total": total, "done": done, "queued": raw["queued"],
         "inflight": raw["inflight"], "failed": failed, "params_version": version,
