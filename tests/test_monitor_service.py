@@ -1,11 +1,15 @@
-"""The monitor's service as a neighbour on the network meets it: where it listens by default."""
+"""The monitor's service as its neighbours meet it: where it listens, what a finished run shows."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
 
 import pytest
 from test_monitor import Monitor, populate
+
+from genq.common.queue.keys import RunKeys
 
 
 def test_the_monitor_listens_on_loopback_only_by_default(redis_url, r, run_name, tmp_path):
@@ -19,3 +23,31 @@ def test_the_monitor_listens_on_loopback_only_by_default(redis_url, r, run_name,
             socket.create_connection(("127.0.0.2", monitor.port), timeout=5).close()
     finally:
         monitor.stop()
+
+
+def test_the_page_marks_a_finished_run(redis_url, r, run_name, tmp_path):
+    """A run whose every prompt is done or failed says so on the page, not only in figures."""
+    from playwright.sync_api import sync_playwright
+
+    k = RunKeys(run_name)
+    r.hset(k.meta, mapping={"total": 10, "dataset": "/d.jsonl", "fingerprint": "f",
+                            "created_at": time.time()})
+    r.setrange(k.done, 0, b"\xff")  # 0..7 done
+    r.setbit(k.failed, 8, 1)  # 9 still to do
+    monitor = Monitor(redis_url, run_name, tmp_path)
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])
+            with contextlib.closing(browser):
+                page = browser.new_page()
+                page.goto(monitor.url + "/")
+                page.wait_for_function("document.getElementById('done').dataset.value === '8'")
+                unfinished = page.is_visible("#finished")
+                r.setbit(k.done, 9, 1)
+                page.wait_for_function("document.getElementById('done').dataset.value === '9'")
+                mark = page.is_visible("#finished") and page.text_content("#finished")
+    finally:
+        monitor.stop()
+    assert not unfinished
+    assert mark and "finished" in mark
