@@ -1,10 +1,13 @@
-"""The monitor's service as its neighbours meet it: where it listens, what a finished run shows."""
+"""The monitor's service as its neighbours meet it: where it listens, what a finished run
+shows, what a GET costs Redis."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from test_monitor import Monitor, populate
@@ -51,3 +54,29 @@ def test_the_page_marks_a_finished_run(redis_url, r, run_name, tmp_path):
         monitor.stop()
     assert not unfinished
     assert mark and "finished" in mark
+
+
+def status_reads(r) -> int:
+    """How many status reads Redis served: each is one MULTI (common.report.status._read)."""
+    return int(r.info("commandstats").get("cmdstat_multi", {}).get("calls", 0))
+
+
+def test_many_gets_within_a_second_read_redis_once(redis_url, r, run_name, tmp_path):
+    """A page per viewer polling, and Prometheus scraping, cost one status read a second, not one
+    per GET: the status is kept for a second."""
+    populate(r, run_name)
+    monitor = Monitor(redis_url, run_name, tmp_path, interval=3600)  # no progress-file reads
+    try:
+        assert monitor.get("/api/status")[0] == 200
+        r.config_resetstat()
+        start = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda path: monitor.get(path)[0],
+                                  ["/api/status", "/metrics"] * 20))
+        spanned = time.monotonic() - start
+        reads = status_reads(r)
+    finally:
+        monitor.stop()
+    assert codes == [200] * 40
+    # One read per second the burst spanned, and one for the second it began in.
+    assert reads <= math.ceil(spanned) + 1, (reads, spanned)
