@@ -118,7 +118,7 @@ def periodic_tasks(s: argparse.Namespace, client: redis.Redis, source: StatusSou
     def write_progress() -> None:
         # An unreadable status keeps the last good file (its `time` says how old it is) rather
         # than replacing figures with nothing.
-        status, _error = source.read()
+        status, _error = source.latest()
         if status is not None:
             write_atomic(s.progress_file, orjson.dumps(status, option=orjson.OPT_INDENT_2))
 
@@ -129,7 +129,7 @@ def periodic_tasks(s: argparse.Namespace, client: redis.Redis, source: StatusSou
         REDIS_OUTAGE.over()
 
     return [("progress_file", s.interval, write_progress),
-            ("alerts", s.interval, alert_logger(source.read)), ("reaper", 1.0, reap)]
+            ("alerts", s.interval, alert_logger(source.latest)), ("reaper", 1.0, reap)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"genq: error: cannot listen on {s.host}:{s.port}: {e}", file=sys.stderr)
         client.close()
         return 1
-    source.read()  # at start, Redis or run trouble gives one clear log line, then we serve on
+    source.latest()  # at start, Redis or run trouble gives one clear log line, then we serve on
     periodic = Periodic(periodic_tasks(s, client, source))
 
     for sig in (signal.SIGTERM, signal.SIGINT):

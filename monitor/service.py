@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -19,6 +20,8 @@ from genq.monitor import metrics
 log = structlog.get_logger("monitor")
 
 PAGE = resources.files("genq.monitor").joinpath("page.html").read_bytes()
+# A status is served for this long: pages polling and scrapers cost Redis one read a second.
+KEEP_S = 1.0
 
 
 class StatusSource:
@@ -32,9 +35,28 @@ class StatusSource:
         self._last_error: str | None = ""  # "" = not read yet, None = last read worked
         self._epoch: str | None = None  # the run's identity when first seen
         self._replaced: dict | None = None
+        self._reading = threading.Lock()
+        # The last read: when it began and ended (monotonic), and its answer.
+        self._answer: tuple[float, float, tuple[dict | None, str | None]] = (
+            -KEEP_S, -KEEP_S, (None, "not read yet"))
+
+    def latest(self) -> tuple[dict | None, str | None]:
+        """read()'s answer, reused: a status read under KEEP_S ago is served again, and callers
+        that waited for a read take its answer, so any number of callers in a second read Redis
+        once."""
+        asked = time.monotonic()
+        with self._reading:
+            began, ended, answer = self._answer
+            if ended >= asked or (answer[0] is not None and asked - began < KEEP_S):
+                return answer
+            began = time.monotonic()
+            answer = self.read()
+            self._answer = (began, time.monotonic(), answer)
+            return answer
 
     def read(self) -> tuple[dict | None, str | None]:
-        """(status, None) or (None, one-line reason); never raises for Redis or run trouble."""
+        """(status, None) or (None, one-line reason), read now; never raises for Redis or run
+        trouble."""
         try:
             status = read_status(self.client, self.run, truncation_threshold=self.threshold)
         except GenqError as e:
@@ -99,11 +121,11 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/", "/index.html"):
             self._send(200, PAGE, "text/html; charset=utf-8", head)
         elif path == "/api/status":
-            status, error = self.server.source.read()
+            status, error = self.server.source.latest()
             self._json(503 if status is None else 200,
                        status or {"error": error, "run": self.server.source.run}, head)
         elif path == "/metrics":
-            status, error = self.server.source.read()
+            status, error = self.server.source.latest()
             text = (metrics.render(status) if status is not None
                     else metrics.render_down(self.server.source.run, error or "unknown"))
             self._send(200, text.encode(), metrics.CONTENT_TYPE, head)
