@@ -54,6 +54,20 @@ KNOWN: dict[str, Callable[[str], Any]] = {
 }
 
 
+MASK = "***"
+
+
+def mask_raw(values: dict[str, Any], *, pairs: bool = False) -> dict[str, Any]:
+    """The parameters as shown: each --raw value (a key genq does not know; server extras may
+    hold credentials) as MASK; with pairs, both sides of {key: [old, new]}, an absent side None."""
+    def hide(value: Any) -> Any:
+        if pairs and isinstance(value, list):
+            return [None if side is None else MASK for side in value]
+        return MASK
+
+    return {key: value if key in KNOWN else hide(value) for key, value in values.items()}
+
+
 def _split(pair: str, flag: str) -> tuple[str, str]:
     key, sep, raw = pair.partition("=")
     key = key.strip()

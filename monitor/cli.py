@@ -4,6 +4,7 @@ timer: the progress file, alert logging, the reaper."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 import orjson
 import redis
 import structlog
+from aiohttp import web
 
 from genq.common import log as genq_log
 from genq.common.cli import add_common
@@ -24,7 +26,7 @@ from genq.common.log import REDIS_OUTAGE
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RUN_NAME, RunKeys
 from genq.common.queue.scripts import ScriptRunner, reap_call
-from genq.monitor.service import MonitorServer, StatusSource
+from genq.monitor.service import StatusSource, make_app
 
 log = structlog.get_logger("monitor")
 
@@ -34,7 +36,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         prog="genq monitor", description="Serve the run's status: a web page at /, JSON at "
         "/api/status, Prometheus text at /metrics; keep a progress file current.")
     add_common(p)
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on (%(default)s)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (%(default)s; 0.0.0.0 for every interface: no auth)")
     p.add_argument("--port", type=int, default=int(os.environ.get("GENQ_MONITOR_PORT", 8080)),
                    help="port to listen on (%(default)s)")
     p.add_argument("--progress-file", type=Path, default=Path("progress.json"),
@@ -117,7 +120,7 @@ def periodic_tasks(s: argparse.Namespace, client: redis.Redis, source: StatusSou
     def write_progress() -> None:
         # An unreadable status keeps the last good file (its `time` says how old it is) rather
         # than replacing figures with nothing.
-        status, _error = source.read()
+        status, _error = source.latest()
         if status is not None:
             write_atomic(s.progress_file, orjson.dumps(status, option=orjson.OPT_INDENT_2))
 
@@ -128,7 +131,35 @@ def periodic_tasks(s: argparse.Namespace, client: redis.Redis, source: StatusSou
         REDIS_OUTAGE.over()
 
     return [("progress_file", s.interval, write_progress),
-            ("alerts", s.interval, alert_logger(source.read)), ("reaper", 1.0, reap)]
+            ("alerts", s.interval, alert_logger(source.latest)), ("reaper", 1.0, reap)]
+
+
+async def serve(s: argparse.Namespace, source: StatusSource, periodic: Periodic) -> int:
+    """Listen, run the periodic tasks, and serve until SIGTERM or SIGINT; 1 if it cannot listen."""
+    # access_log None: a line per request would drown the log (a page polls every 2 s).
+    runner = web.AppRunner(make_app(source), access_log=None, handle_signals=False,
+                           shutdown_timeout=2.0)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, s.host, s.port).start()
+    except OSError as e:
+        print(f"genq: error: cannot listen on {s.host}:{s.port}: {e}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    # At start, Redis or run trouble gives one clear log line, then we serve on.
+    await asyncio.to_thread(source.latest)
+    periodic.start()
+    log.info("monitor_started", run=s.run, url=f"http://{s.host}:{s.port}/",
+             progress_file=str(s.progress_file), redis=mask_secrets(s.redis_url))
+    try:
+        await stop.wait()
+    finally:
+        periodic.stop()
+        await runner.cleanup()
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,25 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     source = StatusSource(client, s.run, url=s.redis_url,
                           truncation_threshold=s.truncation_threshold)
     try:
-        server = MonitorServer((s.host, s.port), source)
-    except OSError as e:
-        print(f"genq: error: cannot listen on {s.host}:{s.port}: {e}", file=sys.stderr)
-        client.close()
-        return 1
-    source.read()  # at start, Redis or run trouble gives one clear log line, then we serve on
-    periodic = Periodic(periodic_tasks(s, client, source))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        # shutdown() waits for serve_forever to return, so it cannot run on the serving thread.
-        signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
-    periodic.start()
-    log.info("monitor_started", run=s.run, url=f"http://{s.host}:{s.port}/",
-             progress_file=str(s.progress_file), redis=mask_secrets(s.redis_url))
-    try:
-        server.serve_forever(poll_interval=0.5)
+        code = asyncio.run(serve(s, source, Periodic(periodic_tasks(s, client, source))))
     finally:
-        periodic.stop()
-        server.server_close()
         client.close()
+    if code == 0:
         log.info("monitor_stopped", run=s.run)
-    return 0
+    return code

@@ -1,9 +1,14 @@
-"""The status as Prometheus text exposition (format 0.0.4), rendered by hand."""
+"""The status as Prometheus text exposition (format 0.0.4), written by prometheus_client: its
+format and escaping, over families built from one status."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import Collector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 UP_HELP = "Whether the monitor can read the run's status."
@@ -85,57 +90,58 @@ SERVER_METRICS = [
 ]
 
 
-# Label values escape backslash, double quote and newline, per the exposition format.
-_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})
+class _Families(Collector):
+    """The families of one status, for generate_latest (a registry would keep them)."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
 
 
-def _value(v: float | int | None) -> str:
-    f = math.nan if v is None else float(v)
-    if math.isnan(f):
-        return "NaN"
-    if math.isinf(f):
-        return "+Inf" if f > 0 else "-Inf"
-    return str(int(f)) if f.is_integer() and abs(f) < 2**53 else repr(f)
+def _family(name: str, kind: str, help_text: str, labels: list[str],
+            samples: Iterable[tuple[list[str], float | int | None]]) -> Metric:
+    """A metric family with one sample per (label values, value); None is NaN (not known)."""
+    family_of = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    # A counter's name is given without _total: prometheus_client adds it to the samples.
+    family = family_of(name.removesuffix("_total") if kind == "counter" else name, help_text,
+                       labels=labels)
+    for values, v in samples:
+        family.add_metric(values, math.nan if v is None else v)
+    return family
 
 
-def _labels(**labels: str) -> str:
-    return "{" + ",".join(f'{k}="{v.translate(_ESCAPES)}"' for k, v in labels.items()) + "}"
-
-
-def _family(name: str, kind: str, help_text: str,
-            samples: Iterable[tuple[str, float | int | None]]) -> list[str]:
-    """A metric family: its HELP and TYPE lines, then one line per (labels, value)."""
-    return [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-            *(f"{name}{labels} {_value(v)}" for labels, v in samples)]
+def _text(families: list[Metric]) -> str:
+    return generate_latest(_Families(families)).decode()
 
 
 def render(status: dict) -> str:
     """Every figure of the status as a metric family with HELP and TYPE lines."""
     run = status["run"]
-    lines: list[str] = []
-    for name, kind, help_text, get in RUN_METRICS:
-        lines += _family(name, kind, help_text, [(_labels(run=run), get(status))])
-    lines += _family("genq_finish_reason_total", "counter", "Done results by finish_reason.",
-                     [(_labels(run=run, reason=reason), count)
-                      for reason, count in sorted(status["finish_reasons"].items())])
-    lines += _family("genq_failed_by_reason", "gauge",
-                     "Failed prompts by reason (the most common few).",
-                     [(_labels(run=run, reason=row["reason"]), row["count"])
-                      for row in status.get("failure_reasons", [])])
-    # A "quantile" label is reserved for summaries; these are exact, so a plain gauge family.
-    lines += _family("genq_output_tokens_percentile", "gauge",
-                     "Exact output-length percentiles of done results.",
-                     [(_labels(run=run, percentile=q), status["output_tokens"][key])
-                      for key, q in (("p50", "50"), ("p90", "90"), ("p99", "99"), ("max", "100"))])
-    for name, help_text, get in SERVER_METRICS:
-        lines += _family(name, "gauge", help_text,
-                         [(_labels(run=run, server=row["server"]), get(row))
-                          for row in status["servers"]])
-    return "\n".join(lines) + "\n"
+    families = [_family(name, kind, help_text, ["run"], [([run], get(status))])
+                for name, kind, help_text, get in RUN_METRICS]
+    by_reason = ["run", "reason"]
+    families += [
+        _family("genq_finish_reason_total", "counter", "Done results by finish_reason.",
+                by_reason, [([run, reason], count)
+                            for reason, count in sorted(status["finish_reasons"].items())]),
+        _family("genq_failed_by_reason", "gauge", "Failed prompts by reason (the most common few).",
+                by_reason, [([run, row["reason"]], row["count"])
+                            for row in status.get("failure_reasons", [])]),
+        # A "quantile" label is reserved for summaries; these are exact, so a plain gauge family.
+        _family("genq_output_tokens_percentile", "gauge",
+                "Exact output-length percentiles of done results.", ["run", "percentile"],
+                [([run, q], status["output_tokens"][key])
+                 for key, q in (("p50", "50"), ("p90", "90"), ("p99", "99"), ("max", "100"))])]
+    families += [_family(name, "gauge", help_text, ["run", "server"],
+                         [([run, row["server"]], get(row)) for row in status["servers"]])
+                 for name, help_text, get in SERVER_METRICS]
+    return _text(families)
 
 
 def render_down(run: str, error: str) -> str:
     """What /metrics says while the status cannot be read: up 0, and why in a comment."""
     reason = " ".join(error.split())
-    return "\n".join([f"# genq monitor cannot read run {run}: {reason}",
-                      *_family("genq_status_up", "gauge", UP_HELP, [(_labels(run=run), 0)])]) + "\n"
+    return f"# genq monitor cannot read run {run}: {reason}\n" + _text(
+        [_family("genq_status_up", "gauge", UP_HELP, ["run"], [([run], 0)])])

@@ -1,15 +1,17 @@
-"""The read-only HTTP service: the page, /api/status and /metrics, over one status source."""
+"""The read-only HTTP service (aiohttp, one event loop): the page, /api/status and /metrics, over
+one status source."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
 from importlib import resources
 
 import orjson
 import redis
 import structlog
+from aiohttp import web
 
 from genq.common.errors import GenqError, mask_secrets
 from genq.common.report import runhealth
@@ -19,6 +21,8 @@ from genq.monitor import metrics
 log = structlog.get_logger("monitor")
 
 PAGE = resources.files("genq.monitor").joinpath("page.html").read_bytes()
+# A status is served for this long: pages polling and scrapers cost Redis one read a second.
+KEEP_S = 1.0
 
 
 class StatusSource:
@@ -32,9 +36,28 @@ class StatusSource:
         self._last_error: str | None = ""  # "" = not read yet, None = last read worked
         self._epoch: str | None = None  # the run's identity when first seen
         self._replaced: dict | None = None
+        self._reading = threading.Lock()
+        # The last read: when it began and ended (monotonic), and its answer.
+        self._answer: tuple[float, float, tuple[dict | None, str | None]] = (
+            -KEEP_S, -KEEP_S, (None, "not read yet"))
+
+    def latest(self) -> tuple[dict | None, str | None]:
+        """read()'s answer, reused: a status read under KEEP_S ago is served again, and callers
+        that waited for a read take its answer, so any number of callers in a second read Redis
+        once."""
+        asked = time.monotonic()
+        with self._reading:
+            began, ended, answer = self._answer
+            if ended >= asked or (answer[0] is not None and asked - began < KEEP_S):
+                return answer
+            began = time.monotonic()
+            answer = self.read()
+            self._answer = (began, time.monotonic(), answer)
+            return answer
 
     def read(self) -> tuple[dict | None, str | None]:
-        """(status, None) or (None, one-line reason); never raises for Redis or run trouble."""
+        """(status, None) or (None, one-line reason), read now; never raises for Redis or run
+        trouble."""
         try:
             status = read_status(self.client, self.run, truncation_threshold=self.threshold)
         except GenqError as e:
@@ -76,61 +99,43 @@ class StatusSource:
         return error
 
 
-class Handler(BaseHTTPRequestHandler):
-    server: MonitorServer
-    server_version = "genq-monitor"
-
-    def _send(self, code: int, body: bytes, content_type: str, head: bool = False) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        if code == HTTPStatus.METHOD_NOT_ALLOWED:
-            self.send_header("Allow", "GET, HEAD")
-        self.end_headers()
-        if not head:
-            self.wfile.write(body)
-
-    def _json(self, code: int, obj: object, head: bool = False) -> None:
-        self._send(code, orjson.dumps(obj), "application/json", head)
-
-    def do_GET(self, head: bool = False) -> None:  # noqa: N802 (http.server's naming)
-        path = self.path.split("?", 1)[0]
-        if path in ("/", "/index.html"):
-            self._send(200, PAGE, "text/html; charset=utf-8", head)
-        elif path == "/api/status":
-            status, error = self.server.source.read()
-            self._json(503 if status is None else 200,
-                       status or {"error": error, "run": self.server.source.run}, head)
-        elif path == "/metrics":
-            status, error = self.server.source.read()
-            text = (metrics.render(status) if status is not None
-                    else metrics.render_down(self.server.source.run, error or "unknown"))
-            self._send(200, text.encode(), metrics.CONTENT_TYPE, head)
-        else:
-            self._json(404, {"error": f"no such page {path}"}, head)
-
-    def do_HEAD(self) -> None:  # noqa: N802
-        self.do_GET(head=True)
-
-    def _refuse(self) -> None:
-        # The monitor only reads: changing a run is `genq requeue`'s job, on purpose. The body is
-        # drained (up to 1 MiB) so the client reads our 405 instead of a connection reset.
-        length = int(self.headers.get("Content-Length") or 0)
-        if 0 < length <= 1 << 20:
-            self.rfile.read(length)
-        self._json(405, {"error": f"{self.command} not allowed: the monitor is read-only"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = _refuse  # noqa: N815
-
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
-        """Silent: http.server would write every request to stderr and drown the logs."""
+SOURCE = web.AppKey("source", StatusSource)
+HEADERS = {"Cache-Control": "no-store", "Server": "genq-monitor"}
 
 
-class MonitorServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
+def _send(code: int, body: bytes, content_type: str, **headers: str) -> web.Response:
+    # HEAD gets the same headers, Content-Length included, and no body (aiohttp drops it).
+    return web.Response(status=code, body=body,
+                        headers={**HEADERS, "Content-Type": content_type, **headers})
 
-    def __init__(self, address: tuple[str, int], source: StatusSource) -> None:
-        super().__init__(address, Handler)
-        self.source = source
+
+def _json(code: int, obj: object, **headers: str) -> web.Response:
+    return _send(code, orjson.dumps(obj), "application/json", **headers)
+
+
+async def handle(request: web.Request) -> web.Response:
+    """Every request: the page, the status JSON, Prometheus text; 404 elsewhere, 405 for any
+    method but GET and HEAD."""
+    source = request.app[SOURCE]
+    if request.method not in ("GET", "HEAD"):
+        # The monitor only reads: changing a run is `genq requeue`'s job, on purpose.
+        return _json(405, {"error": f"{request.method} not allowed: the monitor is read-only"},
+                     Allow="GET, HEAD")
+    if request.path in ("/", "/index.html"):
+        return _send(200, PAGE, "text/html; charset=utf-8")
+    if request.path not in ("/api/status", "/metrics"):
+        return _json(404, {"error": f"no such page {request.path}"})
+    # Redis is read by the blocking client genq status uses too, on a worker thread.
+    status, error = await asyncio.to_thread(source.latest)
+    if request.path == "/api/status":
+        return _json(503 if status is None else 200, status or {"error": error, "run": source.run})
+    text = (metrics.render(status) if status is not None
+            else metrics.render_down(source.run, error or "unknown"))
+    return _send(200, text.encode(), metrics.CONTENT_TYPE)
+
+
+def make_app(source: StatusSource) -> web.Application:
+    app = web.Application()
+    app[SOURCE] = source
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app

@@ -89,7 +89,8 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> None:
 
 
 class Monitor:
-    def __init__(self, redis_url: str, run: str, tmp: Path, interval: float = 0.5) -> None:
+    def __init__(self, redis_url: str, run: str, tmp: Path, interval: float = 0.5,
+                 host: str | None = "127.0.0.1") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.progress = tmp / f"progress-{self.port}.json"
@@ -100,8 +101,7 @@ class Monitor:
                     sys.executable,
                     "-m",
                     "monitor",
-                    "--host",
-                    "127.0.0.1",
+                    *(["--host", host] if host else []),
                     "--port",
                     str(self.port),
                     "--redis-url",

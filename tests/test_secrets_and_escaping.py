@@ -1,6 +1,7 @@
-"""No secret is shown and no markup runs: credentials in Redis and server URLs are masked in
-every error, log line, status field and page; everything the monitor page shows from data or
-servers (consumer names, server URLs, failure reasons, server messages, parameters) is text."""
+"""No secret is shown and no markup runs: credentials in Redis and server URLs, and --raw
+parameter values (server extras may hold keys), are masked in every error, log line, status
+field and page; everything the monitor page shows from data or servers (consumer names, server
+URLs, failure reasons, server messages, parameters) is text."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ SECRET = "s3cretPW"
 NAME = "<img src=x onerror=window.__pwned=1>"
 MARKER = "<img src=y onerror=window.__pwned=2>"
 PATH = "<img src=z onerror=window.__pwned=3>"
-PARAM = "<script>window.__pwned=4</script>"
+# A --raw parameter's name (no "=" in it: --raw splits at the first); its value is a secret.
+PARAM = "<script>window.__pwned++</script>"
 ROW_ID = "<script>window.__pwned=5</script>"
 
 
@@ -91,7 +93,7 @@ def test_monitor_page_shows_untrusted_text_as_text_and_no_secret(
             for i in range(200)]
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    genq("produce", str(data), "--once", "--max-tokens", "50", "--raw", f"stop={PARAM}",
+    genq("produce", str(data), "--once", "--max-tokens", "50", "--raw", f"{PARAM}={SECRET}",
          redis_url=redis_url, run=run_name)
     # The simulator refuses rows with the marker, quoting it: a server message with markup.
     sim = sim_factory(**sim_kwargs(0.5), bad_marker=MARKER)
@@ -125,8 +127,10 @@ def test_monitor_page_shows_untrusted_text_as_text_and_no_secret(
         assert SECRET not in text
     assert f"http://gpu:***@127.0.0.1:{port}/{PATH}" in page_text  # literally, masked
     assert NAME in page_text  # the consumer's name, as text
-    assert PARAM in page_text  # a parameter value, as text
+    assert PARAM in page_text  # a --raw parameter's name, as text; its value masked
     status = orjson.loads(shown[2])
+    assert status["params"][PARAM] == "***"
+    assert status["params_history"][0]["changes"][PARAM] == "***"
     assert status["failed"] == 3
     # What rq and rq-dashboard show (job results, the failed registry) and the reasons genq
     # keeps come from Redis: no password there either.

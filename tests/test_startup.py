@@ -37,7 +37,8 @@ def test_consumer_and_producer_started_before_redis_wait_then_proceed(
             assert producer.stop() == 0, producer.log()[-3000:]
             consumer_events = consumer.event_names()
             producer_events = [e.get("event") for e in producer.events()]
-            assert monitor.status()["done"] == n  # the monitor serves the run now
+            # The monitor serves the run now (its status is up to a second old).
+            wait_for(lambda: monitor.status()["done"] == n, timeout=10, what="the monitor's done")
         finally:
             consumer.cleanup()
             producer.cleanup()

@@ -139,6 +139,21 @@ def advice_alert(advice: dict[str, Any]) -> dict[str, Any]:
             "command": command}
 
 
+def no_consumer_alert(run: str, queued: int, live_consumers: int) -> dict[str, Any] | None:
+    """An alert while jobs wait and no consumer of the run is alive (a crash loop, consumers
+    started under another run name or user): the figures alone would look merely idle."""
+    if not queued or live_consumers:
+        return None
+    named = "" if run == "default" else f" --run {run}"
+    return {"kind": "no_consumer",
+            "message": (f"no consumer of run {run!r} is alive: {queued:,} jobs wait in the queue "
+                        "and nothing takes them. Start one; if consumers run, read their logs: "
+                        "one that exits at start (a crash loop, e.g. GENQ_USER cannot write "
+                        "/out), or one started with another run name or Redis, never "
+                        "heartbeats here"),
+            "command": f"genq consume --server URL{named}"}
+
+
 def annotate(servers: list[dict[str, Any]], now: float) -> list[dict[str, Any]]:
     """Give each status row its named samples and advice; return the advice. GENQ_ADVICE_WINDOW_S
     sets the window."""

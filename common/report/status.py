@@ -12,7 +12,7 @@ import redis
 
 from genq.common.cli import run_keys
 from genq.common.errors import UsageError, mask_tree
-from genq.common.params import DEFAULTS
+from genq.common.params import DEFAULTS, mask_raw
 from genq.common.queue import bitmap, heartbeats
 from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
@@ -32,6 +32,14 @@ def _json(value: Any) -> Any:
         return orjson.loads(value) if value is not None else None
     except orjson.JSONDecodeError:
         return None
+
+
+def _history(entry: Any) -> Any:
+    """A parameter version's record as shown: version 1 records values, later ones [old, new]."""
+    entry = _json(entry)
+    if not isinstance(entry, dict) or not isinstance(entry.get("changes"), dict):
+        return entry
+    return {**entry, "changes": mask_raw(entry["changes"], pairs=entry.get("version", 1) > 1)}
 
 
 def _number(value: Any) -> float | None:
@@ -196,6 +204,8 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         {s["server"]: s.pop("_known_s") for s in servers}, remaining)
     server_advice = advice.annotate(servers, now)
     alerts += [advice.advice_alert(a) for a in server_advice]
+    if stranded := advice.no_consumer_alert(run, raw["queued"], len(beats)):
+        alerts.append(stranded)
     return {
         "run": run, "total": total, "done": done, "queued": raw["queued"],
         "inflight": raw["inflight"], "failed": failed, "params_version": version,
@@ -217,7 +227,7 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         "continued": {v.partition("|")[2]: {"continued": c, "decode_tokens_saved": counters.get(
             "saved|" + v.partition("|")[2], 0)} for v, c in counters.items()
             if v.startswith("continued|")},
-        "params": params, "params_history": [_json(h) for h in raw["history"]],
+        "params": mask_raw(params), "params_history": [_history(h) for h in raw["history"]],
         "length_histogram": stats.histogram_bins(hist),
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),
         "dataset": meta.get("dataset"), "created_at": _number(meta.get("created_at")),
