@@ -70,8 +70,8 @@ class RunState:
                 logger, now, run=self.keys.run, mine=self.epoch, current=epoch,
                 service="consumer", duty="claiming and writing", command=fix,
                 then=(f"its output in {self.out_dir} is of the earlier run: `{fix} --replace` "
-                      "brings that one back, or restart this consumer with another --out for "
-                      "the new one"))
+                      "brings that one back, or restart this consumer: it writes the new one "
+                      f"beside it, in {self.out_dir}/{self.keys.run}-EPOCH"))
             if now == REPLACED:
                 self.failure = reason
         self.state = now
