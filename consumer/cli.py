@@ -44,8 +44,9 @@ from genq.common.sglang.client import SGLang
 from genq.common.store import s3 as store
 from genq.common.store.ship import Shipper
 from genq.consumer import servers, shutdown
+from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
-from genq.consumer.worker import Consumer, RunState
+from genq.consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
 REDIS_CONNECTIONS = 64
