@@ -144,7 +144,9 @@ class Consumer:
         if again:
             self.deadline = time.monotonic()
             self.abort_all("shutdown")
-        logger.info("stopping", inflight=len(self.held), grace_s=self.settings.grace)
+        logger.info("stopping", inflight=len(self.held), grace_s=self.settings.grace,
+                    then="giving it all back now" if again else "a second Ctrl-C (or SIGTERM) "
+                    "gives everything in flight back at once")
 
     def halt(self) -> None:
         self.stop.set()
