@@ -27,6 +27,9 @@ class RunState:
         self.state = OK
         self.recovered = False  # rebuilt by `genq recover` while this consumer did not look
         self.failure = ""  # set when the consumer must stop: the run was replaced
+        # The run's output directories as the manifest here lists them when it was last lost or
+        # replaced (None: no manifest); the heartbeat carries them, for a whole recover command.
+        self.out_dirs: list[str] | None = None
 
     async def check(self, r: aioredis.Redis) -> str:
         """Read the run's epoch; log each change of state once, with what fixes it."""
@@ -41,13 +44,15 @@ class RunState:
                 self.recovered = True
             self.gen = int(gen or 0)
         if now != self.state:
-            mine = manifests.find(self.out_dir, self.keys.run) or {}
-            fix = runhealth.recover_command(
-                self.keys.run, mine.get("out_dirs") or [os.path.abspath(self.out_dir)])
+            self.out_dirs = (manifests.find(self.out_dir, self.keys.run) or {}).get("out_dirs")
+            here = os.path.abspath(self.out_dir)
+            fix, _ = runhealth.lost_recover(self.keys.run, [{"out": here,
+                                                             "out_dirs": self.out_dirs}])
             reason = runhealth.report_change(
                 logger, now, run=self.keys.run, mine=self.epoch, current=epoch,
                 service="consumer", duty="claiming and writing", command=fix,
-                then=(f"its output in {self.out_dir} is of the earlier run: `{fix} --replace` "
+                then=(f"its output in {self.out_dir} is of the earlier run: `"
+                      f"{fix or runhealth.recover_command(self.keys.run, [here])} --replace` "
                       "brings that one back, or restart this consumer: it writes the new one "
                       f"beside it, in {self.out_dir}/{self.keys.run}-EPOCH"))
             if now == REPLACED:

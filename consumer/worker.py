@@ -411,7 +411,7 @@ class Consumer:
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
-                "run_state": self.runstate.state}
+                "run_state": self.runstate.state, "out_dirs": self.runstate.out_dirs}
         await presence.announce(self.redis, self.keys, self.settings.name, now, beat,
                                 birth=self.birth, held=list(self.held))
 
