@@ -14,8 +14,10 @@
 #    sim0 and see the spare take its server over
 # 6. `run --rm consumer genq export`: the file lands in the host's output directory, owned by
 #    its owner, every index exactly once
-# 7. `down -v` leaves the host's results in place; then stop the engine this script started
-#    and undo its host network changes.
+# 7. `down -v` leaves the host's results in place
+# 8. the README's block again, as written: `up -d` after `down -v` is a new run, written beside
+#    the first run's output (./genq-out/RUN-EPOCH), which stays as it was; it completes and
+#    exports; then stop the engine this script started and undo its host network changes.
 # Settings go through an env file, as a user's `.env` (docs/DEPLOY.md): the same for every
 # command. The output directory is a temporary one owned by a stand-in host user (uid 4321),
 # so a developer's own ./genq-out is never touched.
@@ -213,8 +215,28 @@ done
 "${DC[@]}" down -v --remove-orphans
 T[down]=$(since "$s")
 check_export "after down -v" || fail "down -v took the host's results"
-for k in engine_and_base image_build pipeline takeover down; do echo "time[$k]=${T[$k]}s"; done
+
+# ------------------------------------------------------------------ 8. the README's block again
+# A user who runs it twice: Redis starts empty, the producer registers a fresh run, and the
+# consumers find ./genq-out holding the first run's output (they refused it once: issue 30).
+first=$(cd "$OUT" && sha256sum ci.*)  # the first run's shards and manifest
+s=$(now)
+"${DC[@]}" up -d
+[ "$(consumers_running)" = 2 ] || fail "the second up -d started $(consumers_running) consumers"
+"${DC[@]}" ps -q redis >"$REDIS_CID"
+wait_until 600 "settled second run" settled
+T[second_run]=$(since "$s")
+"${DC[@]}" exec -T producer genq status
+"${DC[@]}" up -d --scale consumer=3
+"${DC[@]}" run --rm consumer genq export --out /out/results.jsonl
+check_export "second run" || fail "the second run's export is incomplete"
+epoch=$(docker exec "$(cat "$REDIS_CID")" redis-cli --raw hget genq:ci:meta epoch | tr -d '\r')
+ls "$OUT/ci-$epoch"/ci.*.jsonl >/dev/null || fail "no shards of the second run in $OUT/ci-$epoch"
+"${DC[@]}" down -v
+[ "$(cd "$OUT" && sha256sum ci.*)" = "$first" ] || fail "the second run changed the first one's files"
+echo "second run: complete in $OUT/ci-$epoch; the first run's $(wc -l <<<"$first") files unchanged"
+for k in engine_and_base image_build pipeline takeover down second_run; do echo "time[$k]=${T[$k]}s"; done
 for svc in consumer monitor rq-dashboard producer sim0 sim1 redis; do
   echo -n "stop[$svc]=${T[stop_$svc]}s "
 done; echo
-echo "COMPOSE E2E: OK ($PROMPTS prompts, 2 servers, 2 consumers then 3)"
+echo "COMPOSE E2E: OK ($PROMPTS prompts, 2 servers, 2 consumers then 3; the block twice)"

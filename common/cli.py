@@ -98,8 +98,9 @@ def connect(url: str, socket_timeout: float | None = None, *, wait: bool = False
                 after = f" after {give_up_after:g} s (--redis-wait)" if wait else ""
                 raise GenqError(f"cannot reach Redis at {mask_secrets(url)}{after}: {e}") \
                     from None
-            outage.seen(e, redis=mask_secrets(url),
-                        hint="retrying with backoff until Redis answers")
+            outage.seen(e, redis=mask_secrets(url), hint="retrying with backoff " + (
+                "until Redis answers" if give_up_after is None else
+                f"for up to {give_up_after:g} s (--redis-wait), then giving up"))
             if pause.wait(delay):
                 client.close()
                 return None

@@ -13,7 +13,7 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -44,8 +44,9 @@ from genq.common.sglang.client import SGLang
 from genq.common.store import s3 as store
 from genq.common.store.ship import Shipper
 from genq.consumer import servers, shutdown
+from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
-from genq.consumer.worker import Consumer, RunState
+from genq.consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
 REDIS_CONNECTIONS = 64
@@ -161,15 +162,22 @@ def check_writable(out: str) -> None:
                         "choose another --out") from None
 
 
-def check_outdir(k: RunKeys, out: str, epoch: str) -> None:
-    """Refuse to mix a new run's shards (and manifest) with an earlier run's of the same name."""
+def run_outdir(k: RunKeys, out: str, epoch: str) -> str:
+    """Where this run's output goes: `out`, or `out/{run}-{epoch}` when `out` holds an earlier run
+    of this name that Redis no longer has (compose's `down -v`, then `up -d`): the new run goes
+    beside it, and the earlier output stays as it is, recoverable from `out`."""
     found = manifests.find(out, k.run)
-    if found is not None and found["epoch"] != epoch:
-        fix = runhealth.recover_command(k.run, [os.path.abspath(out)])
-        raise GenqError(
-            f"{out} holds the output of an earlier run {k.run!r} (epoch {found['epoch']}, "
-            f"parameters v{found['params_version']}) that Redis no longer has; recover it with "
-            f"`{fix}`, or give this run another --out")
+    if found is None or found["epoch"] == epoch:
+        return out
+    mine = os.path.join(out, f"{k.run}-{epoch}")
+    os.makedirs(mine, exist_ok=True)  # the manifest is written before the first shard
+    fix = runhealth.recover_command(k.run, [os.path.abspath(out)])
+    logger.warning("earlier_run_kept", out=out, epoch=found["epoch"], writing_to=mine,
+                   reason=f"{out} holds an earlier run {k.run!r} (epoch {found['epoch']}, "
+                          f"parameters v{found['params_version']}); it stays as it is and "
+                          f"this run writes to {mine}; `{fix} --replace` would bring the "
+                          "earlier one back in place of this one")
+    return mine
 
 
 async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str, int | None]:
@@ -213,7 +221,7 @@ async def serve(s: ConsumeSettings) -> int:
         logger.warning("redis_settings", risk=risk)
     dataset = open_dataset(info.dataset)
     dataset.verify(info.fingerprint)
-    check_outdir(k, s.out, info.epoch)
+    s = replace(s, out=run_outdir(k, s.out, info.epoch))
     sync.sadd(k.outdirs, os.path.abspath(s.out))  # every manifest lists every output dir
     manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):

@@ -16,7 +16,6 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common.data import manifest as manifests
 from genq.common.data.records import build_record
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
@@ -24,9 +23,8 @@ from genq.common.errors import BadTask, Retryable, RunStateLost, TryAgain, class
 from genq.common.params import DEFAULTS, request_body
 from genq.common.queue import feed, partials
 from genq.common.queue.keys import RunKeys
-from genq.common.queue.run import OK, REPLACED, finished, judge
+from genq.common.queue.run import OK, REPLACED, finished
 from genq.common.queue.scripts import ScriptRunner, iso_now
-from genq.common.report import runhealth
 from genq.common.sglang.client import SGLang, continue_answer
 from genq.common.sglang.stream import Completion
 from genq.consumer import presence, shutdown
@@ -34,55 +32,11 @@ from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, r
 from genq.consumer.commit import Committer
 from genq.consumer.follow import HISTORY_PERIOD_S, Follower
 from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
+from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
-
-
-class RunState:
-    """The run by its epoch: ok, lost (Redis restarted empty) or replaced (a new run of its name).
-    Until it is back nothing is claimed, queued or written: the cached run describes neither."""
-
-    def __init__(self, keys: RunKeys, epoch: str, out_dir: str, gen: int = 0) -> None:
-        self.keys, self.epoch, self.out_dir, self.gen = keys, epoch, out_dir, gen
-        self.state = OK
-        self.recovered = False  # rebuilt by `genq recover` while this consumer did not look
-        self.failure = ""  # set when the consumer must stop: the run was replaced
-
-    async def check(self, r: aioredis.Redis) -> str:
-        """Read the run's epoch; log each change of state once, with what fixes it."""
-        raw, gen = await r.hmget(self.keys.meta, ["epoch", "gen"])
-        epoch = raw.decode() if isinstance(raw, bytes) else raw
-        now = judge(epoch, self.epoch)
-        if now == OK and int(gen or 0) != self.gen:
-            if self.state == OK:  # lost and recovered while this consumer slept (a pause, a
-                # partition): its claims are of the run before, and every ack of them refused
-                logger.warning("run_recovered_unseen", generation=int(gen or 0),
-                               consequence="the tasks held are given up; claiming goes on")
-                self.recovered = True
-            self.gen = int(gen or 0)
-        if now != self.state:
-            mine = manifests.find(self.out_dir, self.keys.run) or {}
-            fix = runhealth.recover_command(
-                self.keys.run, mine.get("out_dirs") or [os.path.abspath(self.out_dir)])
-            reason = runhealth.report_change(
-                logger, now, run=self.keys.run, mine=self.epoch, current=epoch,
-                service="consumer", duty="claiming and writing", command=fix,
-                then=(f"its output in {self.out_dir} is of the earlier run: `{fix} --replace` "
-                      "brings that one back, or restart this consumer with another --out for "
-                      "the new one"))
-            if now == REPLACED:
-                self.failure = reason
-        self.state = now
-        return now
-
-    async def keep_manifest(self, sync: redis.Redis) -> None:
-        """Rewrite the manifest beside the shards if the run or its parameters changed."""
-        if self.state != OK:
-            return
-        if await asyncio.to_thread(manifests.upkeep, sync, self.keys, [self.out_dir], self.epoch):
-            logger.debug("manifest_written", path=str(manifests.path(self.out_dir, self.keys.run)))
 
 
 class Consumer:
@@ -190,7 +144,9 @@ class Consumer:
         if again:
             self.deadline = time.monotonic()
             self.abort_all("shutdown")
-        logger.info("stopping", inflight=len(self.held), grace_s=self.settings.grace)
+        logger.info("stopping", inflight=len(self.held), grace_s=self.settings.grace,
+                    then="giving it all back now" if again else "a second Ctrl-C (or SIGTERM) "
+                    "gives everything in flight back at once")
 
     def halt(self) -> None:
         self.stop.set()
@@ -455,7 +411,7 @@ class Consumer:
                 "load_history": list(f.history), "host": socket.gethostname(),
                 "pid": os.getpid(), "acked": self.acked, "started_at": self.started_at,
                 "context_length": f.context_length, "out": os.path.abspath(self.settings.out),
-                "run_state": self.runstate.state}
+                "run_state": self.runstate.state, "out_dirs": self.runstate.out_dirs}
         await presence.announce(self.redis, self.keys, self.settings.name, now, beat,
                                 birth=self.birth, held=list(self.held))
 

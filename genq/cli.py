@@ -47,7 +47,7 @@ def export_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
     p.add_argument("--out", required=True,
-                   help="file to write, JSONL or Parquet per --format (replaced atomically)")
+                   help="file to write, replaced atomically; its directory is made if missing")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
     p.add_argument("--include-failed", action="store_true",
@@ -57,19 +57,21 @@ def export_main(argv: list[str] | None = None) -> int:
                         "(by default the export refuses and names them)")
     p.add_argument("--from-s3", metavar="URI",
                    help="read the shards from s3://bucket/prefix instead of local directories")
-    p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
-                   help="jsonl (default) or parquet (typed columns, bounded row groups)")
+    p.add_argument("--format", choices=("jsonl", "parquet"),
+                   help="jsonl or parquet (typed columns, bounded row groups); default: "
+                        "parquet for an --out ending .parquet or .pq, else jsonl")
     add_common(p)
     a = p.parse_args(argv)
+    fmt = export_formats.choose_format(a.out, a.format)  # before Redis: the flags' errors first
     if a.from_s3:
-        s3.parse_uri(a.from_s3)  # before Redis: the flag's own error first
+        s3.parse_uri(a.from_s3)
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
     dirs = [a.from_s3] if a.from_s3 else [d for d in a.shards or sorted(
         text(d) for d in r.smembers(k.outdirs)) if os.path.isdir(d)]
     result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
-                                       fmt=a.format, include_failed=a.include_failed,
+                                       fmt=fmt, include_failed=a.include_failed,
                                        allow_ambiguous=a.allow_ambiguous)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""
     print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "

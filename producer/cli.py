@@ -101,14 +101,14 @@ def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event) -> bool:
     epoch would make them exit): wait for it to be back; False if stopped."""
     if r.exists(k.meta):
         return True
-    waiting = [b for b in heartbeats.read(r, k).values() if b.get("run_state") == runs.LOST]
+    waiting = runhealth.waiting(r, k, (runs.LOST,))
     if not waiting:
         return True
-    dirs = sorted({b["out"] for b in waiting if b.get("out")})
+    command, advice = runhealth.lost_recover(k.run, waiting)
     logger.error("run_state_lost", run=k.run, reason=(
         f"run {k.run!r} is no longer in Redis ({runhealth.LOST_CAUSE}) and {len(waiting)} "
-        "consumer(s) wait for it: this producer waits for the recover, not registering it anew"),
-        command=runhealth.recover_command(k.run, dirs))
+        f"consumer(s) wait for it: this producer waits for the recover, not registering it "
+        f"anew; {advice}"), command=command)
     while not stop.wait(1.0):
         with contextlib.suppress(*REDIS_TROUBLE):
             if r.exists(k.meta):
@@ -195,6 +195,6 @@ def watch_run(r: redis.Redis, k: RunKeys, info: runs.RunInfo, was: str) -> str:
     if state != was:
         runhealth.report_change(logger, state, run=k.run, mine=info.epoch, current=current,
                                 service="producer", duty="queueing",
-                                command=runhealth.recover_command(k.run, []),
-                                then="this producer stops")
+                                command=runhealth.lost_recover(k.run, runhealth.waiting(
+                                    r, k, (runs.LOST,)))[0], then="this producer stops")
     return state

@@ -16,8 +16,9 @@ from genq.common.data.rows import Prompt
 from genq.common.errors import BadTask
 from genq.common.queue import feed, scripts
 from genq.common.queue.keys import RunKeys
+from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
-from genq.consumer.worker import Consumer, RunState
+from genq.consumer.worker import Consumer
 
 
 def test_a_claim_reads_its_rows_in_a_thread(redis_url, run_name, tmp_path):

@@ -88,3 +88,25 @@ def test_export_include_failed_writes_each_failed_prompt_with_its_reason(
     assert records[1] == {"index": 1, "run": run_name, "status": "failed",
                           "error": "row N: not valid JSON"}  # kept once for all its rows
     assert records[3]["error"] == "HTTP 400: <b>" and "status" not in records[0]
+
+
+def test_export_out_makes_its_directory_and_takes_the_format_from_the_suffix(
+        tmp_path, redis_url, r, run_name):
+    k, runner = setup_run(r, run_name, 2)
+    for lease in claim(runner, k, n=2):
+        assert ack(runner, k, lease) == 1
+    r.sadd(k.outdirs, str(shard(tmp_path, run_name, [line(0, 1), line(1, 1)])))
+    # A directory that does not exist yet is made, as the consumer makes its --out.
+    nested = tmp_path / "new" / "dir" / "results.jsonl"
+    proc = genq("export", "--out", str(nested), redis_url=redis_url, run=run_name, check=False)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert [rec["index"] for rec in read_jsonl(nested)] == [0, 1]
+    # `.parquet` without --format: Parquet, not JSONL under a Parquet name.
+    parquet = tmp_path / "results.parquet"
+    genq("export", "--out", str(parquet), redis_url=redis_url, run=run_name)
+    assert parquet.read_bytes()[:4] == b"PAR1"
+    # An explicit --format the suffix contradicts: one clear line, nothing written.
+    proc = genq("export", "--out", str(tmp_path / "x.parquet"), "--format", "jsonl",
+                redis_url=redis_url, run=run_name, check=False)
+    assert proc.returncode == 2 and not (tmp_path / "x.parquet").exists()
+    assert proc.stderr.count("\n") == 1 and "--format jsonl" in proc.stderr, proc.stderr

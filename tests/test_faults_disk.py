@@ -20,7 +20,9 @@ from genq.common.queue.keys import RunKeys
 class FullDisk:
     """An output directory that runs out of space on demand: a 1 MiB tmpfs, filled by a filler
     file and freed by deleting it. Mounting needs root, which the suite has in its sandbox and
-    in CI (RLIMIT_FSIZE was the alternative, but it also stops the consumer's own log file)."""
+    in CI (RLIMIT_FSIZE was the alternative, but it also stops the consumer's own log file).
+    Where it cannot mount, the test fails: a skip would hide that the disk-full path went
+    untested."""
 
     def __init__(self, directory: Path) -> None:
         self.dir = directory
@@ -28,7 +30,8 @@ class FullDisk:
         mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)],
                                capture_output=True, text=True)
         if mount.returncode:
-            pytest.skip(f"cannot mount a small tmpfs here: {mount.stderr.strip()}")
+            pytest.fail(f"cannot mount a small tmpfs here (run the suite as root, or where "
+                        f"mount -t tmpfs is allowed): {mount.stderr.strip()}")
         self.filler = directory / "filler.bin"
 
     def fill(self) -> None:

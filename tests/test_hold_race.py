@@ -16,8 +16,9 @@ from pipeline import write_dataset
 from genq.common.data.dataset import open_dataset
 from genq.common.queue import feed, scripts
 from genq.common.queue.keys import RunKeys
+from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
-from genq.consumer.worker import Consumer, RunState
+from genq.consumer.worker import Consumer
 
 
 def test_letting_go_of_a_task_keeps_a_newer_claim_of_it_held(redis_url, run_name, tmp_path):

@@ -177,3 +177,23 @@ def test_an_error_is_said_even_when_a_task_that_will_not_end_forces_the_exit():
                           text=True, timeout=EXIT_BOUND_S)
     assert done.returncode == 1
     assert "genq: error: the run was replaced" in done.stderr
+
+
+def test_the_first_signal_says_a_second_stops_at_once_and_a_second_does(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    """Ctrl-C drains for --grace; its line says that a second Ctrl-C gives everything back at
+    once, and a second one does (here long before the 120 s grace)."""
+    produce_once(write_dataset(tmp_path / "d.jsonl", 40), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(5.0))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--grace", "120", name="twice")
+    try:
+        wait_for(lambda: working(r, run_name, "twice"), timeout=60, what="consumer working")
+        c.signal(signal.SIGINT)
+        [first] = wait_for(lambda: [e for e in c.events() if e.get("event") == "stopping"],
+                           what="the stopping line")
+        assert "a second Ctrl-C" in first.get("then", ""), first
+        c.signal(signal.SIGINT)
+        assert c.wait(EXIT_BOUND_S) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    assert owners(r, run_name) == {}, "its leases must be given back, not left to expire"

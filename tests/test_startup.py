@@ -89,6 +89,10 @@ def test_run_to_the_end_commands_give_up_on_an_unreachable_redis(tmp_path, run_n
         assert proc.returncode == 1, (name, proc.stderr[-2000:])
         assert len(errors) == 1 and "cannot reach Redis" in errors[0], (name, proc.stderr)
         assert "after 2 s (--redis-wait)" in errors[0] and took < 30, (name, took)
+        # The waiting line says how long it waits, not "until Redis answers".
+        [waiting] = [orjson.loads(line) for line in lines
+                     if line.startswith("{") and '"waiting_for_redis"' in line]
+        assert "for up to 2 s (--redis-wait)" in waiting["hint"], (name, waiting)
 
 
 def test_a_monitor_without_redis_logs_its_outage_at_a_slowing_pace(tmp_path, run_name):

@@ -20,6 +20,20 @@ def recover_command(run: str, dirs: list[str]) -> str:
     return f"genq recover --shards {shards}" + ("" if run == "default" else f" --run {run}")
 
 
+def lost_recover(run: str, waiting: list[dict[str, Any]]) -> tuple[str | None, str]:
+    """For a run Redis lost, from the heartbeats of the consumers waiting for it: (the recover
+    command, only when it is whole, each of them knowing from its manifest every output directory
+    the run had; the sentence saying what to run, or what is missing)."""
+    outs = {b["out"] for b in waiting if b.get("out")}
+    listed = [b.get("out_dirs") for b in waiting]
+    if waiting and None not in listed:
+        command = recover_command(run, sorted({*outs, *(d for dirs in listed for d in dirs or ())}))
+        return command, f"rebuild it from the output: {command}"
+    known = f" (known here: {' '.join(sorted(outs))})" if outs else ""
+    return None, ("rebuild it with `genq recover --shards` followed by every consumer's output "
+                  f"directory (their --out){known}")
+
+
 def persistence_alert(r: redis.Redis, k: RunKeys, out_dirs: list[str]) -> dict | None:
     """An alert while Redis has no append-only file (a restart forgets the run); None when CONFIG
     is not allowed."""
@@ -46,12 +60,12 @@ def replaced(run: str, current: str | None, mine: str, service: str) -> str:
 
 
 def report_change(log: Any, state: str, *, run: str, mine: str, current: str | None,
-                  service: str, duty: str, command: str, then: str) -> str:
+                  service: str, duty: str, command: str | None, then: str) -> str:
     """Log once that the run changed to `state` (run.judge); the reason. `duty` stops while it is
-    lost; `then` happens if replaced."""
+    lost; `then` happens if replaced; without a whole `command`, the reason says what to give."""
     if state == LOST:
         reason = (f"run {run!r} is no longer in Redis ({LOST_CAUSE}); {duty} stopped until "
-                  "it is back")
+                  "it is back" + ("" if command else f"; {lost_recover(run, [])[1]}"))
         log.error("run_state_lost", run=run, epoch=mine, reason=reason, command=command)
     elif state == REPLACED:
         reason = f"{replaced(run, current, mine, service)}; {then}"
@@ -62,15 +76,17 @@ def report_change(log: Any, state: str, *, run: str, mine: str, current: str | N
     return reason
 
 
+def waiting(r: redis.Redis, k: RunKeys, states: tuple[str, ...] = (LOST, REPLACED)) -> list[dict]:
+    """The heartbeats of the consumers that wait for the run, having seen it lost or replaced."""
+    return [b for b in heartbeats.read(r, k).values() if b.get("run_state") in states]
+
+
 def missing_run_message(r: redis.Redis, k: RunKeys) -> str:
     """Why the run is not in Redis, as far as Redis can still tell, and what to run."""
-    waiting = [b for b in heartbeats.read(r, k).values()
-               if b.get("run_state") in (LOST, REPLACED)]
-    if not waiting:
+    beats = waiting(r, k)
+    _, advice = lost_recover(k.run, beats)
+    if not beats:
         return (f"unknown run {k.run!r}: no genq:{k.run}:meta in Redis (start it with "
-                "`genq produce DATASET`, or pick --run/GENQ_RUN; if Redis lost it, rebuild it "
-                "with `genq recover --shards DIR…`)")
-    dirs = sorted({b["out"] for b in waiting if b.get("out")})
-    return (f"run {k.run!r} lost its state in Redis ({LOST_CAUSE}); {len(waiting)} "
-            "consumer(s) wait for it, writing nothing. Rebuild it "
-            f"from the output: {recover_command(k.run, dirs)}")
+                f"`genq produce DATASET`, or pick --run/GENQ_RUN; if Redis lost it, {advice})")
+    return (f"run {k.run!r} lost its state in Redis ({LOST_CAUSE}); {len(beats)} "
+            f"consumer(s) wait for it, writing nothing. R{advice[1:]}")

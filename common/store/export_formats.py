@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from genq.common.errors import GenqError, UsageError
 from genq.common.store import export
 from genq.common.store import s3 as store
 
@@ -52,10 +53,29 @@ def jsonl_to_parquet(src: str, out: str) -> None:
             w.write_table(pa.Table.from_pylist(rows, schema=arrow_schema))
 
 
+# An --out ending so names its format; any other suffix is JSONL unless --format says otherwise.
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+
+
+def choose_format(out: str, fmt: str | None) -> str:
+    """--format, else the one --out's suffix names, else jsonl; a --format the suffix
+    contradicts is a usage error (the file's name would lie about its content)."""
+    named = SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower())
+    if fmt and named and fmt != named:
+        raise UsageError(f"--format {fmt} contradicts --out {out}, a {named} name: drop "
+                         "--format or change the name")
+    return fmt or named or "jsonl"
+
+
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
                from_s3: str | None = None, fmt: str = "jsonl",
                **options: Any) -> export.ExportResult:
-    """export.export from ``dirs`` or S3 into JSONL or Parquet; ``options`` are passed on."""
+    """export.export from ``dirs`` or S3 into JSONL or Parquet; ``options`` are passed on. The
+    directory of ``out`` is made if missing, as a consumer makes its --out."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except OSError as e:
+        raise GenqError(f"cannot make the directory of --out {out}: {e.strerror}") from None
     with contextlib.ExitStack() as stack:
         if from_s3:
             dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="genq-s3-"))]
