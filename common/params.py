@@ -147,10 +147,14 @@ def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
             "(nothing was changed)")
 
 
-def request_body(messages: list[dict], params: dict[str, Any], model: str) -> dict[str, Any]:
-    """The /v1/chat/completions body: the limit is always explicit, thinking on by default."""
+def request_body(messages: list[dict], params: dict[str, Any], model: str, *,
+                 tools: list[dict] | None = None) -> dict[str, Any]:
+    """The /v1/chat/completions body: the limit is always explicit, thinking on by default,
+    the row's tools beside its messages."""
     body = {"model": model, **{k: v for k, v in params.items() if k != "enable_thinking"}}
     thinking = {"enable_thinking": bool(params.get("enable_thinking", True))}
+    if tools:
+        body["tools"] = tools
     return {**body, "messages": messages, "stream": False,
             "max_tokens": int(params.get("max_tokens", DEFAULTS["max_tokens"])),
             "chat_template_kwargs": {**thinking, **(body.get("chat_template_kwargs") or {})}}

@@ -301,7 +301,8 @@ class Consumer:
             prompt = inflight.prompt
             if not isinstance(prompt, Prompt):
                 raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
-            body = request_body(prompt.messages, await self.params_for(lease.version), self.model)
+            body = request_body(prompt.messages, await self.params_for(lease.version),
+                                self.model, tools=prompt.tools)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.

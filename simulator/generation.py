@@ -108,6 +108,20 @@ def _check_marker(engine: Engine, text: str) -> None:
         raise ApiError(400, f"The input contains the rejected marker {marker!r} (simulated).")
 
 
+def _tool_call(data: dict[str, Any], text: str) -> dict[str, Any] | None:
+    """SGLang with --tool-call-parser: an answer to a request with tools calls the first one
+    (the simulator's model always does, unless tool_choice is "none")."""
+    tools = data.get("tools")
+    if not isinstance(tools, list) or not tools or data.get("tool_choice") == "none":
+        return None
+    function = tools[0].get("function") if isinstance(tools[0], dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, "each tool must be {type: function, function: {name, ...}}", PYDANTIC)
+    arguments = orjson.dumps({"words": count_words(text)}).decode()
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "index": 0, "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
+
+
 def _no_stream(data: dict[str, Any]) -> None:
     if data.get("stream"):
         raise ApiError(400, "the simulator streams chat completions only; send stream: false")
@@ -142,16 +156,18 @@ async def chat(engine: Engine, body: bytes) -> Any:
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None
+    call = _tool_call(data, text) if done.finish_reason == "stop" else None
     if data.get("stream"):
         options = data.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        return await stream_chat(engine, done, prompt_tokens, model, parser, usage)
+        return await stream_chat(engine, done, prompt_tokens, model, parser, usage, call)
     await engine.run(prompt_tokens, done)
-    return _chat_body(done, prompt_tokens, model, parser)
+    return _chat_body(done, prompt_tokens, model, parser, call)
 
 
-def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool) -> dict[str, Any]:
-    finish = done.finish_reason
+def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool,
+               call: dict[str, Any] | None = None) -> dict[str, Any]:
+    finish = "tool_calls" if call else done.finish_reason
     reasoning, content = texts(done, parser)
     return {
         "id": uuid.uuid4().hex,
@@ -165,7 +181,7 @@ def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool) -
                     "role": "assistant",
                     "content": content,
                     "reasoning_content": reasoning,
-                    "tool_calls": None,
+                    "tool_calls": [call] if call else None,
                 },
                 "logprobs": None,
                 "finish_reason": finish,

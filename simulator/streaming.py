@@ -103,6 +103,14 @@ class _Chunks:
         matched = STOP_TOKEN_ID if reason == "stop" else None
         return self.chunk({"reasoning_content": None}, reason, matched_stop=matched)
 
+    def tool_call(self, call: dict[str, Any]) -> list[bytes]:
+        """A parsed tool call as SGLang streams it: its id and name, then its arguments, then
+        the finish chunk that says tool_calls."""
+        head = {**call, "function": {"name": call["function"]["name"], "arguments": ""}}
+        args = {"index": call["index"], "function": {"arguments": call["function"]["arguments"]}}
+        return [self.chunk({"tool_calls": [head]}), self.chunk({"tool_calls": [args]}),
+                self.chunk({"reasoning_content": None}, "tool_calls")]
+
     def usage(self, prompt_tokens: int) -> bytes:
         return _event(
             {
@@ -123,6 +131,7 @@ async def stream_chat(
     model: str,
     parser: bool,
     include_usage: bool,
+    call: dict[str, Any] | None = None,
 ) -> AsyncIterator[bytes]:
     """Start the request; return once its first token is out (or raise its error)."""
     progress: asyncio.Queue[int] = asyncio.Queue()
@@ -142,7 +151,7 @@ async def stream_chat(
         raise
     if first == _END:
         await runner  # raises the request's error (a fault status, say) as a plain answer
-    return _events(runner, progress, chunks, first, prompt_tokens, include_usage)
+    return _events(runner, progress, chunks, first, prompt_tokens, include_usage, call)
 
 
 async def _events(
@@ -152,6 +161,7 @@ async def _events(
     first: int,
     prompt_tokens: int,
     include_usage: bool,
+    call: dict[str, Any] | None,
 ) -> AsyncIterator[bytes]:
     try:
         yield chunks.first()
@@ -161,7 +171,8 @@ async def _events(
                 yield piece
             tokens = await progress.get()
         await runner  # a reset fault ends the stream here, torn
-        yield chunks.finish()
+        for end in chunks.tool_call(call) if call else [chunks.finish()]:
+            yield end
         if include_usage:
             yield chunks.usage(prompt_tokens)
         yield b"data: [DONE]\n\n"

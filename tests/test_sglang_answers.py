@@ -110,7 +110,7 @@ def test_the_real_context_length_400_lowers_max_tokens_and_is_never_a_bad_task()
 
 
 @pytest.mark.parametrize("finish, verdict", [("abort", ServerAborted), (None, TryAgain),
-                                             ("tool_calls", TryAgain)])
+                                             ("content_filter", TryAgain)])
 def test_no_finished_result_is_never_accepted(finish, verdict):
     answer = Answer()
     chunk = {"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": finish}]}

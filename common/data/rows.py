@@ -19,6 +19,18 @@ class Prompt:
     index: int
     messages: list[dict[str, Any]]
     id: str | int | None = None
+    # The row's tool definitions (OpenAI `tools`), sent with the messages: the prompt is both.
+    tools: list[dict[str, Any]] | None = None
+
+
+def _message_ok(m: Any) -> bool:
+    """A chat message: a role and content, except that an assistant turn that called tools may
+    have empty or null content (a `tool` message answers it)."""
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        return False
+    if m["role"] == "assistant" and isinstance(m.get("tool_calls"), list) and m["tool_calls"]:
+        return m.get("content") is None or isinstance(m.get("content"), str | list)
+    return "content" in m
 
 
 def _row_to_prompt(index: int, row: Any) -> Prompt:
@@ -28,19 +40,21 @@ def _row_to_prompt(index: int, row: Any) -> Prompt:
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, str | int)):
         raise BadTask(index, f"row {index}: 'id' must be a string or an integer")
+    tools = row.get("tools")
+    if tools is not None and not (isinstance(tools, list)
+                                  and all(isinstance(t, dict) for t in tools)):
+        raise BadTask(index, f"row {index}: 'tools' is not a list of objects")
     messages = row.get("messages")
     if messages is not None:
-        if not (isinstance(messages, list) and messages
-                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m
-                        for m in messages)):
+        if not (isinstance(messages, list) and messages and all(map(_message_ok, messages))):
             raise BadTask(index, f"row {index}: 'messages' is not a non-empty list of "
                                  "{role, content} objects")
-        return Prompt(index, messages, row_id)
+        return Prompt(index, messages, row_id, tools or None)
     prompt = row.get("prompt")
     if prompt is not None:
         if not isinstance(prompt, str):
             raise BadTask(index, f"row {index}: 'prompt' is not a string")
-        return Prompt(index, [{"role": "user", "content": prompt}], row_id)
+        return Prompt(index, [{"role": "user", "content": prompt}], row_id, tools or None)
     raise BadTask(index, f"row {index}: has neither 'messages' nor 'prompt'")
 
 

@@ -12,7 +12,7 @@ RATE_BUCKET_S = 10  # seconds per rate bucket; the 1/5/15-minute rates are sums 
 RATE_BUCKET_TTL_S = 6 * 3600  # long enough for the 15-minute rate and the throughput chart
 
 # Finish reasons are stored per index as a small code so a redo can undo its counters.
-FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "other"}
+FINISH_NAMES = {1: "stop", 2: "length", 3: "abort", 4: "other", 5: "tool_calls"}
 FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 
 

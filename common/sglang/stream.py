@@ -14,7 +14,8 @@ from genq.common.errors import BadTask, ServerAborted, ServerUnavailable, TryAga
 # Statuses that say "try again later", not "this request is wrong".
 RETRYABLE_STATUS = {408, 425, 429}
 # The only finish reasons that make a result; anything else (abort, missing) is run again.
-FINISHED = ("stop", "length")
+# SGLang with --tool-call-parser says "tool_calls" where an answer that stopped called a tool.
+FINISHED = ("stop", "length", "tool_calls")
 # SGLang's two context-length refusals (tokenizer_manager), answered as HTTP 400.
 TOTAL_TOO_LONG = re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input")
 INPUT_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context")
@@ -31,6 +32,8 @@ class Completion:
     max_tokens: int | None = None
     # Set on an answer continued from a partial one: {version, attempt, tokens} of the partial.
     continued_from: dict[str, int] | None = None
+    # The calls the server's tool-call parser took out of the answer's text (OpenAI's shape).
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ContextExceeded(TryAgain):
@@ -49,6 +52,7 @@ class Answer:
         self.reasoning: list[str] | None = None
         self.finish: str | None = None
         self.usage: dict[str, Any] = {}
+        self.calls: dict[int, dict[str, Any]] = {}  # tool calls by their index, as they grow
         self.done = False
 
     def feed(self, line: bytes, index: int, url: str) -> bool:
@@ -77,16 +81,30 @@ class Answer:
             if (thought := delta.get("reasoning_content")) is not None:
                 self.reasoning = self.reasoning or []
                 self.reasoning.append(thought)
+            for part in delta.get("tool_calls") or ():
+                self.add_call(part)
             if finish := choice.get("finish_reason"):
                 self.finish = finish
         return False
+
+    def add_call(self, part: dict[str, Any]) -> None:
+        """A streamed tool call comes in pieces keyed by its index: the id and name once, the
+        arguments as text to append."""
+        call = self.calls.setdefault(int(part.get("index") or 0),
+                                     {"id": None, "type": "function",
+                                      "function": {"name": None, "arguments": ""}})
+        call["id"] = part.get("id") or call["id"]
+        function = part.get("function") or {}
+        call["function"]["name"] = function.get("name") or call["function"]["name"]
+        call["function"]["arguments"] += function.get("arguments") or ""
 
     def completion(self, url: str, *, thinking: bool) -> Completion:
         if not self.done:
             raise ServerUnavailable(f"{url}: the answer stream ended before [DONE]")
         reasoning = "".join(self.reasoning) if self.reasoning is not None else None
+        calls = [self.calls[i] for i in sorted(self.calls)] or None
         return finished(url, self.finish, "".join(self.content), reasoning, self.usage,
-                        thinking=thinking)
+                        thinking=thinking, tool_calls=calls)
 
 
 def whole_answer(body: bytes, url: str, *, thinking: bool) -> Completion:
@@ -98,11 +116,13 @@ def whole_answer(body: bytes, url: str, *, thinking: bool) -> Completion:
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
         raise ServerUnavailable(f"{url}: malformed answer {body[:200]!r}") from None
     return finished(url, choice.get("finish_reason"), message.get("content") or "",
-                    message.get("reasoning_content"), usage, thinking=thinking)
+                    message.get("reasoning_content"), usage, thinking=thinking,
+                    tool_calls=message.get("tool_calls") or None)
 
 
 def finished(url: str, finish: str | None, content: str, reasoning: str | None,
-             usage: dict[str, Any], *, thinking: bool) -> Completion:
+             usage: dict[str, Any], *, thinking: bool,
+             tool_calls: list[dict[str, Any]] | None = None) -> Completion:
     """The result of an answer, or the error that says why there is none."""
     if finish == "abort":
         raise ServerAborted(f"{url}: the server aborted the generation (finish_reason abort)")
@@ -113,7 +133,7 @@ def finished(url: str, finish: str | None, content: str, reasoning: str | None,
     return Completion(
         finish_reason=finish, content=content, reasoning_content=reasoning,
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0))
+        completion_tokens=int(usage.get("completion_tokens") or 0), tool_calls=tool_calls)
 
 
 def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
