@@ -4,6 +4,7 @@ pointed at a server someone already drives says so and waits."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -212,3 +213,35 @@ def test_a_consumer_killed_and_run_again_takes_over_at_once(tmp_path, redis_url,
     assert int(r.bitcount(k.done)) == n
     genq("export", "--out", str(tmp_path / "all.jsonl"), redis_url=redis_url, run=run_name)
     assert sorted(rec["index"] for rec in read_jsonl(tmp_path / "all.jsonl")) == list(range(n))
+
+
+def process_state(pid: int) -> str:
+    """/proc/PID/stat's state letter: Z for a zombie (dead, its parent has not reaped it)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_holder_not_yet_reaped_is_taken_for_gone(tmp_path, redis_url, r, run_name,
+                                                          sim_factory):
+    """A consumer killed but not reaped by its parent (here, this test) keeps its pid and start
+    time in /proc; it drives nothing, so the same command run again takes the server over at
+    once rather than after a lease longer than this test waits."""
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 40)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sim = sim_factory(**sim_kwargs(1.0, max_running_requests=4))
+    slow = ("--server-lease", "600", "--visibility-timeout", "30")
+    first = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "first", *slow)
+    second = None
+    try:
+        wait_for(first.driving, timeout=30, what="the first consumer driving")
+        os.kill(first.proc.pid, signal.SIGKILL)  # not waited for: it stays a zombie
+        wait_for(lambda: process_state(first.proc.pid) == "Z", timeout=10, what="a zombie")
+        second = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "second", *slow)
+        wait_for(lambda: second.said("server_taken_over"), timeout=60,
+                 what="the relaunched consumer taking the zombie's server over")
+        assert process_state(first.proc.pid) == "Z"  # never reaped meanwhile
+        wait_for(second.driving, timeout=30, what="the relaunched consumer driving")
+    finally:
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
