@@ -38,14 +38,16 @@ def owner_of(token: bytes | str | None) -> str:
 
 
 def process_start(pid: int) -> str | None:
-    """When a process started (/proc/PID/stat field 22), or None if there is none."""
+    """When a process started (/proc/PID/stat field 22), or None if there is none or it is a
+    zombie (dead, only not reaped yet by its parent: it drives nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
     except OSError:
         return ""  # cannot tell: taken as alive
-    return stat.rsplit(")", 1)[-1].split()[19]
+    fields = stat.rsplit(")", 1)[-1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def pid_space() -> str:
