@@ -245,3 +245,28 @@ def test_a_killed_holder_not_yet_reaped_is_taken_for_gone(tmp_path, redis_url, r
         first.cleanup()
         if second is not None:
             second.cleanup()
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_takes_over_as_soon_as_the_holder_dies(tmp_path, redis_url, r, run_name,
+                                                       sim_factory):
+    """A spare started within a lease of the holder's death proves it dead (same host, its
+    process gone) at its next poll, rather than first waiting a lease from its own start."""
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 40)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sim = sim_factory(**sim_kwargs(1.0, max_running_requests=4))
+    slow = ("--server-lease", "600", "--visibility-timeout", "30")
+    holder = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "holder", *slow)
+    spare = None
+    try:
+        wait_for(holder.driving, timeout=30, what="the holder driving")
+        spare = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "spare", *slow)
+        wait_for(lambda: spare.said("server_busy"), timeout=30, what="the spare waiting")
+        holder.kill()
+        wait_for(lambda: spare.said("server_taken_over"), timeout=60,
+                 what="the spare taking the dead holder's server over")
+        wait_for(spare.driving, timeout=30, what="the spare driving")
+    finally:
+        holder.cleanup()
+        if spare is not None:
+            spare.cleanup()
