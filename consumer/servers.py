@@ -80,13 +80,14 @@ def provably_gone(token: bytes | str | None) -> bool:
     return started is None or (started != "" and started != parts[4])
 
 
-async def try_take(r: aioredis.Redis, s: ConsumeSettings,
-                   token: str) -> tuple[str | None, dict[str, str], str | None]:
-    """(first free server, now ours, dead holder taken from), else (None, who drives each)."""
+async def try_take(r: aioredis.Redis, s: ConsumeSettings, token: str, *, free: bool = True
+                   ) -> tuple[str | None, dict[str, str], str | None]:
+    """(first server taken, now ours, dead holder taken from), else (None, who drives each).
+    A server with no lease is taken only when `free`; one whose holder is provably gone is."""
     owners: dict[str, str] = {}
     ms = int(s.server_lease * 1000)
     for url in s.servers:
-        if await r.set(server_lease(url), token, nx=True, px=ms):
+        if free and await r.set(server_lease(url), token, nx=True, px=ms):
             return url, {}, None
         holder = await r.get(server_lease(url))
         if holder is not None and provably_gone(holder) and await ScriptRunner(r)(
@@ -116,8 +117,9 @@ async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
 
 async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | None:
     """Lease one of the servers, waiting as a spare while all are driven; None when stopped or
-    (--burst) the run settled. A spare takes one only after Redis held the same run for a whole
-    lease, so a live holder renews first."""
+    (--burst) the run settled. A spare takes a server with no lease only after Redis held the
+    same run for a whole lease, so a live holder renews first; one whose holder is provably gone
+    at its next poll."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -157,8 +159,8 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                 # A spare reaps while it waits: a dead consumer's tasks come back at the end
                 # of their visibility timeout even when no other process of the run reaps.
                 await reaper(reap_call(k))
-                if time.monotonic() - since >= s.server_lease:
-                    url, owners, predecessor = await try_take(r, s, token)
+                url, owners, predecessor = await try_take(
+                    r, s, token, free=time.monotonic() - since >= s.server_lease)
             except REDIS_TROUBLE as e:
                 seen = None
                 REDIS_OUTAGE.seen(e)
