@@ -13,6 +13,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 
@@ -200,7 +201,7 @@ def redis_client(url: str) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
-async def serve(s: ConsumeSettings) -> int:
+async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
     k = run_keys(s.run)
     stopped = stop_on_signals()  # until the loop's own handlers take over, below
     sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
@@ -229,7 +230,7 @@ async def serve(s: ConsumeSettings) -> int:
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset,
                             sink=writer, server=server, capacity=capacity, model=model,
                             runstate=RunState(k, info.epoch, s.out, info.gen),
-                            context_length=context)
+                            context_length=context, lease_held=lease_held)
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, consumer.request_stop)
         if stopped.is_set():  # a signal came while starting up
