@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, genq, genq_env
-from faultkit import sim_kwargs
+from faultkit import Background, sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys, server_lease
@@ -270,3 +270,46 @@ def test_a_spare_takes_over_as_soon_as_the_holder_dies(tmp_path, redis_url, r, r
         holder.cleanup()
         if spare is not None:
             spare.cleanup()
+
+
+BIG_ROWS = 5_000_000  # indexing them takes seconds: far longer than the lease below
+
+
+@pytest.mark.timeout(150)
+def test_a_consumer_indexing_a_big_data_set_keeps_its_server_lease(tmp_path, redis_url, r,
+                                                                   run_name, sim_factory):
+    """A consumer opens and indexes its data set while its server lease must be renewed: were it
+    not, the lease would lapse, a spare (here, this test) take the server, and the consumer
+    stop itself (exit 3) before it ever drove the server."""
+    data = tmp_path / "big.jsonl"
+    data.write_bytes(b'{"prompt": "hi"}\n' * BIG_ROWS)
+    producer = Background(redis_url, run_name, "produce", str(data), "--window", "8")
+    try:
+        wait_for(lambda: r.llen(RunKeys(run_name).rq_queue), timeout=90, what="tasks queued")
+    finally:
+        producer.cleanup()
+    data.with_name(data.name + ".genq-idx").unlink()  # the producer's: the consumer builds it
+    sim = sim_factory(**sim_kwargs(0.3, max_running_requests=4))
+    c = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "big", "--server-lease", "1")
+    lease, grabbed, started = server_lease(sim.url), False, None
+    try:
+        wait_for(lambda: r.exists(lease) or not c.alive(), timeout=60,
+                 what="the consumer taking its server")
+        assert c.alive(), c.log()[-3000:]
+        deadline = time.monotonic() + 90
+        # A spare's move: take the server the moment its lease lapses, until the consumer has
+        # driven it for two seconds.
+        while not grabbed and c.alive() and time.monotonic() < deadline:
+            if started is None and c.driving():
+                started = time.monotonic()
+            if started is not None and time.monotonic() - started > 2:
+                break
+            grabbed = bool(r.set(lease, "spare|x|1", nx=True, px=60_000))
+            time.sleep(0.02)
+        assert not grabbed, "the server lease lapsed while the consumer started up"
+        assert started is not None, c.log()[-3000:]
+        c.signal(signal.SIGTERM)
+        assert c.wait(30) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+        data.unlink()
