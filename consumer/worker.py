@@ -257,6 +257,8 @@ class Consumer:
     async def claim(self, n: int) -> list[Inflight]:
         """Prefetch's claim: each claimed task is held from now on (renewed, abortable), and
         its data set row is read, off the event loop unless it is in memory already."""
+        if not self.lease_held():  # a retry through an outage or a freeze: a spare may drive
+            return []
         got = [Inflight(lease) for lease in await self.queue.claim(n)]
         if self.queue.stale:  # another run, or recovered since this consumer last looked
             await self.check_run()
