@@ -11,6 +11,7 @@ import orjson
 import redis
 
 from genq.common.errors import UsageError
+from genq.common.queue import scripts
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
 
@@ -170,25 +171,15 @@ def bump(r: redis.Redis, k: RunKeys, changes: dict[str, Any], *, redo: str, infl
          unset: Iterable[str] = ()) -> tuple[int, dict[str, list[Any]]]:
     """Make a new current version from the current one plus `changes`; returns (version, what
     changed). inflight="abort" refuses older versions' results written from now on (Redis's
-    clock); the redo scope is recorded in the same step, covering older results acked later."""
-    with r.pipeline() as pipe:
-        while True:
-            try:
-                pipe.watch(k.params_version, k.params)
-                version, old = current(pipe, k)
-                new, diff = apply(old, changes, unset)
-                seconds, micros = pipe.time()  # Redis's clock: what results are judged by
-                entry = {"version": version + 1, "changes": diff, "redo": redo,
-                         "inflight": inflight, "at": seconds + micros / 1e6}
-                pipe.multi()
-                pipe.hset(k.params, str(version + 1), orjson.dumps(new))
-                pipe.set(k.params_version, version + 1)
-                pipe.rpush(k.params_history, orjson.dumps(entry))
-                if inflight == "abort":
-                    pipe.set(k.params_floor, version + 1)
-                for scope in REDO_SCOPES.get(redo, ()):
-                    pipe.hset(k.redo_marks, scope, version + 1)
-                pipe.execute()
-                return version + 1, diff
-            except redis.WatchError:
-                continue
+    clock at the switch); the redo scope is recorded in the same step, covering older results
+    acked later."""
+    runner = scripts.ScriptRunner(r)
+    while True:
+        version = int(r.get(k.params_version) or 1)
+        raw = r.hget(k.params, str(version))
+        new, diff = apply(orjson.loads(raw) if raw else dict(DEFAULTS), changes, unset)
+        entry = {"version": version + 1, "changes": diff, "redo": redo, "inflight": inflight}
+        if runner(scripts.bump_call(k, version, raw or b"", orjson.dumps(new),
+                                    orjson.dumps(entry), abort=inflight == "abort",
+                                    scopes=REDO_SCOPES.get(redo, ()))):
+            return version + 1, diff

@@ -12,10 +12,13 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
 import structlog
 from redis.asyncio.retry import Retry as AsyncRetry
@@ -34,6 +37,7 @@ from genq.common.cli import (
 )
 from genq.common.data import manifest as manifests
 from genq.common.data.dataset import open_dataset
+from genq.common.data.rows import Dataset
 from genq.common.data.shard_repair import repair_shards
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import GenqError, ServerUnavailable, UsageError
@@ -208,14 +212,16 @@ def redis_client(url: str) -> aioredis.Redis:
     return aioredis.Redis(connection_pool=pool)
 
 
-async def serve(s: ConsumeSettings) -> int:
-    k = run_keys(s.run)
-    stopped = stop_on_signals()  # until the loop's own handlers take over, below
+def prepare(s: ConsumeSettings, k: RunKeys, stopped: threading.Event
+            ) -> tuple[ConsumeSettings, redis.Redis, runs.RunInfo, Dataset, ShardWriter] | None:
+    """Connect, read the run, open (index) the data set and repair the shards: seconds on a big
+    data set, run in a thread so that the server lease is renewed meanwhile. The settings come
+    back with the run's own output directory (run_outdir). None if stopped while waiting for
+    Redis."""
     sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
                    stop=stopped, give_up_after=s.redis_wait if s.burst else None)
-    if sync is None:  # stopped while waiting for Redis; nothing was claimed
-        logger.info("consumer_stopped", acked=0)
-        return 0
+    if sync is None:
+        return None
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):
         logger.warning("redis_settings", risk=risk)
@@ -226,7 +232,18 @@ async def serve(s: ConsumeSettings) -> int:
     manifests.upkeep(sync, k, [s.out], info.epoch)  # before the first shard line exists
     for path, cut in repair_shards(s.out, s.run):
         logger.warning("torn_tail_repaired", shard=str(path), bytes_removed=cut)
-    writer = ShardWriter(s.out, s.run, s.name, rotate_every=s.shard_records)
+    return s, sync, info, dataset, ShardWriter(s.out, s.run, s.name,
+                                               rotate_every=s.shard_records)
+
+
+async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
+    k = run_keys(s.run)
+    stopped = stop_on_signals()  # until the loop's own handlers take over, below
+    ready = await asyncio.to_thread(prepare, s, k, stopped)
+    if ready is None:  # stopped while waiting for Redis; nothing was claimed
+        logger.info("consumer_stopped", acked=0)
+        return 0
+    s, sync, info, dataset, writer = ready
     server = SGLang(s.server, request_timeout=s.request_timeout, stall_timeout=s.stall_timeout,
                     stream=s.stream)
     client = redis_client(s.redis_url)
@@ -237,7 +254,7 @@ async def serve(s: ConsumeSettings) -> int:
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset,
                             sink=writer, server=server, capacity=capacity, model=model,
                             runstate=RunState(k, info.epoch, s.out, info.gen),
-                            context_length=context)
+                            context_length=context, lease_held=lease_held)
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, consumer.request_stop)
         if stopped.is_set():  # a signal came while starting up

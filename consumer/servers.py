@@ -38,14 +38,16 @@ def owner_of(token: bytes | str | None) -> str:
 
 
 def process_start(pid: int) -> str | None:
-    """When a process started (/proc/PID/stat field 22), or None if there is none."""
+    """When a process started (/proc/PID/stat field 22), or None if there is none or it is a
+    zombie (dead, only not reaped yet by its parent: it drives nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
         return None
     except OSError:
         return ""  # cannot tell: taken as alive
-    return stat.rsplit(")", 1)[-1].split()[19]
+    fields = stat.rsplit(")", 1)[-1].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def pid_space() -> str:
@@ -78,13 +80,29 @@ def provably_gone(token: bytes | str | None) -> bool:
     return started is None or (started != "" and started != parts[4])
 
 
-async def try_take(r: aioredis.Redis, s: ConsumeSettings,
-                   token: str) -> tuple[str | None, dict[str, str], str | None]:
-    """(first free server, now ours, dead holder taken from), else (None, who drives each)."""
+class Held:
+    """Whether our server lease is surely ours now: until one lease after the start of the last
+    call that took or renewed it (Redis counts the expiry from later). Past that (frozen, cut
+    off) a spare may have taken the server, so nothing is claimed until a renewal succeeds."""
+
+    def __init__(self, lease_s: float) -> None:
+        self.lease_s, self.until = lease_s, 0.0
+
+    def renewed(self, since: float) -> None:
+        self.until = since + self.lease_s
+
+    def __call__(self) -> bool:
+        return time.monotonic() < self.until
+
+
+async def try_take(r: aioredis.Redis, s: ConsumeSettings, token: str, *, free: bool = True
+                   ) -> tuple[str | None, dict[str, str], str | None]:
+    """(first server taken, now ours, dead holder taken from), else (None, who drives each).
+    A server with no lease is taken only when `free`; one whose holder is provably gone is."""
     owners: dict[str, str] = {}
     ms = int(s.server_lease * 1000)
     for url in s.servers:
-        if await r.set(server_lease(url), token, nx=True, px=ms):
+        if free and await r.set(server_lease(url), token, nx=True, px=ms):
             return url, {}, None
         holder = await r.get(server_lease(url))
         if holder is not None and provably_gone(holder) and await ScriptRunner(r)(
@@ -112,10 +130,12 @@ async def settled(r: aioredis.Redis, k: RunKeys) -> bool:
         int(await r.bitcount(k.done)) + int(await r.bitcount(k.failed)) >= int(total))
 
 
-async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | None:
+async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str,
+                  held: Held) -> str | None:
     """Lease one of the servers, waiting as a spare while all are driven; None when stopped or
-    (--burst) the run settled. A spare takes one only after Redis held the same run for a whole
-    lease, so a live holder renews first."""
+    (--burst) the run settled. A spare takes a server with no lease only after Redis held the
+    same run for a whole lease, so a live holder renews first; one whose holder is provably gone
+    at its next poll."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,6 +143,7 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
     reaper, k = ScriptRunner(r), RunKeys(s.run)
     try:
         taken: tuple[str | None, dict[str, str], str | None] = (None, {}, None)
+        tried = time.monotonic()
         with contextlib.suppress(*REDIS_TROUBLE):  # a blip: the loop below tries again
             taken = await try_take(r, s, token)
         url, owners, predecessor = taken
@@ -155,11 +176,13 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
                 # A spare reaps while it waits: a dead consumer's tasks come back at the end
                 # of their visibility timeout even when no other process of the run reaps.
                 await reaper(reap_call(k))
-                if time.monotonic() - since >= s.server_lease:
-                    url, owners, predecessor = await try_take(r, s, token)
+                tried = time.monotonic()
+                url, owners, predecessor = await try_take(
+                    r, s, token, free=time.monotonic() - since >= s.server_lease)
             except REDIS_TROUBLE as e:
                 seen = None
                 REDIS_OUTAGE.seen(e)
+        held.renewed(tried)
         logger.info("server_leased", leased=url, lease_s=s.server_lease,
                     took_over=bool(last or predecessor))
         if predecessor:
@@ -171,20 +194,23 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str) -> str | No
             loop.remove_signal_handler(sig)
 
 
-async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
-               lost: asyncio.Event) -> None:
+async def keep(r: aioredis.Redis, url: str, token: str, held: Held, lost: asyncio.Event) -> None:
     """Renew every third of the lease; once another holds it, or on a bug, SIGTERM ourselves (the
     work goes back)."""
-    ms, runner = int(lease_s * 1000), ScriptRunner(r)
+    ms, runner, pause = int(held.lease_s * 1000), ScriptRunner(r), held.lease_s / 3
     try:
         while not lost.is_set():
-            await asyncio.sleep(lease_s / 3)
+            await asyncio.sleep(pause)
+            pause, since = held.lease_s / 3, time.monotonic()
             try:
                 kept = await runner(server_call("server_renew", server_lease(url), token, ms))
             except REDIS_TROUBLE as e:
                 REDIS_OUTAGE.seen(e)
+                pause = min(pause, 1.0)  # claims may wait for this renewal: try again soon
                 continue
-            if not kept:
+            if kept:
+                held.renewed(since)
+            else:
                 holder = await r.get(server_lease(url))
                 logger.error("server_lease_lost", driven_by=owner_of(holder))
                 lost.set()
@@ -194,24 +220,25 @@ async def keep(r: aioredis.Redis, url: str, token: str, lease_s: float,
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def drive(s: ConsumeSettings, serve: Callable[[ConsumeSettings], Awaitable[int]]) -> int:
-    """Lease a server, run `serve` on it, release it; exit code 3 when the lease was lost
-    (restart as a spare)."""
+async def drive(s: ConsumeSettings,
+                serve: Callable[[ConsumeSettings, Callable[[], bool]], Awaitable[int]]) -> int:
+    """Lease a server, run `serve` on it (told whether the lease is surely still ours), release
+    it; exit code 3 when the lease was lost (restart as a spare)."""
     if s.share_server:
         structlog.contextvars.bind_contextvars(server=s.server)
-        return await serve(s)
+        return await serve(s, lambda: True)
     r = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
                                 socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
-    token = new_token(s.name, s.run)
+    token, held = new_token(s.name, s.run), Held(s.server_lease)
     try:
-        url = await acquire(r, s, token)
+        url = await acquire(r, s, token, held)
         if url is None:
             return 0
         structlog.contextvars.bind_contextvars(server=url)
         lost = asyncio.Event()
-        keeper = asyncio.create_task(keep(r, url, token, s.server_lease, lost))
+        keeper = asyncio.create_task(keep(r, url, token, held, lost))
         try:
-            code = await serve(replace(s, server=url))
+            code = await serve(replace(s, server=url), held)
         finally:
             await shutdown.cancel_and_wait([keeper])
             with contextlib.suppress(*REDIS_TROUBLE):

@@ -43,7 +43,8 @@ class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Dataset, sink: ShardWriter,
                  server: SGLang, capacity: int, model: str, runstate: RunState,
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None,
+                 lease_held: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.
@@ -53,6 +54,7 @@ class Consumer:
                                life=lambda: (runstate.epoch, runstate.gen))
         self.follower = Follower(server, capacity=capacity, context_length=context_length,
                                  fixed=bool(s.concurrency))
+        self.lease_held = lease_held  # our server lease is surely ours (consumer/servers.py)
         self.held: dict[str, Inflight] = {}  # claimed tasks, from their claim to their ack
         self.stop = asyncio.Event()
         self.prefetch = Prefetch(self.claim, self.put_back, slots=lambda: self.capacity,
@@ -204,12 +206,15 @@ class Consumer:
             self.slots.pop(n, None)
 
     def claiming_paused(self) -> bool:
-        """The run is gone from Redis, or the server or disk is in trouble."""
-        return self.runstate.state != OK or self.pause.remaining() > 0
+        """The run is gone from Redis, the server or disk is in trouble, or our server lease
+        is not surely ours (a spare may drive the server)."""
+        return self.runstate.state != OK or self.pause.remaining() > 0 or not self.lease_held()
 
     async def claim(self, n: int) -> list[Inflight]:
         """Prefetch's claim: each claimed task is held from now on (renewed, abortable), and
         its data set row is read, off the event loop unless it is in memory already."""
+        if not self.lease_held():  # a retry through an outage or a freeze: a spare may drive
+            return []
         got = [Inflight(lease) for lease in await self.queue.claim(n)]
         if self.queue.stale:  # another run, or recovered since this consumer last looked
             await self.check_run()

@@ -7,6 +7,8 @@ and is switched at runtime between
                open connections freeze too (they are reset when the mode changes again)
     reset      every connection, open or new, is reset (TCP RST)
 
+and may slow every byte it relays by ``delay`` seconds each way (a long link).
+
 It runs its own asyncio loop in a daemon thread, so a synchronous test drives it with
 ``proxy.set_mode("blackhole")``.
 """
@@ -65,6 +67,7 @@ class FaultProxy:
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True,
                                        name="faultproxy")
         self.connections = 0
+        self.delay = 0.0  # seconds each relayed chunk is held, either way
 
     def url(self, scheme: str = "redis", path: str = "/0") -> str:
         return f"{scheme}://127.0.0.1:{self.port}{path}"
@@ -150,6 +153,8 @@ class FaultProxy:
                     link: _Link) -> None:
         try:
             while data := await src.read(65536):
+                if self.delay:
+                    await asyncio.sleep(self.delay)
                 dst.write(data)
                 await dst.drain()
         except (ConnectionError, OSError):

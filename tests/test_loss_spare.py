@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import genq
-from faultkit import private_redis, produce_once, sim_kwargs
+from faultkit import claims, private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 from test_server_leasing import LEASE_S, Replica, Watch
 
@@ -116,4 +116,38 @@ def test_a_holder_paused_as_redis_comes_back_keeps_its_server(tmp_path, run_name
             watch.stop.set()
             for c in replicas:
                 c.cleanup()
+            r.close()
+
+
+
+@pytest.mark.timeout(240)
+def test_a_holder_frozen_across_a_loss_claims_nothing_once_its_server_is_taken(
+        tmp_path, run_name, sim_factory):
+    """Frozen past its server lease while Redis restarted empty, `genq recover` ran and a spare
+    took its server: resumed, the holder claims nothing (the lease is not known to be its own
+    until renewed), then stops (exit 3). Its first renewal failed on the dead connection, and
+    it claimed meanwhile: two consumers' requests on one server."""
+    sim = sim_factory(**sim_kwargs(0.4, max_running_requests=4))
+    out, k = tmp_path / "out", RunKeys(run_name)
+    with private_redis() as srv:  # no AOF: a restart is a loss
+        r = srv.client()
+        produce_once(write_dataset(tmp_path / "d.jsonl", N), srv.url, run_name)
+        holder = Replica(srv.url, run_name, [sim.url], out, "holder")
+        try:
+            wait_for(lambda: r.bitcount(k.done) >= 10 and manifests.find(out, run_name),
+                     timeout=60, what="10 done")
+            holder.signal(signal.SIGSTOP)
+            r.close()
+            srv.stop(kill=True)
+            srv.start()
+            r = srv.client()
+            genq("recover", "--shards", str(out), redis_url=srv.url, run=run_name)
+            r.set(server_lease(sim.url), "spare|x|1", px=60_000)  # the spare that waited it out
+            before = sum(claims(r, run_name, N))
+            time.sleep(LEASE_S)  # the holder frozen past its lease
+            holder.signal(signal.SIGCONT)
+            assert holder.wait(60) == 3, holder.log()[-3000:]
+            assert sum(claims(r, run_name, N)) == before, "claimed without its server lease"
+        finally:
+            holder.cleanup()
             r.close()

@@ -10,9 +10,12 @@ from collections import Counter
 import httpx
 import orjson
 import pytest
+import redis
 from conftest import genq
+from faultproxy import FaultProxy
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
+from genq.common import params
 from genq.common.queue.keys import RunKeys
 
 
@@ -232,3 +235,38 @@ def test_requeue_unknown_run_and_unknown_key(tmp_path, redis_url, r, run_name):
                 check=False)
     assert proc.returncode == 2 and "already have these values" in proc.stderr
     assert r.get(k.params_version) == b"3"
+
+
+def test_an_abort_switch_is_recorded_at_redis_time_when_it_happens(redis_server, r, run_name):
+    """Redis refuses an older version's result written from an abort switch on, and `genq
+    recover` applies the same rule to the switch's recorded time: so that time must be Redis's
+    clock at the switch itself. Read one round trip before it, an ack landing in between was
+    accepted by Redis and refused by a later recover. Here the switch goes over a slow link
+    while the version and Redis's time are read together, again and again, on a fast one."""
+    k = RunKeys(run_name)
+    params.init_version_one(r, k, {"max_tokens": 100})
+    proxy = FaultProxy(redis_server.port).start()
+    proxy.delay = 0.05
+    slow = redis.Redis.from_url(proxy.url())
+    bumping = threading.Thread(target=params.bump, args=(slow, k, {"max_tokens": 200}),
+                               kwargs={"redo": "none", "inflight": "abort"})
+    seen: list[tuple[int, int]] = []  # (current version, Redis's time in µs), read atomically
+    try:
+        bumping.start()
+        while bumping.is_alive():
+            pipe = r.pipeline(transaction=True)
+            pipe.get(k.params_version)
+            pipe.time()
+            version, (seconds, micros) = pipe.execute()
+            seen.append((int(version or 1), seconds * 1_000_000 + micros))
+            time.sleep(0.002)
+        bumping.join()
+    finally:
+        slow.close()
+        proxy.stop()
+    assert int(r.get(k.params_version)) == 2
+    at = round(orjson.loads(r.lindex(k.params_history, -1))["at"] * 1e6)
+    before = [t for v, t in seen if v == 1]
+    assert before and max(before) <= at, (
+        f"version 1 still current {(max(before) - at) / 1e3:.1f} ms after the switch's time")
+    assert all(t >= at for v, t in seen if v == 2)

@@ -4,6 +4,7 @@ pointed at a server someone already drives says so and waits."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, genq, genq_env
-from faultkit import sim_kwargs
+from faultkit import Background, sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys, server_lease
@@ -212,3 +213,103 @@ def test_a_consumer_killed_and_run_again_takes_over_at_once(tmp_path, redis_url,
     assert int(r.bitcount(k.done)) == n
     genq("export", "--out", str(tmp_path / "all.jsonl"), redis_url=redis_url, run=run_name)
     assert sorted(rec["index"] for rec in read_jsonl(tmp_path / "all.jsonl")) == list(range(n))
+
+
+def process_state(pid: int) -> str:
+    """/proc/PID/stat's state letter: Z for a zombie (dead, its parent has not reaped it)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_holder_not_yet_reaped_is_taken_for_gone(tmp_path, redis_url, r, run_name,
+                                                          sim_factory):
+    """A consumer killed but not reaped by its parent (here, this test) keeps its pid and start
+    time in /proc; it drives nothing, so the same command run again takes the server over at
+    once rather than after a lease longer than this test waits."""
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 40)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sim = sim_factory(**sim_kwargs(1.0, max_running_requests=4))
+    slow = ("--server-lease", "600", "--visibility-timeout", "30")
+    first = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "first", *slow)
+    second = None
+    try:
+        wait_for(first.driving, timeout=30, what="the first consumer driving")
+        os.kill(first.proc.pid, signal.SIGKILL)  # not waited for: it stays a zombie
+        wait_for(lambda: process_state(first.proc.pid) == "Z", timeout=10, what="a zombie")
+        second = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "second", *slow)
+        wait_for(lambda: second.said("server_taken_over"), timeout=60,
+                 what="the relaunched consumer taking the zombie's server over")
+        assert process_state(first.proc.pid) == "Z"  # never reaped meanwhile
+        wait_for(second.driving, timeout=30, what="the relaunched consumer driving")
+    finally:
+        first.cleanup()
+        if second is not None:
+            second.cleanup()
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_takes_over_as_soon_as_the_holder_dies(tmp_path, redis_url, r, run_name,
+                                                       sim_factory):
+    """A spare started within a lease of the holder's death proves it dead (same host, its
+    process gone) at its next poll, rather than first waiting a lease from its own start."""
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", 40)), "--once", "--max-tokens",
+         "300", redis_url=redis_url, run=run_name)
+    sim = sim_factory(**sim_kwargs(1.0, max_running_requests=4))
+    slow = ("--server-lease", "600", "--visibility-timeout", "30")
+    holder = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "holder", *slow)
+    spare = None
+    try:
+        wait_for(holder.driving, timeout=30, what="the holder driving")
+        spare = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "spare", *slow)
+        wait_for(lambda: spare.said("server_busy"), timeout=30, what="the spare waiting")
+        holder.kill()
+        wait_for(lambda: spare.said("server_taken_over"), timeout=60,
+                 what="the spare taking the dead holder's server over")
+        wait_for(spare.driving, timeout=30, what="the spare driving")
+    finally:
+        holder.cleanup()
+        if spare is not None:
+            spare.cleanup()
+
+
+BIG_ROWS = 5_000_000  # indexing them takes seconds: far longer than the lease below
+
+
+@pytest.mark.timeout(150)
+def test_a_consumer_indexing_a_big_data_set_keeps_its_server_lease(tmp_path, redis_url, r,
+                                                                   run_name, sim_factory):
+    """A consumer opens and indexes its data set while its server lease must be renewed: were it
+    not, the lease would lapse, a spare (here, this test) take the server, and the consumer
+    stop itself (exit 3) before it ever drove the server."""
+    data = tmp_path / "big.jsonl"
+    data.write_bytes(b'{"prompt": "hi"}\n' * BIG_ROWS)
+    producer = Background(redis_url, run_name, "produce", str(data), "--window", "8")
+    try:
+        wait_for(lambda: r.llen(RunKeys(run_name).rq_queue), timeout=90, what="tasks queued")
+    finally:
+        producer.cleanup()
+    data.with_name(data.name + ".genq-idx").unlink()  # the producer's: the consumer builds it
+    sim = sim_factory(**sim_kwargs(0.3, max_running_requests=4))
+    c = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "big", "--server-lease", "1")
+    lease, grabbed, started = server_lease(sim.url), False, None
+    try:
+        wait_for(lambda: r.exists(lease) or not c.alive(), timeout=60,
+                 what="the consumer taking its server")
+        assert c.alive(), c.log()[-3000:]
+        deadline = time.monotonic() + 90
+        # A spare's move: take the server the moment its lease lapses, until the consumer has
+        # driven it for two seconds.
+        while not grabbed and c.alive() and time.monotonic() < deadline:
+            if started is None and c.driving():
+                started = time.monotonic()
+            if started is not None and time.monotonic() - started > 2:
+                break
+            grabbed = bool(r.set(lease, "spare|x|1", nx=True, px=60_000))
+            time.sleep(0.02)
+        assert not grabbed, "the server lease lapsed while the consumer started up"
+        assert started is not None, c.log()[-3000:]
+        c.signal(signal.SIGTERM)
+        assert c.wait(30) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+        data.unlink()

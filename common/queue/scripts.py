@@ -22,7 +22,7 @@ from genq.common.queue.keys import (
 )
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
-         "server_renew", "server_release", "server_take")
+         "server_renew", "server_release", "server_take", "bump")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
@@ -164,6 +164,14 @@ def expire_call(k: RunKeys, server: str) -> Call:
 def server_call(script: str, lease: str, *args: Any) -> Call:
     """server_renew, server_release or server_take on a server's lease (keys.server_lease)."""
     return Call(script, [lease], list(args))
+
+
+def bump_call(k: RunKeys, version: int, old: bytes | str, new: bytes, entry: bytes, *,
+              abort: bool, scopes: tuple[str, ...]) -> Call:
+    """Make version+1 current unless `version` (with `old` parameters) is no longer; `entry`
+    is the history entry, its time added by the script."""
+    keys = [k.params, k.params_version, k.params_history, k.params_floor, k.redo_marks]
+    return Call("bump", keys, [version, old, new, entry, "1" if abort else "0", *scopes])
 
 
 def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
