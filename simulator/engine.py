@@ -63,6 +63,7 @@ class Faults:
     status_until: float = 0.0
     hang_until: float = 0.0
     info_hang_until: float = 0.0  # the info endpoints (load, server info) do not answer
+    info_html_until: float = 0.0  # they answer a maintenance page (HTML) with 200
     reset_until: float = 0.0
     finish: str = ""
     finish_until: float = 0.0
@@ -93,7 +94,7 @@ class Faults:
     def view(self) -> dict:
         now = time.monotonic()
         left = {k: max(0.0, getattr(self, k + "_until") - now)
-                for k in ("status", "hang", "reset", "info_hang")}
+                for k in ("status", "hang", "reset", "info_hang", "info_html")}
         return {
             "error_rate": self.error_rate,
             "hang_rate": self.hang_rate,
@@ -103,6 +104,7 @@ class Faults:
             "hang_left_s": left["hang"],
             "reset_left_s": left["reset"],
             "info_hang_left_s": left["info_hang"],
+            "info_html_left_s": left["info_html"],
             "finish": self.forced_finish() or None,
         }
 

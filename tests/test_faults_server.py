@@ -193,3 +193,27 @@ def test_malformed_rows_fail_with_their_index_and_crash_nothing(
     assert {rec["index"] for rec in read_jsonl(tmp_path / f"export-{run_name}.jsonl")} \
         == set(range(n)) - bad
     record_figures("malformed_rows", reported=len(reported), **figures)
+
+
+@pytest.mark.timeout(150)
+def test_an_html_page_on_the_info_endpoints_is_waited_out_like_a_server_that_is_down(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A proxy's maintenance page, answered with 200 on /v1/models and /get_server_info: at start
+    # the consumer waits for the server; mid-run the context check (every 2.5 s) rides it out.
+    n = 120
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.3))
+    sim_faults(sim, info_html=True, for_s=3)
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        wait_for(lambda: r.bitcount(RunKeys(run_name).done) >= 4 or c.proc.poll() is not None,
+                 timeout=60, what="4 prompts done")
+        assert c.proc.poll() is None, c.log()[-3000:]
+        sim_faults(sim, info_html=True, for_s=6)
+        assert c.wait(90) == 0, c.log()[-3000:]
+        seen = c.event_names()
+    finally:
+        c.cleanup()
+    assert seen["waiting_for_server"] >= 1 and not seen["background_task_crashed"]
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
