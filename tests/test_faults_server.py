@@ -215,5 +215,6 @@ def test_an_html_page_on_the_info_endpoints_is_waited_out_like_a_server_that_is_
     finally:
         c.cleanup()
     assert seen["waiting_for_server"] >= 1 and not seen["background_task_crashed"]
+    assert seen["server_info_unavailable"] >= 1 and seen["server_info_back"] >= 1
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
