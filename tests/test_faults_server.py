@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from conftest import genq
 from faultkit import (
     VT,
     Consumer,
@@ -218,3 +219,27 @@ def test_an_html_page_on_the_info_endpoints_is_waited_out_like_a_server_that_is_
     assert seen["server_info_unavailable"] >= 1 and seen["server_info_back"] >= 1
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
+
+
+def test_failed_records_name_their_row_and_carry_its_id(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 20
+    data = write_dataset(tmp_path / "d.jsonl", n, bad_json=(4,), no_fields=(9,), poison=(14,))
+    produce_once(data, redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out")
+    try:
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    check_truth(r, redis_url, run_name, n, tmp_path, failed={4, 9, 14})  # the plain export
+    out = tmp_path / "with-failed.jsonl"
+    genq("export", "--out", str(out), "--include-failed", redis_url=redis_url, run=run_name)
+    records = read_jsonl(out)
+    assert [rec["index"] for rec in records] == list(range(n))
+    failed = {rec["index"]: rec for rec in records if rec.get("status") == "failed"}
+    assert set(failed) == {4, 9, 14}
+    assert failed[4]["error"].startswith("row 4: not valid JSON") and "id" not in failed[4]
+    assert failed[9]["error"] == "row 9: has neither 'messages' nor 'prompt'"
+    assert failed[9]["id"] == "p9"  # a row that has one names it, however it failed
+    assert "HTTP 400" in failed[14]["error"] and failed[14]["id"] == "p14"
