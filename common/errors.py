@@ -27,6 +27,8 @@ class RunStateLost(GenqError):
 class BadTask(GenqError):
     """This task can never succeed, however often it is retried (malformed row, HTTP 400)."""
 
+    row_id: str | int | None = None  # a malformed row's valid `id`, for its failed record
+
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
         self.index, self.reason = index, reason

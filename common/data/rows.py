@@ -28,6 +28,14 @@ def _row_to_prompt(index: int, row: Any) -> Prompt:
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, str | int)):
         raise BadTask(index, f"row {index}: 'id' must be a string or an integer")
+    try:
+        return _fields_to_prompt(index, row, row_id)
+    except BadTask as e:
+        e.row_id = row_id
+        raise
+
+
+def _fields_to_prompt(index: int, row: dict[str, Any], row_id: str | int | None) -> Prompt:
     messages = row.get("messages")
     if messages is not None:
         if not (isinstance(messages, list) and messages
