@@ -327,7 +327,7 @@ class Consumer:
             if lease.spent > self.settings.max_attempts:
                 last = await self.retry(lambda: self.queue.last_error(lease.index))
                 await self.fail(inflight, f"gave up after {self.settings.max_attempts} attempts; "
-                                       f"last error: {last}")
+                                          f"last error: {last}")
             else:
                 answered = await self.generate(inflight)
         finally:

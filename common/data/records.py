@@ -84,8 +84,7 @@ def failed_record(*, run: str, index: int, prompt_id: Any, version: int, attempt
     if prompt_id is not None:
         record["id"] = prompt_id
     record.update(run=run, status=FAILED, error=error, error_kind=reason_kind(error),
-                  params_version=version,
-                  attempt=attempt)
+                  params_version=version, attempt=attempt)
     if gen:
         record["gen"] = gen
     record.update(server=server, created_at=round(time.time() + clock_offset, 3))
@@ -93,4 +92,5 @@ def failed_record(*, run: str, index: int, prompt_id: Any, version: int, attempt
 
 
 def is_failure(record: dict[str, Any]) -> bool:
+    """Whether a shard line's record is a failed task's (``failed_record``), not a result."""
     return record.get("status") == FAILED
