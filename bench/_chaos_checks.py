@@ -37,8 +37,10 @@ def shard_lines(out_dirs: list[Path], run: str) -> Counter:
         for path in d.glob(f"{run}.*.jsonl"):
             for line in path.read_bytes().splitlines():
                 try:
-                    lines[orjson.loads(line)["index"]] += 1
-                except (orjson.JSONDecodeError, KeyError, TypeError):
+                    record = orjson.loads(line)
+                    if record.get("status") != "failed":  # a failed task's line: no result
+                        lines[record["index"]] += 1
+                except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
                     lines["torn"] += 1
     return lines
 

@@ -27,6 +27,8 @@ class RunStateLost(GenqError):
 class BadTask(GenqError):
     """This task can never succeed, however often it is retried (malformed row, HTTP 400)."""
 
+    row_id: str | int | None = None  # a malformed row's valid `id`, for its failed record
+
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
         self.index, self.reason = index, reason
@@ -112,11 +114,14 @@ def mask_tree(value: object) -> object:
     return value
 
 
-_ROW = re.compile(r"\brow \d+\b")
+# A URL up to its trailing punctuation; a number standing alone, but an HTTP status (a cause).
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s\"'<>]*[^\s\"'<>:.,;)\]]")
+_NUMBER = re.compile(r"(?<!HTTP )(?<![\w.])\d+(?:\.\d+)*\b")
 _POSITION = re.compile(r"line \d+ column \d+ \(char \d+\)|\(char \d+\)")
 
 
 def reason_kind(reason: str) -> str:
-    """A failure reason without its per-prompt parts (row number, JSON error position): one
-    cause, one kind."""
-    return _POSITION.sub("…", _ROW.sub("row N", reason)).strip()[:300] or "(no reason given)"
+    """A failure reason without its per-prompt parts (URLs, numbers but HTTP statuses, JSON
+    error positions): one cause, one kind, however many rows, token counts or servers."""
+    kind = _NUMBER.sub("N", _POSITION.sub("…", _URL.sub("<url>", reason)))
+    return kind.strip()[:300] or "(no reason given)"

@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from genq.common.errors import ServerUnavailable
+from genq.common.log import Outage
 from genq.common.report.advice import HISTORY_SAMPLES, load_sample
 from genq.common.sglang.client import SGLang
 
@@ -66,6 +67,7 @@ class Follower:
         self.server_max: int | None = None  # the server's max running requests, as last read
         self.previous: int | None = None  # the previous sample's target
         self.kept_at = 0.0  # when a sample was last kept in the history
+        self.info_outage = Outage("server_info")
 
     @property
     def unconfirmed(self) -> bool:
@@ -115,8 +117,10 @@ class Follower:
         """Reread the context length; whether it changed."""
         try:
             context = await self.server.context_length()
-        except ServerUnavailable:
-            return False  # a restarting server: its slots are paused anyway
+        except ServerUnavailable as e:  # restarting, or behind a maintenance page: kept as read
+            self.info_outage.seen(e)
+            return False
+        self.info_outage.over()
         if context == self.context_length:
             return False
         logger.info("server_context_changed", old=self.context_length, new=context)

@@ -16,7 +16,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common.data.records import build_record
+from genq.common.data.records import build_record, failed_record
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
@@ -31,7 +31,7 @@ from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
 from genq.consumer.follow import HISTORY_PERIOD_S, Follower
-from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
+from genq.consumer.leases import KEPT, Inflight, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 
@@ -63,7 +63,7 @@ class Consumer:
         self.committer = Committer(
             lambda records: self.sink.write_many(records),
             lambda results: self.retry(lambda: self.queue.ack(results)),
-            on_error=lambda inflight, e: self.settle_error(inflight.lease, e),
+            on_error=self.settle_error,
             on_done=self.committed, slots=lambda: self.capacity,
             busy=lambda: any(i.at_server for i in self.held.values()))
         self.params: dict[int, dict[str, Any]] = {}
@@ -287,8 +287,8 @@ class Consumer:
         try:
             if lease.spent > self.settings.max_attempts:
                 last = await self.retry(lambda: self.queue.last_error(lease.index))
-                await self.fail(lease, f"gave up after {self.settings.max_attempts} attempts; "
-                                       f"last error: {last}")
+                await self.fail(inflight, f"gave up after {self.settings.max_attempts} attempts; "
+                                          f"last error: {last}")
             else:
                 answered = await self.generate(inflight)
         finally:
@@ -327,7 +327,7 @@ class Consumer:
                 raise
             await self.after_abort(inflight)
         except Exception as e:
-            await self.settle_error(lease, e)
+            await self.settle_error(inflight, e)
         return None
 
     async def ask(self, inflight: Inflight, body: dict[str, Any]) -> Completion:
@@ -359,23 +359,36 @@ class Consumer:
             await partials.drop(self.redis, self.keys, lease.index)
         return whole
 
-    async def fail(self, lease: Lease, reason: str) -> None:
+    async def fail(self, inflight: Inflight, reason: str) -> None:
+        """The whole reason goes to the shard first (Redis keeps its kind), as an answer does
+        before its ack; a write that fails gives the task back, as it does an answer's."""
+        lease, prompt = inflight.lease, inflight.prompt
+        record = failed_record(
+            run=self.settings.run, index=lease.index, version=lease.version, gen=lease.gen,
+            prompt_id=prompt.id if isinstance(prompt, Prompt) else getattr(prompt, "row_id", None),
+            attempt=lease.attempt, server=self.settings.server, error=reason,
+            clock_offset=self.clock_offset)
+        try:
+            await asyncio.to_thread(self.sink.write_many, [record])
+        except Exception as e:
+            await self.settle_error(inflight, e)
+            return
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
         logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
 
-    async def settle_error(self, lease: Lease, e: Exception) -> None:
+    async def settle_error(self, inflight: Inflight, e: Exception) -> None:
         """Fail the task, or give it back with or without spending the attempt; an error no
         verdict covers is a bug and crashes the consumer."""
         verdict = classify(e)
         if verdict is BadTask:
-            await self.fail(lease, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)))
+            await self.fail(inflight, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)))
             return
         if verdict is not Retryable and verdict is not TryAgain:
             raise e
         # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
         error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
         refund = verdict is Retryable
-        await self.retry(lambda: self.queue.release(lease, refund=refund, reason=error))
+        await self.retry(lambda: self.queue.release(inflight.lease, refund=refund, reason=error))
         if refund:
             self.pause.trouble(error, getattr(e, "retry_after", None))
         else:

@@ -15,6 +15,8 @@ from genq.simulator.httpserver import Request, Response, error_body
 from genq.simulator.settings import Settings
 
 Route = Callable[[Request], Awaitable[Response]]
+# What a proxy in front of a server under maintenance answers, status 200 and all.
+MAINTENANCE_PAGE = b"<html><body><h1>Down for maintenance</h1></body></html>"
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -72,6 +74,8 @@ class App:
         async def route(request: Request) -> Response:
             while time.monotonic() < self.engine.faults.info_hang_until:  # a frozen server
                 await asyncio.sleep(0.05)
+            if time.monotonic() < self.engine.faults.info_html_until:  # a proxy's own page
+                return Response(200, MAINTENANCE_PAGE, "text/html; charset=utf-8")
             return _json(endpoint(self.settings, self.engine))
 
         return route
@@ -119,6 +123,7 @@ _FAULT_KEYS = {
     "hang",
     "info_hang",
     "stall",
+    "info_html",
     "reset",
     "finish",
     "for_s",
@@ -176,6 +181,8 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         engine.clock()  # the decoding time an earlier stall took is kept
         faults.stall_from = time.monotonic()
         faults.stall_until = until if data["stall"] else 0.0
+    if "info_html" in data:
+        faults.info_html_until = until if data["info_html"] else 0.0
     if "reset" in data:
         faults.reset_until = until if data["reset"] else 0.0
     if "finish" in data:

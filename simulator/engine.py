@@ -67,6 +67,7 @@ class Faults:
     info_hang_until: float = 0.0  # the info endpoints (load, server info) do not answer
     stall_from: float = 0.0  # decoding stands still from stall_from to stall_until
     stall_until: float = 0.0
+    info_html_until: float = 0.0  # they answer a maintenance page (HTML) with 200
     reset_until: float = 0.0
     finish: str = ""
     finish_until: float = 0.0
@@ -101,7 +102,7 @@ class Faults:
     def view(self) -> dict:
         now = time.monotonic()
         left = {k: max(0.0, getattr(self, k + "_until") - now)
-                for k in ("status", "hang", "reset", "info_hang", "stall")}
+                for k in ("status", "hang", "reset", "info_hang", "stall", "info_html")}
         return {
             "error_rate": self.error_rate,
             "hang_rate": self.hang_rate,
@@ -112,6 +113,7 @@ class Faults:
             "reset_left_s": left["reset"],
             "info_hang_left_s": left["info_hang"],
             "stall_left_s": left["stall"],
+            "info_html_left_s": left["info_html"],
             "finish": self.forced_finish() or None,
         }
 

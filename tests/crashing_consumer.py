@@ -1,9 +1,9 @@
 """`genq consume` that kills itself at one of the two instants no signal sent from outside can
 hit reliably, for the fault suite (tests/faultkit.py runs it when GENQ_FAULT is set):
 
-    GENQ_FAULT=torn_write:N        the Nth record is written half-way, then SIGKILL (a torn last
+    GENQ_FAULT=torn_write:N        the Nth result is written half-way, then SIGKILL (a torn last
                                    line, as a power cut leaves it)
-    GENQ_FAULT=kill_after_write:N  the Nth record is written and fdatasynced, then SIGKILL
+    GENQ_FAULT=kill_after_write:N  the Nth result is written and fdatasynced, then SIGKILL
                                    before it is acknowledged
 """
 
@@ -43,7 +43,10 @@ def crash_at(spec: str) -> None:
 
     def one_by_one(self: ShardWriter, records: list[dict[str, Any]]) -> None:
         for record in records:  # so that the Nth record is the one that crashes
-            crashing_write(self, record)
+            if record.get("status") == "failed":  # a failed task's line: the fault is a result's
+                write_many(self, [record])
+            else:
+                crashing_write(self, record)
 
     ShardWriter.write = crashing_write  # type: ignore[method-assign]
     ShardWriter.write_many = one_by_one  # type: ignore[method-assign]

@@ -165,9 +165,12 @@ def shard_lines(r: redis.Redis, run: str) -> tuple[Counter, int]:
         for path in Path(directory.decode()).glob(f"{run}.*.jsonl"):
             for line in path.read_bytes().splitlines(keepends=True):
                 try:
-                    per_index[orjson.loads(line)["index"]] += 1
+                    record = orjson.loads(line)
+                    if record.get("status") == "failed":  # a failed task's line, no result
+                        continue
+                    per_index[record["index"]] += 1
                     broken += not line.endswith(b"\n")
-                except (orjson.JSONDecodeError, KeyError, TypeError):
+                except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
                     broken += 1
     return per_index, broken
 

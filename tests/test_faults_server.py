@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from conftest import genq
 from faultkit import (
     VT,
     Consumer,
@@ -193,3 +194,52 @@ def test_malformed_rows_fail_with_their_index_and_crash_nothing(
     assert {rec["index"] for rec in read_jsonl(tmp_path / f"export-{run_name}.jsonl")} \
         == set(range(n)) - bad
     record_figures("malformed_rows", reported=len(reported), **figures)
+
+
+@pytest.mark.timeout(150)
+def test_an_html_page_on_the_info_endpoints_is_waited_out_like_a_server_that_is_down(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A proxy's maintenance page, answered with 200 on /v1/models and /get_server_info: at start
+    # the consumer waits for the server; mid-run the context check (every 2.5 s) rides it out.
+    n = 120
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.3))
+    sim_faults(sim, info_html=True, for_s=3)
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        wait_for(lambda: r.bitcount(RunKeys(run_name).done) >= 4 or c.proc.poll() is not None,
+                 timeout=60, what="4 prompts done")
+        assert c.proc.poll() is None, c.log()[-3000:]
+        sim_faults(sim, info_html=True, for_s=6)
+        assert c.wait(90) == 0, c.log()[-3000:]
+        seen = c.event_names()
+    finally:
+        c.cleanup()
+    assert seen["waiting_for_server"] >= 1 and not seen["background_task_crashed"]
+    assert seen["server_info_unavailable"] >= 1 and seen["server_info_back"] >= 1
+    figures = check_truth(r, redis_url, run_name, n, tmp_path)
+    assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
+
+
+def test_failed_records_name_their_row_and_carry_its_id(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 20
+    data = write_dataset(tmp_path / "d.jsonl", n, bad_json=(4,), no_fields=(9,), poison=(14,))
+    produce_once(data, redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out")
+    try:
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    check_truth(r, redis_url, run_name, n, tmp_path, failed={4, 9, 14})  # the plain export
+    out = tmp_path / "with-failed.jsonl"
+    genq("export", "--out", str(out), "--include-failed", redis_url=redis_url, run=run_name)
+    records = read_jsonl(out)
+    assert [rec["index"] for rec in records] == list(range(n))
+    failed = {rec["index"]: rec for rec in records if rec.get("status") == "failed"}
+    assert set(failed) == {4, 9, 14}
+    assert failed[4]["error"].startswith("row 4: not valid JSON") and "id" not in failed[4]
+    assert failed[9]["error"] == "row 9: has neither 'messages' nor 'prompt'"
+    assert failed[9]["id"] == "p9"  # a row that has one names it, however it failed
+    assert "HTTP 400" in failed[14]["error"] and failed[14]["id"] == "p14"

@@ -21,7 +21,7 @@ from genq.common.queue.keys import RATE_BUCKET_S, RunKeys
 from genq.monitor.status_cli import status_main
 
 SERVER = 'http://gpu0:30000/"odd"\\path'  # a label value that needs escaping
-REASON = 'server refused the request (HTTP 400): <img src=x onerror="window.pwned=1"> & co'
+REASON = 'server refused the request (HTTP 400): <img src=x onerror="window.pwned=true"> & co'
 
 
 def populate(r, run: str, *, length_per_bucket: int = 4) -> None:

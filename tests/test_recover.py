@@ -183,6 +183,17 @@ def test_a_redo_covers_results_accepted_after_it_was_issued():
     assert set(rec.standing) == {1} and set(rec.kept) == {0}
 
 
+def test_a_failed_tasks_line_is_no_result():
+    """The consumer writes a failed task's whole reason to its shard (the export's failed
+    record); a recover takes no result from it, nor counts it unreadable."""
+    from genq.common.data.recovery import rebuild
+    history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0}]
+    failed = orjson.dumps({"index": 3, "run": "x", "status": "failed", "error": "row 3: bad",
+                           "params_version": 1, "attempt": 1, "created_at": 10.0}) + b"\n"
+    rec = rebuild(_manifest(history), [[_line(0, 1, 1), failed]])
+    assert set(rec.standing) == {0} and rec.skipped == 0
+
+
 @pytest.mark.parametrize("setup, message", [
     ("none", "no run manifest"),
     ("bad_json", "is not valid JSON"),

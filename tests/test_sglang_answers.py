@@ -172,7 +172,7 @@ def test_answers_without_a_finish_reason_spend_attempts_and_fail_with_the_reason
     k = RunKeys(run_name)
     assert r.bitcount(k.failed) == n and not r.bitcount(k.done)
     reasons = set(failure_reasons(r, k, range(n)))
-    assert all("gave up after 2 attempts" in x and "finish_reason None" in x for x in reasons)
+    assert all("gave up after N attempts" in x and "finish_reason None" in x for x in reasons)
     assert httpx.get(sim.url + "/_sim/stats").json()["completed"] == 2 * n
 
 

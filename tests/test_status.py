@@ -319,6 +319,31 @@ def test_failure_reasons_top_with_counts(r, run_name):
     assert "failed 1 x server refused the request (HTTP 400): [bad] <b>" in text
 
 
+def test_reasons_that_differ_only_in_numbers_or_urls_are_one_kind(r, run_name):
+    """300 context refusals of a long-trace data set, each with its own token count, from three
+    servers: one kind, so the 254 numbers of kinds never run out and status names the cause."""
+    from test_scripts import claim, setup_run
+
+    from genq.common.queue import scripts
+    n = 300
+    k, runner = setup_run(r, run_name, n + 1)
+    for jid, idx, ex, _ in claim(runner, k, n):
+        reason = (f"gave up after 3 attempts; last error: http://gpu-{idx % 3}.lan:30000/v1/chat/"
+                  f"completions: server refused the request (HTTP 400): The input "
+                  f"({40000 + idx} tokens) is longer than the model's context length "
+                  f"(32768 tokens).")
+        assert runner(scripts.fail_call(k, jid, idx, ex, reason=reason, worker="w")) == 1
+    kind = ("gave up after N attempts; last error: <url>: server refused the request (HTTP 400): "
+            "The input (N tokens) is longer than the model's context length (N tokens).")
+    assert r.hkeys(k.fail_kinds) == [kind.encode()]
+    jid, idx, ex, _ = claim(runner, k)[0]  # another cause still gets a kind of its own
+    assert runner(scripts.fail_call(k, jid, idx, ex, reason="row 300: not a JSON object",
+                                    worker="w")) == 1
+    assert read_status(r, run_name)["failure_reasons"] == [
+        {"reason": kind, "count": n, "example_index": 0},
+        {"reason": "row N: not a JSON object", "count": 1, "example_index": n}]
+
+
 def test_in_flight_is_split_into_running_and_claimed_ahead(r, run_name):
     populate(r, run_name)
     s = read_status(r, run_name)

@@ -12,6 +12,8 @@ from typing import Any
 
 import orjson
 
+from genq.common.errors import reason_kind
+
 
 def shard_files(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
     """The run's shards in one directory, by name (never its `{run}.manifest.json`)."""
@@ -70,3 +72,27 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
     if getattr(completion, "continued_from", None):  # `requeue --continue`: the partial's key
         record["continued_from"] = completion.continued_from
     return record
+
+
+FAILED = "failed"  # a failed task's line: its `status`
+
+
+def failed_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
+                  server: str, error: str, gen: int = 0,
+                  clock_offset: float = 0.0) -> dict[str, Any]:
+    """A failed task's line: its whole reason (`error`; Redis keeps only its `error_kind`), as
+    `export --include-failed` writes it. Never a result (``is_failure``)."""
+    record: dict[str, Any] = {"index": index}
+    if prompt_id is not None:
+        record["id"] = prompt_id
+    record.update(run=run, status=FAILED, error=error, error_kind=reason_kind(error),
+                  params_version=version, attempt=attempt)
+    if gen:
+        record["gen"] = gen
+    record.update(server=server, created_at=round(time.time() + clock_offset, 3))
+    return record
+
+
+def is_failure(record: dict[str, Any]) -> bool:
+    """Whether a shard line's record is a failed task's (``failed_record``), not a result."""
+    return record.get("status") == FAILED

@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import orjson
 import redis
 
-from genq.common.data.records import parse_line
+from genq.common.data.records import is_failure, parse_line
 from genq.common.params import REDO_SCOPES
 from genq.common.queue import bitmap
 from genq.common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
@@ -112,7 +112,7 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
 
 def _light(line: bytes) -> tuple[int, Result, float, int] | None:
     rec = parse_line(line)
-    if rec is None:
+    if rec is None or is_failure(rec):
         return None
     try:
         result = (int(rec["params_version"]), int(rec["attempt"]),
@@ -126,6 +126,12 @@ def _light(line: bytes) -> tuple[int, Result, float, int] | None:
         return None
 
 
+def _failure_line(line: bytes) -> bool:
+    """A failed task's line: no result, and not unreadable either (read again: they are few)."""
+    rec = parse_line(line)
+    return rec is not None and is_failure(rec)
+
+
 def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Recovered:
     """Every index's standing (or kept) result from every line of every shard stream."""
     rules, total = Rules(manifest), int(manifest["total"])
@@ -137,7 +143,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
             out.lines += 1
             parsed = _light(line)
             if parsed is None or not 0 <= parsed[0] < total:
-                out.skipped += bool(line.strip())
+                out.skipped += bool(line.strip()) and not _failure_line(line)
                 continue
             index, result, created_at, gen = parsed
             seen[index], claimed[index] = 1, max(claimed[index], result[1])  # claimed starts at 0

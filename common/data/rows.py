@@ -40,6 +40,14 @@ def _row_to_prompt(index: int, row: Any) -> Prompt:
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, str | int)):
         raise BadTask(index, f"row {index}: 'id' must be a string or an integer")
+    try:
+        return _fields_to_prompt(index, row, row_id)
+    except BadTask as e:
+        e.row_id = row_id
+        raise
+
+
+def _fields_to_prompt(index: int, row: dict[str, Any], row_id: str | int | None) -> Prompt:
     tools = row.get("tools")
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from genq.common.data.records import parse_line, unheld_shards
+from genq.common.data.records import is_failure, parse_line, unheld_shards
 from genq.common.errors import OutputUnavailable
 from genq.common.files import fsync_dir
 
@@ -192,9 +192,11 @@ class Picks:
 
 def pick_lines(paths: Sequence[Path], total: int,
                accepted: Callable[[int], tuple[int, int] | None],
-               wanted: Callable[[int], bool] = lambda index: True) -> Picks:
-    """Export's first pass: every shard line of a ``wanted`` index < total, offered to ``Picks``,
-    one shard open at a time; torn lines count in ``Picks.torn``, non-64-bit keys are skipped."""
+               wanted: Callable[[int], bool] = lambda index: True,
+               failed: Callable[[int], bool] = lambda index: False) -> Picks:
+    """Export's first pass: every result line of a ``wanted`` index < total, and every failed
+    task's line of a ``failed`` one, offered to ``Picks``, one shard open at a time; torn lines
+    count in ``Picks.torn``, non-64-bit keys are skipped."""
     picks = Picks(total)
     low, high = -(1 << 63), (1 << 63) - 1
     for file_no, path in enumerate(paths):
@@ -211,7 +213,8 @@ def pick_lines(paths: Sequence[Path], total: int,
                     picks.torn += bool(line.strip())
                     continue
                 index = record["index"]
-                if type(index) is not int or not 0 <= index < total or not wanted(index):
+                if type(index) is not int or not 0 <= index < total \
+                        or not (failed if is_failure(record) else wanted)(index):
                     continue
                 version, attempt = record.get("params_version", 0), record.get("attempt", 0)
                 gen = record.get("gen", 0)

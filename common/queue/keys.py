@@ -113,7 +113,7 @@ class RunKeys:
     errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
     fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "
                      "(fail_kinds; 0: none recorded, 255: one of the reasons past the 254th).")
-    fail_kinds = _Own("Hash: failure reason, row numbers and positions blanked -> its number.")
+    fail_kinds = _Own("Hash: failure reason, URLs and numbers blanked (reason_kind) -> its number.")
     params = _Own("Hash: version -> JSON parameters.")
     params_version = _Own("String: the current parameter version.")
     params_floor = _Own("String: the oldest parameter version still accepted; an abort raises it.")

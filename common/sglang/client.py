@@ -43,6 +43,13 @@ GET_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 KEEPALIVE_S = 4.0
 
 
+def _malformed(url: str, path: str, answer: object) -> ServerUnavailable:
+    """An answer of status 200 that is not what the endpoint gives: the server's trouble (an
+    HTML page from a proxy in front of it), waited out like a server that is down."""
+    return ServerUnavailable(f"{url}{path}: HTTP 200 but not the answer SGLang gives "
+                             f"({str(answer)[:80]!r})")
+
+
 @dataclass
 class Progress:
     """When the answer last showed life: a streamed chunk, or (whole) the server's load moving
@@ -107,7 +114,10 @@ class SGLang:
         status, content = await self._get(path)
         if status != 200:
             raise ServerUnavailable(f"{self.url}{path}: HTTP {status}")
-        return orjson.loads(content)
+        try:
+            return orjson.loads(content)
+        except orjson.JSONDecodeError:  # a proxy's maintenance page: the server is away
+            raise _malformed(self.url, path, content) from None
 
     # --- what the server is ----------------------------------------------------------------
     async def health(self) -> None:
@@ -126,7 +136,10 @@ class SGLang:
     async def context_length(self) -> int | None:
         """Prompt + completion tokens one request may use (max_model_len in /v1/models)."""
         models = await self._get_json("/v1/models")
-        value = (models.get("data") or [{}])[0].get("max_model_len")
+        try:
+            value = (models.get("data") or [{}])[0].get("max_model_len")
+        except (LookupError, TypeError, AttributeError):
+            raise _malformed(self.url, "/v1/models", models) from None
         if not value:
             info = await self._get_json("/get_server_info")
             value = info.get("context_length") if isinstance(info, dict) else None
@@ -134,7 +147,10 @@ class SGLang:
 
     async def model(self) -> str:
         models = await self._get_json("/v1/models")
-        return str(models["data"][0]["id"])
+        try:
+            return str(models["data"][0]["id"])
+        except (LookupError, TypeError):
+            raise _malformed(self.url, "/v1/models", models) from None
 
     async def load(self) -> dict[str, Any] | None:
         """Running and waiting requests summed over DP ranks, with the capacity in force; None

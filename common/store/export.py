@@ -80,11 +80,10 @@ def shard_paths(dirs: list[str], run: str) -> list[Path]:
 _FAILED_BATCH = 5_000  # failure reasons read at a time
 
 
-def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
+def _spill_failed(r: redis.Redis, k: RunKeys, indices: array,
                   spill: IO[bytes]) -> tuple[array, array]:
-    """Write each failed index's record to ``spill`` in index order, then rewind it; the indices
-    and lengths."""
-    indices = array("q", bitmap.set_indices(blob(r.get(k.failed)), below=total))
+    """Write a record for each of these failed indices (ascending) to ``spill``, its reason's
+    kind as Redis keeps it, then rewind it; the indices and lengths."""
     lengths = array("q")
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
@@ -205,8 +204,11 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
            *, include_failed: bool = False, allow_ambiguous: bool = False) -> ExportResult:
     accepted, is_done, done_raw = accepted_state(r, k)
+    failed_raw = blob(r.get(k.failed)) if include_failed else b""
     paths = shard_paths(dirs, k.run)
-    picks = pick_lines(paths, total, accepted, is_done)  # done indices only
+    # Done indices' results, and failed ones' newest failed line (its whole reason), if asked.
+    picks = pick_lines(paths, total, accepted, is_done,
+                       lambda i: bitmap.is_set(failed_raw, i))
     picks.drop_keys()
     if picks.ambiguous and not allow_ambiguous:
         raise GenqError(
@@ -232,13 +234,18 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
         dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             with contextlib.ExitStack() as stack:
-                failed, failed_lengths = array("q"), array("q")
-                if include_failed:
+                failed = array("q", bitmap.set_indices(failed_raw, below=total))
+                failed_count = len(failed)
+                for index in failed:  # a failed record stands for the index, not a result line
+                    if is_done(index):
+                        picks.state[index] = NONE
+                # Those with a failed line in the shards (their whole reason) are copied.
+                failed = array("q", (i for i in failed if picks.state[i] == NONE))
+                failed_lengths = array("q")
+                if failed:
                     spill = stack.enter_context(
                         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))))
-                    failed, failed_lengths = _spill_failed(r, k, total, spill)
-                for index in failed:  # a failed record stands for the index, not a shard line
-                    picks.state[index] = NONE
+                    failed, failed_lengths = _spill_failed(r, k, failed, spill)
                 starts, size, marked = _layout(picks, failed, failed_lengths, paths, kept)
                 _copy(picks, paths, starts, marked, dst)
                 for index, length in zip(failed, failed_lengths, strict=True):
@@ -255,4 +262,4 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
             os.unlink(tmp)
     return ExportResult(written=written, done=done, missing=missing, torn_lines=picks.torn,
                         shards=len(paths), not_accepted=fallback,
-                        not_accepted_count=fallback_count, failed_written=len(failed))
+                        not_accepted_count=fallback_count, failed_written=failed_count)
