@@ -69,6 +69,31 @@ def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
                    claiming_paused=seen["claiming_paused"], attempts_spent=0, **figures)
 
 
+RETRY_AFTER_CAP_S = 60  # docs/REFERENCE.md: a server's Retry-After is obeyed up to a minute
+
+
+@pytest.mark.timeout(180)
+def test_a_retry_after_of_a_day_pauses_claiming_no_longer_than_the_cap(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A load balancer answers 503 with Retry-After: 86400 while its backend restarts; once it
+    # serves again the consumer must be back within the cap, not a day later.
+    n = 12
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    sim_faults(sim, status=503, retry_after=86400)
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        wait_for(lambda: c.event_names()["claiming_paused"] >= 1, timeout=60,
+                 what="the consumer paused by the 503")
+        sim_faults(sim, status=None, retry_after=None)
+        assert c.wait(RETRY_AFTER_CAP_S + 60) == 0, c.log()[-3000:]
+        pauses = [e["pause_s"] for e in c.events() if e.get("event") == "claiming_paused"]
+    finally:
+        c.cleanup()
+    assert pauses and max(pauses) <= RETRY_AFTER_CAP_S
+    check_truth(r, redis_url, run_name, n, tmp_path)
+
+
 def test_a_503_now_and_then_is_sent_again_by_its_slot_not_through_the_queue(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A busy server refuses one request in ten: the slot sends it again after a moment, as a
