@@ -31,7 +31,8 @@ REFUSALS_EVERY_S = 60.0
 
 class ClaimPause:
     """Jittered pause of new requests: as long as the server asks (Retry-After, at most
-    MAX_RETRY_AFTER_S), or doubled per failure in a row; failures during a pause do not lengthen it."""
+    MAX_RETRY_AFTER_S), or doubled per failure in a row; failures during a pause do not
+    lengthen it."""
 
     def __init__(self) -> None:
         self.until = 0.0
