@@ -125,6 +125,7 @@ _FAULT_KEYS = {
     "hang_rate",
     "reset_rate",
     "retry_after",
+    "error_marker",
     "clear",
 }
 
@@ -147,6 +148,8 @@ def _check_faults(data: dict[str, Any]) -> None:
     wait = data.get("retry_after")
     if wait is not None and (type(wait) is not int or wait < 0):
         raise ApiError(400, "retry_after must be a whole number of seconds >= 0, or null")
+    if not isinstance(data.get("error_marker") or "", str):
+        raise ApiError(400, "error_marker must be a string or null")
 
 
 def _is_number(value: Any) -> bool:
@@ -180,6 +183,8 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         faults.finish_until = until if data["finish"] else 0.0
     if "retry_after" in data:
         faults.retry_after = data["retry_after"]
+    if "error_marker" in data:
+        faults.error_marker = data["error_marker"] or ""
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data:
             setattr(faults, key, float(data[key]))

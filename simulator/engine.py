@@ -69,6 +69,7 @@ class Faults:
     finish: str = ""
     finish_until: float = 0.0
     retry_after: int | None = None  # seconds the fault statuses ask the client to wait
+    error_marker: str = ""  # a prompt holding it is answered 503 every time (a poison prompt)
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def pick(self) -> str | int | None:
@@ -108,6 +109,7 @@ class Faults:
             "info_hang_left_s": left["info_hang"],
             "finish": self.forced_finish() or None,
             "retry_after": self.retry_after,
+            "error_marker": self.error_marker or None,
         }
 
 
