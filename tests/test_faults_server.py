@@ -191,6 +191,28 @@ def test_poison_prompt_fails_after_one_attempt_with_the_servers_message(
     record_figures("poison_prompt", attempts_spent=1, **figures)
 
 
+@pytest.mark.timeout(150)
+def test_a_prompt_the_server_fails_every_time_fails_after_a_bounded_number_of_claims(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # Server trouble spends no attempt, so a prompt that makes the server answer 503 every
+    # time (or abort, or die) would be claimed for ever; the claims of a task are bounded
+    # (--max-claims, default 10 x --max-attempts) whatever their outcome. Retry-After: 0 keeps
+    # the pauses between its claims short.
+    n, poison = 20, 5
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    sim_faults(sim, error_marker=f"program number {poison}.", retry_after=0)
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    check_truth(r, redis_url, run_name, n, tmp_path, failed={poison})
+    assert claims(r, run_name, n)[poison] == 11  # the 11th claim gives up
+    reason = failure_reasons(r, RunKeys(run_name), [poison])[0]
+    assert "gave up after 10 claims" in reason and "HTTP 503" in reason, reason
+
+
 def test_malformed_rows_fail_with_their_index_and_crash_nothing(
         tmp_path, redis_url, r, run_name, sim_factory):
     n = 30
