@@ -284,7 +284,8 @@ class Consumer:
     async def put_back(self, inflight: Inflight, reason: str) -> None:
         """Release a task unspent: no request was sent for it."""
         try:
-            await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason))
+            await self.retry(lambda: self.queue.release(inflight.lease, refund=True,
+                                                        reason=reason, unclaim=True))
             logger.debug("ready_task_returned", index=inflight.lease.index, reason=reason)
         except ShuttingDown:
             pass  # past the grace with Redis away: the lease expires instead
@@ -324,10 +325,9 @@ class Consumer:
     async def process(self, inflight: Inflight) -> None:
         lease, answered = inflight.lease, None
         try:
-            if lease.spent > self.settings.max_attempts:
+            if (gave_up := self.gave_up(lease)) is not None:
                 last = await self.retry(lambda: self.queue.last_error(lease.index))
-                await self.fail(lease, f"gave up after {self.settings.max_attempts} attempts; "
-                                       f"last error: {last}")
+                await self.fail(lease, f"gave up after {gave_up}; last error: {last}")
             else:
                 answered = await self.generate(inflight)
         finally:
@@ -337,6 +337,14 @@ class Consumer:
             # The server's slot is free: write and ack run beside the next task (on_done lets go).
             self.committer.add(inflight, *answered)
             await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
+
+    def gave_up(self, lease: Lease) -> str | None:
+        """What this claim is past (attempts, or claims: a server failing it every time is
+        refunded each time), or None while it may run."""
+        s = self.settings
+        if lease.spent > s.max_attempts:
+            return f"{s.max_attempts} attempts"
+        return f"{s.max_claims} claims" if lease.tries > s.max_claims else None
 
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
         """The task's record and completion; None if it ended otherwise (Redis already says so)."""
@@ -423,8 +431,9 @@ class Consumer:
         if inflight.abort == "lost":
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
-        reason = f"aborted: {inflight.abort}"
-        await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason))
+        reason = f"aborted: {inflight.abort}"  # genq's doing: neither attempt nor claim counts
+        await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason,
+                                                    unclaim=True))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:
