@@ -234,6 +234,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.reap()
         self.failed.discard(idx)
         assert self.r.bitfield(self.k.spent).get("u8", f"#{idx}").execute() == [0]
+        assert self.r.bitfield(self.k.tries).get("u8", f"#{idx}").execute() == [0]
 
     @rule(consumer=st.sampled_from(CONSUMERS))
     def crash(self, consumer: str) -> None:  # its leases stay until they expire and are reaped
