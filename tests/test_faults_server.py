@@ -23,6 +23,7 @@ from faultkit import (
 from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
+from sim_fixtures import SimProcess, sim_flags
 
 from genq.common.errors import reason_kind
 from genq.common.queue.keys import RunKeys
@@ -211,6 +212,30 @@ def test_a_prompt_the_server_fails_every_time_fails_after_a_bounded_number_of_cl
     assert claims(r, run_name, n)[poison] == 11  # the 11th claim gives up
     reason = failure_reasons(r, RunKeys(run_name), [poison])[0]
     assert "gave up after 10 claims" in reason and "HTTP 503" in reason, reason
+
+
+@pytest.mark.timeout(150)
+def test_claims_refused_while_the_server_restarts_do_not_count_towards_max_claims(
+        tmp_path, redis_url, r, run_name):
+    # A refused connection never reached the server: no prompt can be why, so a server down
+    # for many pauses (each a claim of the tasks it refuses) fails none of them.
+    n = 40
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    flags = sim_flags(**sim_kwargs(0.3))
+    sim = SimProcess(*flags).start()
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--max-claims", "3")
+    try:
+        wait_done(r, run_name, 5)
+        sim.kill()
+        wait_for(lambda: c.event_names()["claiming_paused"] >= 5, timeout=60,
+                 what="five pauses while the server is down")
+        sim = SimProcess(*flags, port=sim.port).start()
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+        sim.cleanup()
+    check_truth(r, redis_url, run_name, n, tmp_path)
 
 
 def test_malformed_rows_fail_with_their_index_and_crash_nothing(
