@@ -420,8 +420,10 @@ class Consumer:
             raise e
         # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
         error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
-        refund = verdict is Retryable
-        await self.retry(lambda: self.queue.release(lease, refund=refund, reason=error))
+        # A request the server never saw (refused) costs no claim either: no prompt is why.
+        refund, unclaim = verdict is Retryable, getattr(e, "unsent", False)
+        await self.retry(lambda: self.queue.release(lease, refund=refund, reason=error,
+                                                    unclaim=unclaim))
         if refund:
             self.pause.trouble(error, getattr(e, "retry_after", None))
         else:

@@ -10,7 +10,7 @@ import base64
 import orjson
 import pytest
 
-from genq.common.errors import Retryable, ServerUnavailable, classify
+from genq.common.errors import Retryable, ServerUnavailable, ServerUnreachable, classify
 from genq.common.net import free_port
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.stream import Answer
@@ -55,7 +55,7 @@ def test_nothing_listening_is_server_unavailable() -> None:
     async def go() -> None:
         client = SGLang(f"http://127.0.0.1:{free_port()}", request_timeout=10.0, connections=4)
         try:
-            with pytest.raises(ServerUnavailable):
+            with pytest.raises(ServerUnreachable):  # never sent: its claim is not counted
                 await client.chat(BODY, 0)
             assert await client.load() is None
         finally:
