@@ -56,6 +56,13 @@ class ServerUnavailable(Retryable):
         self.retry_after = retry_after
 
 
+class ServerUnreachable(ServerUnavailable):
+    """The connection was refused or never made: the server never saw the request, so no
+    prompt can be why (its claim does not count towards --max-claims either)."""
+
+    unsent = True
+
+
 class ServerAborted(ServerUnavailable):
     """The server aborted the generation itself (finish_reason "abort"): not the task's fault."""
 

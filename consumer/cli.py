@@ -54,6 +54,7 @@ from genq.consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
 REDIS_CONNECTIONS = 64
+MAX_CLAIMS = 254  # claims are counted in a u8 saturating at 255: a limit past 254 never fires
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,6 +75,9 @@ def parser() -> argparse.ArgumentParser:
                    help="exit once every prompt of the run is done or failed")
     p.add_argument("--max-attempts", type=int, default=3,
                    help="attempts before a task goes to the failed registry (default 3)")
+    p.add_argument("--max-claims", type=int,
+                   help="claims of a task, refunded ones too, before it goes to the failed "
+                        f"registry (default 10 x --max-attempts, at most {MAX_CLAIMS})")
     p.add_argument("--request-timeout", type=float, default=3600.0,
                    help="longest one generation may take, in seconds (default 3600)")
     p.add_argument("--stall-timeout", type=float, default=60.0,
@@ -111,6 +115,10 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         p.error("--stall-timeout, --request-timeout and --server-lease must be > 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
+    if a.max_claims is None:
+        a.max_claims = min(10 * a.max_attempts, MAX_CLAIMS)
+    if not 1 <= a.max_claims <= MAX_CLAIMS:
+        p.error(f"--max-claims must be 1-{MAX_CLAIMS}")
     # GENQ_SERVERS: URLs separated by commas and/or whitespace, in order of preference.
     listed = [u for u in re.split(r"[,\s]+", os.environ.get("GENQ_SERVERS", "")) if u]
     urls = [u.rstrip("/") for u in a.server or listed]

@@ -31,6 +31,7 @@ class Lease:
     attempt: int
     spent: int
     version: int
+    tries: int = 0  # claims towards --max-claims, this one included
     gen: int = 0  # the run's generation it was claimed in (the records carry it)
 
 
@@ -86,8 +87,9 @@ class TaskQueue:
         version, *rows = await self.run_script(call)
         self.stale = version == 0
         return [Lease(job_id=jid.decode(), index=int(idx), exec_id=ex.decode(),
-                      attempt=int(att), spent=int(spent), version=int(version), gen=gen)
-                for jid, idx, ex, att, spent in rows]
+                      attempt=int(att), spent=int(spent), version=int(version), gen=gen,
+                      tries=int(tries))
+                for jid, idx, ex, att, spent, tries in rows]
 
     def life_token(self) -> str:
         """The run's life as the scripts check it, "epoch|generation"; "" (not checked) for a
@@ -110,9 +112,11 @@ class TaskQueue:
                 await self.run_script(scripts.ack_many_call(self.k, self.server, results,
                                                             self.life_token()))]
 
-    async def release(self, lease: Lease, *, refund: bool, reason: str = "") -> bool:
+    async def release(self, lease: Lease, *, refund: bool, reason: str = "",
+                      unclaim: bool = False) -> bool:
         return bool(await self.run_script(scripts.release_call(
-            self.k, lease.job_id, lease.index, lease.exec_id, refund=refund, reason=reason)))
+            self.k, lease.job_id, lease.index, lease.exec_id, refund=refund, reason=reason,
+            unclaim=unclaim)))
 
     async def fail(self, lease: Lease, reason: str) -> int:
         """1 failed, 0 the lease was lost, KEPT the previous result stands instead."""

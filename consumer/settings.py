@@ -15,6 +15,7 @@ class ConsumeSettings:
     out: str
     burst: bool
     max_attempts: int
+    max_claims: int = 30  # claims of a task, whatever their outcome, before it fails
     request_timeout: float
     grace: float
     name: str

@@ -31,7 +31,7 @@ from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
 from genq.consumer.follow import HISTORY_PERIOD_S, Follower
-from genq.consumer.leases import KEPT, Inflight, Prefetch, TaskQueue
+from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 
@@ -245,7 +245,8 @@ class Consumer:
     async def put_back(self, inflight: Inflight, reason: str) -> None:
         """Release a task unspent: no request was sent for it."""
         try:
-            await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason))
+            await self.retry(lambda: self.queue.release(inflight.lease, refund=True,
+                                                        reason=reason, unclaim=True))
             logger.debug("ready_task_returned", index=inflight.lease.index, reason=reason)
         except ShuttingDown:
             pass  # past the grace with Redis away: the lease expires instead
@@ -285,10 +286,9 @@ class Consumer:
     async def process(self, inflight: Inflight) -> None:
         lease, answered = inflight.lease, None
         try:
-            if lease.spent > self.settings.max_attempts:
+            if (gave_up := self.gave_up(lease)) is not None:
                 last = await self.retry(lambda: self.queue.last_error(lease.index))
-                await self.fail(inflight, f"gave up after {self.settings.max_attempts} attempts; "
-                                          f"last error: {last}")
+                await self.fail(inflight, f"gave up after {gave_up}; last error: {last}")
             else:
                 answered = await self.generate(inflight)
         finally:
@@ -298,6 +298,14 @@ class Consumer:
             # The server's slot is free: write and ack run beside the next task (on_done lets go).
             self.committer.add(inflight, *answered)
             await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
+
+    def gave_up(self, lease: Lease) -> str | None:
+        """What this claim is past (attempts, or claims: a server failing it every time is
+        refunded each time), or None while it may run."""
+        s = self.settings
+        if lease.spent > s.max_attempts:
+            return f"{s.max_attempts} attempts"
+        return f"{s.max_claims} claims" if lease.tries > s.max_claims else None
 
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
         """The task's record and completion; None if it ended otherwise (Redis already says so)."""
@@ -387,8 +395,10 @@ class Consumer:
             raise e
         # Retryable: the server's trouble, refunded; TryAgain: spends the attempt.
         error = mask_secrets(str(e) or type(e).__name__)  # kept in Redis, shown by rq
-        refund = verdict is Retryable
-        await self.retry(lambda: self.queue.release(inflight.lease, refund=refund, reason=error))
+        # A request the server never saw (refused) costs no claim either: no prompt is why.
+        refund, unclaim = verdict is Retryable, getattr(e, "unsent", False)
+        await self.retry(lambda: self.queue.release(inflight.lease, refund=refund, reason=error,
+                                                    unclaim=unclaim))
         if refund:
             self.pause.trouble(error, getattr(e, "retry_after", None))
         else:
@@ -398,8 +408,9 @@ class Consumer:
         if inflight.abort == "lost":
             logger.warning("lease_lost", reason="lease expired; the task was handed out again")
             return
-        reason = f"aborted: {inflight.abort}"
-        await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason))
+        reason = f"aborted: {inflight.abort}"  # genq's doing: neither attempt nor claim counts
+        await self.retry(lambda: self.queue.release(inflight.lease, refund=True, reason=reason,
+                                                    unclaim=True))
         logger.info("task_released", reason=reason)
 
     async def params_for(self, version: int) -> dict[str, Any]:

@@ -62,7 +62,9 @@ class App:
         try:
             return await route(request)
         except ApiError as exc:
-            return Response(exc.status, error_body(exc.status, str(exc), exc.kind))
+            wait = "" if exc.retry_after is None else f"retry-after: {exc.retry_after}\r\n"
+            return Response(exc.status, error_body(exc.status, str(exc), exc.kind),
+                            extra_head=wait)
 
     async def chat(self, request: Request) -> Response:
         return await self._generation(generation.chat, request)
@@ -130,6 +132,8 @@ _FAULT_KEYS = {
     "error_rate",
     "hang_rate",
     "reset_rate",
+    "retry_after",
+    "error_marker",
     "clear",
 }
 
@@ -149,6 +153,11 @@ def _check_faults(data: dict[str, Any]) -> None:
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data and (not _is_number(data[key]) or not 0 <= data[key] <= 1):
             raise ApiError(400, f"{key} must be between 0 and 1")
+    wait = data.get("retry_after")
+    if wait is not None and (type(wait) is not int or wait < 0):
+        raise ApiError(400, "retry_after must be a whole number of seconds >= 0, or null")
+    if not isinstance(data.get("error_marker") or "", str):
+        raise ApiError(400, "error_marker must be a string or null")
 
 
 def _is_number(value: Any) -> bool:
@@ -188,6 +197,10 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
     if "finish" in data:
         faults.finish = data["finish"] or ""
         faults.finish_until = until if data["finish"] else 0.0
+    if "retry_after" in data:
+        faults.retry_after = data["retry_after"]
+    if "error_marker" in data:
+        faults.error_marker = data["error_marker"] or ""
     for key in ("error_rate", "hang_rate", "reset_rate"):
         if key in data:
             setattr(faults, key, float(data[key]))

@@ -29,10 +29,12 @@ Emit = Callable[[int], None]
 class ApiError(Exception):
     """A request answered with an HTTP error status and SGLang's error object."""
 
-    def __init__(self, status: int, message: str, kind: str = "BadRequestError") -> None:
+    def __init__(self, status: int, message: str, kind: str = "BadRequestError",
+                 retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.kind = kind
+        self.retry_after = retry_after  # sent as Retry-After when set
 
 
 @dataclass
@@ -71,6 +73,8 @@ class Faults:
     reset_until: float = 0.0
     finish: str = ""
     finish_until: float = 0.0
+    retry_after: int | None = None  # seconds the fault statuses ask the client to wait
+    error_marker: str = ""  # a prompt holding it is answered 503 every time (a poison prompt)
     rng: random.Random = field(default_factory=random.Random, repr=False)
 
     def pick(self) -> str | int | None:
@@ -115,6 +119,8 @@ class Faults:
             "stall_left_s": left["stall"],
             "info_html_left_s": left["info_html"],
             "finish": self.forced_finish() or None,
+            "retry_after": self.retry_after,
+            "error_marker": self.error_marker or None,
         }
 
 
@@ -174,7 +180,8 @@ class Engine:
         fault = self.faults.pick()
         if isinstance(fault, int):
             self.stats.fault_errors += 1
-            raise ApiError(fault, f"simulated fault: HTTP {fault}", _error_kind(fault))
+            raise ApiError(fault, f"simulated fault: HTTP {fault}", _error_kind(fault),
+                           self.faults.retry_after)
         try:
             if fault == "hang":
                 self.stats.hung += 1

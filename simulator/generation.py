@@ -106,6 +106,11 @@ def _check_marker(engine: Engine, text: str) -> None:
     marker = engine.settings.bad_marker
     if marker and marker in text:
         raise ApiError(400, f"The input contains the rejected marker {marker!r} (simulated).")
+    failing = engine.faults.error_marker
+    if failing and failing in text:
+        engine.stats.fault_errors += 1
+        raise ApiError(503, "simulated fault: HTTP 503 for this prompt", "ServiceUnavailableError",
+                       engine.faults.retry_after)
 
 
 def _tool_call(data: dict[str, Any], text: str) -> dict[str, Any] | None:

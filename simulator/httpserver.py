@@ -42,6 +42,7 @@ class Response:
     content_type: str = "application/json"
     # A streamed answer: sent with chunked transfer encoding as its pieces come.
     stream: AsyncIterator[bytes] | None = None
+    extra_head: str = ""  # further header lines, each ending in CRLF (a fault's Retry-After)
 
 
 class ResetConnection(Exception):
@@ -195,7 +196,7 @@ class _Connection:
         head = (
             f"HTTP/1.1 {response.status} {_reason(response.status)}\r\n"
             f"content-type: {response.content_type}\r\n"
-            f"content-length: {len(response.body)}\r\n"
+            f"content-length: {len(response.body)}\r\n{response.extra_head}"
             f"{'' if keep else 'connection: close' + chr(13) + chr(10)}\r\n"
         )
         try:

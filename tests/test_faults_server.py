@@ -24,6 +24,7 @@ from faultkit import (
 from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
+from sim_fixtures import SimProcess, sim_flags
 
 from genq.common.errors import reason_kind
 from genq.common.queue.keys import RunKeys
@@ -68,6 +69,31 @@ def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
     figures = check_truth(r, redis_url, run_name, n, tmp_path)
     record_figures("server_5xx_20s", recovery_s=recovery_s, requests_refused=errors,
                    claiming_paused=seen["claiming_paused"], attempts_spent=0, **figures)
+
+
+RETRY_AFTER_CAP_S = 60  # docs/REFERENCE.md: a server's Retry-After is obeyed up to a minute
+
+
+@pytest.mark.timeout(180)
+def test_a_retry_after_of_a_day_pauses_claiming_no_longer_than_the_cap(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # A load balancer answers 503 with Retry-After: 86400 while its backend restarts; once it
+    # serves again the consumer must be back within the cap, not a day later.
+    n = 12
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    sim_faults(sim, status=503, retry_after=86400)
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        wait_for(lambda: c.event_names()["claiming_paused"] >= 1, timeout=60,
+                 what="the consumer paused by the 503")
+        sim_faults(sim, status=None, retry_after=None)
+        assert c.wait(RETRY_AFTER_CAP_S + 60) == 0, c.log()[-3000:]
+        pauses = [e["pause_s"] for e in c.events() if e.get("event") == "claiming_paused"]
+    finally:
+        c.cleanup()
+    assert pauses and max(pauses) <= RETRY_AFTER_CAP_S
+    check_truth(r, redis_url, run_name, n, tmp_path)
 
 
 def test_a_503_now_and_then_is_sent_again_by_its_slot_not_through_the_queue(
@@ -165,6 +191,52 @@ def test_poison_prompt_fails_after_one_attempt_with_the_servers_message(
         reason = Job.fetch(f"{run_name}-{i}", connection=r).latest_result().exc_string
         assert "HTTP 400" in reason and "rejected marker" in reason
     record_figures("poison_prompt", attempts_spent=1, **figures)
+
+
+@pytest.mark.timeout(150)
+def test_a_prompt_the_server_fails_every_time_fails_after_a_bounded_number_of_claims(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    # Server trouble spends no attempt, so a prompt that makes the server answer 503 every
+    # time (or abort, or die) would be claimed for ever; the claims of a task are bounded
+    # (--max-claims, default 10 x --max-attempts) whatever their outcome. Retry-After: 0 keeps
+    # the pauses between its claims short.
+    n, poison = 20, 5
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(0.2))
+    sim_faults(sim, error_marker=f"program number {poison}.", retry_after=0)
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    check_truth(r, redis_url, run_name, n, tmp_path, failed={poison})
+    assert claims(r, run_name, n)[poison] == 11  # the 11th claim gives up
+    reason = failure_reasons(r, RunKeys(run_name), [poison])[0]
+    assert "gave up after 10 claims" in reason and "HTTP 503" in reason, reason
+
+
+@pytest.mark.timeout(150)
+def test_claims_refused_while_the_server_restarts_do_not_count_towards_max_claims(
+        tmp_path, redis_url, r, run_name):
+    # A refused connection never reached the server: no prompt can be why, so a server down
+    # for many pauses (each a claim of the tasks it refuses) fails none of them.
+    n = 40
+    produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
+    flags = sim_flags(**sim_kwargs(0.3))
+    sim = SimProcess(*flags).start()
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--max-claims", "3")
+    try:
+        wait_done(r, run_name, 5)
+        sim.kill()
+        wait_for(lambda: c.event_names()["claiming_paused"] >= 5, timeout=60,
+                 what="five pauses while the server is down")
+        sim = SimProcess(*flags, port=sim.port).start()
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+        sim.cleanup()
+    check_truth(r, redis_url, run_name, n, tmp_path)
 
 
 def test_malformed_rows_fail_with_their_index_and_crash_nothing(

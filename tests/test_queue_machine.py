@@ -84,7 +84,7 @@ class QueueMachine(RuleBasedStateMachine):
     def claim(self, consumer: str, n: int) -> None:
         version, *rows = self.run(scripts.claim_call(self.k, n, VT, f"http://{consumer}", consumer,
                                                      uuid.uuid4().hex[:6]))
-        for jid, idx, ex, attempt, spent in rows:
+        for jid, idx, ex, attempt, spent, _tries in rows:
             idx = int(idx)
             assert idx not in self.owner and idx not in self.done | self.failed
             assert int(attempt) == self.attempts[idx] + 1
@@ -234,6 +234,7 @@ class QueueMachine(RuleBasedStateMachine):
         self.reap()
         self.failed.discard(idx)
         assert self.r.bitfield(self.k.spent).get("u8", f"#{idx}").execute() == [0]
+        assert self.r.bitfield(self.k.tries).get("u8", f"#{idx}").execute() == [0]
 
     @rule(consumer=st.sampled_from(CONSUMERS))
     def crash(self, consumer: str) -> None:  # its leases stay until they expire and are reaped

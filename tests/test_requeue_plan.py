@@ -31,7 +31,7 @@ def live_run(tmp_path, redis_url, r, run_name):
          redis_url=redis_url, run=run_name)
     k, run = RunKeys(run_name), scripts.ScriptRunner(r)
     _, *rows = run(scripts.claim_call(k, 15, 600, "http://s", "w", "e"))
-    for n, (jid, idx, ex, attempt, _spent) in enumerate(rows[:12]):
+    for n, (jid, idx, ex, attempt, *_) in enumerate(rows[:12]):
         truncated = n < 4
         run(ack_call(k, jid.decode(), int(idx), ex.decode(),
                      completion_tokens=4096 if truncated else 1000, prompt_tokens=5,

@@ -27,7 +27,7 @@ def setup_run(r: redis.Redis, run: str, n: int) -> tuple[RunKeys, scripts.Script
 
 def claim(runner, k, n=1, vt=30.0, server="http://s:1"):
     version, *rows = runner(scripts.claim_call(k, n, vt, server, "w1", "ex"))
-    return [(jid.decode(), int(idx), ex.decode(), int(att)) for jid, idx, ex, att, _ in rows]
+    return [(jid.decode(), int(idx), ex.decode(), int(att)) for jid, idx, ex, att, *_ in rows]
 
 
 def ack(runner, k, lease, tokens=100, finish="stop"):
@@ -103,6 +103,22 @@ def test_release_with_refund_puts_task_first_and_spends_nothing(r, run_name):
     assert r.lindex(k.rq_queue, 0).decode() == jid
     assert r.bitfield(k.spent).get("u8", f"#{idx}").execute() == [0]
     assert r.zcard(k.leases) == 0 and r.zcard(k.rq_wip) == 0
+
+
+def test_a_refund_keeps_the_claim_counted_unless_genq_let_go_first(r, run_name):
+    # The server's trouble refunds the attempt but not the claim (--max-claims bounds those);
+    # a task genq gives back itself (a stop, an abort) costs neither; a redo starts afresh.
+    k, runner = setup_run(r, run_name, 1)
+    tries = r.bitfield(k.tries)
+    for unclaim in (False, False, True, True):
+        jid, idx, ex, _ = claim(runner, k)[0]
+        runner(scripts.release_call(k, jid, idx, ex, refund=True, unclaim=unclaim))
+    assert tries.get("u8", "#0").execute() == [2]
+    jid, idx, ex, _ = claim(runner, k)[0]
+    assert tries.get("u8", "#0").execute() == [3]
+    runner(scripts.fail_call(k, jid, idx, ex, reason="gave up", worker="w1"))
+    runner(scripts.redo_call(k, "failed", 0, 1, 1))
+    assert tries.get("u8", "#0").execute() == [0]
 
 
 def test_fail_lands_in_rq_failed_registry_with_reason(r, run_name):

@@ -14,7 +14,7 @@ from genq.common.queue.keys import RunKeys
 def ack_claimed(r, k: RunKeys, n: int, finish: str, tokens: int) -> None:
     run = scripts.ScriptRunner(r)
     version, *rows = run(scripts.claim_call(k, n, 600, "http://s", "w", "e"))
-    for jid, idx, ex, attempt, _ in rows:
+    for jid, idx, ex, attempt, *_ in rows:
         assert run(ack_call(k, jid.decode(), int(idx), ex.decode(),
                             completion_tokens=tokens, prompt_tokens=5,
                             finish_reason=finish, version=int(version),

@@ -206,7 +206,7 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     finish = rec.columns[2]
     # Every key of the run's state (not heartbeats or rate buckets).
     pipe.delete(k.done, k.failed, k.pending, k.truncated, k.kept, k.leases, k.lease_owner,
-                k.claims, k.spent, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
+                k.claims, k.spent, k.tries, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
                 k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind, k.fail_kinds,
                 k.params, k.params_version, k.params_floor, k.params_history, k.redo_marks,
                 k.rq_queue, k.rq_wip)

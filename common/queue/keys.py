@@ -19,7 +19,7 @@ FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 # Each per-index bitmap and bitfield's width in bits. A new run creates them at their final size:
 # Redis grows a string by doubling it, which would keep up to twice the bytes needed.
 PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
-                  "spent": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
+                  "spent": 8, "tries": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
                   "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8}
 
 
@@ -102,6 +102,8 @@ class RunKeys:
     lease_owner = _Own('Hash: job id -> "<exec id>|<server>|<params version>" (fencing token).')
     claims = _Own("BITFIELD u16 per index: claims so far, monotonic; the record's attempt.")
     spent = _Own("BITFIELD u8 per index: attempts spent towards --max-attempts.")
+    tries = _Own("BITFIELD u8 per index: claims towards --max-claims, whatever their outcome "
+                 "(a refund gives back the attempt, not the claim); reset with spent.")
     acc_attempt = _Own("BITFIELD u16 per index: the attempt whose result was accepted.")
     acc_version = _Own("BITFIELD u16 per index: the parameter version of the accepted result.")
     acc_tokens = _Own("BITFIELD u32 per index: completion_tokens of the accepted result.")

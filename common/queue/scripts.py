@@ -86,7 +86,7 @@ def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_bas
     """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
     keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
             k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished,
-            k.fail_kind, k.fail_kinds, k.meta]
+            k.fail_kind, k.fail_kinds, k.meta, k.tries]
     args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run,
             RESULT_TTL_S, life]
     return Call("claim", keys, args)
@@ -117,7 +117,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors, k.meta, k.params_history, k.partials]
+            k.errors, k.meta, k.params_history, k.partials, k.tries]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
@@ -130,9 +130,10 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
 
 
 def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: bool,
-                 reason: str = "") -> Call:
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.spent, k.errors]
-    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k)]
+                 reason: str = "", unclaim: bool = False) -> Call:
+    """unclaim: genq let go before the server had its say; the claim does not count either."""
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.spent, k.errors, k.tries]
+    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k), int(unclaim)]
     return Call("release", keys, args)
 
 
@@ -152,7 +153,7 @@ def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S
               sweep_budget: int = SWEEP_BUDGET) -> Call:
     """sweep_every_s=0 sweeps on every call (tests)."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors, k.pending, k.failed,
-            k.sweep, k.spent, k.rq_failed, k.fail_kind, k.fail_kinds]
+            k.sweep, k.spent, k.rq_failed, k.fail_kind, k.fail_kinds, k.tries]
     return Call("reap", keys, [limit, *_prefixes(k), k.run, sweep_budget, sweep_every_s])
 
 
@@ -188,7 +189,7 @@ def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
     slice per call, so the atomic script never holds up the consumers' acks for long."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
-            k.pending, k.kept]
+            k.pending, k.kept, k.tries]
     return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
 
 

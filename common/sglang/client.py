@@ -16,7 +16,7 @@ import orjson
 import structlog
 from yarl import URL
 
-from genq.common.errors import ServerStalled, ServerUnavailable
+from genq.common.errors import ServerStalled, ServerUnavailable, ServerUnreachable
 from genq.common.sglang.stream import (
     Answer,
     Completion,
@@ -233,6 +233,8 @@ class SGLang:
                 if done:
                     try:
                         return task.result()
+                    except aiohttp.ClientConnectorError as e:
+                        raise ServerUnreachable(f"{self.url}: {type(e).__name__}: {e}") from None
                     except TRANSPORT_ERRORS as e:  # raised by _whole or _stream
                         raise ServerUnavailable(f"{self.url}: {type(e).__name__}: "
                                                 f"{e or 'no detail'}") from None

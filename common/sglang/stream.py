@@ -19,6 +19,9 @@ FINISHED = ("stop", "length", "tool_calls")
 # SGLang's two context-length refusals (tokenizer_manager), answered as HTTP 400.
 TOTAL_TOO_LONG = re.compile(r"maximum context length of (\d+) tokens.*?(\d+) tokens from the input")
 INPUT_TOO_LONG = re.compile(r"The input \((\d+) tokens\) is longer than the model's context")
+# No context holds this many tokens; a count past it (or negative, or not a whole number) is a
+# broken server, and written as sent it would wrap the u32 fields the run's figures sum.
+MAX_TOKEN_COUNT = 2**31 - 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +135,16 @@ def finished(url: str, finish: str | None, content: str, reasoning: str | None,
         reasoning, content = split_thinking(content)
     return Completion(
         finish_reason=finish, content=content, reasoning_content=reasoning,
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0), tool_calls=tool_calls)
+        prompt_tokens=token_count(usage, "prompt_tokens", url),
+        completion_tokens=token_count(usage, "completion_tokens", url), tool_calls=tool_calls)
+
+
+def token_count(usage: Any, key: str, url: str) -> int:
+    """A usage count as sent (0 when absent), or ServerUnavailable for one no server could mean."""
+    count = (usage.get(key) or 0) if isinstance(usage, dict) else None  # None: not an object
+    if type(count) is not int or not 0 <= count <= MAX_TOKEN_COUNT:
+        raise ServerUnavailable(f"{url}: implausible usage {key}={count!r}")
+    return count
 
 
 def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:

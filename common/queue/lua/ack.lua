@@ -8,7 +8,7 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials
+--       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
@@ -156,7 +156,12 @@ if #keep > 0 then
   redis.call('BITFIELD', KEYS[12], unpack(attempt))
 end
 if #kept > 0 then redis.call('BITFIELD', KEYS[19], unpack(kept)) end
-if #spent > 2 then redis.call('BITFIELD', KEYS[13], unpack(spent)) end
+if #spent > 2 then
+  redis.call('BITFIELD', KEYS[13], unpack(spent))
+  -- tries follows spent here: a result given back was answered (genq's own reason to run it
+  -- again, not the server's trouble), and an accepted one starts its index's count afresh.
+  redis.call('BITFIELD', KEYS[24], unpack(spent))
+end
 if #requeue > 0 then redis.call('LPUSH', KEYS[17], unpack(requeue)) end
 for field, by in pairs(counters) do redis.call('HINCRBY', KEYS[7], field, by) end
 for value, count in pairs(hist) do redis.call('HINCRBY', KEYS[8], value, count) end

@@ -7,13 +7,14 @@
 -- a command per job.
 -- KEYS: 1 queue, 2 wip, 3 leases, 4 lease_owner, 5 claims, 6 spent, 7 done, 8 failed,
 --       9 params_version, 10 pending, 11 errors, 12 rq failed registry, 13 rq finished registry,
---       14 fail_kind, 15 fail_kinds, 16 meta
+--       14 fail_kind, 15 fail_kinds, 16 meta, 17 tries
 -- ARGV: 1 n, 2 visibility timeout s, 3 wip margin s, 4 server, 5 worker name, 6 exec id base,
 --       7 now iso (display only), 8 job key prefix, 9 execution key prefix,
 --       10 executions key prefix, 11 run name, 12 finished ttl s, 13 the run's life the caller
 --       knows, "epoch|generation" ('': not checked)
--- Returns {params_version, {job_id, index, exec_id, attempt, spent}...}, or {0} when the run
--- is not the life the caller knows (another run, or recovered since): it looks again first.
+-- Returns {params_version, {job_id, index, exec_id, attempt, spent, tries}...}, or {0} when
+-- the run is not the life the caller knows (another run, or recovered since): it looks again
+-- first.
 if ARGV[13] ~= '' and life(KEYS[16]) ~= ARGV[13] then return {0} end
 local n, vt, margin = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local version = tonumber(redis.call('GET', KEYS[9]) or '1')
@@ -25,7 +26,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local deadline = now + vt
 local skip = #ARGV[11] + 2
 local rq = {failed = KEYS[8], pending = KEYS[10], spent = KEYS[6], errors = KEYS[11],
-  rq_failed = KEYS[12], fail_kind = KEYS[14], fail_kinds = KEYS[15]}
+  rq_failed = KEYS[12], fail_kind = KEYS[14], fail_kinds = KEYS[15], tries = KEYS[17]}
 
 -- Whether a popped job runs now, after making genq's bits follow what RQ did to it.
 local function runnable(jid, idx, done, failed)
@@ -69,6 +70,9 @@ end
 if #run == 0 then return out end
 local attempts = redis.call('BITFIELD', KEYS[5], unpack(claims))
 local spents = redis.call('BITFIELD', KEYS[6], unpack(spent))
+-- The same increments on tries: a refund gives the attempt back, never the claim, so a task
+-- the server fails every time still meets --max-claims.
+local tries = redis.call('BITFIELD', KEYS[17], unpack(spent))
 local leases, owners, wip = {}, {}, {}
 for j, job in ipairs(run) do
   local jid, idx, attempt = job[1], job[2], attempts[j]
@@ -84,7 +88,7 @@ for j, job in ipairs(run) do
   redis.call('ZADD', ARGV[10] .. jid, deadline + margin, exec)
   -- rq's own sweeps must never reap a live lease: its wip score sits past ours by a margin.
   wip[#wip + 1] = deadline + margin; wip[#wip + 1] = jid .. ':' .. exec
-  out[#out + 1] = {jid, idx, exec, attempt, spents[j]}
+  out[#out + 1] = {jid, idx, exec, attempt, spents[j], tries[j]}
 end
 redis.call('ZADD', KEYS[3], unpack(leases))
 redis.call('HSET', KEYS[4], unpack(owners))

@@ -5,7 +5,8 @@
 -- (a queued or running job deleted, cancelled or emptied away; a failed job requeued), so
 -- genq's bits follow rq's state without waiting for a claim to pop the job.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors, 6 pending, 7 failed,
---       8 sweep cursors (hash), 9 spent, 10 rq failed registry
+--       8 sweep cursors (hash), 9 spent, 10 rq failed registry, 11 fail_kind, 12 fail_kinds,
+--       13 tries
 -- ARGV: 1 limit, 2 job key prefix, 3 execution key prefix, 4 executions key prefix,
 --       5 run name, 6 sweep budget (indices checked per bitmap per sweep),
 --       7 seconds between sweeps
@@ -15,7 +16,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local skip = #ARGV[5] + 2
 local rq = {failed = KEYS[7], pending = KEYS[6], spent = KEYS[9], errors = KEYS[5],
-  rq_failed = KEYS[10], fail_kind = KEYS[11], fail_kinds = KEYS[12]}
+  rq_failed = KEYS[10], fail_kind = KEYS[11], fail_kinds = KEYS[12], tries = KEYS[13]}
 
 -- Drops the lease on jid whoever holds it; returns the holder's server.
 local function drop_lease(jid)

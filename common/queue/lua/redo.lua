@@ -3,7 +3,7 @@
 -- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
 -- KEYS: 1 done, 2 truncated, 3 failed, 4 counters, 5 length_hist, 6 acc_tokens, 7 acc_ptoks,
 --       8 acc_finish, 9 acc_version, 10 spent, 11 errors, 12 rq failed registry, 13 pending,
---       14 kept
+--       14 kept, 15 tries
 -- ARGV: 1 what (truncated|done|failed), 2 start, 3 stop (exclusive), 4 redo results whose
 --       version is below this, 5 run name, 6 limit, 7.. finish names by code (keys.FINISH_NAMES)
 -- Returns {indices made runnable, position to continue from (stop when finished)}
@@ -26,6 +26,7 @@ local function undo_result(idx)
   redis.call('SETBIT', KEYS[2], idx, 0)
   redis.call('SETBIT', KEYS[13], idx, 0)
   redis.call('BITFIELD', KEYS[10], 'SET', 'u8', at, 0)
+  redis.call('BITFIELD', KEYS[15], 'SET', 'u8', at, 0)
   -- The acc_* fields stay: the result is set aside, not forgotten, until a new one is
   -- accepted; if the new attempt fails for good, fail.lua makes it stand again.
   if redis.call('SETBIT', KEYS[14], idx, 1) == 1 then
@@ -38,6 +39,7 @@ local function revive_failed(idx)
   redis.call('SETBIT', KEYS[3], idx, 0)
   redis.call('SETBIT', KEYS[13], idx, 0)
   redis.call('BITFIELD', KEYS[10], 'SET', 'u8', '#' .. idx, 0)
+  redis.call('BITFIELD', KEYS[15], 'SET', 'u8', '#' .. idx, 0)
   redis.call('HDEL', KEYS[11], idx)
   redis.call('ZREM', KEYS[12], ARGV[5] .. '-' .. idx)
   return 1

@@ -1,6 +1,6 @@
 -- rq_sync: what claim and reap do when RQ's own tools acted on a job out of genq's sight, so
 -- that both leave the same bits, reasons and registries; how a failure's reason is kept; the
--- run's life. `keys` names the calling script's failed, pending, spent, errors, rq_failed
+-- run's life. `keys` names the calling script's failed, pending, spent, tries, errors, rq_failed
 -- (RQ's failed registry), fail_kind and fail_kinds keys.
 
 -- RQ requeued a failed job (rq-dashboard's Requeue, `rq requeue`): the index runs again with
@@ -9,6 +9,7 @@ local function revive_requeued(keys, idx, jid)
   redis.call('SETBIT', keys.failed, idx, 0)
   redis.call('SETBIT', keys.pending, idx, 1)
   redis.call('BITFIELD', keys.spent, 'SET', 'u8', '#' .. idx, 0)
+  redis.call('BITFIELD', keys.tries, 'SET', 'u8', '#' .. idx, 0)
   redis.call('HDEL', keys.errors, idx)
   redis.call('ZREM', keys.rq_failed, jid)
 end
