@@ -1,8 +1,9 @@
-"""The bare streaming client of bench/throughput.py: the prompts in memory, one streamed chat
-request per slot at a time over aiohttp, each answer parsed and kept (content and thinking
-joined, usage read), no Redis, no disk; genq's GC settings (consumer/cli.py quiet_gc) and
-interpreter, so it differs from genq only by what genq does. --retry: a refused request (503)
-is sent again after a short pause. Prints one JSON line of figures."""
+"""The bare client of bench/throughput.py: the prompts in memory, one chat request per slot at a
+time over aiohttp, streamed (--whole: the whole answer at once, as genq asks by default), each
+answer parsed and kept (content and thinking joined, usage read), no Redis, no disk; genq's GC
+settings (consumer/cli.py quiet_gc) and interpreter, so it differs from genq only by what genq
+does. --retry: a refused request (503) is sent again after a short pause. Prints one JSON line
+of figures."""
 
 from __future__ import annotations
 
@@ -43,6 +44,35 @@ class Stream:
         await self.session.close()
 
 
+async def read_streamed(lines: Any) -> tuple[int, int]:
+    """(completion tokens, chunks) of a streamed answer, its text joined as a client keeps it."""
+    content, reasoning, usage, chunks = [], [], {}, 0
+    async for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = orjson.loads(data)
+        chunks += 1
+        usage = chunk.get("usage") or usage
+        for choice in chunk["choices"]:
+            if text := choice["delta"].get("content"):
+                content.append(text)
+            if text := choice["delta"].get("reasoning_content"):
+                reasoning.append(text)
+    "".join(content), "".join(reasoning)  # the answer, as a client would keep it
+    return int(usage.get("completion_tokens") or 0), chunks
+
+
+async def read_whole(lines: Any) -> tuple[int, int]:
+    """(completion tokens, 1) of a whole answer, its text kept as a client keeps it."""
+    answer = orjson.loads(await lines.read())
+    message = answer["choices"][0]["message"]
+    message.get("content"), message.get("reasoning_content")  # the answer, as a client keeps it
+    return int(answer["usage"]["completion_tokens"]), 1
+
+
 async def main(a: argparse.Namespace) -> dict:
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
@@ -56,9 +86,9 @@ async def main(a: argparse.Namespace) -> dict:
         nonlocal retries, chunks
         row = rows[index]
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+        how = {} if a.whole else {"stream": True, "stream_options": {"include_usage": True}}
         body = orjson.dumps({"model": "default", "messages": messages,
-                             "max_tokens": a.max_tokens, "stream": True,
-                             "stream_options": {"include_usage": True}})
+                             "max_tokens": a.max_tokens, **how})
         while True:
             async with stream.post(url, body) as (status, lines):
                 if status != 200:
@@ -67,23 +97,9 @@ async def main(a: argparse.Namespace) -> dict:
                     retries += 1
                     await asyncio.sleep(0.1 + 0.2 * random.random())  # refused: again shortly
                     continue
-                content, reasoning, usage = [], [], {}
-                async for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        break
-                    chunk = orjson.loads(data)
-                    chunks += 1
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk["choices"]:
-                        if text := choice["delta"].get("content"):
-                            content.append(text)
-                        if text := choice["delta"].get("reasoning_content"):
-                            reasoning.append(text)
-                "".join(content), "".join(reasoning)  # the answer, as a client would keep it
-                return int(usage.get("completion_tokens") or 0)
+                tokens, got = await (read_whole(lines) if a.whole else read_streamed(lines))
+                chunks += got
+                return tokens
 
     async def slot(stream: Stream) -> None:
         nonlocal tokens
@@ -109,4 +125,5 @@ if __name__ == "__main__":
     p.add_argument("--concurrency", type=int, required=True)
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--retry", action="store_true")
+    p.add_argument("--whole", action="store_true", help="ask for whole answers, not streamed")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

@@ -1,16 +1,17 @@
-"""genq's consumer against a bare streaming aiohttp client (bench/_bare_stream.py), side by
-side on one simulator, at the shape users have: thinking answers split by a reasoning parser,
-lognormal lengths around 2,326 tokens, max_tokens 4,096, one SSE chunk per token, 40 slots,
-near real speed. Same interpreter, GC settings, server and concurrency; whole processes are
-measured, each one's start-up CPU (an empty run) reported apart and subtracted per token.
-Redis commands are counted for genq (those inside scripts included).
+"""genq's consumer against a bare aiohttp client (bench/_bare_stream.py) asking for its answers
+the same way (whole, genq's default; --stream: both streamed), side by side on one simulator, at
+the shape users have: thinking answers split by a reasoning parser, lognormal lengths around
+2,326 tokens, max_tokens 4,096, one SSE chunk per token, 40 slots, near real speed. Same
+interpreter, GC settings, server and concurrency; whole processes are measured, each one's
+start-up CPU (an empty run) reported apart and subtracted per token. Redis commands are counted
+for genq (those inside scripts included).
 
     python bench/throughput.py                  # the seed's shape (a few minutes)
     python bench/throughput.py --shape short    # 400-token answers, coarse chunks, 32 slots
     python bench/throughput.py --shape errors   # the same with 5 % of requests answered 503
     python bench/throughput.py --shape fast     # 16-token answers as fast as the simulator goes
     python bench/throughput.py --shape paced    # 160 requests/s: 32 slots, 0.2 s each
-    python bench/throughput.py --stream         # genq streams its answers too (--stream)
+    python bench/throughput.py --stream         # both stream their answers (genq --stream)
 """
 
 from __future__ import annotations
@@ -77,11 +78,12 @@ def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict
     return got
 
 
-def bare_round(sim, dataset: Path, n: int, slots: int, retry: bool) -> dict:
+def bare_round(sim, dataset: Path, n: int, slots: int, retry: bool, stream: bool) -> dict:
     def run(count: int) -> tuple[float, float, bytes]:
         return timed([sys.executable, str(kit.REPO / "bench" / "_bare_stream.py"), "--server",
                       sim.url, "--dataset", str(dataset), "--n", str(count), "--concurrency",
-                      str(slots), *(["--retry"] if retry else [])])
+                      str(slots), *(["--retry"] if retry else []),
+                      *([] if stream else ["--whole"])])
 
     sim0 = kit.proc_cpu_s(sim.proc.pid)
     wall, cpu, out = run(n)
@@ -109,7 +111,7 @@ def report(a, g: dict, b: dict, n: int) -> None:
     ]
     print(f"\nshape {a.shape}: {n} prompts, {g['tokens']:,} tokens (genq) / {b['tokens']:,} "
           f"(bare), simulator {' '.join(SHAPES[a.shape][0])}, {a.slots} slots; load average "
-          f"before: {a.load_before}; genq answers {'streamed' if a.stream else 'whole'}\n")
+          f"before: {a.load_before}; answers {'streamed' if a.stream else 'whole'}, both\n")
     print(kit.table(rows, ("figure", "genq consume", "bare aiohttp", "genq/bare")))
 
 
@@ -118,7 +120,8 @@ def main() -> int:
     p.add_argument("--shape", choices=sorted(SHAPES), default="seed")
     p.add_argument("--n", type=int, help="prompts (default: the shape's)")
     p.add_argument("--time-scale", type=float, help="override the shape's simulator speed")
-    p.add_argument("--stream", action="store_true", help="genq streams its answers too")
+    p.add_argument("--stream", action="store_true",
+                   help="both stream their answers (default: both ask for whole answers)")
     a = p.parse_args()
     flags, a.slots, n, retry = SHAPES[a.shape]
     n = a.n or n
@@ -133,7 +136,7 @@ def main() -> int:
     with kit.workdir() as work, kit.private_redis() as rs, kit.simulators(
             1, *flags, "--max-running-requests", str(a.slots)) as [sim]:
         dataset = kit.write_dataset(work / "prompts.jsonl", n)
-        b = bare_round(sim, dataset, n, a.slots, retry)
+        b = bare_round(sim, dataset, n, a.slots, retry, a.stream)
         g = genq_round(rs, sim, dataset, n, work, a.stream)
     report(a, g, b, n)
     kit.dump_json(a.json, {"shape": a.shape, "n": n, "stream": a.stream, "genq": g, "bare": b})

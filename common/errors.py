@@ -68,7 +68,8 @@ class ServerAborted(ServerUnavailable):
 
 
 class ServerStalled(ServerUnavailable):
-    """The answer showed no progress for longer than --stall-timeout (a hung server)."""
+    """A hung server: no progress for --stall-timeout, or no answer within --request-timeout or
+    the socket's timeout; its task goes back (never resent by its slot like a refusal)."""
 
 
 class OutputUnavailable(Retryable):

@@ -236,14 +236,15 @@ class SGLang:
                     except aiohttp.ClientConnectorError as e:
                         raise ServerUnreachable(f"{self.url}: {type(e).__name__}: {e}") from None
                     except TRANSPORT_ERRORS as e:  # raised by _whole or _stream
-                        raise ServerUnavailable(f"{self.url}: {type(e).__name__}: "
-                                                f"{e or 'no detail'}") from None
+                        # A socket timeout is a hang, not a refusal its slot would resend.
+                        kind = ServerStalled if isinstance(e, TimeoutError) else ServerUnavailable
+                        raise kind(f"{self.url}: {type(e).__name__}: {e or 'no detail'}") from None
                 if not self.stream:
                     await self.recent_load()  # read by the follower already, most of the time
                 now = time.monotonic()
                 if now - progress.started > self.request_timeout:
-                    raise ServerUnavailable(f"{self.url}: no whole answer within "
-                                            f"--request-timeout {self.request_timeout:g} s")
+                    raise ServerStalled(f"{self.url}: no whole answer within "
+                                        f"--request-timeout {self.request_timeout:g} s")
                 silent = now - progress.last
                 # A stream before its first chunk may wait in the server's queue: not a hang. A
                 # whole answer waiting there is alive while the load moves (load() says so).
