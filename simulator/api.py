@@ -125,6 +125,7 @@ _FAULT_KEYS = {
     "error_rate",
     "hang_rate",
     "reset_rate",
+    "invalid_json_rate",
     "clear",
 }
 
@@ -141,7 +142,7 @@ def _check_faults(data: dict[str, Any]) -> None:
         raise ApiError(400, "status must be an HTTP error status (400-599) or null")
     if data.get("finish") not in (None, "abort", "missing"):
         raise ApiError(400, 'finish must be "abort", "missing" or null')
-    for key in ("error_rate", "hang_rate", "reset_rate"):
+    for key in ("error_rate", "hang_rate", "reset_rate", "invalid_json_rate"):
         if key in data and (not _is_number(data[key]) or not 0 <= data[key] <= 1):
             raise ApiError(400, f"{key} must be between 0 and 1")
 
@@ -181,6 +182,6 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
     if "finish" in data:
         faults.finish = data["finish"] or ""
         faults.finish_until = until if data["finish"] else 0.0
-    for key in ("error_rate", "hang_rate", "reset_rate"):
+    for key in ("error_rate", "hang_rate", "reset_rate", "invalid_json_rate"):
         if key in data:
             setattr(faults, key, float(data[key]))
