@@ -197,3 +197,30 @@ def test_real_sglang_enforces_the_schema(tmp_path, redis_url, r, run_name):
         if rec.get("status") == "failed":  # the server's structure, but not strict JSON
             answer = json.loads(rec["answer"]["content"], strict=False)
             assert answer["grade"] in ("A", "B", "C")
+
+
+def test_the_answer_kept_for_a_failed_prompt_is_bounded(redis_url, r, run_name):
+    """A server that ignores the schema fails every prompt, each keeping its last answer in
+    Redis: a long answer must not cost Redis its whole length per prompt."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from genq.common.errors import AnswerInvalid
+    from genq.common.queue.keys import RunKeys
+    from genq.consumer.structured import KEEP_CHARS, Structured
+
+    async def fail_one() -> None:
+        client = aioredis.Redis.from_url(redis_url)
+        structured = Structured(client, RunKeys(run_name), lambda op: op())
+        await structured.failed(AnswerInvalid(7, "answer is not JSON", {
+            "params_version": 1, "finish_reason": "stop", "violation": "answer is not JSON",
+            "content": "x" * 1_000_000, "reasoning_content": "y" * 1_000_000}))
+        await client.aclose()
+
+    asyncio.run(fail_one())
+    raw = r.hget(RunKeys(run_name).invalid, "7")
+    kept = orjson.loads(raw)
+    assert len(raw) < 3 * KEEP_CHARS and kept["content"] == "x" * KEEP_CHARS
+    assert kept["reasoning_content"] == "y" * KEEP_CHARS and kept["cut_at"] == KEEP_CHARS
+    assert r.hget(RunKeys(run_name).counters, "schema_failed|1") == b"1"
