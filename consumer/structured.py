@@ -21,6 +21,9 @@ logger = structlog.get_logger("consumer")
 T = TypeVar("T")
 # A cut answer is reported as truncated, not as invalid; tool calls carry no content to check.
 UNCHECKED = ("length", "tool_calls")
+# Characters kept of a failed prompt's last answer (content, thinking): enough to see what went
+# wrong, bounded because a server that ignores the schema fails every prompt of the run.
+KEEP_CHARS = 16_384
 
 
 class Structured:
@@ -59,9 +62,14 @@ class Structured:
     async def failed(self, e: AnswerInvalid) -> None:
         """The prompt failed on the schema: its last answer kept, the version's count raised,
         in one step."""
+        answer = dict(e.answer)
+        for field in ("content", "reasoning_content"):
+            if len(answer.get(field) or "") > KEEP_CHARS:
+                answer[field], answer["cut_at"] = answer[field][:KEEP_CHARS], KEEP_CHARS
+
         async def keep() -> None:
             pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(self.keys.invalid, str(e.index), orjson.dumps(e.answer))
+            pipe.hset(self.keys.invalid, str(e.index), orjson.dumps(answer))
             pipe.hincrby(self.keys.counters, f"schema_failed|{e.answer['params_version']}", 1)
             await pipe.execute()
 
