@@ -39,6 +39,18 @@ class BadTask(GenqError):
         return (type(self), (self.index, self.reason))
 
 
+class AnswerInvalid(BadTask):
+    """No answer of the attempt matched the run's JSON Schema, each asked with another seed;
+    `answer`: the last one (content, finish reason, the violation), kept for inspection."""
+
+    def __init__(self, index: int, reason: str, answer: dict | None = None) -> None:
+        super().__init__(index, reason)
+        self.answer = answer or {}
+
+    def __reduce__(self) -> tuple[type[AnswerInvalid], tuple[int, str, dict]]:  # type: ignore[override]
+        return (type(self), (self.index, self.reason, self.answer))
+
+
 class TryAgain(GenqError):
     """No finished result, or a prompt too long for this server's context: not proof of a bad
     prompt, so the task runs again, spending an attempt."""

@@ -52,7 +52,11 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "model": str,
     "enable_thinking": _bool,
+    "schema_retries": _checked(int, lambda n: n >= 0, "must be an integer >= 0"),
 }
+# Known parameters genq acts on itself rather than send (`enable_thinking` goes in the template's
+# kwargs; `schema_retries` bounds the answers asked again for a schema, common/schema.py).
+NOT_SENT = ("enable_thinking", "schema_retries")
 
 
 MASK = "***"
@@ -152,7 +156,7 @@ def request_body(messages: list[dict], params: dict[str, Any], model: str, *,
                  tools: list[dict] | None = None) -> dict[str, Any]:
     """The /v1/chat/completions body: the limit is always explicit, thinking on by default,
     the row's tools beside its messages."""
-    body = {"model": model, **{k: v for k, v in params.items() if k != "enable_thinking"}}
+    body = {"model": model, **{k: v for k, v in params.items() if k not in NOT_SENT}}
     thinking = {"enable_thinking": bool(params.get("enable_thinking", True))}
     if tools:
         body["tools"] = tools

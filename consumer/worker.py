@@ -19,7 +19,15 @@ import structlog
 from genq.common.data.records import build_record, failed_record
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
-from genq.common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
+from genq.common.errors import (
+    AnswerInvalid,
+    BadTask,
+    Retryable,
+    RunStateLost,
+    TryAgain,
+    classify,
+    mask_secrets,
+)
 from genq.common.params import DEFAULTS, request_body
 from genq.common.queue import feed, partials
 from genq.common.queue.keys import RunKeys
@@ -34,6 +42,7 @@ from genq.consumer.follow import HISTORY_PERIOD_S, Follower
 from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
+from genq.consumer.structured import Structured
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -67,6 +76,7 @@ class Consumer:
             on_done=self.committed, slots=lambda: self.capacity,
             busy=lambda: any(i.at_server for i in self.held.values()))
         self.params: dict[int, dict[str, Any]] = {}
+        self.structured = Structured(client, keys, self.retry)
         self.version = 0  # the newest parameter version seen
         self.out_dirs = 0  # output directories the run has, as last counted
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
@@ -314,8 +324,8 @@ class Consumer:
             prompt = inflight.prompt
             if not isinstance(prompt, Prompt):
                 raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
-            body = request_body(prompt.messages, await self.params_for(lease.version),
-                                self.model, tools=prompt.tools)
+            params = await self.params_for(lease.version)
+            body = request_body(prompt.messages, params, self.model, tools=prompt.tools)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.
@@ -323,6 +333,9 @@ class Consumer:
                 await self.after_abort(inflight)
                 return None
             completion = await self.continued(inflight, body) or await self.ask(inflight, body)
+            completion = await self.structured.checked(
+                completion, lambda b: self.ask(inflight, b), body, params, lease.index,
+                lease.version)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -367,9 +380,10 @@ class Consumer:
             await partials.drop(self.redis, self.keys, lease.index)
         return whole
 
-    async def fail(self, inflight: Inflight, reason: str) -> None:
+    async def fail(self, inflight: Inflight, reason: str) -> int | None:
         """The whole reason goes to the shard first (Redis keeps its kind), as an answer does
-        before its ack; a write that fails gives the task back, as it does an answer's."""
+        before its ack; a write that fails gives the task back, as it does an answer's (None).
+        Else fail.lua's outcome."""
         lease, prompt = inflight.lease, inflight.prompt
         record = failed_record(
             run=self.settings.run, index=lease.index, version=lease.version, gen=lease.gen,
@@ -380,16 +394,20 @@ class Consumer:
             await asyncio.to_thread(self.sink.write_many, [record])
         except Exception as e:
             await self.settle_error(inflight, e)
-            return
+            return None
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
         logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
+        return outcome
 
     async def settle_error(self, inflight: Inflight, e: Exception) -> None:
         """Fail the task, or give it back with or without spending the attempt; an error no
         verdict covers is a bug and crashes the consumer."""
         verdict = classify(e)
         if verdict is BadTask:
-            await self.fail(inflight, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)))
+            outcome = await self.fail(
+                inflight, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)))
+            if outcome == 1 and isinstance(e, AnswerInvalid):  # failed on the schema
+                await self.structured.failed(e)
             return
         if verdict is not Retryable and verdict is not TryAgain:
             raise e

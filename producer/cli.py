@@ -11,7 +11,7 @@ import threading
 import redis
 import structlog
 
-from genq.common import log, params
+from genq.common import log, params, schema
 from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -49,6 +49,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--raw", action="append", default=[], metavar="KEY=VALUE",
                    help="a server-specific parameter genq does not know, sent as-is "
                         "(value parsed as JSON where it parses); repeatable")
+    p.add_argument("--schema", metavar="FILE", help="a JSON Schema every answer must match: sent "
+                   "as response_format, checked, asked again when not matched")
     p.add_argument("--window", type=int, default=0,
                    help="jobs kept queued (default: twice the live consumers' capacity, "
                         f"at least {MIN_WINDOW})")
@@ -61,6 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     named = {"max_tokens": a.max_tokens, "temperature": a.temperature, "model": a.model}
     sets = [*a.set, *(f"{key}={value}" for key, value in named.items() if value is not None)]
     a.params = {**params.DEFAULTS, **params.parse_sets(sets, a.raw)}
+    if a.schema:
+        a.params["response_format"] = schema.response_format(a.schema)
     if a.window < 0:
         p.error("--window must be >= 0")
     return a

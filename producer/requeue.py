@@ -13,7 +13,7 @@ import orjson
 import redis
 from rich.progress import Progress
 
-from genq.common import params
+from genq.common import params, schema
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.errors import UsageError
@@ -36,6 +36,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--raw", action="append", default=[], metavar="KEY=VALUE",
                    help="a server-specific parameter genq does not know, sent as-is (value "
                         "parsed as JSON where it parses); repeatable")
+    p.add_argument("--schema", metavar="FILE", help="a JSON Schema answers must match from the "
+                   "new version on (its response_format; --unset response_format drops it)")
     p.add_argument("--unset", action="append", default=[], metavar="KEY",
                    help="remove a parameter (a known one falls back to its default)")
     p.add_argument("--redo", choices=["none", "truncated", "failed", "all"], default="none",
@@ -78,6 +80,8 @@ def _positive(value: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     changes = params.parse_sets(a.set, a.raw)
+    if a.schema:
+        changes["response_format"] = schema.response_format(a.schema)
     if a.probe and not changes:
         raise UsageError("--probe needs the parameters to try: give --set KEY=VALUE")
     if not changes and not a.unset and a.redo == "none":

@@ -134,6 +134,7 @@ _FAULT_KEYS = {
     "reset_rate",
     "retry_after",
     "error_marker",
+    "invalid_json_rate",
     "clear",
 }
 
@@ -150,7 +151,7 @@ def _check_faults(data: dict[str, Any]) -> None:
         raise ApiError(400, "status must be an HTTP error status (400-599) or null")
     if data.get("finish") not in (None, "abort", "missing"):
         raise ApiError(400, 'finish must be "abort", "missing" or null')
-    for key in ("error_rate", "hang_rate", "reset_rate"):
+    for key in ("error_rate", "hang_rate", "reset_rate", "invalid_json_rate"):
         if key in data and (not _is_number(data[key]) or not 0 <= data[key] <= 1):
             raise ApiError(400, f"{key} must be between 0 and 1")
     wait = data.get("retry_after")
@@ -201,6 +202,6 @@ def apply_faults(engine: Engine, data: dict[str, Any]) -> None:
         faults.retry_after = data["retry_after"]
     if "error_marker" in data:
         faults.error_marker = data["error_marker"] or ""
-    for key in ("error_rate", "hang_rate", "reset_rate"):
+    for key in ("error_rate", "hang_rate", "reset_rate", "invalid_json_rate"):
         if key in data:
             setattr(faults, key, float(data[key]))

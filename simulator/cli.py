@@ -137,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--reset-rate", type=rate, default=0.0, help="share whose connection is reset mid-response"
     )
     p.add_argument(
+        "--invalid-json-rate", type=rate, default=0.0,
+        help="share of answers to a json_schema response_format that do not match it",
+    )
+    p.add_argument(
         "--bad-marker",
         default="__GENQ_BAD__",
         help="a prompt containing this text is rejected with HTTP 400",

@@ -54,6 +54,8 @@ class Stats:
     # The most a stream fell behind its schedule (real seconds): the simulator could not keep
     # the pace --time-scale and --stream-interval ask for.
     behind_s: float = 0.0
+    # Answers to a json_schema response_format by kind: valid, invalid, cut (simulator/schema.py).
+    json_answers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Faults:
     error_rate: float = 0.0
     hang_rate: float = 0.0
     reset_rate: float = 0.0
+    invalid_json_rate: float = 0.0  # answers to a json_schema that do not match it
     status: int | None = None
     status_until: float = 0.0
     hang_until: float = 0.0
@@ -111,6 +114,7 @@ class Faults:
             "error_rate": self.error_rate,
             "hang_rate": self.hang_rate,
             "reset_rate": self.reset_rate,
+            "invalid_json_rate": self.invalid_json_rate,
             "status": self.status if left["status"] > 0 else None,
             "status_left_s": left["status"],
             "hang_left_s": left["hang"],
@@ -153,6 +157,7 @@ class Engine:
             error_rate=s.error_rate,
             hang_rate=s.hang_rate,
             reset_rate=s.reset_rate,
+            invalid_json_rate=s.invalid_json_rate,
             rng=random.Random(s.seed),
         )
 

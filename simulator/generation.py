@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 
+from genq.simulator import schema
 from genq.simulator.engine import ApiError, Engine
 from genq.simulator.model import (
     STOP_TOKEN_ID,
@@ -167,7 +168,7 @@ async def chat(engine: Engine, body: bytes) -> Any:
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         return await stream_chat(engine, done, prompt_tokens, model, parser, usage, call)
     await engine.run(prompt_tokens, done)
-    return _chat_body(done, prompt_tokens, model, parser, call)
+    return schema.shaped(engine, data, text, _chat_body(done, prompt_tokens, model, parser, call))
 
 
 def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool,

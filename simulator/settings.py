@@ -83,6 +83,7 @@ class Settings:
     error_rate: float = 0.0
     hang_rate: float = 0.0
     reset_rate: float = 0.0
+    invalid_json_rate: float = 0.0
     bad_marker: str = "__GENQ_BAD__"
 
     @property

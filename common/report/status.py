@@ -177,6 +177,18 @@ def _shipping(raw: dict) -> dict | None:
     }
 
 
+def _schema_counts(counters: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Per parameter version with a schema: answers that did not match it, and prompts that
+    failed on it (each of their answers invalid)."""
+    found: dict[str, dict[str, int]] = {}
+    for field, n in counters.items():
+        kind, _, version = field.partition("|")
+        if kind in ("invalid", "schema_failed"):
+            counts = found.setdefault(version, {"invalid": 0, "failed": 0})
+            counts["invalid" if kind == "invalid" else "failed"] = n
+    return dict(sorted(found.items(), key=lambda item: int(item[0])))
+
+
 def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
               threshold: float) -> dict:
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
@@ -227,6 +239,7 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         "continued": {v.partition("|")[2]: {"continued": c, "decode_tokens_saved": counters.get(
             "saved|" + v.partition("|")[2], 0)} for v, c in counters.items()
             if v.startswith("continued|")},
+        "schema": _schema_counts(counters),
         "params": mask_raw(params), "params_history": [_history(h) for h in raw["history"]],
         "length_histogram": stats.histogram_bins(hist),
         "throughput": stats.throughput_series(buckets, int(now // RATE_BUCKET_S)),

@@ -61,6 +61,8 @@ def history_lines(status: dict) -> list[str]:
         if c := (status.get("continued") or {}).get(str(h.get("version"))):
             extra += (f"; {c['continued']:,} continued, {c['decode_tokens_saved']:,} decode "
                       "tokens saved")
+        if c := (status.get("schema") or {}).get(str(h.get("version"))):
+            extra += f"; schema: {c['invalid']:,} answers invalid, {c['failed']:,} prompts failed"
         out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
     return out
 

@@ -17,7 +17,7 @@ import redis
 
 from genq.common.data.records import shard_files
 from genq.common.data.shards import ACCEPTED, NEWEST, NONE, Picks, pick_lines
-from genq.common.errors import GenqError
+from genq.common.errors import GenqError, reason_kind
 from genq.common.queue import bitmap
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
@@ -58,8 +58,14 @@ def accepted_state(r: redis.Redis, k: RunKeys):
     return accepted, is_done, done
 
 
-def _failed_line(run: str, index: int, reason: str) -> bytes:
-    return orjson.dumps({"index": index, "run": run, "status": "failed", "error": reason}) + b"\n"
+def _failed_line(run: str, index: int, reason: str, invalid: bytes = b"") -> bytes:
+    """A failed index's record; a prompt failed on the schema also carries its last answer."""
+    record = {"index": index, "run": run, "status": "failed", "error": reason}
+    answer = orjson.loads(invalid) if invalid else None
+    # Kept by an earlier failure on the schema, the index may fail for another reason now.
+    if answer and reason.startswith(reason_kind(answer.get("violation") or "")):
+        record["answer"] = answer
+    return orjson.dumps(record) + b"\n"
 
 
 def kept_lookup(r: redis.Redis, k: RunKeys):
@@ -87,8 +93,10 @@ def _spill_failed(r: redis.Redis, k: RunKeys, indices: array,
     lengths = array("q")
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
-        for index, reason in zip(batch, runs.failure_reasons(r, k, batch), strict=True):
-            line = _failed_line(k.run, index, reason)
+        reasons = runs.failure_reasons(r, k, batch)
+        kept = [blob(raw) for raw in r.hmget(k.invalid, [str(i) for i in batch])]
+        for index, reason, invalid in zip(batch, reasons, kept, strict=True):
+            line = _failed_line(k.run, index, reason, invalid)
             spill.write(line)
             lengths.append(len(line))
     spill.seek(0)

@@ -1,0 +1,70 @@
+"""Structured output: a run's JSON Schema (`--schema FILE`), sent to SGLang as its
+`response_format`, and the check of an answer's content against it."""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import orjson
+
+from genq.common.errors import UsageError
+
+# Answers asked per attempt beyond the first when one does not match the schema (`--set
+# schema_retries=N`): each retry has another seed, so a sampled mistake is not repeated.
+SCHEMA_RETRIES = 3
+
+
+def response_format(path: str) -> dict[str, Any]:
+    """The `response_format` parameter for the JSON Schema in `path` (SGLang 0.5's shape:
+    {"type": "json_schema", "json_schema": {"name", "schema"}}); UsageError if it is none."""
+    try:
+        schema = orjson.loads(Path(path).read_bytes())
+    except (OSError, orjson.JSONDecodeError) as e:
+        raise UsageError(f"--schema {path}: cannot read a JSON document: {e}") from None
+    if not isinstance(schema, dict):
+        raise UsageError(f"--schema {path}: a JSON Schema is an object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise UsageError(f"--schema {path}: not a valid JSON Schema: {e.message}") from None
+    # OpenAI's name rule (letters, digits, _ and -), which SGLang passes on to its backend.
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem)[:64] or "schema"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+def schema_of(params: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON Schema a version's answers must match: its `response_format`'s, else None."""
+    fmt = params.get("response_format")
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        return None
+    schema = (fmt.get("json_schema") or {}).get("schema")
+    return schema if isinstance(schema, dict) else None
+
+
+@functools.lru_cache(maxsize=16)
+def _validator(schema_json: bytes) -> Any:
+    schema = orjson.loads(schema_json)
+    return jsonschema.validators.validator_for(schema)(schema)
+
+
+def violation(content: str | None, schema: dict[str, Any]) -> str | None:
+    """None if `content` is JSON that matches `schema`; else the first violation, its JSON path
+    first. Values from the answer stay out of it: one cause reads as one failure reason."""
+    try:
+        instance = orjson.loads(content or "")
+    except orjson.JSONDecodeError as e:
+        return f"answer is not JSON: {e}"
+    validator = _validator(orjson.dumps(schema, option=orjson.OPT_SORT_KEYS))
+    error = jsonschema.exceptions.best_match(validator.iter_errors(instance))
+    if error is None:
+        return None
+    # "required" names the property missing; every other keyword's message quotes the answer.
+    expected = error.message if error.validator == "required" else \
+        f"fails {error.validator} {orjson.dumps(error.validator_value).decode()}"
+    if len(expected) > 120:
+        expected = expected[:117] + "..."
+    return f"answer does not match the schema at {error.json_path}: {expected}"
