@@ -380,7 +380,8 @@ class Consumer:
             await partials.drop(self.redis, self.keys, lease.index)
         return whole
 
-    async def fail(self, inflight: Inflight, reason: str) -> int | None:
+    async def fail(self, inflight: Inflight, reason: str,
+                   answer: dict[str, Any] | None = None) -> int | None:
         """The whole reason goes to the shard first (Redis keeps its kind), as an answer does
         before its ack; a write that fails gives the task back, as it does an answer's (None).
         Else fail.lua's outcome."""
@@ -390,6 +391,8 @@ class Consumer:
             prompt_id=prompt.id if isinstance(prompt, Prompt) else getattr(prompt, "row_id", None),
             attempt=lease.attempt, server=self.settings.server, error=reason,
             clock_offset=self.clock_offset)
+        if answer is not None:  # failed on the schema: the last answer, for inspection
+            record["answer"] = answer
         try:
             await asyncio.to_thread(self.sink.write_many, [record])
         except Exception as e:
@@ -405,7 +408,8 @@ class Consumer:
         verdict = classify(e)
         if verdict is BadTask:
             outcome = await self.fail(
-                inflight, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)))
+                inflight, mask_secrets(e.reason if isinstance(e, BadTask) else str(e)),
+                e.answer if isinstance(e, AnswerInvalid) else None)
             if outcome == 1 and isinstance(e, AnswerInvalid):  # failed on the schema
                 await self.structured.failed(e)
             return

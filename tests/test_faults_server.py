@@ -217,8 +217,11 @@ def test_a_prompt_the_server_fails_every_time_fails_after_a_bounded_number_of_cl
         c.cleanup()
     check_truth(r, redis_url, run_name, n, tmp_path, failed={poison})
     assert claims(r, run_name, n)[poison] == 11  # the 11th claim gives up
-    reason = failure_reasons(r, RunKeys(run_name), [poison])[0]
-    assert "gave up after 10 claims" in reason and "HTTP 503" in reason, reason
+    kind = failure_reasons(r, RunKeys(run_name), [poison])[0]  # Redis keeps the kind
+    assert "gave up after N claims" in kind and "HTTP 503" in kind, kind
+    (line,) = [rec for shard in (tmp_path / "out").glob("**/*.jsonl")
+               for rec in read_jsonl(shard) if rec.get("status") == "failed"]  # whole reason
+    assert "gave up after 10 claims" in line["error"], line
 
 
 @pytest.mark.timeout(150)
