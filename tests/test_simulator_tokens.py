@@ -131,3 +131,18 @@ def test_completion_tokens_are_never_negative_past_the_answer(sim):
     assert rest["usage"]["completion_tokens"] == 0
     assert rest["choices"][0]["message"]["content"] == ""
     assert rest["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_text_continuation_without_a_parser_adds_only_new_text():
+    """Without --reasoning-parser the answer is raw text: a continuation after `</think>` adds
+    its words and no second, empty `<think></think>` glued to the prefix's last word."""
+    plain = SimProcess(*sim_flags(**{**FLAGS, "reasoning_parser": None})).start()
+    try:
+        whole = chat(plain.url, max_tokens=500)["choices"][0]["message"]["content"]
+        cut = chat(plain.url, max_tokens=150)["choices"][0]["message"]["content"]
+        rest = chat(plain.url, messages=[*PROMPT, {"role": "assistant", "content": cut}],
+                    continue_final_message=True, max_tokens=350)
+    finally:
+        plain.cleanup()
+    assert cut + rest["choices"][0]["message"]["content"] == whole
+    assert rest["usage"]["completion_tokens"] == 50
