@@ -3,7 +3,7 @@
 Text splits into pieces: the special markers, runs of newlines, and words with the spaces
 before them. A piece of the simulator's own vocabulary (its answer words, the roles, the
 newlines) has a fixed id; any other piece gets an id from a hash of its text, the same in
-every process, remembered so that text encoded here decodes back exactly. Specials carry
+every process (remembered, so that a short text encoded here decodes back). Specials carry
 Qwen3's ids, so the ids look like a Qwen3 model's to a client."""
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ SPECIALS = {"<|im_start|>": IM_START, "<|im_end|>": IM_END, "<think>": THINK_OPE
 VOCAB = {"\n": 198, "\n\n": 271, "hmm": 1001, " hmm": 1002, "ok": 1003, " ok": 1004,
          "assistant": 1005, "user": 1006, "system": 1007, "tool": 1008}
 HASHED_FROM, HASHED_SPAN = 2000, 148000
+# Hashed pieces remembered for decoding: enough for any test's texts, bounded so a long
+# benchmark of distinct prompts does not grow the table without end.
+REMEMBER = 200_000
 # Pieces: a special, a run of newlines, spaces then a word, or trailing spaces.
 _SPECIAL = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 _PIECE = re.compile(r"\n+|[^\S\n]*\S+|[^\S\n]+")
@@ -38,12 +41,16 @@ def piece_id(piece: str) -> int:
         return known
     digest = hashlib.sha256(piece.encode()).digest()
     token = HASHED_FROM + int.from_bytes(digest[:8], "big") % HASHED_SPAN
-    _DECODE.setdefault(token, piece)  # a collision keeps the first piece: a toy's limit
+    if len(_DECODE) < REMEMBER:
+        _DECODE.setdefault(token, piece)  # a collision keeps the first piece: a toy's limit
     return token
 
 
 def encode(text: str) -> list[int]:
-    """Text to ids; `decode(encode(text)) == text` for text encoded in this process."""
+    """Text to ids. `decode(encode(text)) == text` always for the simulator's own vocabulary
+    (its answers); other text decodes back only while its pieces' hashed ids do not collide
+    (thousands of distinct words will) and the table has room: the simulator never needs to
+    decode a prompt, only its answers."""
     ids: list[int] = []
     for n, part in enumerate(_SPECIAL.split(text)):
         if n % 2:
@@ -101,7 +108,8 @@ def split_prompt(ids: list[int]) -> tuple[list[int], list[int], bool]:
     the last generation prompt (and the empty thinking block, which means thinking is off). A
     context without a generation prompt is all prompt, as a raw `/generate` text is."""
     n = len(GENERATION)
-    for at in range(len(ids) - n, -1, -1):
+    starts = [at for at, token in enumerate(ids) if token == IM_START]
+    for at in reversed(starts):
         if tuple(ids[at:at + n]) == GENERATION:
             end = at + n
             thinking = tuple(ids[end:end + len(NO_THINK)]) != NO_THINK
