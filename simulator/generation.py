@@ -9,14 +9,15 @@ from typing import Any
 
 import orjson
 
-from genq.simulator import schema
+from genq.simulator import schema, tokens
 from genq.simulator.engine import ApiError, Engine
 from genq.simulator.model import (
     STOP_TOKEN_ID,
     Completion,
     complete,
-    count_words,
     natural_length,
+    prompt_key,
+    resume_at,
     texts,
     usage,
 )
@@ -123,7 +124,7 @@ def _tool_call(data: dict[str, Any], text: str) -> dict[str, Any] | None:
     function = tools[0].get("function") if isinstance(tools[0], dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError(400, "each tool must be {type: function, function: {name, ...}}", PYDANTIC)
-    arguments = orjson.dumps({"words": count_words(text)}).decode()
+    arguments = orjson.dumps({"words": len(text.split())}).decode()
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "index": 0, "type": "function",
             "function": {"name": function["name"], "arguments": arguments}}
 
@@ -133,9 +134,31 @@ def _no_stream(data: dict[str, Any]) -> None:
         raise ApiError(400, "the simulator streams chat completions only; send stream: false")
 
 
+def _input_ids(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, list) and value and all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value):
+        return value
+    raise ApiError(400, "input_ids must be a non-empty list of token ids", PYDANTIC)
+
+
+def _answer(engine: Engine, context: list[int], max_tokens: int, seed: Any) -> Completion:
+    """The model's answer to a context of ids: the straight answer to its prompt, from where
+    the answer it already holds (after the generation prompt) leaves off."""
+    _check_context(engine, len(context), max_tokens)
+    prompt, generated, thinking = tokens.split_prompt(context)
+    settings = engine.settings
+    natural = natural_length(prompt_key(prompt, seed), settings.seed, settings.length_dist)
+    done = complete(natural, max_tokens, thinking, resume_at(generated, natural, thinking))
+    return done
+
+
 async def chat(engine: Engine, body: bytes) -> Any:
     """`POST /v1/chat/completions`, answered in the OpenAI shape SGLang uses: one JSON body,
-    or with `stream: true` an async iterator of server-sent events."""
+    or with `stream: true` an async iterator of server-sent events. The prompt is the messages
+    through the chat template, or the request's `input_ids` (template skipped); a final
+    assistant message sent with `continue_final_message` is the answer's start."""
     data = _json_object(body)
     messages, prefix = _final_assistant(data)
     text = _message_text(messages)
@@ -145,30 +168,23 @@ async def chat(engine: Engine, body: bytes) -> Any:
     _check_marker(engine, text)
     kwargs = data.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True
-    # A continued answer's prefix is prefilled, not decoded: one token a word, as everywhere.
-    held = count_words(prefix.replace("<think>", " ").replace("</think>", " "))
-    prompt_tokens = max(1, count_words(text)) + held
-    _check_context(engine, prompt_tokens, max_tokens)
-    done = complete(
-        natural_length(text, engine.settings.seed, engine.settings.length_dist),
-        held + max_tokens,
-        thinking,
-    )
+    context = _input_ids(data.get("input_ids")) or tokens.render(
+        messages, data.get("tools"), thinking, prefix)
+    done = _answer(engine, context, max_tokens, data.get("seed"))
     done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
-    if held:  # the prompt's natural answer, less the part the prefix holds
-        done = dataclasses.replace(done, natural=done.natural - held, tokens=done.tokens - held,
-                                   reasoning_tokens=max(0, done.reasoning_tokens - held),
-                                   after="answer" if held > done.reasoning_tokens else "thinking")
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None
     call = _tool_call(data, text) if done.finish_reason == "stop" else None
-    if data.get("stream"):
+    if data.get("stream"):  # 0.5.23 streams no ids, return_token_ids or not
         options = data.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
-        return await stream_chat(engine, done, prompt_tokens, model, parser, usage, call)
-    await engine.run(prompt_tokens, done)
-    return schema.shaped(engine, data, text, _chat_body(done, prompt_tokens, model, parser, call))
+        return await stream_chat(engine, done, len(context), model, parser, usage, call)
+    await engine.run(len(context), done)
+    answer = _chat_body(done, len(context), model, parser, call)
+    if data.get("return_token_ids"):
+        answer["choices"][0].update(prompt_token_ids=context, response_token_ids=done.ids())
+    return schema.shaped(engine, data, text, answer)
 
 
 def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool,
@@ -198,20 +214,22 @@ def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool,
     }
 
 
-def _generate_prompt(data: dict[str, Any]) -> tuple[str, int]:
+def _generate_prompt(data: dict[str, Any]) -> tuple[str, list[int]]:
     text, ids = data.get("text"), data.get("input_ids")
     if isinstance(text, str) and text:
-        return text, max(1, count_words(text))
-    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
-        return ",".join(map(str, ids)), len(ids)
+        return text, tokens.encode(text)
+    if ids is not None:
+        return "", _input_ids(ids) or []
     raise ApiError(400, "give a non-empty `text` or a list of integer `input_ids`")
 
 
 async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
-    """SGLang's native `POST /generate`; the raw text carries the thinking in <think> tags."""
+    """SGLang's native `POST /generate`: `text` or `input_ids` is the whole context (no
+    template); the answer's raw text carries the thinking in <think> tags, `output_ids` its
+    ids."""
     data = _json_object(body)
     _no_stream(data)
-    text, prompt_tokens = _generate_prompt(data)
+    text, context = _generate_prompt(data)
     params = data.get("sampling_params") or {}
     if not isinstance(params, dict):
         raise ApiError(400, "sampling_params must be an object")
@@ -219,23 +237,21 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
     max_tokens = DEFAULT_MAX_TOKENS if limit is None else _token_limit(limit, "max_new_tokens")
     _check_sampling(params)
     _check_marker(engine, text)
-    _check_context(engine, prompt_tokens, max_tokens)
-    done = complete(
-        natural_length(text, engine.settings.seed, engine.settings.length_dist), max_tokens, True
-    )
+    done = _answer(engine, context, max_tokens, params.get("sampling_seed"))
     started = time.monotonic()
-    await engine.run(prompt_tokens, done)
+    await engine.run(len(context), done)
     finish: dict[str, Any] = (
         {"type": "stop", "matched": STOP_TOKEN_ID}
         if done.finish_reason == "stop"
         else {"type": "length", "length": done.tokens}
     )
     return {
-        "text": done.raw_text(),
+        "text": texts(done, parser=False)[1],
+        "output_ids": done.ids(),
         "meta_info": {
             "id": uuid.uuid4().hex,
             "finish_reason": finish,
-            "prompt_tokens": prompt_tokens,
+            "prompt_tokens": len(context),
             "completion_tokens": done.tokens,
             "cached_tokens": 0,
             "e2e_latency": time.monotonic() - started,

@@ -1,19 +1,25 @@
-"""Pure completion model: a prompt's natural length, its thinking/answer split, and its text."""
+"""Pure completion model: a prompt's natural length, and its answer's ids, one per position.
+
+The straight answer to a prompt is fixed by the prompt's ids (and a request's seed): its
+natural length, where its thinking closes, and so the id at each position. A context that
+already holds the answer's first ids goes on from where they leave off, so a continued answer
+joined to its start is the straight one, ids and text."""
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 
+from genq.simulator import tokens as tk
 from genq.simulator.settings import LengthDist
 
 # Share of a natural completion spent thinking, like the reasoning model the run served.
 THINK_SHARE = 0.7
 # Qwen's <|im_end|>: the id SGLang reports as `matched_stop` when a completion ends naturally.
-STOP_TOKEN_ID = 151645
+STOP_TOKEN_ID = tk.IM_END
 # One token is one short word, so texts are cheap to build and easy to count.
-THINK_WORD = "hmm "
-ANSWER_WORD = "ok "
+THINK, ANSWER = ("hmm", " hmm"), ("ok", " ok")
+OPEN, WORD_T, CLOSE, SEP, WORD_A, STOP = range(6)
 
 
 def unit_draw(text: str, seed: int) -> float:
@@ -28,88 +34,103 @@ def natural_length(text: str, seed: int, dist: LengthDist) -> int:
     return dist.draw(unit_draw(text, seed))
 
 
-def count_words(text: str) -> int:
-    return len(text.split())
+def prompt_key(prompt_ids: list[int], request_seed: object = None) -> str:
+    """What seeds a prompt's answer: its ids, and the request's `seed` when it gives one."""
+    key = ",".join(map(str, prompt_ids))
+    return key if request_seed is None else f"{key}|seed={request_seed}"
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """What the model produced for one request, before it is shaped into a response."""
+    """What the model produces for one request: the straight answer's positions
+    `start .. start + tokens`, before they are shaped into a response."""
 
     natural: int
     tokens: int
-    reasoning_tokens: int
     thinking: bool
+    start: int = 0
     # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
     forced_finish: str = ""
-    # A continuation (continue_final_message): where its prefix stopped, "thinking" or
-    # "answer"; the counts above are of this part, whose text goes on from the prefix's word.
-    after: str = ""
+
+    @property
+    def close(self) -> int:
+        """Where `</think>` stands in the straight answer (-1 without thinking)."""
+        return max(1, int(self.natural * THINK_SHARE) - 1) if self.thinking else -1
 
     @property
     def finish_reason(self) -> str | None:
         if self.forced_finish:
             return None if self.forced_finish == "missing" else self.forced_finish
-        return "length" if self.natural > self.tokens else "stop"
+        return "length" if self.natural > self.start + self.tokens else "stop"
 
     @property
-    def content_tokens(self) -> int:
-        return self.tokens - self.reasoning_tokens
+    def reasoning_tokens(self) -> int:
+        """New ids up to and including `</think>`."""
+        return max(0, min(self.start + self.tokens, self.close + 1) - self.start)
 
-    def reasoning_text(self) -> str | None:
-        # Thinking switched off means no reasoning at all (null), as SGLang's parser gives.
+    def kind(self, i: int) -> int:
+        if i == self.natural - 1:
+            return STOP
         if not self.thinking:
-            return None
-        return (THINK_WORD * self.reasoning_tokens).rstrip()
+            return WORD_A
+        close = self.close
+        return (OPEN if i == 0 else WORD_T if i < close else CLOSE if i == close
+                else SEP if i == close + 1 else WORD_A)
 
-    def content_text(self) -> str:
-        # A completion cut inside its thinking has an empty answer: truncation, not an error.
-        return (ANSWER_WORD * self.content_tokens).rstrip()
+    def token(self, i: int) -> int:
+        kind = self.kind(i)
+        if kind == WORD_T:
+            return tk.VOCAB[THINK[i > 1]]
+        if kind == WORD_A:
+            return tk.VOCAB[ANSWER[i > (self.close + 2 if self.thinking else 0)]]
+        return (tk.THINK_OPEN, 0, tk.THINK_CLOSE, tk.VOCAB["\n\n"], 0, tk.IM_END)[kind]
 
-    def raw_text(self) -> str:
-        """The unparsed text `/generate` returns, thinking wrapped in Qwen-style tags."""
-        if not self.thinking:
-            return self.content_text()
-        if self.content_tokens == 0 and self.finish_reason == "length":
-            return "<think>" + self.reasoning_text()
-        return f"<think>{self.reasoning_text()}</think>\n\n{self.content_text()}"
+    def ids(self) -> list[int]:
+        return [self.token(i) for i in range(self.start, self.start + self.tokens)]
 
 
-def texts(done: Completion, parser: bool, tokens: int | None = None) -> tuple[str | None, str]:
-    """(reasoning_content, content) after `tokens` decoded tokens (default: all of them).
+def resume_at(generated: list[int], natural: int, thinking: bool) -> int:
+    """The straight answer's position a context's answer-so-far has reached, read from what it
+    holds, as a model reads its context: the words it wrote, and whether its thinking closed.
+    Ids that are a true prefix give their own length; a text prefix missing the blank line
+    after `</think>` (a client that rebuilt it from the parsed split) still lands right."""
+    if not generated:
+        return 0
+    probe = Completion(natural, natural, thinking)
+    words = sum(1 for i in generated if i in (tk.VOCAB["hmm"], tk.VOCAB[" hmm"],
+                                               tk.VOCAB["ok"], tk.VOCAB[" ok"]))
+    if not thinking:
+        return words
+    if tk.THINK_CLOSE in generated:
+        after = generated[generated.index(tk.THINK_CLOSE) + 1:]
+        answer = sum(1 for i in after if i in (tk.VOCAB["ok"], tk.VOCAB[" ok"]))
+        return probe.close + 1 + (1 + answer if answer or tk.VOCAB["\n\n"] in after else 0)
+    return min(1 + words, probe.close) if tk.THINK_OPEN in generated else words
 
-    With a reasoning parser the thinking goes to reasoning_content, and a completion that never
-    closed its thinking has content "" (as SGLang's qwen3 parser does). Without one,
-    reasoning_content is null and content is the raw text, thinking tags and all. Each prefix
-    is a prefix of the next, so a stream of deltas adds up to the whole answer."""
-    k = done.tokens if tokens is None else tokens
-    if k == 0:
+
+def complete(natural: int, max_tokens: int, thinking: bool, start: int = 0) -> Completion:
+    """The part of a straight answer a request decodes: from `start`, at most `max_tokens`."""
+    start = min(start, natural)
+    return Completion(natural=natural, tokens=max(0, min(natural - start, max_tokens)),
+                      thinking=thinking, start=start)
+
+
+def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None
+          ) -> tuple[str | None, str]:
+    """(reasoning_content, content) that new ids a..b add (default: all of them).
+
+    With a reasoning parser the thinking words go to reasoning_content, the tags and the blank
+    line after `</think>` to neither, as SGLang's qwen3 parser splits them; a completion that
+    never closed its thinking has content "". Without one, reasoning_content is null and content
+    is the raw text, tags and all. The stop token is never text."""
+    b = done.tokens if b is None else b
+    if b <= a:
         return None, ""
-    think = min(k, done.reasoning_tokens)
-    reasoning = (THINK_WORD * think).rstrip()
-    answer = (ANSWER_WORD * (k - think)).rstrip()
-    if reasoning and done.after == "thinking":  # the words go on from the prefix's last one
-        reasoning = " " + reasoning
-    if answer and done.after == "answer":
-        answer = " " + answer
-    if not done.thinking:
-        return None, answer
-    if parser:
-        return reasoning, answer
-    if k == done.tokens:
-        return None, done.raw_text()
-    if k > done.reasoning_tokens:
-        return None, f"<think>{reasoning}</think>\n\n{answer}"
-    return None, "<think>" + reasoning
-
-
-def complete(natural: int, max_tokens: int, thinking: bool) -> Completion:
-    """Cut a natural completion at `max_tokens`; thinking comes first, then the answer."""
-    tokens = min(natural, max_tokens)
-    think = int(natural * THINK_SHARE) if thinking else 0
-    return Completion(
-        natural=natural, tokens=tokens, reasoning_tokens=min(think, tokens), thinking=thinking
-    )
+    span = range(done.start + a, done.start + b)
+    if not done.thinking or not parser:
+        return None, tk.decode([done.token(i) for i in span], skip_special=True)
+    reasoning = tk.decode([done.token(i) for i in span if done.kind(i) == WORD_T])
+    return reasoning, tk.decode([done.token(i) for i in span if done.kind(i) == WORD_A])
 
 
 def usage(done: Completion, prompt_tokens: int) -> dict:

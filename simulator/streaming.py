@@ -17,17 +17,9 @@ from typing import Any
 import orjson
 
 from genq.simulator.engine import Engine
-from genq.simulator.model import ANSWER_WORD, STOP_TOKEN_ID, THINK_WORD, Completion, texts, usage
+from genq.simulator.model import STOP_TOKEN_ID, Completion, texts, usage
 
 _END = -1
-
-
-def _words(word: str, start: int, end: int) -> str:
-    """Words start..end of a text of `word`s joined by single spaces."""
-    if end <= start:
-        return ""
-    word = word.strip()
-    return ("" if start else word) + (" " + word) * (end - start - (0 if start else 1))
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -42,7 +34,6 @@ class _Chunks:
         self.id = uuid.uuid4().hex
         self.created = int(time.time())
         self.at = 0  # tokens shaped so far
-        self.sent = [0, 0]  # characters of reasoning_content and content sent so far
 
     def chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
         choice = {
@@ -67,16 +58,11 @@ class _Chunks:
         return self.chunk({"reasoning_content": None, "role": "assistant", "content": ""})
 
     def upto(self, tokens: int) -> list[bytes]:
-        """The text decoded since the last chunk: none, one chunk, or, where the thinking ends
-        within these tokens, a reasoning chunk then a content chunk (SGLang never puts both in
-        one delta). Built from the tokens added alone (a chunk per token must not rebuild the
-        answer every time); the last chunk takes whatever the whole answer (model.texts) adds,
-        so the deltas always sum to exactly the non-streamed answer."""
-        if tokens >= self.done.tokens:
-            reasoning, content = texts(self.done, self.parser)
-            pieces = ((reasoning or "")[self.sent[0]:], content[self.sent[1]:])
-        else:
-            pieces = self.pieces(self.at, tokens)
+        """The text decoded since the last chunk: none (a tag the parser keeps out of both
+        fields), one chunk, or, where the thinking ends within these tokens, a reasoning chunk
+        then a content chunk (SGLang never puts both in one delta). Built from the tokens added
+        alone, so the deltas sum to exactly the non-streamed answer."""
+        pieces = texts(self.done, self.parser, self.at, tokens)
         self.at = tokens
         out = []
         for n, (key, text) in enumerate(zip(("reasoning_content", "content"), pieces,
@@ -84,19 +70,7 @@ class _Chunks:
             if text:  # SGLang writes reasoning_content, null, beside an answer's content
                 out.append(self.chunk({key: text} if n == 0 else
                                       {"reasoning_content": None, key: text}))
-                self.sent[n] += len(text)
         return out
-
-    def pieces(self, a: int, b: int) -> tuple[str, str]:
-        """(reasoning, content) text that tokens a..b add, as model.texts shapes a prefix."""
-        think = self.done.reasoning_tokens
-        t1, t2 = min(a, think), min(b, think)
-        thinking, answer = _words(THINK_WORD, t1, t2), _words(ANSWER_WORD, a - t1, b - t2)
-        if not self.done.thinking or self.parser:
-            return thinking, answer
-        opened = "<think>" if a == 0 < b else ""
-        closed = "</think>\n\n" if a - t1 == 0 < b - t2 else ""
-        return "", opened + thinking + closed + answer
 
     def finish(self) -> bytes:
         reason = self.done.finish_reason
