@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import random
 import time
+from pydoc_data.topics import topics
 
 import orjson
 import zstandard
 from _common import parser, table
-from pydoc_data.topics import topics
 
 from genq.common.data.records import build_record
 from genq.common.sglang.stream import whole_answer
