@@ -51,6 +51,8 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "model": str,
     "enable_thinking": _bool,
+    # `genq produce --token-ids`: the server answers with its prompt and completion token ids.
+    "return_token_ids": _bool,
 }
 
 
