@@ -53,6 +53,8 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "model": str,
     "enable_thinking": _bool,
     "schema_retries": _checked(int, lambda n: n >= 0, "must be an integer >= 0"),
+    # `genq produce --token-ids`: the server answers with its prompt and completion token ids.
+    "return_token_ids": _bool,
 }
 # Known parameters genq acts on itself rather than send (`enable_thinking` goes in the template's
 # kwargs; `schema_retries` bounds the answers asked again for a schema, common/schema.py).

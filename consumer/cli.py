@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 from pathlib import Path
+from typing import Any
 
 import redis
 import redis.asyncio as aioredis
@@ -24,7 +25,7 @@ import structlog
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 
-from genq.common import log
+from genq.common import log, params
 from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -210,6 +211,27 @@ async def wait_for_server(server: SGLang, s: ConsumeSettings) -> tuple[int, str,
             await asyncio.sleep(1.0)
 
 
+async def check_token_ids(server: SGLang, s: ConsumeSettings, current: dict[str, Any],
+                          model: str) -> None:
+    """A run that keeps token ids needs whole answers and a server that returns ids: say so at
+    start, in one line, rather than write a run of records without them."""
+    if not current.get("return_token_ids"):
+        return
+    if s.stream:
+        raise GenqError("this run keeps token ids (genq produce --token-ids), and SGLang sends "
+                        "none in streamed answers: run this consumer without --stream")
+    ask = {**params.request_body([{"role": "user", "content": "Hi"}], current, model),
+           "max_tokens": 1}
+    try:
+        await server.chat(ask, -1)
+    except ServerUnavailable as e:
+        if "without token ids" not in str(e):
+            raise
+        raise GenqError(f"{s.server} returns no token ids (return_token_ids), and this run "
+                        "keeps them (genq produce --token-ids): use an SGLang that does "
+                        "(0.5.x), or a run without --token-ids") from None
+
+
 def redis_client(url: str) -> aioredis.Redis:
     """A blocking pool of a few dozen connections serves thousands of slots (redis-py's default
     raises past 100)."""
@@ -259,6 +281,7 @@ async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
     rc = 0
     try:
         capacity, model, context = await wait_for_server(server, s)
+        await check_token_ids(server, s, params.current(sync, k)[1], model)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, dataset=dataset,
                             sink=writer, server=server, capacity=capacity, model=model,
                             runstate=RunState(k, info.epoch, s.out, info.gen),

@@ -57,12 +57,16 @@ def export_main(argv: list[str] | None = None) -> int:
                         "(by default the export refuses and names them)")
     p.add_argument("--from-s3", metavar="URI",
                    help="read the shards from s3://bucket/prefix instead of local directories")
-    p.add_argument("--format", choices=("jsonl", "parquet"),
-                   help="jsonl or parquet (typed columns, bounded row groups); default: "
-                        "parquet for an --out ending .parquet or .pq, else jsonl")
+    p.add_argument("--format", choices=export_formats.FORMATS,
+                   help="jsonl, parquet (typed columns, bounded row groups) or tokens (a "
+                        "--token-ids run's {id, index, input_ids, loss_mask, finish_reason} "
+                        "lines for drafter training); default: parquet for an --out ending "
+                        ".parquet or .pq, else jsonl")
     add_common(p)
     a = p.parse_args(argv)
     fmt = export_formats.choose_format(a.out, a.format)  # before Redis: the flags' errors first
+    if fmt == "tokens" and a.include_failed:
+        p.error("--format tokens writes answers only: drop --include-failed")
     if a.from_s3:
         s3.parse_uri(a.from_s3)
     k = run_keys(a.run)

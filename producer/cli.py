@@ -51,6 +51,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "(value parsed as JSON where it parses); repeatable")
     p.add_argument("--schema", metavar="FILE", help="a JSON Schema every answer must match: sent "
                    "as response_format, checked, asked again when not matched")
+    p.add_argument("--token-ids", action="store_true",
+                   help="keep the server's prompt_token_ids and completion_token_ids in every "
+                        "record (return_token_ids; whole answers only: not with --stream)")
     p.add_argument("--window", type=int, default=0,
                    help="jobs kept queued (default: twice the live consumers' capacity, "
                         f"at least {MIN_WINDOW})")
@@ -60,7 +63,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     add_redis_wait(p, "--once")
     add_common(p)
     a = p.parse_args(argv)
-    named = {"max_tokens": a.max_tokens, "temperature": a.temperature, "model": a.model}
+    named = {"max_tokens": a.max_tokens, "temperature": a.temperature, "model": a.model,
+             "return_token_ids": "true" if a.token_ids else None}
     sets = [*a.set, *(f"{key}={value}" for key, value in named.items() if value is not None)]
     a.params = {**params.DEFAULTS, **params.parse_sets(sets, a.raw)}
     if a.schema:

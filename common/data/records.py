@@ -67,6 +67,9 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
                   created_at=round(time.time() + clock_offset, 3))
     if getattr(completion, "max_tokens", None):  # lowered to fit the model's context
         record["max_tokens_used"] = completion.max_tokens
+    if getattr(completion, "completion_token_ids", None) is not None:  # a --token-ids run
+        record["prompt_token_ids"] = completion.prompt_token_ids
+        record["completion_token_ids"] = completion.completion_token_ids
     if getattr(completion, "tool_calls", None):  # the server parsed tool calls out of the text
         record["tool_calls"] = completion.tool_calls
     if getattr(completion, "continued_from", None):  # `requeue --continue`: the partial's key

@@ -266,7 +266,11 @@ class SGLang:
         if resp.status != 200:
             raise status_error(resp.status, error_message(content), index, self.url,
                                resp.headers.get("retry-after"))
-        return whole_answer(content, self.url, thinking=thinking_on(body))
+        done = whole_answer(content, self.url, thinking=thinking_on(body))
+        if body.get("return_token_ids") and done.completion_token_ids is None:
+            # Never a text-only record in a run that keeps ids: the task goes back.
+            raise ServerUnavailable(f"{self.url}: answered without token ids (return_token_ids)")
+        return done
 
     async def _stream(self, body: dict[str, Any], index: int, progress: Progress) -> Completion:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}

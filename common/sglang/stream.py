@@ -37,6 +37,9 @@ class Completion:
     continued_from: dict[str, int] | None = None
     # The calls the server's tool-call parser took out of the answer's text (OpenAI's shape).
     tool_calls: list[dict[str, Any]] | None = None
+    # The server's own token ids (asked with return_token_ids): what the model read and wrote.
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
 
 
 class ContextExceeded(TryAgain):
@@ -118,9 +121,19 @@ def whole_answer(body: bytes, url: str, *, thinking: bool) -> Completion:
         message = choice.get("message") or {}
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
         raise ServerUnavailable(f"{url}: malformed answer {body[:200]!r}") from None
-    return finished(url, choice.get("finish_reason"), message.get("content") or "",
+    done = finished(url, choice.get("finish_reason"), message.get("content") or "",
                     message.get("reasoning_content"), usage, thinking=thinking,
                     tool_calls=message.get("tool_calls") or None)
+    if "response_token_ids" not in choice:
+        return done
+    prompt_ids, ids = choice.get("prompt_token_ids"), choice.get("response_token_ids")
+    if not (token_ids(prompt_ids) and token_ids(ids)):
+        raise ServerUnavailable(f"{url}: malformed token ids in answer {body[:200]!r}")
+    return replace(done, prompt_token_ids=prompt_ids, completion_token_ids=ids)
+
+
+def token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
 
 
 def finished(url: str, finish: str | None, content: str, reasoning: str | None,

@@ -1,5 +1,6 @@
 """`genq export`'s sources and formats: ``--from-s3`` downloads the shards first; ``--format
-parquet`` writes typed columns in bounded row groups."""
+parquet`` writes typed columns in bounded row groups; ``--format tokens`` the pre-tokenized
+lines drafter pipelines read."""
 
 from __future__ import annotations
 
@@ -23,13 +24,15 @@ _FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra
     "completion_tokens": "int64", "reasoning_content": "string", "content": "string",
     "server": "string", "model": "string", "latency_s": "float64", "created_at": "float64",
 }
+# A --token-ids run's ids, as lists of int32 (a vocabulary fits; half the bytes of int64).
+_ID_FIELDS = ("prompt_token_ids", "completion_token_ids")
 
 
 def _row(record: dict[str, Any]) -> dict[str, Any]:
-    row = {name: record.get(name) for name in _FIELDS}
+    row = {name: record.get(name) for name in (*_FIELDS, *_ID_FIELDS)}
     if row["id"] is not None and not isinstance(row["id"], str):
         row["id"] = orjson.dumps(row["id"]).decode()  # ids may be numbers in the data set
-    extra = {k: v for k, v in record.items() if k not in _FIELDS}
+    extra = {k: v for k, v in record.items() if k not in _FIELDS and k not in _ID_FIELDS}
     row["extra"] = orjson.dumps(extra).decode() if extra else None
     return row
 
@@ -41,7 +44,8 @@ def jsonl_to_parquet(src: str, out: str) -> None:
 
     rows, size = [], 0
     fields = [pa.field(name, getattr(pa, kind)()) for name, kind in _FIELDS.items()]
-    arrow_schema = pa.schema([*fields, pa.field("extra", pa.string())])
+    ids = [pa.field(name, pa.list_(pa.int32())) for name in _ID_FIELDS]
+    arrow_schema = pa.schema([*fields, *ids, pa.field("extra", pa.string())])
     with open(src, "rb") as f, pq.ParquetWriter(out, arrow_schema, compression="zstd") as w:
         for line in f:
             rows.append(_row(orjson.loads(line)))
@@ -55,13 +59,32 @@ def jsonl_to_parquet(src: str, out: str) -> None:
 
 # An --out ending so names its format; any other suffix is JSONL unless --format says otherwise.
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
+FORMATS = ("jsonl", "parquet", "tokens")
+
+
+def to_tokens(src: str, out: str) -> None:
+    """Copy ``src`` (export's JSONL) into lines {id, index, input_ids, loss_mask, finish_reason}:
+    input_ids the prompt's ids then the completion's, loss_mask 0 on the prompt and 1 on the
+    completion, as vLLM's speculators and SpecForge read pre-tokenized samples."""
+    with open(src, "rb") as f, open(out, "wb") as w:
+        for line in f:
+            rec = orjson.loads(line)
+            prompt, completion = rec.get("prompt_token_ids"), rec.get("completion_token_ids")
+            if prompt is None or completion is None:
+                raise GenqError(f"index {rec['index']} has no token ids: --format tokens needs a "
+                                "run made with `genq produce --token-ids`")
+            w.write(orjson.dumps({
+                "id": rec.get("id", rec["index"]), "index": rec["index"],
+                "input_ids": prompt + completion,
+                "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                "finish_reason": rec["finish_reason"]}) + b"\n")
 
 
 def choose_format(out: str, fmt: str | None) -> str:
     """--format, else the one --out's suffix names, else jsonl; a --format the suffix
     contradicts is a usage error (the file's name would lie about its content)."""
     named = SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower())
-    if fmt and named and fmt != named:
+    if fmt and named and fmt != named and (fmt, named) != ("tokens", "jsonl"):  # JSON lines too
         raise UsageError(f"--format {fmt} contradicts --out {out}, a {named} name: drop "
                          "--format or change the name")
     return fmt or named or "jsonl"
@@ -85,8 +108,8 @@ def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
         # Beside `out`, so that the finished file is renamed into place whole.
         tmp = stack.enter_context(tempfile.TemporaryDirectory(
             prefix="genq-export-", dir=os.path.dirname(os.path.abspath(out))))
-        jsonl, parquet = os.path.join(tmp, "export.jsonl"), os.path.join(tmp, "export.parquet")
+        jsonl, final = os.path.join(tmp, "export.jsonl"), os.path.join(tmp, "export.final")
         result = export.export(r, k, total, dirs, jsonl, **options)
-        jsonl_to_parquet(jsonl, parquet)
-        os.replace(parquet, out)
+        (jsonl_to_parquet if fmt == "parquet" else to_tokens)(jsonl, final)
+        os.replace(final, out)
         return result
