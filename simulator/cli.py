@@ -99,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /get_load instead of /v1/loads, like SGLang before 0.5",
     )
     p.add_argument(
+        "--no-token-ids",
+        action="store_true",
+        help="ignore return_token_ids, like a gateway or a server that cannot return ids",
+    )
+    p.add_argument(
         "--decode-tps",
         type=positive,
         default=87.5,

@@ -182,7 +182,7 @@ async def chat(engine: Engine, body: bytes) -> Any:
         return await stream_chat(engine, done, len(context), model, parser, usage, call)
     await engine.run(len(context), done)
     answer = _chat_body(done, len(context), model, parser, call)
-    if data.get("return_token_ids"):
+    if data.get("return_token_ids") and not engine.settings.no_token_ids:
         answer["choices"][0].update(prompt_token_ids=context, response_token_ids=done.ids())
     return schema.shaped(engine, data, text, answer)
 

@@ -71,6 +71,8 @@ class Settings:
     reasoning_parser: str | None = None
     # Serve /get_load instead of /v1/loads, as SGLang before 0.5 did (0.5.x: 404).
     legacy_get_load: bool = False
+    # Ignore return_token_ids (an OpenAI-only gateway in front of the server, an older build).
+    no_token_ids: bool = False
     # Tokens per streamed chunk (SGLang's --stream-interval): 1, one chunk per decode step.
     stream_interval: int = 1
     decode_tps: float = 87.5

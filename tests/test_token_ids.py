@@ -87,7 +87,22 @@ def test_a_token_ids_run_refuses_streaming_at_start(tmp_path, redis_url, run_nam
                                "--stream")
     try:
         assert consumer.wait(60) != 0
+        assert "without --stream" in consumer.log()
     finally:
         consumer.cleanup()
-    assert "without --stream" in consumer.log()
+    assert not list((tmp_path / "out").glob("**/*.jsonl"))  # not one text-only record
+
+
+@pytest.mark.timeout(120)
+def test_a_server_without_ids_fails_the_consumers_start(tmp_path, redis_url, run_name,
+                                                        sim_factory):
+    sim = sim_factory(time_scale=400, no_token_ids=True)  # a gateway that drops the ids
+    data = write_dataset(tmp_path / "data.jsonl", 4)
+    genq("produce", str(data), "--once", "--token-ids", redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst")
+    try:
+        assert consumer.wait(60) != 0
+        assert "returns no token ids" in consumer.log()
+    finally:
+        consumer.cleanup()
     assert not list((tmp_path / "out").glob("**/*.jsonl"))  # not one text-only record
