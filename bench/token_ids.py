@@ -20,7 +20,7 @@ from pydoc_data.topics import topics
 
 import orjson
 import zstandard
-from _common import parser, table
+from _common import dump_json, parser, table
 
 from genq.common.data.records import build_record
 from genq.common.sglang.stream import whole_answer
@@ -86,16 +86,19 @@ def main() -> None:
     a = p.parse_args()
     with_ids = answers(a.records, a.prompt_median)
     plain = [without_ids(b) for b in with_ids]
-    rows = []
+    rows, figures = [], {}
     for name, bodies in (("ids off", plain), ("ids on", with_ids)):
         lines(bodies[:50])  # warm up
         recs, cpu = lines(bodies)
         disk, s3 = sum(map(len, recs)), shipped(recs)
+        figures[name] = {"records": len(recs), "jsonl_bytes": disk, "zstd_bytes": s3,
+                         "cpu_s_per_task": cpu}
         rows.append((name, f"{disk / len(recs) / 1024:.1f}", f"{s3 / len(recs) / 1024:.1f}",
                      f"{disk / len(recs) * SEED_RUN / 1e9:.1f}",
                      f"{s3 / len(recs) * SEED_RUN / 1e9:.1f}", f"{cpu * 1e3:.2f}"))
     print(table(rows, ("", "KiB/record JSONL", "KiB/record zstd", f"GB/{SEED_RUN} JSONL",
                        f"GB/{SEED_RUN} zstd", "CPU ms/task")))
+    dump_json(a.json, figures)
 
 
 if __name__ == "__main__":

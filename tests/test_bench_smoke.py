@@ -27,6 +27,7 @@ SCRIPTS = {
     "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
+    "token_ids.py": ["--records", "60"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
                  "--slots", "4", "--timeout", "120"],
 }
@@ -123,4 +124,6 @@ CHECKS = {
                              and f["bare_full_again_s"] > 0) or pytest.fail(f),
     "s3_shipping.py": check_s3,
     "chaos.py": lambda f: all(f["checks"].values()) or pytest.fail(f),
+    "token_ids.py": lambda f: (f["ids on"]["zstd_bytes"] > f["ids off"]["zstd_bytes"] > 0
+                               and f["ids on"]["records"] == 60) or pytest.fail(f),
 }
