@@ -82,7 +82,8 @@ start() {
   install_packages; install_shim; make_model
   local flags=(--model-path "$MODEL" --device cpu --host 127.0.0.1 --port "$PORT"
                --attention-backend torch_native --sampling-backend pytorch
-               --disable-overlap-schedule --max-total-tokens "$MAX_TOTAL_TOKENS")
+               --disable-overlap-schedule --max-total-tokens "$MAX_TOTAL_TOKENS"
+               --chat-template "$HERE/chat_template.jinja")
   [ -n "$MAX_RUNNING" ] && flags+=(--max-running-requests "$MAX_RUNNING")
   # SGLANG_USE_CPU_ENGINE=1 makes sglang treat the host as a CPU device. setsid gives the
   # server (and the scheduler processes it forks) its own process group, so stop ends them all.
