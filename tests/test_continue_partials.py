@@ -1,0 +1,69 @@
+"""The partials `genq requeue --continue` keeps: used only for the version they were made for,
+gone with every later parameter change and with a prompt that fails for good, not looked for
+once none is left; and what a continued answer counts."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl, write_dataset
+
+from genq.common.queue.keys import RunKeys
+
+# Nearly every first answer is cut at 50 tokens (lengths lognormal around 300).
+FIRST = ("--max-tokens", "50")
+SIM = {"time_scale": 1000, "reasoning_parser": "qwen3", "length_dist": "lognormal:300:0.8"}
+CONTINUE = ("--set", "max_tokens=200", "--redo", "truncated", "--continue")
+
+
+def run_to_end(redis_url, run, sim, out, *flags) -> None:
+    c = ConsumerProcess(redis_url, run, sim.url, out, "--burst", *flags)
+    assert c.wait(120) == 0, c.log()[-3000:]
+    c.cleanup()
+
+
+def export(tmp_path, redis_url, run) -> dict[int, dict]:
+    out = tmp_path / f"{run}.jsonl"
+    genq("export", "--out", str(out), redis_url=redis_url, run=run)
+    return {rec["index"]: rec for rec in read_jsonl(out)}
+
+
+def first_pass(tmp_path, redis_url, run, sim, n: int, **data) -> dict[int, dict]:
+    """The truncated first answers (nearly all)."""
+    genq("produce", str(write_dataset(tmp_path / "d.jsonl", n, **data)), "--once", *FIRST,
+         redis_url=redis_url, run=run)
+    run_to_end(redis_url, run, sim, tmp_path / "out")
+    first = export(tmp_path, redis_url, run)
+    return {i: rec for i, rec in first.items() if rec["finish_reason"] == "length"}
+
+
+@pytest.mark.timeout(300)
+def test_a_later_requeue_drops_the_partials_and_never_continues_them(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    sim, n, k = sim_factory(**SIM), 30, RunKeys(run_name)
+    cut = first_pass(tmp_path, redis_url, run_name, sim, n)
+    genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
+    assert r.hlen(k.partials) == len(cut)
+    # New parameters before any partial was continued: they were made for version 2 only.
+    genq("requeue", "--set", "max_tokens=300", "--redo", "all", redis_url=redis_url,
+         run=run_name)
+    assert not r.exists(k.partials)
+    run_to_end(redis_url, run_name, sim, tmp_path / "out")
+    records = export(tmp_path, redis_url, run_name)
+    assert {rec["params_version"] for rec in records.values()} == {3}  # --redo all
+    assert not [i for i, rec in records.items() if rec.get("continued_from")]
+
+
+@pytest.mark.timeout(300)
+def test_a_prompt_that_fails_for_good_drops_its_partial(tmp_path, redis_url, r, run_name,
+                                                        sim_factory):
+    n, poison, k = 20, (3, 7), RunKeys(run_name)
+    lenient = sim_factory(bad_marker="__NOT_IN_ANY_PROMPT__", **SIM)
+    cut = first_pass(tmp_path, redis_url, run_name, lenient, n, poison=poison)
+    assert set(poison) <= set(cut)
+    genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
+    assert r.hlen(k.partials) == len(cut)
+    run_to_end(redis_url, run_name, sim_factory(**SIM), tmp_path / "out")  # refuses poison
+    records = export(tmp_path, redis_url, run_name)
+    assert {records[i]["params_version"] for i in poison} == {1}  # failed: the old one kept
+    assert r.hkeys(k.partials) == []
