@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -22,12 +23,13 @@ from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import BadTask, Retryable, RunStateLost, TryAgain, classify, mask_secrets
 from genq.common.params import DEFAULTS, request_body
-from genq.common.queue import feed, partials
+from genq.common.queue import feed
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.run import OK, REPLACED, finished, judge
 from genq.common.queue.scripts import ScriptRunner, iso_now
 from genq.common.report import runhealth
-from genq.common.sglang.client import SGLang, continue_answer
+from genq.common.sglang.client import SGLang
+from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
 from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
@@ -115,7 +117,7 @@ class Consumer:
         self.out_dirs = 0  # output directories the run has, as last counted
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
         self.pause = ClaimPause()
-        self.partials_kept = False  # partials of `requeue --continue` to look for, as last seen
+        self.partials = Partials(self.redis, self.keys)  # `requeue --continue`'s
         self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the duty that died, if one did
@@ -352,7 +354,9 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return None
-            completion = await self.continued(inflight, body) or await self.ask(inflight, body)
+            ask = functools.partial(self.ask, inflight)
+            completion = await self.partials.answer(
+                lease.index, lease.version, self.version, body, ask) or await ask(body)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -383,22 +387,10 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 raise asyncio.CancelledError
 
-    async def continued(self, inflight: Inflight, body: dict[str, Any]) -> Completion | None:
-        """`requeue --continue`: the answer continued from the partial kept for this index,
-        looked up while the heartbeat sees partials kept, or for a claim of a version newer
-        than this consumer has seen (the requeue keeps them before it makes the version)."""
-        lease = inflight.lease
-        look = self.partials_kept or lease.version > self.version
-        partial = await partials.get(self.redis, self.keys, lease.index) if look else None
-        if partial is None or partial["params_version"] >= lease.version:
-            return None
-        whole = await continue_answer(lambda b: self.ask(inflight, b), body, partial)
-        if whole is None:
-            await partials.drop(self.redis, self.keys, lease.index)
-        return whole
-
     async def fail(self, lease: Lease, reason: str) -> None:
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
+        if self.partials.kept or lease.version > self.version:  # failed for good: not continued
+            await self.retry(lambda: self.partials.drop(lease.index))
         logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
 
     async def settle_error(self, lease: Lease, e: Exception) -> None:
@@ -446,7 +438,7 @@ class Consumer:
         # Records are dated by Redis's clock (an abort switch's time is), whatever this host's.
         self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
-        self.partials_kept = bool(await self.redis.exists(self.keys.partials))
+        await self.partials.watch()
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,

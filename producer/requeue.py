@@ -17,14 +17,14 @@ from genq.common import params
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.errors import UsageError
-from genq.common.queue import bitmap, partials
+from genq.common.queue import bitmap
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.queue.scripts import ScriptRunner, redo_call
 from genq.common.report.status import read_status
 from genq.common.report.status_table import human_duration
-from genq.common.sglang.stream import continuable
+from genq.common.sglang import continuation
 from genq.common.store import export
 from genq.producer import probe
 
@@ -105,12 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.dry_run:
         print("\n".join(["dry run, nothing changed:", *render(plan)]))
         return 0
-    if found:  # kept before the version that redoes them: every claim of it can find them
-        print(f"partials kept for --continue: {len(found[0])} "
-              f"({partials.put_all(r, k, found[0]):,} bytes of Redis, zstd)")
+    keep_partials(r, k, found[0] if found else [], plan.new_version)
     # A redo always makes a version, even without parameter changes: its scope is "results
     # of versions before this one", which must not include what runs after it.
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
+    if version != plan.new_version:  # another requeue made one meanwhile: not theirs either
+        continuation.drop_all(r, k)
     results, failed = redo(r, k, info.total, a.redo, version) if a.redo != "none" else (0, 0)
     # The manifest beside the shards must know this version before Redis could lose it.
     manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
@@ -120,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def keep_partials(r: redis.Redis, k: RunKeys, records: list[dict], version: int) -> None:
+    """Keep these partials for `version`, before it exists so that every claim of it finds
+    them; partials kept for an older version go whatever this requeue changes."""
+    if not records:
+        continuation.drop_all(r, k)
+        return
+    size = continuation.put(r, k, records, version)
+    print(f"partials kept for --continue: {len(records)} ({size:,} bytes of Redis, zstd)")
+
+
 def find_partials(r: redis.Redis, k: RunKeys, total: int,
                   shards: list[str]) -> tuple[list[dict], int, list[str]]:
     """The continuable standing truncated results, how many others, the directories read."""
@@ -127,7 +137,7 @@ def find_partials(r: redis.Redis, k: RunKeys, total: int,
             if os.path.isdir(d)]
     truncated = blob(r.get(k.truncated))
     records = export.standing(r, k, total, dirs, lambda i: bitmap.is_set(truncated, i))
-    usable = [rec for rec in records if continuable(rec)]
+    usable = [rec for rec in records if continuation.continuable(rec)]
     return usable, sum(1 for _ in bitmap.set_indices(truncated, below=total)) - len(usable), dirs
 
 

@@ -203,7 +203,7 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
                 k.claims, k.spent, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
                 k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind, k.fail_kinds,
                 k.params, k.params_version, k.params_floor, k.params_history, k.redo_marks,
-                k.rq_queue, k.rq_wip)
+                k.rq_queue, k.rq_wip, k.partials)
     pipe.set(k.done, bitmap.encode(rec.standing, total))
     pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:

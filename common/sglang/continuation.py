@@ -1,0 +1,137 @@
+"""`genq requeue --continue` end to end: the partial answers it keeps in Redis (zstd JSON per
+truncated index, each stamped with the one parameter version it was made for), looked up and
+dropped, and the request that continues one, joined to it. The requeue, the consumer, the probe
+and `genq recover` call this module; nothing else knows what a partial is."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio as aioredis
+import structlog
+import zstandard
+
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
+from genq.common.sglang.stream import Completion, thinking_on
+
+logger = structlog.get_logger()
+
+# What a partial carries: the answer so far, which result it was, and the version it is for.
+FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", "params_version",
+          "attempt")
+
+
+def continuable(record: dict[str, Any]) -> bool:
+    """Whether a truncated record can be continued: it holds tokens and no think tag (the server
+    would split the prefix otherwise)."""
+    texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
+    return (record.get("finish_reason") == "length"
+            and int(record.get("completion_tokens") or 0) > 0
+            and "<think>" not in texts and "</think>" not in texts)
+
+
+def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]], version: int) -> int:
+    """Store the partials of these records for parameter version `version` only, in place of
+    any kept before; the bytes they take."""
+    packer = zstandard.ZstdCompressor(level=3)
+    packed = {str(rec["index"]): packer.compress(orjson.dumps(
+        {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in records}
+    pipe = r.pipeline(transaction=True)
+    pipe.delete(k.partials)
+    items = list(packed.items())
+    for start in range(0, len(items), 1000):  # bounded commands, however many partials
+        pipe.hset(k.partials, mapping=dict(items[start:start + 1000]))
+    pipe.execute()
+    return sum(len(v) for v in packed.values())
+
+
+def drop_all(r: redis.Redis | redis.client.Pipeline, k: RunKeys) -> None:
+    """Forget every partial: the parameters they were made for are no longer the newest."""
+    r.unlink(k.partials)
+
+
+class Partials:
+    """A consumer's side: the partial its task continues, looked up while partials are kept."""
+
+    def __init__(self, r: aioredis.Redis, k: RunKeys) -> None:
+        self.redis, self.keys = r, k
+        self.kept = False  # partials kept, as last seen
+
+    async def watch(self) -> None:
+        self.kept = bool(await self.redis.exists(self.keys.partials))
+
+    async def get(self, index: int, version: int, newest: int) -> dict[str, Any] | None:
+        """The partial kept for this index and a task of `version`; a claim of a version newer
+        than the consumer has seen (`newest`) looks too (the requeue keeps them before it makes
+        the version). One made for another version is never used."""
+        if not (self.kept or version > newest):
+            return None
+        raw = blob(await self.redis.hget(self.keys.partials, str(index)))
+        partial = orjson.loads(zstandard.ZstdDecompressor().decompress(raw)) if raw else None
+        return partial if partial and partial.get("for_version") == version else None
+
+    async def drop(self, index: int) -> None:
+        """Forget this index's partial (it failed for good, or its continuation was refused)."""
+        await self.redis.hdel(self.keys.partials, str(index))
+
+    async def answer(self, index: int, version: int, newest: int, body: dict[str, Any],
+                     ask: Callable[[dict[str, Any]], Awaitable[Completion]]) -> Completion | None:
+        """The whole answer continued from this task's partial, or None (none, or refused:
+        generate it from the start)."""
+        partial = await self.get(index, version, newest)
+        if partial is None:
+            return None
+        whole = await continue_answer(ask, body, partial)
+        if whole is None:
+            await self.drop(index)
+        return whole
+
+
+def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
+    """The request that continues a partial answer, max_tokens less what it holds. SGLang 0.5.x
+    appends a final assistant message sent with continue_final_message after the generation
+    prompt, and its reasoning parser reads it (after `<think>` new text is thinking): the tags
+    put back make the text the model wrote."""
+    reasoning, content = partial.get("reasoning_content"), partial.get("content") or ""
+    prefix = content
+    if reasoning is not None and thinking_on(body):
+        # A partial without content stopped inside its thinking: the tag stays open.
+        prefix = f"<think>{reasoning}" + (f"</think>{content}" if content else "")
+    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": prefix}],
+            "continue_final_message": True,
+            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
+
+
+def joined(partial: dict[str, Any], new: Completion) -> Completion:
+    """The whole answer: the partial's texts then the continuation's, tokens summed, the
+    continuation's finish_reason."""
+    reasoning, more = partial.get("reasoning_content"), new.reasoning_content
+    return replace(new, reasoning_content=None if reasoning is None and more is None
+                   else (reasoning or "") + (more or ""),
+                   content=(partial.get("content") or "") + new.content,
+                   completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
+                   continued_from={"version": partial["params_version"],
+                                   "attempt": partial["attempt"],
+                                   "tokens": int(partial["completion_tokens"])})
+
+
+async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
+                          body: dict[str, Any], partial: dict[str, Any]) -> Completion | None:
+    """The whole answer continued from `partial` (a record's fields) with `ask`, or None if the
+    server did not take the partial as its start (generate it again)."""
+    prompt_tokens = int(partial["prompt_tokens"])
+    if body["max_tokens"] <= int(partial["completion_tokens"]):  # the limit adds nothing
+        return joined(partial, Completion(finish_reason="length", content="",
+                                          reasoning_content=None, prompt_tokens=prompt_tokens,
+                                          completion_tokens=0))
+    new = await ask(continue_body(body, partial))
+    if new.prompt_tokens <= prompt_tokens:
+        logger.warning("continuation_refused", prompt_tokens=new.prompt_tokens,
+                       consequence="the answer is generated again")
+        return None
+    return replace(joined(partial, new), prompt_tokens=prompt_tokens)
