@@ -4,9 +4,13 @@ once none is left; and what a continued answer counts."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import redis
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, write_dataset
+from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys
 
@@ -67,3 +71,55 @@ def test_a_prompt_that_fails_for_good_drops_its_partial(tmp_path, redis_url, r, 
     records = export(tmp_path, redis_url, run_name)
     assert {records[i]["params_version"] for i in poison} == {1}  # failed: the old one kept
     assert r.hkeys(k.partials) == []
+
+
+LOOKUPS = {"HGET", "HMGET", "HEXISTS", "HLEN", "EXISTS", "HSCAN", "HGETALL"}
+
+
+class KeyWatch(threading.Thread):
+    """Every lookup of `key` Redis runs (MONITOR), until stopped."""
+
+    def __init__(self, redis_url: str, key: str) -> None:
+        super().__init__(daemon=True)
+        self.conn, self.key = redis.Redis.from_url(redis_url), key
+        self.seen: list[str] = []
+        self.stop_now = threading.Event()
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        with self.conn.monitor() as m:
+            self.ready.set()
+            while not self.stop_now.is_set():
+                command = m.next_command()["command"]
+                # Lookups only: the ack script deletes partials in the same call (not a trip).
+                if self.key in command and command.split()[0].upper() in LOOKUPS:
+                    self.seen.append(command)
+
+
+@pytest.mark.timeout(300)
+def test_consumers_stop_looking_once_no_partial_is_left(tmp_path, redis_url, r, run_name,
+                                                        sim_factory):
+    from test_probe import settled
+
+    sim, n, k = sim_factory(**SIM), 30, RunKeys(run_name)
+    first_pass(tmp_path, redis_url, run_name, sim, n)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out")
+    try:
+        genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
+        wait_for(lambda: settled(r, k, n) and not r.exists(k.partials), timeout=120,
+                 what="the continued answers")
+        watch = KeyWatch(redis_url, k.partials)
+        watch.start()
+        watch.ready.wait(10)
+        genq("requeue", "--set", "max_tokens=300", "--redo", "all", redis_url=redis_url,
+             run=run_name)
+        wait_for(lambda: settled(r, k, n), timeout=120, what="the redo")  # it cleared done
+        # Several heartbeats and parameter watches go by: none may ask again.
+        time.sleep(3)
+        watch.stop_now.set()
+        r.ping()  # wakes the monitor to see its stop
+        watch.join(10)
+    finally:
+        consumer.cleanup()
+    # One look when the consumer first meets version 3, none per task or per heartbeat.
+    assert len(watch.seen) <= 1, watch.seen
