@@ -139,9 +139,7 @@ class Consumer:
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
         await redis_retry(self.heartbeat)  # the clock offset before the first record
-        # The version before the first claim: a claim of a version newer than the one seen
-        # looks for a `requeue --continue` partial, an extra round trip per task.
-        await redis_retry(self.watch_params)
+        await redis_retry(self.watch_params)  # the version before the first claim
         loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -356,7 +354,7 @@ class Consumer:
                 return None
             ask = functools.partial(self.ask, inflight)
             completion = await self.partials.answer(
-                lease.index, lease.version, self.version, body, ask) or await ask(body)
+                lease.index, lease.version, body, ask) or await ask(body)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -389,8 +387,7 @@ class Consumer:
 
     async def fail(self, lease: Lease, reason: str) -> None:
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
-        if self.partials.kept or lease.version > self.version:  # failed for good: not continued
-            await self.retry(lambda: self.partials.drop(lease.index))
+        await self.retry(lambda: self.partials.drop(lease.index, lease.version))  # for good
         logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
 
     async def settle_error(self, lease: Lease, e: Exception) -> None:
@@ -438,7 +435,6 @@ class Consumer:
         # Records are dated by Redis's clock (an abort switch's time is), whatever this host's.
         self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
-        await self.partials.watch()
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,
@@ -465,6 +461,7 @@ class Consumer:
             await self.redis.sadd(self.keys.outdirs, os.path.abspath(self.settings.out))
             self.params.clear()  # versions may have been renumbered by a later requeue
             self.version = 0
+            self.partials.reset()
 
     async def watch_params(self) -> None:
         if self.runstate.state != OK:

@@ -5,6 +5,7 @@ and `genq recover` call this module; nothing else knows what a partial is."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -56,39 +57,62 @@ def drop_all(r: redis.Redis | redis.client.Pipeline, k: RunKeys) -> None:
 
 
 class Partials:
-    """A consumer's side: the partial its task continues, looked up while partials are kept."""
+    """A consumer's side: the partial its task continues. Partials are kept before the version
+    they are for exists, so the first task of each newer version asks whether any are kept (one
+    round trip, shared by the tasks that start with it); once the hash is seen empty, the
+    version's other tasks ask nothing."""
 
     def __init__(self, r: aioredis.Redis, k: RunKeys) -> None:
         self.redis, self.keys = r, k
-        self.kept = False  # partials kept, as last seen
+        self.checked = 0  # the newest version whose partials were looked for
+        self.kept: asyncio.Future[int] | None = None  # whether any were kept for it
+        self.empty = False  # seen empty since
 
-    async def watch(self) -> None:
-        self.kept = bool(await self.redis.exists(self.keys.partials))
+    def reset(self) -> None:
+        """Look again from the first task on: a recover may number versions anew."""
+        self.checked, self.kept, self.empty = 0, None, False
 
-    async def get(self, index: int, version: int, newest: int) -> dict[str, Any] | None:
-        """The partial kept for this index and a task of `version`; a claim of a version newer
-        than the consumer has seen (`newest`) looks too (the requeue keeps them before it makes
-        the version). One made for another version is never used."""
-        if not (self.kept or version > newest):
+    async def may_hold(self, version: int) -> bool:
+        if version > self.checked:
+            self.checked, self.empty = version, False
+            self.kept = asyncio.ensure_future(self.redis.exists(self.keys.partials))
+        if version != self.checked or self.empty or self.kept is None:
+            return False
+        try:
+            return bool(await self.kept)
+        except BaseException:
+            self.reset()  # Redis trouble: the next task asks again
+            raise
+
+    async def get(self, index: int, version: int) -> dict[str, Any] | None:
+        """The partial kept for this index and a task of `version`; one made for another
+        version is never used."""
+        if not await self.may_hold(version):
             return None
-        raw = blob(await self.redis.hget(self.keys.partials, str(index)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.partials, str(index))
+        pipe.exists(self.keys.partials)
+        got, left = await pipe.execute()
+        self.empty = not left
+        raw = blob(got)
         partial = orjson.loads(zstandard.ZstdDecompressor().decompress(raw)) if raw else None
         return partial if partial and partial.get("for_version") == version else None
 
-    async def drop(self, index: int) -> None:
+    async def drop(self, index: int, version: int) -> None:
         """Forget this index's partial (it failed for good, or its continuation was refused)."""
-        await self.redis.hdel(self.keys.partials, str(index))
+        if await self.may_hold(version):
+            await self.redis.hdel(self.keys.partials, str(index))
 
-    async def answer(self, index: int, version: int, newest: int, body: dict[str, Any],
+    async def answer(self, index: int, version: int, body: dict[str, Any],
                      ask: Callable[[dict[str, Any]], Awaitable[Completion]]) -> Completion | None:
         """The whole answer continued from this task's partial, or None (none, or refused:
         generate it from the start)."""
-        partial = await self.get(index, version, newest)
+        partial = await self.get(index, version)
         if partial is None:
             return None
         whole = await continue_answer(ask, body, partial)
         if whole is None:
-            await self.drop(index)
+            await self.drop(index, version)
         return whole
 
 
