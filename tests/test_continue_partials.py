@@ -73,6 +73,23 @@ def test_a_prompt_that_fails_for_good_drops_its_partial(tmp_path, redis_url, r, 
     assert r.hkeys(k.partials) == []
 
 
+@pytest.mark.timeout(300)
+def test_a_continuation_past_the_context_is_generated_anew(tmp_path, redis_url, r, run_name,
+                                                          sim_factory):
+    n, k = 20, RunKeys(run_name)
+    first = first_pass(tmp_path, redis_url, run_name, sim_factory(**SIM), n)
+    genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
+    # A server whose context holds every prompt but no prompt with its 50-token partial.
+    context = max(rec["prompt_tokens"] for rec in first.values()) + 20
+    small = sim_factory(context_length=context, **SIM)
+    run_to_end(redis_url, run_name, small, tmp_path / "out")
+    records = export(tmp_path, redis_url, run_name)
+    assert r.bitcount(k.failed) == 0
+    assert {records[i]["params_version"] for i in first} == {2}
+    assert not [i for i, rec in records.items() if rec.get("continued_from")]
+    assert r.hlen(k.partials) == 0
+
+
 LOOKUPS = {"HGET", "HMGET", "HEXISTS", "HLEN", "EXISTS", "HSCAN", "HGETALL"}
 
 
