@@ -18,7 +18,7 @@ import zstandard
 
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
-from genq.common.sglang.stream import Completion, thinking_on
+from genq.common.sglang.stream import Completion, InputTooLong, thinking_on
 
 logger = structlog.get_logger()
 
@@ -153,7 +153,11 @@ async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]]
         return joined(partial, Completion(finish_reason="length", content="",
                                           reasoning_content=None, prompt_tokens=prompt_tokens,
                                           completion_tokens=0))
-    new = await ask(continue_body(body, partial))
+    try:
+        new = await ask(continue_body(body, partial))
+    except InputTooLong:  # the prompt and its partial outgrew the context: start again
+        logger.warning("continuation_too_long", consequence="the answer is generated again")
+        return None
     if new.prompt_tokens <= prompt_tokens:
         logger.warning("continuation_refused", prompt_tokens=new.prompt_tokens,
                        consequence="the answer is generated again")

@@ -41,6 +41,11 @@ class ContextExceeded(TryAgain):
         self.context, self.input_tokens = context, input_tokens
 
 
+class InputTooLong(TryAgain):
+    """The input alone fills this server's context: not a bad prompt (another server may take
+    it), and a continuation's partial that no longer fits is generated anew."""
+
+
 class Answer:
     """The pieces of a streamed answer (server-sent events, one JSON chunk per `data:` line)."""
 
@@ -166,7 +171,7 @@ def status_error(status: int, message: str, index: int, url: str,
             return ContextExceeded(message, context, input_tokens)
     if status == 400 and INPUT_TOO_LONG.search(message):
         # Too long for this server's context, not a bad prompt: another server may take it.
-        return TryAgain(f"{url}: {message}")
+        return InputTooLong(f"{url}: {message}")
     return BadTask(index, f"server refused the request (HTTP {status}): {message}")
 
 
