@@ -12,6 +12,7 @@ import redis
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
+from genq.common.queue import scripts
 from genq.common.queue.keys import RunKeys
 
 # Nearly every first answer is cut at 50 tokens (lengths lognormal around 300).
@@ -140,3 +141,17 @@ def test_consumers_stop_looking_once_no_partial_is_left(tmp_path, redis_url, r, 
         consumer.cleanup()
     # One look when the consumer first meets version 3, none per task or per heartbeat.
     assert len(watch.seen) <= 1, watch.seen
+
+
+def test_the_rate_counts_only_the_tokens_decoded_now(r, run_name):
+    from test_scripts import claim, setup_run
+
+    k, runner = setup_run(r, run_name, 1)
+    jid, idx, ex, att = claim(runner, k)[0]
+    result = scripts.Result(job_id=jid, index=idx, exec_id=ex, completion_tokens=400,
+                            prompt_tokens=7, finish_reason="stop", version=1, attempt=att,
+                            continued=300)
+    assert runner(scripts.ack_many_call(k, "s", [result])) == [1]
+    [bucket] = r.keys(k.rate_prefix + "*")
+    assert (int(r.hget(bucket, "tok")), int(r.hget(bucket, "tok|s"))) == (100, 100)
+    assert r.hget(k.counters, "ctok_sum") == b"400"  # the answer is 400 tokens long all the same
