@@ -120,9 +120,10 @@ if #accept > 0 then
       add(counters, 'ptok_sum', it.ptoks)
       add(hist, it.ctoks, 1)
       add(bucket, 'req', 1)
-      add(bucket, 'tok', it.ctoks)
+      -- The rate is what the servers decode now: not a continued answer's partial.
+      add(bucket, 'tok', it.ctoks - it.cont)
       add(bucket, 'req|' .. ARGV[1], 1)
-      add(bucket, 'tok|' .. ARGV[1], it.ctoks)
+      add(bucket, 'tok|' .. ARGV[1], it.ctoks - it.cont)
       add(bucket, 'fin|' .. it.fname, 1)
       -- Per parameter version: the truncation alert judges only the current parameters, and
       -- the page says whether a raised max_tokens is enough.
