@@ -155,3 +155,22 @@ def test_the_rate_counts_only_the_tokens_decoded_now(r, run_name):
     [bucket] = r.keys(k.rate_prefix + "*")
     assert (int(r.hget(bucket, "tok")), int(r.hget(bucket, "tok|s"))) == (100, 100)
     assert r.hget(k.counters, "ctok_sum") == b"400"  # the answer is 400 tokens long all the same
+
+
+def test_partials_are_written_as_they_are_read_in_bounded_batches(r, run_name):
+    from genq.common.sglang import continuation
+
+    k, n, bound = RunKeys(run_name), 5000, 2000
+    behind: list[int] = []  # records read but not yet in Redis, at each read
+
+    def records():
+        for i in range(n):
+            behind.append(i - r.hlen(k.partials))
+            yield {"index": i, "reasoning_content": "x" * 200, "content": "y" * 200,
+                   "completion_tokens": 100, "prompt_tokens": 10, "params_version": 1,
+                   "attempt": 1}
+
+    r.hset(k.partials, "999999", b"old")  # an older set: replaced
+    continuation.put(r, k, records(), 2)
+    assert r.hlen(k.partials) == n and not r.hexists(k.partials, "999999")
+    assert max(behind) <= bound  # never the whole set in memory, nor one transaction of it
