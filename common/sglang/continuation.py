@@ -6,6 +6,7 @@ and `genq recover` call this module; nothing else knows what a partial is."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any
@@ -36,19 +37,26 @@ def continuable(record: dict[str, Any]) -> bool:
             and "<think>" not in texts and "</think>" not in texts)
 
 
-def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]], version: int) -> int:
+# Partials one HSET carries: memory and each command stay bounded however many there are.
+BATCH = 500
+
+
+def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
+        version: int) -> tuple[int, int, int]:
     """Store the partials of these records for parameter version `version` only, in place of
-    any kept before; the bytes they take."""
+    any kept before, a batch at a time as they are read; (how many, their tokens, bytes)."""
     packer = zstandard.ZstdCompressor(level=3)
-    packed = {str(rec["index"]): packer.compress(orjson.dumps(
-        {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in records}
-    pipe = r.pipeline(transaction=True)
-    pipe.delete(k.partials)
-    items = list(packed.items())
-    for start in range(0, len(items), 1000):  # bounded commands, however many partials
-        pipe.hset(k.partials, mapping=dict(items[start:start + 1000]))
-    pipe.execute()
-    return sum(len(v) for v in packed.values())
+    drop_all(r, k)
+    count = tokens = size = 0
+    rows = iter(records)
+    while batch := list(itertools.islice(rows, BATCH)):
+        packed = {str(rec["index"]): packer.compress(orjson.dumps(
+            {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in batch}
+        r.hset(k.partials, mapping=packed)  # type: ignore[arg-type]  # redis-py: invariant key
+        count += len(batch)
+        tokens += sum(int(rec["completion_tokens"]) for rec in batch)
+        size += sum(len(v) for v in packed.values())
+    return count, tokens, size
 
 
 def drop_all(r: redis.Redis | redis.client.Pipeline, k: RunKeys) -> None:
