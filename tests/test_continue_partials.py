@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import orjson
 import pytest
 import redis
 from conftest import genq
@@ -174,3 +175,20 @@ def test_partials_are_written_as_they_are_read_in_bounded_batches(r, run_name):
     continuation.put(r, k, records(), 2)
     assert r.hlen(k.partials) == n and not r.hexists(k.partials, "999999")
     assert max(behind) <= bound  # never the whole set in memory, nor one transaction of it
+
+
+def continued(redis_url, run) -> dict:
+    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)["continued"]
+
+
+@pytest.mark.timeout(300)
+def test_recover_rebuilds_the_continued_counters(tmp_path, redis_url, r, run_name, sim_factory):
+    sim, n, k = sim_factory(**SIM), 20, RunKeys(run_name)
+    first_pass(tmp_path, redis_url, run_name, sim, n)
+    genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
+    run_to_end(redis_url, run_name, sim, tmp_path / "out")
+    before = continued(redis_url, run_name)
+    assert before["2"]["continued"] > 0
+    r.delete(k.meta)  # the run is gone from Redis; its shards and manifest are not
+    genq("recover", "--shards", str(tmp_path / "out"), redis_url=redis_url, run=run_name)
+    assert continued(redis_url, run_name) == before
