@@ -70,6 +70,7 @@ class Recovered:
         self.seen = bytearray(total)  # 1 where an index was claimed
         self.attempt = array("q", bytes(8 * total))  # the highest attempt seen
         self.gen = array("q", bytes(8 * total))  # the generation of the result kept
+        self.cont = array("q", bytes(8 * total))  # tokens of the partial it continued
         self.newest_gen = 0  # the highest generation in any line
         self.standing = _View(self.state, _STANDING, self._row)  # index -> the Result that stands
         self.kept = _View(self.state, _KEPT, self._row)  # set aside by a redo, not done
@@ -110,7 +111,7 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
     return marks
 
 
-def _light(line: bytes) -> tuple[int, Result, float, int] | None:
+def _light(line: bytes) -> tuple[int, Result, float, int, int] | None:
     rec = parse_line(line)
     if rec is None:
         return None
@@ -121,7 +122,7 @@ def _light(line: bytes) -> tuple[int, Result, float, int] | None:
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
         return (int(rec["index"]), result, float(rec.get("created_at") or 0),
-                int(rec.get("gen") or 0))
+                int(rec.get("gen") or 0), int((rec.get("continued_from") or {}).get("tokens") or 0))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -139,7 +140,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
             if parsed is None or not 0 <= parsed[0] < total:
                 out.skipped += bool(line.strip())
                 continue
-            index, result, created_at, gen = parsed
+            index, result, created_at, gen, cont = parsed
             seen[index], claimed[index] = 1, max(claimed[index], result[1])  # claimed starts at 0
             out.newest_gen = max(out.newest_gen, gen)
             if rules.refused(result[0], created_at):
@@ -151,7 +152,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
                 continue  # the newest (version, gen, attempt) stands; on a tie, the first seen
             for column, value in zip(columns, result, strict=True):
                 column[index] = value
-            gens[index] = gen
+            gens[index], out.cont[index] = gen, cont
     # The newest result decides: if a redo covers it, the index is not done and the result is
     # only kept (an older one cannot stand in for it: it was superseded when this one was).
     finish = columns[2]
@@ -189,6 +190,11 @@ def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
     counters = {f"finish:{name}": n for name, n in names.items()}
     counters["ctok_sum"] = sum(ctoks[i] for i in rec.standing)
     counters["ptok_sum"] = sum(ptoks[i] for i in rec.standing)
+    for i in rec.standing:  # answers `requeue --continue` continued, as ack.lua counts them
+        if rec.cont[i]:
+            version = rec.columns[0][i]
+            counters[f"continued|{version}"] = counters.get(f"continued|{version}", 0) + 1
+            counters[f"saved|{version}"] = counters.get(f"saved|{version}", 0) + rec.cont[i]
     return counters, Counter(ctoks[i] for i in rec.standing)
 
 
