@@ -192,3 +192,21 @@ def test_recover_rebuilds_the_continued_counters(tmp_path, redis_url, r, run_nam
     r.delete(k.meta)  # the run is gone from Redis; its shards and manifest are not
     genq("recover", "--shards", str(tmp_path / "out"), redis_url=redis_url, run=run_name)
     assert continued(redis_url, run_name) == before
+
+
+@pytest.mark.timeout(300)
+def test_recover_keeps_what_pending_continuations_need(tmp_path, redis_url, r, run_name,
+                                                       sim_factory):
+    sim, n, k = sim_factory(**SIM), 20, RunKeys(run_name)
+    first_pass(tmp_path, redis_url, run_name, sim, n)
+    genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
+    pending = r.hlen(k.partials)
+    assert pending > 0
+    r.hset(k.partials, "999999", b"not of this run")  # gone with the state recover replaces
+    r.delete(k.meta)  # the run is gone from Redis before any continuation ran
+    genq("recover", "--shards", str(tmp_path / "out"), redis_url=redis_url, run=run_name)
+    assert r.hlen(k.partials) == pending and not r.hexists(k.partials, "999999")
+    run_to_end(redis_url, run_name, sim, tmp_path / "out")
+    records = export(tmp_path, redis_url, run_name)
+    assert sum(bool(rec.get("continued_from")) for rec in records.values()) == pending
+    assert continued(redis_url, run_name)["2"]["continued"] == pending
