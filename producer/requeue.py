@@ -137,7 +137,7 @@ def keep_partials(r: redis.Redis, k: RunKeys, found: tuple[Iterator[dict], int, 
         for rec in records:
             kept, tokens = kept + 1, tokens + int(rec["completion_tokens"])
     else:
-        kept, tokens, size = continuation.put(r, k, records, version)
+        kept, tokens, size = continuation.keep(r, k, records, version)
         print(f"partials kept for --continue: {kept} ({size:,} bytes of Redis, zstd)")
     return kept, tokens, truncated - kept, dirs
 

@@ -183,6 +183,15 @@ def _bitfields(rec: Recovered) -> dict[str, bytes]:
     return {name: _packed(column, WIDTHS[name]) for name, column in columns.items()}
 
 
+def pending_continuations(manifest: dict[str, Any],
+                          rec: Recovered) -> dict[int, tuple[int, int, int]]:
+    """index -> (version, attempt, gen) of each truncated result a `requeue --continue` of the
+    current version set aside and no answer replaced yet: the partials it still needs."""
+    if int(manifest.get("continues") or 0) != int(manifest["params_version"]):
+        return {}
+    return {i: (row[0], row[1], rec.gen[i]) for i, row in rec.kept.items() if row[2] == LENGTH}
+
+
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
     """The run's counters and completion-length histogram over the standing results."""
     finish, ctoks, ptoks = rec.columns[2:]
@@ -209,7 +218,7 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
                 k.claims, k.spent, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
                 k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind, k.fail_kinds,
                 k.params, k.params_version, k.params_floor, k.params_history, k.redo_marks,
-                k.rq_queue, k.rq_wip, k.partials)
+                k.rq_queue, k.rq_wip)
     pipe.set(k.done, bitmap.encode(rec.standing, total))
     pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:
@@ -238,4 +247,5 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
         "dataset": manifest["dataset"], "fingerprint": manifest["fingerprint"],
         "total": total, "queue": k.queue_name, "created_at": manifest.get("created_at") or 0,
         "epoch": manifest["epoch"], "recovered_at": time.time(),
-        "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1})
+        "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1,
+        "continues": int(manifest.get("continues") or 0)})

@@ -59,6 +59,14 @@ def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
     return count, tokens, size
 
 
+def keep(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
+         version: int) -> tuple[int, int, int]:
+    """`put`, and the run's manifest learns that `version` continues: `genq recover` keeps
+    the partials it still needs."""
+    r.hset(k.meta, "continues", version)
+    return put(r, k, records, version)
+
+
 def drop_all(r: redis.Redis | redis.client.Pipeline, k: RunKeys) -> None:
     """Forget every partial: the parameters they were made for are no longer the newest."""
     r.unlink(k.partials)
