@@ -91,7 +91,8 @@ class RunKeys:
         return f"genq:{self.run}:"
 
     meta = _Own("Hash: data set path, fingerprint, total, queue, created_at, epoch (the run's "
-                "identity: a run registered again under the same name gets a new one).")
+                "identity: a run registered again under the same name gets a new one); "
+                "continues: the version the last `requeue --continue` made.")
     done = _Own("Bitmap: the index's latest result is written and acknowledged (the truth).")
     failed = _Own("Bitmap: the index ran out of attempts or is a bad task.")
     pending = _Own("Bitmap: the index has a live RQ job (queued or leased).")
@@ -124,7 +125,8 @@ class RunKeys:
     servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} from its consumer.")
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")
     partials = _Own("Hash: index -> zstd JSON partial answer `requeue --continue` continues (at "
-                    "most one per truncated index; its accepted ack deletes it).")
+                    "most one per truncated index, for one parameter version; its accepted ack, "
+                    "a later requeue or a permanent failure deletes it).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "

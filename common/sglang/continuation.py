@@ -23,7 +23,7 @@ from genq.common.sglang.stream import Completion, InputTooLong, thinking_on
 
 logger = structlog.get_logger()
 
-# What a partial carries: the answer so far, which result it was, and the version it is for.
+# What a partial carries: the answer so far and which result it was (and `for_version`).
 FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", "params_version",
           "attempt")
 
@@ -67,7 +67,7 @@ def keep(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
     return put(r, k, records, version)
 
 
-def drop_all(r: redis.Redis | redis.client.Pipeline, k: RunKeys) -> None:
+def drop_all(r: redis.Redis, k: RunKeys) -> None:
     """Forget every partial: the parameters they were made for are no longer the newest."""
     r.unlink(k.partials)
 
