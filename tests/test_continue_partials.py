@@ -210,3 +210,20 @@ def test_recover_keeps_what_pending_continuations_need(tmp_path, redis_url, r, r
     records = export(tmp_path, redis_url, run_name)
     assert sum(bool(rec.get("continued_from")) for rec in records.values()) == pending
     assert continued(redis_url, run_name)["2"]["continued"] == pending
+
+
+def test_status_does_not_count_a_continued_answer_a_later_redo_set_aside(r, run_name):
+    from test_scripts import claim, setup_run
+
+    from genq.common.report.status import read_status
+
+    k, runner = setup_run(r, run_name, 2)
+    for jid, idx, ex, att in claim(runner, k, n=2):
+        result = scripts.Result(job_id=jid, index=idx, exec_id=ex, completion_tokens=400,
+                                prompt_tokens=7, finish_reason="length", version=1,
+                                attempt=att, continued=300 if idx == 0 else 0)
+        assert runner(scripts.ack_many_call(k, "s", [result])) == [1]
+    assert read_status(r, k.run)["continued"] == {
+        "1": {"continued": 1, "decode_tokens_saved": 300}}
+    assert runner(scripts.redo_call(k, "truncated", 0, 2, 2)) == [2, 2]
+    assert read_status(r, k.run)["continued"] == {}
