@@ -164,7 +164,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
 
 FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks")
 # Byte widths of the per-index BITFIELDs, from the one table the Lua scripts' layout follows.
-WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims")}
+WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims", "acc_cont")}
 
 
 def _packed(values: Iterable[int], width: int) -> bytes:
@@ -179,7 +179,8 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
     """Each per-index field as BITFIELD keeps it (big-endian), at full size."""
-    columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt}
+    columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt,
+               "acc_cont": rec.cont}
     return {name: _packed(column, WIDTHS[name]) for name, column in columns.items()}
 
 
@@ -216,9 +217,9 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     # Every key of the run's state (not heartbeats or rate buckets).
     pipe.delete(k.done, k.failed, k.pending, k.truncated, k.kept, k.leases, k.lease_owner,
                 k.claims, k.spent, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
-                k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind, k.fail_kinds,
-                k.params, k.params_version, k.params_floor, k.params_history, k.redo_marks,
-                k.rq_queue, k.rq_wip)
+                k.acc_cont, k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind,
+                k.fail_kinds, k.params, k.params_version, k.params_floor, k.params_history,
+                k.redo_marks, k.rq_queue, k.rq_wip)
     pipe.set(k.done, bitmap.encode(rec.standing, total))
     pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:

@@ -20,7 +20,7 @@ FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 # Redis grows a string by doubling it, which would keep up to twice the bytes needed.
 PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
                   "spent": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
-                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8}
+                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8, "acc_cont": 32}
 
 
 def finish_code(reason: str | None) -> int:
@@ -108,6 +108,8 @@ class RunKeys:
     acc_tokens = _Own("BITFIELD u32 per index: completion_tokens of the accepted result.")
     acc_ptoks = _Own("BITFIELD u32 per index: prompt_tokens of the accepted result.")
     acc_finish = _Own("BITFIELD u8 per index: FINISH_CODES code of the accepted result.")
+    acc_cont = _Own("BITFIELD u32 per index: tokens of the partial answer the accepted result "
+                    "continued (`requeue --continue`), so a redo undoes its counters too.")
     counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum; per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept).")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
