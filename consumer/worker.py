@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import time
@@ -29,11 +30,12 @@ from genq.common.errors import (
     mask_secrets,
 )
 from genq.common.params import DEFAULTS, request_body
-from genq.common.queue import feed, partials
+from genq.common.queue import feed
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.run import OK, REPLACED, finished
 from genq.common.queue.scripts import ScriptRunner, iso_now
-from genq.common.sglang.client import SGLang, continue_answer
+from genq.common.sglang.client import SGLang
+from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
 from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
@@ -81,7 +83,7 @@ class Consumer:
         self.out_dirs = 0  # output directories the run has, as last counted
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
         self.pause = ClaimPause()
-        self.partials_kept = False  # partials of `requeue --continue` to look for, as last seen
+        self.partials = Partials(self.redis, self.keys)  # `requeue --continue`'s
         self.acked = self.started_at = 0
         self.birth = iso_now()
         self.crashed = ""  # the duty that died, if one did
@@ -103,9 +105,7 @@ class Consumer:
     async def run(self) -> None:
         await redis_retry(self.queue.preload)
         await redis_retry(self.heartbeat)  # the clock offset before the first record
-        # The version before the first claim: a claim of a version newer than the one seen
-        # looks for a `requeue --continue` partial, an extra round trip per task.
-        await redis_retry(self.watch_params)
+        await redis_retry(self.watch_params)  # the version before the first claim
         loops = [asyncio.create_task(run_duty(duty, self.crash)) for duty in self.duties()]
         try:
             async with asyncio.TaskGroup() as tg:
@@ -332,10 +332,11 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 await self.after_abort(inflight)
                 return None
-            completion = await self.continued(inflight, body) or await self.ask(inflight, body)
+            ask = functools.partial(self.ask, inflight)
+            completion = await self.partials.answer(
+                lease.index, lease.version, body, ask) or await ask(body)
             completion = await self.structured.checked(
-                completion, lambda b: self.ask(inflight, b), body, params, lease.index,
-                lease.version)
+                completion, ask, body, params, lease.index, lease.version)
             record = build_record(
                 run=self.settings.run, index=lease.index, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
@@ -366,20 +367,6 @@ class Consumer:
                 inflight.abort = inflight.abort or "shutdown"
                 raise asyncio.CancelledError
 
-    async def continued(self, inflight: Inflight, body: dict[str, Any]) -> Completion | None:
-        """`requeue --continue`: the answer continued from the partial kept for this index,
-        looked up while the heartbeat sees partials kept, or for a claim of a version newer
-        than this consumer has seen (the requeue keeps them before it makes the version)."""
-        lease = inflight.lease
-        look = self.partials_kept or lease.version > self.version
-        partial = await partials.get(self.redis, self.keys, lease.index) if look else None
-        if partial is None or partial["params_version"] >= lease.version:
-            return None
-        whole = await continue_answer(lambda b: self.ask(inflight, b), body, partial)
-        if whole is None:
-            await partials.drop(self.redis, self.keys, lease.index)
-        return whole
-
     async def fail(self, inflight: Inflight, reason: str,
                    answer: dict[str, Any] | None = None) -> int | None:
         """The whole reason goes to the shard first (Redis keeps its kind), as an answer does
@@ -399,6 +386,7 @@ class Consumer:
             await self.settle_error(inflight, e)
             return None
         outcome = await self.retry(lambda: self.queue.fail(lease, reason))
+        await self.retry(lambda: self.partials.drop(lease.index, lease.version))  # for good
         logger.warning("task_failed", reason=reason, previous_result_kept=outcome == KEPT)
         return outcome
 
@@ -454,7 +442,6 @@ class Consumer:
         # Records are dated by Redis's clock (an abort switch's time is), whatever this host's.
         self.clock_offset = now + micros / 1e6 - (before + time.time()) / 2
         self.started_at = self.started_at or now
-        self.partials_kept = bool(await self.redis.exists(self.keys.partials))
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
         beat = {"name": self.settings.name, "server": self.settings.server,
@@ -481,6 +468,7 @@ class Consumer:
             await self.redis.sadd(self.keys.outdirs, os.path.abspath(self.settings.out))
             self.params.clear()  # versions may have been renumbered by a later requeue
             self.version = 0
+            self.partials.reset()
 
     async def watch_params(self) -> None:
         if self.runstate.state != OK:

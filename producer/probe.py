@@ -20,7 +20,8 @@ from genq.common.queue.replies import blob
 from genq.common.queue.run import RunInfo
 from genq.common.report.stats import percentiles, wilson
 from genq.common.report.status import read_status
-from genq.common.sglang.client import SGLang, continue_answer
+from genq.common.sglang.client import SGLang
+from genq.common.sglang.continuation import continue_answer
 
 POPULATIONS = {**params.REDO_PASSES, "none": ("truncated",)}
 

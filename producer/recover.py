@@ -16,10 +16,12 @@ import redis
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.data import recovery
+from genq.common.data.records import parse_line
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
 from genq.common.report.runhealth import recover_command
+from genq.common.sglang import continuation
 from genq.common.store.export import shard_paths
 
 
@@ -58,6 +60,17 @@ def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
             yield f
 
 
+def pending(lines: Iterable[bytes], wanted: dict[int, tuple[int, int, int]]) -> Iterator[dict]:
+    """The continuable records among these shard lines that are the wanted result, index ->
+    (params_version, attempt, gen), of their index: the partials a recover keeps."""
+    for line in lines:
+        rec = parse_line(line)
+        if rec is not None and continuation.continuable(rec) and wanted.get(
+                rec.get("index", -1)) == (rec.get("params_version"), rec.get("attempt"),
+                                          int(rec.get("gen") or 0)):
+            yield rec
+
+
 def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
     """Why the run must not be rebuilt now (present, or another run holds the name); None when it
     is gone."""
@@ -84,6 +97,14 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
     if state is not None and not replace:
         raise GenqError(state)
     rec = recovery.rebuild(manifest, streams)
+    # Partials go first, in batches, and the run's state after them in one MULTI: a consumer
+    # that sees the run back finds them. A replaced run's go with them.
+    wanted = recovery.pending_continuations(manifest, rec)
+    if wanted:
+        lines = (line for stream in local_streams(out_dirs, k.run) for line in stream)
+        continuation.put(r, k, pending(lines, wanted), int(manifest["continues"]))
+    else:
+        continuation.drop_all(r, k)
     with r.pipeline(transaction=True) as pipe:
         try:
             pipe.watch(k.meta)  # two recovers at once: the second sees the first's meta

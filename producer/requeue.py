@@ -4,8 +4,10 @@ under them, without restarting anything or losing finished work."""
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,14 +19,14 @@ from genq.common import params, schema
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.errors import UsageError
-from genq.common.queue import bitmap, partials
+from genq.common.queue import bitmap
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.queue.scripts import ScriptRunner, redo_call
 from genq.common.report.status import read_status
 from genq.common.report.status_table import human_duration
-from genq.common.sglang.stream import continuable
+from genq.common.sglang import continuation
 from genq.common.store import export
 from genq.producer import probe
 
@@ -92,29 +94,33 @@ def main(argv: list[str] | None = None) -> int:
     r = connect(a.redis_url)
     info = runs.load(r, k)
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
-    found = find_partials(r, k, info.total, a.shards) if a.cont else None
-    plan = make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo, inflight=inflight,
-                     partials=found)
+    plan_with = functools.partial(make_plan, r, k, changes=changes, unset=a.unset, redo=a.redo,
+                                  inflight=inflight)
+    plan = plan_with()
     if not plan.diff and a.redo == "none":
         raise UsageError("nothing to change: the parameters already have these values")
     # Refused before any version is made, so a refused requeue undoes no result.
     max_tokens = plan.new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]
     params.check_fits(r, k, int(max_tokens))
+    found = find_partials(r, k, info.total, a.shards) if a.cont else None
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,
                                  partials={p["index"]: p for p in found[0]} if found else None)
         print(orjson.dumps(report).decode() if a.json else probe.describe(report))
         return 0
+    if found:  # read once, and kept as read unless this is a dry run
+        plan = plan_with(partials=keep_partials(r, k, found, plan.new_version, a.dry_run))
     if a.dry_run:
         print("\n".join(["dry run, nothing changed:", *render(plan)]))
         return 0
-    if found:  # kept before the version that redoes them: every claim of it can find them
-        print(f"partials kept for --continue: {len(found[0])} "
-              f"({partials.put_all(r, k, found[0]):,} bytes of Redis, zstd)")
+    if not found:  # partials are for the version their requeue made only
+        continuation.drop_all(r, k)
     # A redo always makes a version, even without parameter changes: its scope is "results
     # of versions before this one", which must not include what runs after it.
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
+    if version != plan.new_version:  # another requeue made one meanwhile: not theirs either
+        continuation.drop_all(r, k)
     results, failed = redo(r, k, info.total, a.redo, version) if a.redo != "none" else (0, 0)
     # The manifest beside the shards must know this version before Redis could lose it.
     manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
@@ -124,15 +130,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def keep_partials(r: redis.Redis, k: RunKeys, found: tuple[Iterator[dict], int, list[str]],
+                  version: int, dry_run: bool) -> tuple[int, int, int, list[str]]:
+    """Keep these partials for `version` (in place of any older), before it exists so that
+    every claim of it finds them, or only count them; (kept, their tokens, truncated results
+    not continued, the directories read)."""
+    records, truncated, dirs = found
+    if dry_run:
+        kept = tokens = 0
+        for rec in records:
+            kept, tokens = kept + 1, tokens + int(rec["completion_tokens"])
+    else:
+        kept, tokens, size = continuation.keep(r, k, records, version)
+        print(f"partials kept for --continue: {kept} ({size:,} bytes of Redis, zstd)")
+    return kept, tokens, truncated - kept, dirs
+
+
 def find_partials(r: redis.Redis, k: RunKeys, total: int,
-                  shards: list[str]) -> tuple[list[dict], int, list[str]]:
-    """The continuable standing truncated results, how many others, the directories read."""
+                  shards: list[str]) -> tuple[Iterator[dict], int, list[str]]:
+    """The continuable standing truncated results, read as they are taken; how many truncated
+    results there are; the directories read."""
     dirs = [d for d in shards or sorted(text(d) for d in r.smembers(k.outdirs))
             if os.path.isdir(d)]
     truncated = blob(r.get(k.truncated))
     records = export.standing(r, k, total, dirs, lambda i: bitmap.is_set(truncated, i))
-    usable = [rec for rec in records if continuable(rec)]
-    return usable, sum(1 for _ in bitmap.set_indices(truncated, below=total)) - len(usable), dirs
+    usable = (rec for rec in records if continuation.continuable(rec))
+    return usable, sum(1 for _ in bitmap.set_indices(truncated, below=total)), dirs
 
 
 def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple[int, int]:
@@ -187,7 +210,7 @@ def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: fl
 
 def make_plan(r: redis.Redis, k: RunKeys, *, changes: dict[str, Any], unset: list[str],
               redo: str, inflight: str,
-              partials: tuple[list[dict], int, list[str]] | None = None) -> Plan:
+              partials: tuple[int, int, int, list[str]] | None = None) -> Plan:
     version, old = params.current(r, k)
     new, diff = params.apply(old, changes, unset)
     st = read_status(r, k.run)
@@ -199,13 +222,12 @@ def make_plan(r: redis.Redis, k: RunKeys, *, changes: dict[str, Any], unset: lis
     tokens = extra_tokens(redo=redo, results=results, failed=failed, aborted=aborted,
                           mean=st["output_tokens"]["mean"] or 0.0,
                           ctok_sum=st["output_tokens_total"], old_max=old_max, new_max=new_max,
-                          continued=len(partials[0]) if partials else 0)
-    continued = (len(partials[0]), sum(p["completion_tokens"] for p in partials[0]),
-                 partials[1]) if partials else None
+                          continued=partials[0] if partials else 0)
+    continued = partials[:3] if partials else None
     return Plan(run=k.run, version=version, new_version=version + 1, diff=diff,
                 new_params=new, redo=redo, inflight=inflight, results=results, failed=failed,
                 aborted=aborted, tokens=tokens, tok_per_s=st["rate"]["tok_per_s"],
-                continued=continued, dirs=tuple(partials[2]) if partials else ())
+                continued=continued, dirs=tuple(partials[3]) if partials else ())
 
 
 def _tokens(n: int) -> str:

@@ -34,7 +34,7 @@ def reference_rebuild(manifest: dict[str, Any], streams) -> dict[str, Any]:
             if parsed is None or not 0 <= parsed[0] < total:
                 skipped += bool(line.strip())
                 continue
-            index, result, created_at, gen = parsed
+            index, result, created_at, gen, _ = parsed
             claims[index] = max(claims.get(index, 0), result[1])
             if rules.refused(result[0], created_at):
                 refused += 1

@@ -70,6 +70,7 @@ class Recovered:
         self.seen = bytearray(total)  # 1 where an index was claimed
         self.attempt = array("q", bytes(8 * total))  # the highest attempt seen
         self.gen = array("q", bytes(8 * total))  # the generation of the result kept
+        self.cont = array("q", bytes(8 * total))  # tokens of the partial it continued
         self.newest_gen = 0  # the highest generation in any line
         self.standing = _View(self.state, _STANDING, self._row)  # index -> the Result that stands
         self.kept = _View(self.state, _KEPT, self._row)  # set aside by a redo, not done
@@ -110,7 +111,7 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
     return marks
 
 
-def _light(line: bytes) -> tuple[int, Result, float, int] | None:
+def _light(line: bytes) -> tuple[int, Result, float, int, int] | None:
     rec = parse_line(line)
     if rec is None or is_failure(rec):
         return None
@@ -121,7 +122,7 @@ def _light(line: bytes) -> tuple[int, Result, float, int] | None:
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
         return (int(rec["index"]), result, float(rec.get("created_at") or 0),
-                int(rec.get("gen") or 0))
+                int(rec.get("gen") or 0), int((rec.get("continued_from") or {}).get("tokens") or 0))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -145,7 +146,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
             if parsed is None or not 0 <= parsed[0] < total:
                 out.skipped += bool(line.strip()) and not _failure_line(line)
                 continue
-            index, result, created_at, gen = parsed
+            index, result, created_at, gen, cont = parsed
             seen[index], claimed[index] = 1, max(claimed[index], result[1])  # claimed starts at 0
             out.newest_gen = max(out.newest_gen, gen)
             if rules.refused(result[0], created_at):
@@ -157,7 +158,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
                 continue  # the newest (version, gen, attempt) stands; on a tie, the first seen
             for column, value in zip(columns, result, strict=True):
                 column[index] = value
-            gens[index] = gen
+            gens[index], out.cont[index] = gen, cont
     # The newest result decides: if a redo covers it, the index is not done and the result is
     # only kept (an older one cannot stand in for it: it was superseded when this one was).
     finish = columns[2]
@@ -169,7 +170,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
 
 FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks")
 # Byte widths of the per-index BITFIELDs, from the one table the Lua scripts' layout follows.
-WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims")}
+WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims", "acc_cont")}
 
 
 def _packed(values: Iterable[int], width: int) -> bytes:
@@ -184,8 +185,18 @@ def _packed(values: Iterable[int], width: int) -> bytes:
 
 def _bitfields(rec: Recovered) -> dict[str, bytes]:
     """Each per-index field as BITFIELD keeps it (big-endian), at full size."""
-    columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt}
+    columns = {**dict(zip(FIELDS, rec.columns, strict=True)), "claims": rec.attempt,
+               "acc_cont": rec.cont}
     return {name: _packed(column, WIDTHS[name]) for name, column in columns.items()}
+
+
+def pending_continuations(manifest: dict[str, Any],
+                          rec: Recovered) -> dict[int, tuple[int, int, int]]:
+    """index -> (version, attempt, gen) of each truncated result a `requeue --continue` of the
+    current version set aside and no answer replaced yet: the partials it still needs."""
+    if int(manifest.get("continues") or 0) != int(manifest["params_version"]):
+        return {}
+    return {i: (row[0], row[1], rec.gen[i]) for i, row in rec.kept.items() if row[2] == LENGTH}
 
 
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
@@ -195,6 +206,11 @@ def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
     counters = {f"finish:{name}": n for name, n in names.items()}
     counters["ctok_sum"] = sum(ctoks[i] for i in rec.standing)
     counters["ptok_sum"] = sum(ptoks[i] for i in rec.standing)
+    for i in rec.standing:  # answers `requeue --continue` continued, as ack.lua counts them
+        if rec.cont[i]:
+            version = rec.columns[0][i]
+            counters[f"continued|{version}"] = counters.get(f"continued|{version}", 0) + 1
+            counters[f"saved|{version}"] = counters.get(f"saved|{version}", 0) + rec.cont[i]
     return counters, Counter(ctoks[i] for i in rec.standing)
 
 
@@ -207,9 +223,9 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     # Every key of the run's state (not heartbeats or rate buckets).
     pipe.delete(k.done, k.failed, k.pending, k.truncated, k.kept, k.leases, k.lease_owner,
                 k.claims, k.spent, k.tries, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
-                k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind, k.fail_kinds,
-                k.params, k.params_version, k.params_floor, k.params_history, k.redo_marks,
-                k.rq_queue, k.rq_wip)
+                k.acc_cont, k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind,
+                k.fail_kinds, k.params, k.params_version, k.params_floor, k.params_history,
+                k.redo_marks, k.rq_queue, k.rq_wip)
     pipe.set(k.done, bitmap.encode(rec.standing, total))
     pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:
@@ -238,4 +254,5 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
         "dataset": manifest["dataset"], "fingerprint": manifest["fingerprint"],
         "total": total, "queue": k.queue_name, "created_at": manifest.get("created_at") or 0,
         "epoch": manifest["epoch"], "recovered_at": time.time(),
-        "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1})
+        "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1,
+        "continues": int(manifest.get("continues") or 0)})

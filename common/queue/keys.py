@@ -20,7 +20,7 @@ FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 # Redis grows a string by doubling it, which would keep up to twice the bytes needed.
 PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
                   "spent": 8, "tries": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
-                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8}
+                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8, "acc_cont": 32}
 
 
 def finish_code(reason: str | None) -> int:
@@ -91,7 +91,8 @@ class RunKeys:
         return f"genq:{self.run}:"
 
     meta = _Own("Hash: data set path, fingerprint, total, queue, created_at, epoch (the run's "
-                "identity: a run registered again under the same name gets a new one).")
+                "identity: a run registered again under the same name gets a new one); "
+                "continues: the version the last `requeue --continue` made.")
     done = _Own("Bitmap: the index's latest result is written and acknowledged (the truth).")
     failed = _Own("Bitmap: the index ran out of attempts or is a bad task.")
     pending = _Own("Bitmap: the index has a live RQ job (queued or leased).")
@@ -109,6 +110,8 @@ class RunKeys:
     acc_tokens = _Own("BITFIELD u32 per index: completion_tokens of the accepted result.")
     acc_ptoks = _Own("BITFIELD u32 per index: prompt_tokens of the accepted result.")
     acc_finish = _Own("BITFIELD u8 per index: FINISH_CODES code of the accepted result.")
+    acc_cont = _Own("BITFIELD u32 per index: tokens of the partial answer the accepted result "
+                    "continued (`requeue --continue`), so a redo undoes its counters too.")
     counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum; per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
                     "invalid|<v>, schema_failed|<v> (answers not matching the schema, prompts "
@@ -130,7 +133,8 @@ class RunKeys:
     servers = _Own("Hash: server URL -> JSON {context_length, capacity, at} from its consumer.")
     sweep = _Own("Hash: where the reaper's sweep for RQ-side changes resumes, per bitmap.")
     partials = _Own("Hash: index -> zstd JSON partial answer `requeue --continue` continues (at "
-                    "most one per truncated index; its accepted ack deletes it).")
+                    "most one per truncated index, for one parameter version; its accepted ack, "
+                    "a later requeue or a permanent failure deletes it).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "

@@ -117,7 +117,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors, k.meta, k.params_history, k.partials, k.tries]
+            k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
@@ -189,7 +189,7 @@ def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
     slice per call, so the atomic script never holds up the consumers' acks for long."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
-            k.pending, k.kept, k.tries]
+            k.pending, k.kept, k.tries, k.acc_cont]
     return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
 
 

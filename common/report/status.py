@@ -238,7 +238,7 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         # tokens, which regenerating them would have decoded again.
         "continued": {v.partition("|")[2]: {"continued": c, "decode_tokens_saved": counters.get(
             "saved|" + v.partition("|")[2], 0)} for v, c in counters.items()
-            if v.startswith("continued|")},
+            if v.startswith("continued|") and c > 0},
         "schema": _schema_counts(counters),
         "params": mask_raw(params), "params_history": [_history(h) for h in raw["history"]],
         "length_histogram": stats.histogram_bins(hist),

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from base64 import b64encode
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,9 +21,7 @@ from genq.common.sglang.stream import (
     Answer,
     Completion,
     ContextExceeded,
-    continue_body,
     error_message,
-    joined,
     load_moved,
     parse_load,
     status_error,
@@ -290,20 +288,3 @@ class SGLang:
             else:
                 answer.feed(rest, index, self.url)  # a last line without its newline
         return answer.completion(self.url, thinking=thinking_on(body))
-
-
-async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
-                          body: dict[str, Any], partial: dict[str, Any]) -> Completion | None:
-    """The whole answer continued from `partial` (a record's fields) with `ask`, or None if the
-    server did not take the partial as its start (generate it again)."""
-    prompt_tokens = int(partial["prompt_tokens"])
-    if body["max_tokens"] <= int(partial["completion_tokens"]):  # the limit adds nothing
-        return joined(partial, Completion(finish_reason="length", content="",
-                                          reasoning_content=None, prompt_tokens=prompt_tokens,
-                                          completion_tokens=0))
-    new = await ask(continue_body(body, partial))
-    if new.prompt_tokens <= prompt_tokens:
-        logger.warning("continuation_refused", prompt_tokens=new.prompt_tokens,
-                       consequence="the answer is generated again")
-        return None
-    return replace(joined(partial, new), prompt_tokens=prompt_tokens)

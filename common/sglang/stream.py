@@ -50,6 +50,11 @@ class ContextExceeded(TryAgain):
         self.context, self.input_tokens = context, input_tokens
 
 
+class InputTooLong(TryAgain):
+    """The input alone fills this server's context: not a bad prompt (another server may take
+    it), and a continuation's partial that no longer fits is generated anew."""
+
+
 class Answer:
     """The pieces of a streamed answer (server-sent events, one JSON chunk per `data:` line)."""
 
@@ -160,43 +165,6 @@ def token_count(usage: Any, key: str, url: str) -> int:
     return count
 
 
-def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
-    """The request that continues a partial answer, max_tokens less what it holds. SGLang 0.5.x
-    appends a final assistant message sent with continue_final_message after the generation
-    prompt, and its reasoning parser reads it (after `<think>` new text is thinking): the tags
-    put back make the text the model wrote."""
-    reasoning, content = partial.get("reasoning_content"), partial.get("content") or ""
-    prefix = content
-    if reasoning is not None and thinking_on(body):
-        # A partial without content stopped inside its thinking: the tag stays open.
-        prefix = f"<think>{reasoning}" + (f"</think>{content}" if content else "")
-    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": prefix}],
-            "continue_final_message": True,
-            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
-
-
-def continuable(record: dict[str, Any]) -> bool:
-    """Whether a truncated record can be continued: it holds tokens and no think tag (the server
-    would split the prefix otherwise)."""
-    texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
-    return (record.get("finish_reason") == "length"
-            and int(record.get("completion_tokens") or 0) > 0
-            and "<think>" not in texts and "</think>" not in texts)
-
-
-def joined(partial: dict[str, Any], new: Completion) -> Completion:
-    """The whole answer: the partial's texts then the continuation's, tokens summed, the
-    continuation's finish_reason."""
-    reasoning, more = partial.get("reasoning_content"), new.reasoning_content
-    return replace(new, reasoning_content=None if reasoning is None and more is None
-                   else (reasoning or "") + (more or ""),
-                   content=(partial.get("content") or "") + new.content,
-                   completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
-                   continued_from={"version": partial["params_version"],
-                                   "attempt": partial["attempt"],
-                                   "tokens": int(partial["completion_tokens"])})
-
-
 def split_thinking(text: str) -> tuple[str | None, str]:
     """Split thinking a server without --reasoning-parser left in content as SGLang's qwen3
     parser does; without `</think>` only a leading `<think>` marks (unfinished) thinking."""
@@ -247,7 +215,7 @@ def status_error(status: int, message: str, index: int, url: str,
             return ContextExceeded(message, context, input_tokens)
     if status == 400 and INPUT_TOO_LONG.search(message):
         # Too long for this server's context, not a bad prompt: another server may take it.
-        return TryAgain(f"{url}: {message}")
+        return InputTooLong(f"{url}: {message}")
     return BadTask(index, f"server refused the request (HTTP {status}): {message}")
 
 

@@ -192,8 +192,9 @@ def _copy(picks: Picks, paths: list[Path], starts: array, marked: set[int], dst:
 
 
 def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
-             wanted: Callable[[int], bool]) -> list[dict]:
-    """The accepted record of each done, ``wanted`` index found in the shards."""
+             wanted: Callable[[int], bool]) -> Iterator[dict]:
+    """The accepted record of each done, ``wanted`` index found in the shards, one at a time
+    as read (a requeue may want a hundred thousand whole answers)."""
     accepted, is_done, _ = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
     picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i))
@@ -201,12 +202,10 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
     for i in range(total):
         if picks.state[i] == ACCEPTED:
             by_file.setdefault(picks.file[i], []).append(i)
-    found = []
     for file_no, chosen in by_file.items():
         with _open_shard(paths[file_no]) as fd:
-            found += [orjson.loads(_read_at(fd, picks.length[i], picks.offset[i], paths[file_no]))
-                      for i in chosen]
-    return found
+            for i in chosen:
+                yield orjson.loads(_read_at(fd, picks.length[i], picks.offset[i], paths[file_no]))
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,

@@ -8,7 +8,7 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries
+--       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries, 25 acc_cont
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
@@ -120,9 +120,10 @@ if #accept > 0 then
       add(counters, 'ptok_sum', it.ptoks)
       add(hist, it.ctoks, 1)
       add(bucket, 'req', 1)
-      add(bucket, 'tok', it.ctoks)
+      -- The rate is what the servers decode now: not a continued answer's partial.
+      add(bucket, 'tok', it.ctoks - it.cont)
       add(bucket, 'req|' .. ARGV[1], 1)
-      add(bucket, 'tok|' .. ARGV[1], it.ctoks)
+      add(bucket, 'tok|' .. ARGV[1], it.ctoks - it.cont)
       add(bucket, 'fin|' .. it.fname, 1)
       -- Per parameter version: the truncation alert judges only the current parameters, and
       -- the page says whether a raised max_tokens is enough.
@@ -140,10 +141,11 @@ if #accept > 0 then
   end
 end
 if #keep > 0 then
-  local tokens, ptoks, finish, version, attempt = {}, {}, {}, {}, {}
+  local tokens, ptoks, finish, version, attempt, cont = {}, {}, {}, {}, {}, {}
   for _, it in ipairs(keep) do
     local at = '#' .. it.idx
     push(tokens, 'SET', 'u32', at, it.ctoks)
+    push(cont, 'SET', 'u32', at, it.cont)
     push(ptoks, 'SET', 'u32', at, it.ptoks)
     push(finish, 'SET', 'u8', at, it.fcode)
     push(version, 'SET', 'u16', at, it.ver)
@@ -154,6 +156,7 @@ if #keep > 0 then
   redis.call('BITFIELD', KEYS[10], unpack(finish))
   redis.call('BITFIELD', KEYS[11], unpack(version))
   redis.call('BITFIELD', KEYS[12], unpack(attempt))
+  redis.call('BITFIELD', KEYS[25], unpack(cont))
 end
 if #kept > 0 then redis.call('BITFIELD', KEYS[19], unpack(kept)) end
 if #spent > 2 then

@@ -3,7 +3,7 @@
 -- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
 -- KEYS: 1 done, 2 truncated, 3 failed, 4 counters, 5 length_hist, 6 acc_tokens, 7 acc_ptoks,
 --       8 acc_finish, 9 acc_version, 10 spent, 11 errors, 12 rq failed registry, 13 pending,
---       14 kept, 15 tries
+--       14 kept, 15 tries, 16 acc_cont
 -- ARGV: 1 what (truncated|done|failed), 2 start, 3 stop (exclusive), 4 redo results whose
 --       version is below this, 5 run name, 6 limit, 7.. finish names by code (keys.FINISH_NAMES)
 -- Returns {indices made runnable, position to continue from (stop when finished)}
@@ -12,8 +12,14 @@ local below, limit = tonumber(ARGV[4]), tonumber(ARGV[6])
 
 local function undo_result(idx)
   local at = '#' .. idx
-  if redis.call('BITFIELD', KEYS[9], 'GET', 'u16', at)[1] >= below then return 0 end
+  local version = redis.call('BITFIELD', KEYS[9], 'GET', 'u16', at)[1]
+  if version >= below then return 0 end
   if redis.call('GETBIT', KEYS[1], idx) == 0 then return 0 end
+  local cont = redis.call('BITFIELD', KEYS[16], 'GET', 'u32', at)[1]
+  if cont > 0 then  -- a continued answer set aside no longer counts as one
+    redis.call('HINCRBY', KEYS[4], 'continued|' .. version, -1)
+    redis.call('HINCRBY', KEYS[4], 'saved|' .. version, 0 - cont)
+  end
   local ctoks = redis.call('BITFIELD', KEYS[6], 'GET', 'u32', at)[1]
   local ptoks = redis.call('BITFIELD', KEYS[7], 'GET', 'u32', at)[1]
   local code = redis.call('BITFIELD', KEYS[8], 'GET', 'u8', at)[1]

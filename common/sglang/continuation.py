@@ -1,0 +1,181 @@
+"""`genq requeue --continue` end to end: the partial answers it keeps in Redis (zstd JSON per
+truncated index, each stamped with the one parameter version it was made for), looked up and
+dropped, and the request that continues one, joined to it. The requeue, the consumer, the probe
+and `genq recover` call this module; nothing else knows what a partial is."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+import redis
+import redis.asyncio as aioredis
+import structlog
+import zstandard
+
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
+from genq.common.sglang.stream import Completion, InputTooLong, thinking_on
+
+logger = structlog.get_logger()
+
+# What a partial carries: the answer so far and which result it was (and `for_version`).
+FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", "params_version",
+          "attempt")
+
+
+def continuable(record: dict[str, Any]) -> bool:
+    """Whether a truncated record can be continued: it holds tokens and no think tag (the server
+    would split the prefix otherwise)."""
+    texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
+    return (record.get("finish_reason") == "length"
+            and int(record.get("completion_tokens") or 0) > 0
+            and "<think>" not in texts and "</think>" not in texts)
+
+
+# Partials one HSET carries: memory and each command stay bounded however many there are.
+BATCH = 500
+
+
+def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
+        version: int) -> tuple[int, int, int]:
+    """Store the partials of these records for parameter version `version` only, in place of
+    any kept before, a batch at a time as they are read; (how many, their tokens, bytes)."""
+    packer = zstandard.ZstdCompressor(level=3)
+    drop_all(r, k)
+    count = tokens = size = 0
+    rows = iter(records)
+    while batch := list(itertools.islice(rows, BATCH)):
+        packed = {str(rec["index"]): packer.compress(orjson.dumps(
+            {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in batch}
+        r.hset(k.partials, mapping=packed)  # type: ignore[arg-type]  # redis-py: invariant key
+        count += len(batch)
+        tokens += sum(int(rec["completion_tokens"]) for rec in batch)
+        size += sum(len(v) for v in packed.values())
+    return count, tokens, size
+
+
+def keep(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
+         version: int) -> tuple[int, int, int]:
+    """`put`, and the run's manifest learns that `version` continues: `genq recover` keeps
+    the partials it still needs."""
+    r.hset(k.meta, "continues", version)
+    return put(r, k, records, version)
+
+
+def drop_all(r: redis.Redis, k: RunKeys) -> None:
+    """Forget every partial: the parameters they were made for are no longer the newest."""
+    r.unlink(k.partials)
+
+
+class Partials:
+    """A consumer's side: the partial its task continues. Partials are kept before the version
+    they are for exists, so the first task of each newer version asks whether any are kept (one
+    round trip, shared by the tasks that start with it); once the hash is seen empty, the
+    version's other tasks ask nothing."""
+
+    def __init__(self, r: aioredis.Redis, k: RunKeys) -> None:
+        self.redis, self.keys = r, k
+        self.checked = 0  # the newest version whose partials were looked for
+        self.kept: asyncio.Future[int] | None = None  # whether any were kept for it
+        self.empty = False  # seen empty since
+
+    def reset(self) -> None:
+        """Look again from the first task on: a recover may number versions anew."""
+        self.checked, self.kept, self.empty = 0, None, False
+
+    async def may_hold(self, version: int) -> bool:
+        if version > self.checked:
+            self.checked, self.empty = version, False
+            self.kept = asyncio.ensure_future(self.redis.exists(self.keys.partials))
+        if version != self.checked or self.empty or self.kept is None:
+            return False
+        try:
+            return bool(await self.kept)
+        except BaseException:
+            self.reset()  # Redis trouble: the next task asks again
+            raise
+
+    async def get(self, index: int, version: int) -> dict[str, Any] | None:
+        """The partial kept for this index and a task of `version`; one made for another
+        version is never used."""
+        if not await self.may_hold(version):
+            return None
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hget(self.keys.partials, str(index))
+        pipe.exists(self.keys.partials)
+        got, left = await pipe.execute()
+        self.empty = not left
+        raw = blob(got)
+        partial = orjson.loads(zstandard.ZstdDecompressor().decompress(raw)) if raw else None
+        return partial if partial and partial.get("for_version") == version else None
+
+    async def drop(self, index: int, version: int) -> None:
+        """Forget this index's partial (it failed for good, or its continuation was refused)."""
+        if await self.may_hold(version):
+            await self.redis.hdel(self.keys.partials, str(index))
+
+    async def answer(self, index: int, version: int, body: dict[str, Any],
+                     ask: Callable[[dict[str, Any]], Awaitable[Completion]]) -> Completion | None:
+        """The whole answer continued from this task's partial, or None (none, or refused:
+        generate it from the start)."""
+        partial = await self.get(index, version)
+        if partial is None:
+            return None
+        whole = await continue_answer(ask, body, partial)
+        if whole is None:
+            await self.drop(index, version)
+        return whole
+
+
+def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
+    """The request that continues a partial answer, max_tokens less what it holds. SGLang 0.5.x
+    appends a final assistant message sent with continue_final_message after the generation
+    prompt, and its reasoning parser reads it (after `<think>` new text is thinking): the tags
+    put back make the text the model wrote."""
+    reasoning, content = partial.get("reasoning_content"), partial.get("content") or ""
+    prefix = content
+    if reasoning is not None and thinking_on(body):
+        # A partial without content stopped inside its thinking: the tag stays open.
+        prefix = f"<think>{reasoning}" + (f"</think>{content}" if content else "")
+    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": prefix}],
+            "continue_final_message": True,
+            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
+
+
+def joined(partial: dict[str, Any], new: Completion) -> Completion:
+    """The whole answer: the partial's texts then the continuation's, tokens summed, the
+    continuation's finish_reason."""
+    reasoning, more = partial.get("reasoning_content"), new.reasoning_content
+    return replace(new, reasoning_content=None if reasoning is None and more is None
+                   else (reasoning or "") + (more or ""),
+                   content=(partial.get("content") or "") + new.content,
+                   completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
+                   continued_from={"version": partial["params_version"],
+                                   "attempt": partial["attempt"],
+                                   "tokens": int(partial["completion_tokens"])})
+
+
+async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
+                          body: dict[str, Any], partial: dict[str, Any]) -> Completion | None:
+    """The whole answer continued from `partial` (a record's fields) with `ask`, or None if the
+    server did not take the partial as its start (generate it again)."""
+    prompt_tokens = int(partial["prompt_tokens"])
+    if body["max_tokens"] <= int(partial["completion_tokens"]):  # the limit adds nothing
+        return joined(partial, Completion(finish_reason="length", content="",
+                                          reasoning_content=None, prompt_tokens=prompt_tokens,
+                                          completion_tokens=0))
+    try:
+        new = await ask(continue_body(body, partial))
+    except InputTooLong:  # the prompt and its partial outgrew the context: start again
+        logger.warning("continuation_too_long", consequence="the answer is generated again")
+        return None
+    if new.prompt_tokens <= prompt_tokens:
+        logger.warning("continuation_refused", prompt_tokens=new.prompt_tokens,
+                       consequence="the answer is generated again")
+        return None
+    return replace(joined(partial, new), prompt_tokens=prompt_tokens)
