@@ -27,6 +27,7 @@ SCRIPTS = {
     "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
+    "s3_dataset.py": ["--rows", "2000", "--seconds", "1"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
                  "--slots", "4", "--timeout", "120"],
 }
@@ -122,5 +123,6 @@ CHECKS = {
     "restart.py": lambda f: (f["killed"]["full_again_s"] > 0 and f["tasks_back_s"] > 0
                              and f["bare_full_again_s"] > 0) or pytest.fail(f),
     "s3_shipping.py": check_s3,
+    "s3_dataset.py": lambda f: (f["done"] > 0 and f["consumer_peak_mb"] > 0) or pytest.fail(f),
     "chaos.py": lambda f: all(f["checks"].values()) or pytest.fail(f),
 }
