@@ -23,7 +23,6 @@ import orjson
 
 from genq.common.net import free_port
 from genq.common.queue.keys import RunKeys
-from genq.common.store import s3 as store
 
 BUCKET = "genq-bench"
 SYSTEM = "You are a coding agent. Use the tools to read, edit and test files. " * 6
@@ -84,7 +83,11 @@ def main() -> int:
     os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
                       AWS_DEFAULT_REGION="us-east-1",
                       AWS_ENDPOINT_URL=f"http://127.0.0.1:{moto._port}")
-    s3 = store.client()
+    import boto3
+    from botocore.config import Config
+
+    # The bench's own client: moto assembles a big multipart upload slower than genq's timeout.
+    s3 = boto3.client("s3", config=Config(read_timeout=600))
     s3.create_bucket(Bucket=BUCKET)
     f: dict = {"rows": a.rows, "format": a.format}
     with kit.workdir() as tmp, kit.private_redis() as rs, \
