@@ -375,3 +375,27 @@ def test_a_data_set_in_s3_alone_is_produced_and_consumed(
     assert Counter(rec["index"] for rec in bucket_records(client, run_name)) == Counter(range(n))
     fingerprint(f"s3://{BUCKET}/{key}")
     assert fingerprints[0] == fingerprints[1]  # a copy in S3 is the same data set as the file
+
+
+@pytest.mark.timeout(150)
+def test_continue_reads_the_truncated_answers_from_s3_alone(
+        tmp_path, redis_url, run_name, sim_factory, s3):
+    """The consumers' disks are gone: `requeue --continue --from-s3` finds every truncated
+    answer's partial in the bucket."""
+    import shutil
+
+    n = 60
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run_name)
+    sim = sim_factory(time_scale=1000, length_dist="lognormal:300:0.8")
+    c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "20")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    truncated = [rec for rec in bucket_records(s3[0], run_name) if rec["finish_reason"] == "length"]
+    assert truncated
+    shutil.rmtree(tmp_path / "out")
+    out = genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
+               "--from-s3", URI, redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)}" in out
