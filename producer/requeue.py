@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from genq.common.report.status import read_status
 from genq.common.report.status_table import human_duration
 from genq.common.sglang.stream import continuable
 from genq.common.store import export
+from genq.common.store import s3 as store
 from genq.producer import probe
 
 
@@ -51,6 +53,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="with --continue: shard directory to read (default: those the "
                         "consumers registered)")
+    p.add_argument("--from-s3", metavar="URI",
+                   help="with --continue: read the shards from s3://bucket/prefix instead")
     p.add_argument("--dry-run", action="store_true",
                    help="say what would change and what it costs, change nothing")
     p.add_argument("--probe", type=_positive, metavar="N",
@@ -84,11 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
     if a.cont and a.redo != "truncated":
         raise UsageError("--continue continues truncated answers: give --redo truncated")
+    if a.from_s3 and not a.cont:
+        raise UsageError("--from-s3 reads the partials of --continue: give --continue")
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
-    found = find_partials(r, k, info.total, a.shards) if a.cont else None
+    with tempfile.TemporaryDirectory(prefix="genq-s3-") as fetched:
+        if a.cont and a.from_s3:
+            store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
+        shards = [fetched] if a.from_s3 else a.shards
+        found = find_partials(r, k, info.total, shards) if a.cont else None
     plan = make_plan(r, k, changes=changes, unset=a.unset, redo=a.redo, inflight=inflight,
                      partials=found)
     if not plan.diff and a.redo == "none":
