@@ -61,6 +61,7 @@ def cluster(tmp_path, redis_url, run_name, monkeypatch):
         "GENQ_GPUS": "0,1", "GENQ_OUT": str(tmp_path / "nodes"), "GENQ_GRACE": "10",
         "GENQ": f"{sys.executable} -m genq", "PYTHONPATH": str(REPO),
         "GENQ_MONITOR_PORT": str(free_port()),
+        "XDG_CACHE_HOME": str(tmp_path / "login-node"),  # the producer's copy of the data set
     }.items():
         monkeypatch.setenv(key, value)
     s3 = boto3.client("s3", endpoint_url=endpoint)
