@@ -7,7 +7,8 @@ import argparse
 import functools
 import os
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from genq.common.report.status import read_status
 from genq.common.report.status_table import human_duration
 from genq.common.sglang import continuation
 from genq.common.store import export
+from genq.common.store import s3 as store
 from genq.producer import probe
 
 
@@ -55,6 +57,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="with --continue: shard directory to read (default: those the "
                         "consumers registered)")
+    p.add_argument("--from-s3", metavar="URI",
+                   help="with --continue: read the shards from s3://bucket/prefix instead")
     p.add_argument("--dry-run", action="store_true",
                    help="say what would change and what it costs, change nothing")
     p.add_argument("--probe", type=_positive, metavar="N",
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
     if a.cont and a.redo != "truncated":
         raise UsageError("--continue continues truncated answers: give --redo truncated")
+    if a.from_s3 and not a.cont:
+        raise UsageError("--from-s3 reads the partials of --continue: give --continue")
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
@@ -102,7 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     # Refused before any version is made, so a refused requeue undoes no result.
     max_tokens = plan.new_params.get("max_tokens") or params.DEFAULTS["max_tokens"]
     params.check_fits(r, k, int(max_tokens))
-    found = find_partials(r, k, info.total, a.shards) if a.cont else None
+    with tempfile.TemporaryDirectory(prefix="genq-s3-") as fetched:
+        shards = a.shards
+        if a.cont and a.from_s3:  # the shards from S3 alone, read as the partials are kept
+            store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
+            shards = [fetched]
+        return apply(a, r, k, info, changes, inflight, plan_with, plan, shards)
+
+
+def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
+          changes: dict[str, Any], inflight: str, plan_with: Callable[..., Plan], plan: Plan,
+          shards: list[str]) -> int:
+    """The requeue itself, once its flags and the plan are checked: probe, dry run, or keep the
+    partials, switch the version and redo."""
+    found = find_partials(r, k, info.total, shards) if a.cont else None
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,

@@ -28,6 +28,7 @@ SCRIPTS = {
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
     "token_ids.py": ["--records", "60"],
+    "s3_dataset.py": ["--rows", "2000", "--seconds", "1"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
                  "--slots", "4", "--timeout", "120"],
 }
@@ -123,6 +124,7 @@ CHECKS = {
     "restart.py": lambda f: (f["killed"]["full_again_s"] > 0 and f["tasks_back_s"] > 0
                              and f["bare_full_again_s"] > 0) or pytest.fail(f),
     "s3_shipping.py": check_s3,
+    "s3_dataset.py": lambda f: (f["done"] > 0 and f["consumer_peak_mb"] > 0) or pytest.fail(f),
     "chaos.py": lambda f: all(f["checks"].values()) or pytest.fail(f),
     "token_ids.py": lambda f: (f["ids on"]["zstd_bytes"] > f["ids off"]["zstd_bytes"] > 0
                                and f["ids on"]["records"] == 60) or pytest.fail(f),

@@ -331,3 +331,71 @@ def test_recover_from_s3_alone_restores_the_run_exactly(
     for key in ("total", "done", "failed", "params_version", "finish_reasons",
                 "output_tokens", "params"):
         assert status_after[key] == status_before[key], key
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_data_set_in_s3_alone_is_produced_and_consumed(
+        tmp_path, redis_url, run_name, sim_factory, s3, monkeypatch, suffix):
+    """The data set exists only in the bucket: the producer and a consumer whose machine never
+    saw the file (a fresh cache, the local copy deleted) read it by index from S3."""
+    import pyarrow.json as pj
+    import pyarrow.parquet as pq
+
+    from genq.common.data.dataset import open_dataset
+
+    client, _ = s3
+    n = 50
+    local = write_dataset(tmp_path / "src.jsonl", n)
+    if suffix == "parquet":
+        pq.write_table(pj.read_json(local), tmp_path / "src.parquet", row_group_size=16)
+        local = tmp_path / "src.parquet"
+    fingerprints = []
+
+    def fingerprint(where) -> None:
+        ds = open_dataset(where)
+        fingerprints.append(ds.fingerprint)
+        ds.close()
+
+    fingerprint(local)
+    key = f"data/prompts.{suffix}"
+    client.upload_file(str(local), BUCKET, key)
+    local.unlink()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "producer-cache"))
+    genq("produce", f"s3://{BUCKET}/{key}", "--once", redis_url=redis_url, run=run_name)
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert status["dataset"] == f"s3://{BUCKET}/{key}" and status["total"] == n
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "node2-cache"))
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    c = consumer(redis_url, run_name, sim, tmp_path / "node2", "--burst")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    assert Counter(rec["index"] for rec in bucket_records(client, run_name)) == Counter(range(n))
+    fingerprint(f"s3://{BUCKET}/{key}")
+    assert fingerprints[0] == fingerprints[1]  # a copy in S3 is the same data set as the file
+
+
+@pytest.mark.timeout(150)
+def test_continue_reads_the_truncated_answers_from_s3_alone(
+        tmp_path, redis_url, run_name, sim_factory, s3):
+    """The consumers' disks are gone: `requeue --continue --from-s3` finds every truncated
+    answer's partial in the bucket."""
+    import shutil
+
+    n = 60
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run_name)
+    sim = sim_factory(time_scale=1000, length_dist="lognormal:300:0.8")
+    c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "20")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    truncated = [rec for rec in bucket_records(s3[0], run_name) if rec["finish_reason"] == "length"]
+    assert truncated
+    shutil.rmtree(tmp_path / "out")
+    out = genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
+               "--from-s3", URI, redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)}" in out

@@ -125,7 +125,12 @@ def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) ->
 
 
 def open_dataset(path: str | os.PathLike[str]) -> Dataset:
-    """Open a data set; Parquet by suffix or magic bytes, JSON lines otherwise."""
+    """Open a data set (a path, or ``s3://bucket/key`` read from this machine's copy); Parquet
+    by suffix or magic bytes, JSON lines otherwise."""
+    if str(path).startswith("s3://"):
+        from genq.common.data.remote import local_copy
+
+        path = local_copy(str(path))
     p = Path(path).expanduser().absolute()
     if p.is_dir():
         raise DatasetError(f"data set {p}: is a directory")

@@ -28,7 +28,7 @@ class RunInfo:
 
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: int) -> RunInfo:
     """Create the run, or check that an existing run is on the same data set."""
-    path = os.path.abspath(dataset)
+    path = dataset if dataset.startswith("s3://") else os.path.abspath(dataset)
     fields: dict[FieldT, EncodableT] = {
         "dataset": path, "fingerprint": fingerprint, "total": total, "queue": k.queue_name,
         "created_at": time.time(), "epoch": secrets.token_hex(8)}
