@@ -38,15 +38,15 @@ def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | N
     template = Path(__file__).parent.parent / "scripts" / "real-sglang" / "chat_template.jinja"
     code = ("import json, sys; from transformers import AutoTokenizer; "
             "a = json.load(sys.stdin); t = AutoTokenizer.from_pretrained(a['model']); "
-            "print(json.dumps(t.apply_chat_template(a['messages'], tools=a['tools'], "
+            "ids = t.apply_chat_template(a['messages'], tools=a['tools'], "
             "chat_template=open(a['template']).read(), add_generation_prompt=True, "
-            "enable_thinking=True, tokenize=True)))")
+            "enable_thinking=True, tokenize=True); "
+            "print(json.dumps(list(ids if isinstance(ids, list) else ids['input_ids'])))")
     out = subprocess.run([str(base / "venv" / "bin" / "python"), "-c", code], check=True,
                          capture_output=True, text=True, timeout=120, input=json.dumps(
                              {"model": str(base / "tiny-model"), "messages": messages,
                               "tools": tools, "template": str(template)}))
-    ids = json.loads(out.stdout)
-    return ids["input_ids"] if isinstance(ids, dict) else ids
+    return json.loads(out.stdout)
 
 
 def test_records_hold_the_servers_ids_and_tools_reach_the_prompt(
