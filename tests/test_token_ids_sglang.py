@@ -33,12 +33,15 @@ def server(request):
 
 def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | None) -> list[int]:
     """The prompt ids the real tier's model gives these messages: its tokenizer and the chat
-    template the server runs (scripts/real-sglang/chat_template.jinja)."""
+    template the server runs (scripts/real-sglang/chat_template.jinja), the tools as SGLang
+    hands them to the template (its own Tool model, dumped: `defer_loading: null` added)."""
     base = Path(os.environ.get("BASE") or Path.home() / ".cache" / "genq-real-sglang")
     template = Path(__file__).parent.parent / "scripts" / "real-sglang" / "chat_template.jinja"
     code = ("import json, sys; from transformers import AutoTokenizer; "
+            "from sglang.srt.entrypoints.openai.protocol import Tool; "
             "a = json.load(sys.stdin); t = AutoTokenizer.from_pretrained(a['model']); "
-            "ids = t.apply_chat_template(a['messages'], tools=a['tools'], "
+            "tools = [Tool.model_validate(x).model_dump() for x in a['tools'] or []] or None; "
+            "ids = t.apply_chat_template(a['messages'], tools=tools, "
             "chat_template=open(a['template']).read(), add_generation_prompt=True, "
             "enable_thinking=True, tokenize=True); "
             "print(json.dumps(list(ids if isinstance(ids, list) else ids['input_ids'])))")
