@@ -16,6 +16,7 @@ from rich.progress import Progress
 from genq.common import params
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
+from genq.common.data.records import task_of
 from genq.common.errors import UsageError
 from genq.common.queue import bitmap, partials
 from genq.common.queue import run as runs
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,
-                                 partials={p["index"]: p for p in found[0]} if found else None)
+                                 partials={task_of(p, info.samples): p for p in found[0]}
+                                 if found else None)
         print(orjson.dumps(report).decode() if a.json else probe.describe(report))
         return 0
     if a.dry_run:
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if found:  # kept before the version that redoes them: every claim of it can find them
         print(f"partials kept for --continue: {len(found[0])} "
-              f"({partials.put_all(r, k, found[0]):,} bytes of Redis, zstd)")
+              f"({partials.put_all(r, k, found[0], info.samples):,} bytes of Redis, zstd)")
     # A redo always makes a version, even without parameter changes: its scope is "results
     # of versions before this one", which must not include what runs after it.
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)

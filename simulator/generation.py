@@ -122,6 +122,13 @@ def _tool_call(data: dict[str, Any], text: str) -> dict[str, Any] | None:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
+def _seeded(text: str, sampling: dict[str, Any]) -> str:
+    """What a natural length is drawn from: the prompt, and the request's seed if it gives one
+    (as a sampling server: the same seed, the same answer; another seed, another)."""
+    seed = sampling.get("seed", sampling.get("sampling_seed"))
+    return text if seed is None else f"{text}\x00seed={seed}"
+
+
 def _no_stream(data: dict[str, Any]) -> None:
     if data.get("stream"):
         raise ApiError(400, "the simulator streams chat completions only; send stream: false")
@@ -144,7 +151,7 @@ async def chat(engine: Engine, body: bytes) -> Any:
     prompt_tokens = max(1, count_words(text)) + held
     _check_context(engine, prompt_tokens, max_tokens)
     done = complete(
-        natural_length(text, engine.settings.seed, engine.settings.length_dist),
+        natural_length(_seeded(text, data), engine.settings.seed, engine.settings.length_dist),
         held + max_tokens,
         thinking,
     )
@@ -215,7 +222,8 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
     _check_marker(engine, text)
     _check_context(engine, prompt_tokens, max_tokens)
     done = complete(
-        natural_length(text, engine.settings.seed, engine.settings.length_dist), max_tokens, True
+        natural_length(_seeded(text, params), engine.settings.seed, engine.settings.length_dist),
+        max_tokens, True
     )
     started = time.monotonic()
     await engine.run(prompt_tokens, done)

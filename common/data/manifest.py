@@ -47,6 +47,8 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
         "params_version": int(version or 1), "params_floor": int(floor or 0),
         "history": [orjson.loads(h) for h in history], "gen": int(meta.get("gen") or 0),
         "out_dirs": sorted(d.decode() for d in out_dirs),
+        **({"rows": int(meta["rows"]), "samples": int(meta["samples"])}
+           if "samples" in meta else {}),
     }
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from genq.common.data.records import parse_line, unheld_shards
+from genq.common.data.records import parse_line, task_of, unheld_shards
 from genq.common.errors import OutputUnavailable
 from genq.common.files import fsync_dir
 
@@ -192,9 +192,10 @@ class Picks:
 
 def pick_lines(paths: Sequence[Path], total: int,
                accepted: Callable[[int], tuple[int, int] | None],
-               wanted: Callable[[int], bool] = lambda index: True) -> Picks:
-    """Export's first pass: every shard line of a ``wanted`` index < total, offered to ``Picks``,
-    one shard open at a time; torn lines count in ``Picks.torn``, non-64-bit keys are skipped."""
+               wanted: Callable[[int], bool] = lambda index: True, samples: int = 1) -> Picks:
+    """Export's first pass: every shard line of a ``wanted`` task < total (records.task_of
+    with the run's ``samples``), offered to ``Picks``, one shard open at a time; torn lines count
+    in ``Picks.torn``, non-64-bit keys are skipped."""
     picks = Picks(total)
     low, high = -(1 << 63), (1 << 63) - 1
     for file_no, path in enumerate(paths):
@@ -210,8 +211,12 @@ def pick_lines(paths: Sequence[Path], total: int,
                 if record is None or "index" not in record:
                     picks.torn += bool(line.strip())
                     continue
-                index = record["index"]
-                if type(index) is not int or not 0 <= index < total or not wanted(index):
+                index, sample = record["index"], record.get("sample", 0)
+                if type(index) is not int or type(sample) is not int \
+                        or not 0 <= sample < samples:
+                    continue
+                index = task_of(record, samples)
+                if not 0 <= index < total or not wanted(index):
                     continue
                 version, attempt = record.get("params_version", 0), record.get("attempt", 0)
                 gen = record.get("gen", 0)

@@ -10,6 +10,7 @@ import redis
 import redis.asyncio as aioredis
 import zstandard
 
+from genq.common.data.records import task_of
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 
@@ -18,11 +19,12 @@ FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", 
           "attempt")
 
 
-def put_all(r: redis.Redis, k: RunKeys, records: list[dict[str, Any]]) -> int:
-    """Store the partials of these records (replacing any older set); the bytes they take."""
+def put_all(r: redis.Redis, k: RunKeys, records: list[dict[str, Any]], samples: int = 1) -> int:
+    """Store the partials of these records, each under its task (replacing any older set); the
+    bytes they take."""
     packer = zstandard.ZstdCompressor(level=3)
-    packed = {str(rec["index"]): packer.compress(orjson.dumps({f: rec.get(f) for f in FIELDS}))
-              for rec in records}
+    packed = {str(task_of(rec, samples)):
+              packer.compress(orjson.dumps({f: rec.get(f) for f in FIELDS})) for rec in records}
     pipe = r.pipeline(transaction=True)
     pipe.delete(k.partials)
     items = list(packed.items())

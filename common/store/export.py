@@ -58,8 +58,9 @@ def accepted_state(r: redis.Redis, k: RunKeys):
     return accepted, is_done, done
 
 
-def _failed_line(run: str, index: int, reason: str) -> bytes:
-    return orjson.dumps({"index": index, "run": run, "status": "failed", "error": reason}) + b"\n"
+def _failed_line(run: str, task: int, reason: str, samples: int = 1) -> bytes:
+    where = {"index": task // samples, **({"sample": task % samples} if samples > 1 else {})}
+    return orjson.dumps({**where, "run": run, "status": "failed", "error": reason}) + b"\n"
 
 
 def kept_lookup(r: redis.Redis, k: RunKeys):
@@ -85,11 +86,11 @@ def _spill_failed(r: redis.Redis, k: RunKeys, total: int,
     """Write each failed index's record to ``spill`` in index order, then rewind it; the indices
     and lengths."""
     indices = array("q", bitmap.set_indices(blob(r.get(k.failed)), below=total))
-    lengths = array("q")
+    lengths, samples = array("q"), runs.samples_of(r, k)
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
         for index, reason in zip(batch, runs.failure_reasons(r, k, batch), strict=True):
-            line = _failed_line(k.run, index, reason)
+            line = _failed_line(k.run, index, reason, samples)
             spill.write(line)
             lengths.append(len(line))
     spill.seek(0)
@@ -189,7 +190,8 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
     """The accepted record of each done, ``wanted`` index found in the shards."""
     accepted, is_done, _ = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
-    picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i))
+    picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i),
+                       runs.samples_of(r, k))
     by_file: dict[int, list[int]] = {}
     for i in range(total):
         if picks.state[i] == ACCEPTED:
@@ -206,7 +208,7 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
            *, include_failed: bool = False, allow_ambiguous: bool = False) -> ExportResult:
     accepted, is_done, done_raw = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
-    picks = pick_lines(paths, total, accepted, is_done)  # done indices only
+    picks = pick_lines(paths, total, accepted, is_done, runs.samples_of(r, k))  # done only
     picks.drop_keys()
     if picks.ambiguous and not allow_ambiguous:
         raise GenqError(

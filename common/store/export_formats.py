@@ -18,7 +18,8 @@ ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
 
 _FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra`` JSON column
-    "index": "int64", "id": "string", "run": "string", "params_version": "int32",
+    "index": "int64", "sample": "int32", "seed": "int64", "id": "string", "run": "string",
+    "params_version": "int32",
     "attempt": "int32", "finish_reason": "string", "prompt_tokens": "int64",
     "completion_tokens": "int64", "reasoning_content": "string", "content": "string",
     "server": "string", "model": "string", "latency_s": "float64", "created_at": "float64",
