@@ -129,3 +129,15 @@ def test_full_groups_counts_runs_of_set_bits(size):
     raw = bitmap.encode(on, groups * size)
     want = sum(all(g * size + j in on for j in range(size)) for g in range(groups))
     assert bitmap.full_groups(raw, groups, size) == want >= 2
+
+
+def test_the_runs_seed_changes_every_samples_seed_and_one_sample_sends_none():
+    from genq.common.data.records import sample_of
+    default = [sample_of(t, K, {}) for t in range(8)]
+    assert default == [sample_of(t, K, {"seed": 0}) for t in range(8)]
+    assert [s["sample"] for s in default] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert len({s["seed"] for s in default}) == 8
+    assert all(0 <= s["seed"] < 2**31 for s in default)
+    other = [sample_of(t, K, {"seed": 5}) for t in range(8)]
+    assert all(a["seed"] != b["seed"] for a, b in zip(default, other, strict=True))
+    assert sample_of(3, 1, {"seed": 5}) is None  # K = 1: the parameters go as they are
