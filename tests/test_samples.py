@@ -141,3 +141,30 @@ def test_the_runs_seed_changes_every_samples_seed_and_one_sample_sends_none():
     other = [sample_of(t, K, {"seed": 5}) for t in range(8)]
     assert all(a["seed"] != b["seed"] for a, b in zip(default, other, strict=True))
     assert sample_of(3, 1, {"seed": 5}) is None  # K = 1: the parameters go as they are
+
+
+@pytest.mark.timeout(240)
+def test_continue_continues_each_truncated_sample_from_its_own_partial(tmp_path, redis_url, r,
+                                                                        run_name, sim_factory):
+    rows, k = 60, 2
+    data = write_dataset(tmp_path / "d.jsonl", rows)
+    sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", length_dist="lognormal:300:0.8")
+    genq("produce", str(data), "--once", "--samples", str(k), "--max-tokens", "400",
+         redis_url=redis_url, run=run_name)
+    consume(redis_url, run_name, sim, tmp_path / "o")
+    first = {task_of(rec, k): rec for rec in export(tmp_path, redis_url, run_name)}
+    truncated = {t for t, rec in first.items() if rec["finish_reason"] == "length"}
+    assert 5 < len(truncated) < rows * k
+    out = genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)}" in out
+    consume(redis_url, run_name, sim, tmp_path / "o")
+    cont = {task_of(rec, k): rec for rec in export(tmp_path, redis_url, run_name, name="c.jsonl")}
+    for t in truncated:
+        old, new = first[t], cont[t]
+        assert new["continued_from"] == {"version": 1, "attempt": old["attempt"],
+                                         "tokens": old["completion_tokens"]}
+        assert new["reasoning_content"].startswith(old["reasoning_content"])
+        assert (new["sample"], new["seed"]) == (old["sample"], old["seed"])
+    st = status(redis_url, run_name)
+    assert st["continued"]["2"]["continued"] == len(truncated)
