@@ -7,6 +7,10 @@ RSS) and `genq recover` after FLUSHALL (wall, peak RSS), checked against the run
 
     python bench/scale.py                          # 914,000 prompts (~15 min here)
     python bench/scale.py --total 50000 --consumers 2
+    python bench/scale.py --samples 4 --profile status.prof   # 914,000 × 4 samples
+
+--samples K: K samples a prompt, every figure per sample (task); --profile FILE: the mid-run
+`genq status` once more under cProfile, its stats to FILE (`python -m pstats FILE`).
 """
 
 from __future__ import annotations
@@ -55,7 +59,10 @@ def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--total", type=int, default=914_000)
     p.add_argument("--consumers", type=int, default=3)
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--profile", help="cProfile the mid-run `genq status` into this file")
     a = p.parse_args()
+    tasks = a.total * a.samples
     k, lat = RunKeys(RUN), {}
     with kit.workdir() as work, kit.private_redis() as srv, \
             kit.simulators(a.consumers, *SIM) as sims:
@@ -66,7 +73,7 @@ def main() -> int:
         def used_mb() -> float:  # above the empty server's
             return (int(r.info("memory")["used_memory"]) - base) / 2**20
 
-        producer = Background(srv.url, RUN, "produce", str(data))
+        producer = Background(srv.url, RUN, "produce", str(data), "--samples", str(a.samples))
         wait_for(lambda: r.exists(k.done), timeout=600, what="the run registered")
         start_mb = peak_mb = used_mb()
         monitor = Monitor(srv.url, RUN, work)
@@ -80,11 +87,15 @@ def main() -> int:
                 pid, _, ru = os.wait4(proc.pid, os.WNOHANG) if proc.pid not in cpu else (0, 0, 0)
                 if pid:
                     cpu[pid] = ru.ru_utime + ru.ru_stime
-            if not half and r.bitcount(k.done) >= a.total // 2:
+            if not half and r.bitcount(k.done) >= tasks // 2:
                 half = True
                 lat["status_mid_s"] = latency(lambda: kit.genq("status", redis_url=srv.url,
                                                                run=RUN))
                 lat["api_mid_s"] = latency(lambda: monitor.get("/api/status"))
+                if a.profile:
+                    subprocess.run([sys.executable, "-m", "cProfile", "-o", a.profile, "-m",
+                                    "genq", "status"], cwd=kit.REPO, env=env, check=True,
+                                   stdout=subprocess.DEVNULL)
             peak_mb = max(peak_mb, used_mb())
             time.sleep(0.5)
         wall, (busy, total) = time.monotonic() - started, kit.machine_cpu()
@@ -99,15 +110,15 @@ def main() -> int:
         r.flushall()  # what a restart without persistence leaves
         recover = timed(["recover", "--shards", *map(str, outs)], env, nofile=256)
         recovered = r.bitcount(k.done)
-    if not done == exported == recovered == a.total:
+    if not done == exported == recovered == tasks:
         raise SystemExit(f"done {done}, exported {exported}, recovered {recovered}")
     figures = {
-        "prompts": a.total, "consumers": a.consumers, "shards": shards, "wall_s": round(wall, 1),
-        "tasks_per_s": round(a.total / wall),
+        "prompts": a.total, "samples": a.samples, "consumers": a.consumers, "shards": shards,
+        "wall_s": round(wall, 1), "tasks_per_s": round(tasks / wall),
         "machine_busy": round((busy - cpu0[0]) / (total - cpu0[1]), 2),
-        "consumer_cpu_ms_per_task": round(1000 * sum(cpu.values()) / a.total, 3),
+        "consumer_cpu_ms_per_task": round(1000 * sum(cpu.values()) / tasks, 3),
         "redis_mb_start": round(start_mb, 1), "redis_mb_peak": round(peak_mb, 1),
-        "redis_mb_end": round(end_mb, 1), "redis_b_per_prompt": round(end_mb * 2**20 / a.total, 1),
+        "redis_mb_end": round(end_mb, 1), "redis_b_per_task": round(end_mb * 2**20 / tasks, 1),
         **lat, "export": export, "recover": recover}
     print(kit.table([(key, str(value)) for key, value in figures.items()], ("figure", "value")))
     kit.dump_json(a.json, figures)

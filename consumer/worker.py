@@ -17,7 +17,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common.data.records import build_record, failed_record
+from genq.common.data.records import build_record, failed_record, sample_of
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import (
@@ -53,10 +53,12 @@ T = TypeVar("T")
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Dataset, sink: ShardWriter,
+                 samples: int = 1,
                  server: SGLang, capacity: int, model: str, runstate: RunState,
                  context_length: int | None = None,
                  lease_held: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
+        self.samples = samples  # task t asks for row t // samples
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
@@ -231,7 +233,7 @@ class Consumer:
         self.held.update({inflight.lease.job_id: inflight for inflight in got})
         if got:
             self.finished_said = False  # work again (a redo): its end is said again
-        if all(self.dataset.cached(i.lease.index) for i in got):
+        if all(self.dataset.cached(i.lease.index // self.samples) for i in got):
             self.read_prompts(got)
         else:
             await asyncio.to_thread(self.read_prompts, got)
@@ -240,7 +242,7 @@ class Consumer:
     def read_prompts(self, tasks: list[Inflight]) -> None:
         for inflight in tasks:
             try:
-                inflight.prompt = self.dataset.prompt(inflight.lease.index)
+                inflight.prompt = self.dataset.prompt(inflight.lease.index // self.samples)
             except Exception as e:  # a bad row or an unreadable file: its task settles it
                 inflight.prompt = e
 
@@ -325,7 +327,9 @@ class Consumer:
             if not isinstance(prompt, Prompt):
                 raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
             params = await self.params_for(lease.version)
-            body = request_body(prompt.messages, params, self.model, tools=prompt.tools)
+            sample = sample_of(lease.index, self.samples, params)
+            body = request_body(prompt.messages, {**params, "seed": sample["seed"]} if sample
+                                else params, self.model, tools=prompt.tools)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.
@@ -338,11 +342,11 @@ class Consumer:
             completion = await self.structured.checked(
                 completion, ask, body, params, lease.index, lease.version)
             record = build_record(
-                run=self.settings.run, index=lease.index, prompt_id=prompt.id,
+                run=self.settings.run, index=lease.index // self.samples, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
                 model=body["model"], completion=completion,
                 latency_s=time.monotonic() - inflight.started, gen=lease.gen,
-                clock_offset=self.clock_offset)
+                clock_offset=self.clock_offset, sample=sample)
             return record, completion
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():
@@ -374,10 +378,13 @@ class Consumer:
         Else fail.lua's outcome."""
         lease, prompt = inflight.lease, inflight.prompt
         record = failed_record(
-            run=self.settings.run, index=lease.index, version=lease.version, gen=lease.gen,
+            run=self.settings.run, index=lease.index // self.samples, version=lease.version,
+            gen=lease.gen,
             prompt_id=prompt.id if isinstance(prompt, Prompt) else getattr(prompt, "row_id", None),
             attempt=lease.attempt, server=self.settings.server, error=reason,
             clock_offset=self.clock_offset)
+        if self.samples > 1:  # the task is row index, sample (records.task_of)
+            record["sample"] = lease.index % self.samples
         if answer is not None:  # failed on the schema: the last answer, for inspection
             record["answer"] = answer
         try:

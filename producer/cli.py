@@ -60,6 +60,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--once", action="store_true",
                    help="enqueue every unfinished index, then exit")
     p.add_argument("--interval", type=float, default=0.5, help="top-up period, seconds")
+    p.add_argument("--samples", type=int, default=1, metavar="K",
+                   help="answers a prompt, each its own task and seed (default 1)")
     add_redis_wait(p, "--once")
     add_common(p)
     a = p.parse_args(argv)
@@ -71,6 +73,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.params["response_format"] = schema.response_format(a.schema)
     if a.window < 0:
         p.error("--window must be >= 0")
+    if a.samples < 1:
+        p.error("--samples must be >= 1")
     return a
 
 
@@ -87,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if r is None or not lost_run_back(r, k, stop):  # stopped while waiting for Redis or it
         logger.info("producer_stopped", run=s.run)
         return 0
-    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total)
+    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()

@@ -90,7 +90,7 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
     sample = sorted(random.Random(0).sample(pool, min(n, len(pool))))
     data = open_dataset(info.dataset)
     data.verify(info.fingerprint)
-    jobs = [(i, data.prompt(i)) for i in sample]
+    jobs = [(i, data.prompt(i // info.samples)) for i in sample]  # i: a task
     new = {**params.current(r, k)[1], **changes}
     answers, errors = asyncio.run(ask_all(servers, jobs, new, concurrency, partials))
     probed = sorted(answers)

@@ -16,7 +16,7 @@ import redis
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.data import recovery
-from genq.common.data.records import parse_line
+from genq.common.data.records import parse_line, task_of
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
@@ -60,14 +60,15 @@ def local_streams(dirs: list[str], run: str) -> Iterator[Iterable[bytes]]:
             yield f
 
 
-def pending(lines: Iterable[bytes], wanted: dict[int, tuple[int, int, int]]) -> Iterator[dict]:
-    """The continuable records among these shard lines that are the wanted result, index ->
-    (params_version, attempt, gen), of their index: the partials a recover keeps."""
+def pending(lines: Iterable[bytes], wanted: dict[int, tuple[int, int, int]],
+            samples: int = 1) -> Iterator[dict]:
+    """The continuable records among these shard lines that are the wanted result, task ->
+    (params_version, attempt, gen), of their task: the partials a recover keeps."""
     for line in lines:
         rec = parse_line(line)
-        if rec is not None and continuation.continuable(rec) and wanted.get(
-                rec.get("index", -1)) == (rec.get("params_version"), rec.get("attempt"),
-                                          int(rec.get("gen") or 0)):
+        if rec is not None and type(rec.get("index")) is int and continuation.continuable(rec) \
+                and wanted.get(task_of(rec, samples)) == (
+                    rec.get("params_version"), rec.get("attempt"), int(rec.get("gen") or 0)):
             yield rec
 
 
@@ -102,7 +103,9 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
     wanted = recovery.pending_continuations(manifest, rec)
     if wanted:
         lines = (line for stream in local_streams(out_dirs, k.run) for line in stream)
-        continuation.put(r, k, pending(lines, wanted), int(manifest["continues"]))
+        samples = int(manifest.get("samples") or 1)
+        continuation.put(r, k, pending(lines, wanted, samples), int(manifest["continues"]),
+                         samples)
     else:
         continuation.drop_all(r, k)
     with r.pipeline(transaction=True) as pipe:

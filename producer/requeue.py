@@ -19,6 +19,7 @@ from rich.progress import Progress
 from genq.common import params, schema
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
+from genq.common.data.records import task_of
 from genq.common.errors import UsageError
 from genq.common.queue import bitmap
 from genq.common.queue import run as runs
@@ -125,11 +126,13 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,
-                                 partials={p["index"]: p for p in found[0]} if found else None)
+                                 partials={task_of(p, info.samples): p for p in found[0]}
+                                 if found else None)
         print(orjson.dumps(report).decode() if a.json else probe.describe(report))
         return 0
     if found:  # read once, and kept as read unless this is a dry run
-        plan = plan_with(partials=keep_partials(r, k, found, plan.new_version, a.dry_run))
+        plan = plan_with(partials=keep_partials(r, k, found, plan.new_version, a.dry_run,
+                                                        info.samples))
     if a.dry_run:
         print("\n".join(["dry run, nothing changed:", *render(plan)]))
         return 0
@@ -150,7 +153,7 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
 
 
 def keep_partials(r: redis.Redis, k: RunKeys, found: tuple[Iterator[dict], int, list[str]],
-                  version: int, dry_run: bool) -> tuple[int, int, int, list[str]]:
+                  version: int, dry_run: bool, samples: int) -> tuple[int, int, int, list[str]]:
     """Keep these partials for `version` (in place of any older), before it exists so that
     every claim of it finds them, or only count them; (kept, their tokens, truncated results
     not continued, the directories read)."""
@@ -160,7 +163,7 @@ def keep_partials(r: redis.Redis, k: RunKeys, found: tuple[Iterator[dict], int, 
         for rec in records:
             kept, tokens = kept + 1, tokens + int(rec["completion_tokens"])
     else:
-        kept, tokens, size = continuation.keep(r, k, records, version)
+        kept, tokens, size = continuation.keep(r, k, records, version, samples)
         print(f"partials kept for --continue: {kept} ({size:,} bytes of Redis, zstd)")
     return kept, tokens, truncated - kept, dirs
 

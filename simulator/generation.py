@@ -129,6 +129,7 @@ def _tool_call(data: dict[str, Any], text: str) -> dict[str, Any] | None:
             "function": {"name": function["name"], "arguments": arguments}}
 
 
+
 def _no_stream(data: dict[str, Any]) -> None:
     if data.get("stream"):
         raise ApiError(400, "the simulator streams chat completions only; send stream: false")

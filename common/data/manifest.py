@@ -48,6 +48,8 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
         "history": [orjson.loads(h) for h in history], "gen": int(meta.get("gen") or 0),
         "out_dirs": sorted(d.decode() for d in out_dirs),
         "continues": int(meta.get("continues") or 0),  # the version `requeue --continue` made
+        **({"rows": int(meta["rows"]), "samples": int(meta["samples"])}
+           if "samples" in meta else {}),
     }
 
 

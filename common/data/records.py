@@ -4,6 +4,7 @@ where a run's shard files are, and how one line of them reads back."""
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -50,13 +51,44 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+DEFAULT_SEED = 0  # the run's seed when its parameters set none
+
+
+def sample_seed(base: int, index: int, sample: int) -> int:
+    """The seed a sample's request carries: stable across processes and versions, a function of
+    (the run's seed, row, sample) only, and below 2**31 so any server's int seed holds it."""
+    digest = hashlib.blake2b(f"{base}:{index}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def sample_of(task: int, samples: int, params: dict[str, Any]) -> dict[str, int] | None:
+    """The record's {"sample", "seed"} of a task in a run of several samples a prompt (the seed
+    from the parameters' ``seed``, else DEFAULT_SEED); None in a run of one, which sends its
+    parameters as they are."""
+    if samples == 1:
+        return None
+    index, sample = divmod(task, samples)
+    return {"sample": sample, "seed": sample_seed(int(params.get("seed", DEFAULT_SEED)), index,
+                                                  sample)}
+
+
+def task_of(record: dict[str, Any], samples: int) -> int:
+    """The task a record answers: row ``index`` times the run's samples, plus its ``sample``
+    (absent: 0, as in a run of one sample a prompt)."""
+    return record["index"] * samples + record.get("sample", 0)
+
+
 def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
                  server: str, model: str, completion: Any, latency_s: float,
-                 gen: int = 0, clock_offset: float = 0.0) -> dict[str, Any]:
-    """clock_offset: Redis's clock less this host's, so that created_at is by Redis's clock."""
+                 gen: int = 0, clock_offset: float = 0.0,
+                 sample: dict[str, int] | None = None) -> dict[str, Any]:
+    """clock_offset: Redis's clock less this host's, so that created_at is by Redis's clock;
+    sample: {"sample": s, "seed": n} of a run of several samples a prompt (index is the row)."""
     record: dict[str, Any] = {"index": index}
     if prompt_id is not None:
         record["id"] = prompt_id
+    if sample:
+        record.update(sample)
     record.update(run=run, params_version=version, attempt=attempt)
     if gen:  # claimed after a `genq recover`: tells this attempt from one claimed before it
         record["gen"] = gen

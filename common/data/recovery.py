@@ -20,7 +20,7 @@ from typing import Any, TypeVar, cast
 import orjson
 import redis
 
-from genq.common.data.records import is_failure, parse_line
+from genq.common.data.records import is_failure, parse_line, task_of
 from genq.common.params import REDO_SCOPES
 from genq.common.queue import bitmap
 from genq.common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
@@ -111,7 +111,7 @@ def redo_marks(history: list[dict[str, Any]]) -> dict[str, int]:
     return marks
 
 
-def _light(line: bytes) -> tuple[int, Result, float, int, int] | None:
+def _light(line: bytes, samples: int = 1) -> tuple[int, Result, float, int, int] | None:
     rec = parse_line(line)
     if rec is None or is_failure(rec):
         return None
@@ -121,7 +121,10 @@ def _light(line: bytes) -> tuple[int, Result, float, int, int] | None:
                   int(rec.get("prompt_tokens") or 0))
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
-        return (int(rec["index"]), result, float(rec.get("created_at") or 0),
+        where = {"index": int(rec["index"]), "sample": int(rec.get("sample") or 0)}
+        if not 0 <= where["sample"] < samples:
+            return None  # not a task of this run's
+        return (task_of(where, samples), result, float(rec.get("created_at") or 0),
                 int(rec.get("gen") or 0), int((rec.get("continued_from") or {}).get("tokens") or 0))
     except (KeyError, TypeError, ValueError):
         return None
@@ -136,13 +139,14 @@ def _failure_line(line: bytes) -> bool:
 def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Recovered:
     """Every index's standing (or kept) result from every line of every shard stream."""
     rules, total = Rules(manifest), int(manifest["total"])
+    samples = int(manifest.get("samples") or 1)
     out = Recovered(total)
     state, columns, seen, claimed = out.state, out.columns, out.seen, out.attempt
     versions, attempts, gens = columns[0], columns[1], out.gen
     for stream in streams:
         for line in stream:
             out.lines += 1
-            parsed = _light(line)
+            parsed = _light(line, samples)
             if parsed is None or not 0 <= parsed[0] < total:
                 out.skipped += bool(line.strip()) and not _failure_line(line)
                 continue
@@ -255,4 +259,5 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
         "total": total, "queue": k.queue_name, "created_at": manifest.get("created_at") or 0,
         "epoch": manifest["epoch"], "recovered_at": time.time(),
         "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1,
-        "continues": int(manifest.get("continues") or 0)})
+        "continues": int(manifest.get("continues") or 0),
+        **{key: manifest[key] for key in ("rows", "samples") if key in manifest}})

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from genq.common.data.records import is_failure, parse_line, unheld_shards
+from genq.common.data.records import is_failure, parse_line, task_of, unheld_shards
 from genq.common.errors import OutputUnavailable
 from genq.common.files import fsync_dir
 
@@ -193,10 +193,11 @@ class Picks:
 def pick_lines(paths: Sequence[Path], total: int,
                accepted: Callable[[int], tuple[int, int] | None],
                wanted: Callable[[int], bool] = lambda index: True,
-               failed: Callable[[int], bool] = lambda index: False) -> Picks:
-    """Export's first pass: every result line of a ``wanted`` index < total, and every failed
-    task's line of a ``failed`` one, offered to ``Picks``, one shard open at a time; torn lines
-    count in ``Picks.torn``, non-64-bit keys are skipped."""
+               failed: Callable[[int], bool] = lambda index: False, samples: int = 1) -> Picks:
+    """Export's first pass: every result line of a ``wanted`` task < total (records.task_of
+    with the run's ``samples``), and every failed task's line of a ``failed`` one, offered to
+    ``Picks``, one shard open at a time; torn lines count in ``Picks.torn``, non-64-bit keys are
+    skipped."""
     picks = Picks(total)
     low, high = -(1 << 63), (1 << 63) - 1
     for file_no, path in enumerate(paths):
@@ -212,8 +213,12 @@ def pick_lines(paths: Sequence[Path], total: int,
                 if record is None or "index" not in record:
                     picks.torn += bool(line.strip())
                     continue
-                index = record["index"]
-                if type(index) is not int or not 0 <= index < total \
+                index, sample = record["index"], record.get("sample", 0)
+                if type(index) is not int or type(sample) is not int \
+                        or not 0 <= sample < samples:
+                    continue
+                index = task_of(record, samples)
+                if not 0 <= index < total \
                         or not (failed if is_failure(record) else wanted)(index):
                     continue
                 version, attempt = record.get("params_version", 0), record.get("attempt", 0)

@@ -55,3 +55,17 @@ def encode(indices: Iterable[int], total: int) -> bytes:
     for i in indices:
         out[i >> 3] |= 0x80 >> (i & 7)
     return bytes(out)
+
+
+def full_groups(raw: bytes | None, groups: int, size: int) -> int:
+    """How many of the first ``groups`` runs of ``size`` bits (run g: bits g*size ..
+    g*size+size-1) are all 1: in big-int arithmetic, not a Python step a run."""
+    nbytes = (groups * size + 7) // 8
+    x = int.from_bytes((raw or b"")[:nbytes].ljust(nbytes, b"\0"), "big")
+    pad = 8 * nbytes - groups * size  # low bits past the last run
+    every = x
+    for shift in range(1, size):  # bit q stays 1 where bits q .. q+size-1 all are
+        every &= x >> shift
+    # A 1 at each run's lowest bit (its last index): (2^(size*groups) - 1) / (2^size - 1).
+    starts = ((1 << (size * groups)) - 1) // ((1 << size) - 1) << pad
+    return (every & starts).bit_count()

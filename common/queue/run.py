@@ -24,14 +24,20 @@ class RunInfo:
     # A fresh token per registration, so services notice a run re-created under its name.
     epoch: str
     gen: int  # the run's generation: each `genq recover` starts the next one
+    samples: int = 1  # answers a prompt: task t is row t // samples, sample t % samples
 
 
-def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: int) -> RunInfo:
-    """Create the run, or check that an existing run is on the same data set."""
+def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: int,
+             samples: int = 1) -> RunInfo:
+    """Create the run of rows × samples tasks, or check that an existing run is on the same data
+    set with as many samples a prompt."""
     path = dataset if dataset.startswith("s3://") else os.path.abspath(dataset)
+    total = rows * samples
     fields: dict[FieldT, EncodableT] = {
         "dataset": path, "fingerprint": fingerprint, "total": total, "queue": k.queue_name,
         "created_at": time.time(), "epoch": secrets.token_hex(8)}
+    if samples > 1:  # a run of one sample a prompt keeps the meta it always had
+        fields.update(rows=rows, samples=samples)
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         pipe = r.pipeline(transaction=False)
@@ -44,6 +50,9 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, total: 
         raise DatasetError(f"run {k.run!r} is registered with data set {info.dataset} "
                            f"(fingerprint {info.fingerprint[:16]}); {path} differs: use another "
                            "--run for a new data set")
+    if info.samples != samples:
+        raise UsageError(f"run {k.run!r} has {info.samples} samples a prompt, not {samples}: "
+                         "give its --samples, or another --run")
     return info
 
 
@@ -59,7 +68,13 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
         raise UsageError(f"unknown run {k.run!r}: start it with `genq produce DATASET`, or "
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
     return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
-                   total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0))
+                   total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0),
+                   samples=int(meta.get("samples") or 1))
+
+
+def samples_of(r: redis.Redis, k: RunKeys) -> int:
+    """The run's samples a prompt (1 for a run made before samples, or of one)."""
+    return int(r.hget(k.meta, "samples") or 1)
 
 
 class Ends:

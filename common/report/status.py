@@ -136,6 +136,11 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     buckets = _read_buckets(r, k, int(now // RATE_BUCKET_S))
     beats = heartbeats.read(r, k, [text(name) for name, _ in raw["consumers"]])
     status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
+    meta = {text(f): text(v) for f, v in raw["meta"].items()}
+    status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
+    # Read just after the MULTI: a run of several samples pays one GET of its done bitmap.
+    status["prompts_done"] = raw["done"] if samples == 1 else bitmap.full_groups(
+        blob(r.get(k.done)), status["total"] // samples, samples)
     status["failure_reasons"], status["failure_reasons_counted"] = _failure_reasons(
         r, k, raw["failed"])
     alert = runhealth.persistence_alert(r, k, sorted(text(d) for d in raw["outdirs"]))

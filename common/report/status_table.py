@@ -82,7 +82,9 @@ def render_table(status: dict) -> Any:
         Text(f"run {status['run']}  params v{status['params_version']}"
              + ("  finished: every prompt is done or failed" if status.get("finished") else ""),
              style="bold"),
-        Text(f"{'█' * filled}{'░' * (30 - filled)} {frac:6.2%}  {done:,} / {total:,} done"),
+        Text(f"{'█' * filled}{'░' * (30 - filled)} {frac:6.2%}  {done:,} / {total:,} done"
+             + (f" samples ({status['prompts_done']:,} prompts with all {status['samples']})"
+                if status.get("samples", 1) > 1 else "")),
         Text(f"queued {status['queued']:,}  in flight {status['inflight']:,} (running "
              f"{status.get('running', 0):,}, claimed ahead {status.get('claimed_ahead', 0):,})  "
              f"failed {status['failed']:,}  remaining {status['remaining']:,}"

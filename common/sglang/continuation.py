@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 import structlog
 import zstandard
 
+from genq.common.data.records import task_of
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.sglang.stream import Completion, InputTooLong, thinking_on
@@ -42,15 +43,16 @@ BATCH = 500
 
 
 def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
-        version: int) -> tuple[int, int, int]:
+        version: int, samples: int = 1) -> tuple[int, int, int]:
     """Store the partials of these records for parameter version `version` only, in place of
-    any kept before, a batch at a time as they are read; (how many, their tokens, bytes)."""
+    any kept before, a batch at a time as they are read, each under its task (records.task_of
+    with the run's `samples`); (how many, their tokens, bytes)."""
     packer = zstandard.ZstdCompressor(level=3)
     drop_all(r, k)
     count = tokens = size = 0
     rows = iter(records)
     while batch := list(itertools.islice(rows, BATCH)):
-        packed = {str(rec["index"]): packer.compress(orjson.dumps(
+        packed = {str(task_of(rec, samples)): packer.compress(orjson.dumps(
             {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in batch}
         r.hset(k.partials, mapping=packed)  # type: ignore[arg-type]  # redis-py: invariant key
         count += len(batch)
@@ -60,11 +62,11 @@ def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
 
 
 def keep(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
-         version: int) -> tuple[int, int, int]:
+         version: int, samples: int = 1) -> tuple[int, int, int]:
     """`put`, and the run's manifest learns that `version` continues: `genq recover` keeps
     the partials it still needs."""
     r.hset(k.meta, "continues", version)
-    return put(r, k, records, version)
+    return put(r, k, records, version, samples)
 
 
 def drop_all(r: redis.Redis, k: RunKeys) -> None:

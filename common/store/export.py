@@ -58,9 +58,11 @@ def accepted_state(r: redis.Redis, k: RunKeys):
     return accepted, is_done, done
 
 
-def _failed_line(run: str, index: int, reason: str, invalid: bytes = b"") -> bytes:
-    """A failed index's record; a prompt failed on the schema also carries its last answer."""
-    record = {"index": index, "run": run, "status": "failed", "error": reason}
+def _failed_line(run: str, task: int, reason: str, invalid: bytes = b"",
+                 samples: int = 1) -> bytes:
+    """A failed task's record; a prompt failed on the schema also carries its last answer."""
+    where = {"index": task // samples, **({"sample": task % samples} if samples > 1 else {})}
+    record = {**where, "run": run, "status": "failed", "error": reason}
     answer = orjson.loads(invalid) if invalid else None
     # Kept by an earlier failure on the schema, the index may fail for another reason now.
     if answer and reason.startswith(reason_kind(answer.get("violation") or "")):
@@ -90,13 +92,13 @@ def _spill_failed(r: redis.Redis, k: RunKeys, indices: array,
                   spill: IO[bytes]) -> tuple[array, array]:
     """Write a record for each of these failed indices (ascending) to ``spill``, its reason's
     kind as Redis keeps it, then rewind it; the indices and lengths."""
-    lengths = array("q")
+    lengths, samples = array("q"), runs.samples_of(r, k)
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
         reasons = runs.failure_reasons(r, k, batch)
         kept = [blob(raw) for raw in r.hmget(k.invalid, [str(i) for i in batch])]
         for index, reason, invalid in zip(batch, reasons, kept, strict=True):
-            line = _failed_line(k.run, index, reason, invalid)
+            line = _failed_line(k.run, index, reason, invalid, samples)
             spill.write(line)
             lengths.append(len(line))
     spill.seek(0)
@@ -197,7 +199,8 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
     as read (a requeue may want a hundred thousand whole answers)."""
     accepted, is_done, _ = accepted_state(r, k)
     paths = shard_paths(dirs, k.run)
-    picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i))
+    picks = pick_lines(paths, total, accepted, lambda i: is_done(i) and wanted(i),
+                       samples=runs.samples_of(r, k))
     by_file: dict[int, list[int]] = {}
     for i in range(total):
         if picks.state[i] == ACCEPTED:
@@ -213,9 +216,9 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
     accepted, is_done, done_raw = accepted_state(r, k)
     failed_raw = blob(r.get(k.failed)) if include_failed else b""
     paths = shard_paths(dirs, k.run)
-    # Done indices' results, and failed ones' newest failed line (its whole reason), if asked.
+    # Done tasks' results, and failed ones' newest failed line (its whole reason), if asked.
     picks = pick_lines(paths, total, accepted, is_done,
-                       lambda i: bitmap.is_set(failed_raw, i))
+                       lambda i: bitmap.is_set(failed_raw, i), samples=runs.samples_of(r, k))
     picks.drop_keys()
     if picks.ambiguous and not allow_ambiguous:
         raise GenqError(

@@ -19,7 +19,8 @@ ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
 
 _FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra`` JSON column
-    "index": "int64", "id": "string", "run": "string", "params_version": "int32",
+    "index": "int64", "sample": "int32", "seed": "int64", "id": "string", "run": "string",
+    "params_version": "int32",
     "attempt": "int32", "finish_reason": "string", "prompt_tokens": "int64",
     "completion_tokens": "int64", "reasoning_content": "string", "content": "string",
     "server": "string", "model": "string", "latency_s": "float64", "created_at": "float64",
@@ -73,8 +74,9 @@ def to_tokens(src: str, out: str) -> None:
             if prompt is None or completion is None:
                 raise GenqError(f"index {rec['index']} has no token ids: --format tokens needs a "
                                 "run made with `genq produce --token-ids`")
+            where = {"sample": rec["sample"]} if "sample" in rec else {}  # --samples K
             w.write(orjson.dumps({
-                "id": rec.get("id", rec["index"]), "index": rec["index"],
+                "id": rec.get("id", rec["index"]), "index": rec["index"], **where,
                 "input_ids": prompt + completion,
                 "loss_mask": [0] * len(prompt) + [1] * len(completion),
                 "finish_reason": rec["finish_reason"]}) + b"\n")
