@@ -43,7 +43,7 @@ def run_bench(name: str, *args: str, timeout: float = 150) -> subprocess.Complet
 
 
 # Runs against a real SGLang server: smoke-run in the real-server tier, below.
-REAL_TIER = {"real_stream_cost.py"}
+REAL_TIER = {"real_stream_cost.py", "real_samples.py"}
 
 
 def test_every_bench_script_is_smoke_run() -> None:
@@ -64,6 +64,22 @@ def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
                   "--json", str(out), timeout=600)
         figures = json.loads(out.read_text())
         assert figures["stream"][0]["tokens"] > 0 and figures["plain"][0]["tokens"] > 0
+    finally:
+        server.close()
+
+
+@pytest.mark.real_sglang
+@pytest.mark.timeout(900)
+def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
+    from sglang_servers import RealServer
+
+    server = RealServer("tuned")
+    try:
+        out = tmp_path / "figures.json"
+        run_bench("real_samples.py", "--port", str(server.port), "--prompts", "2", "--k", "2",
+                  "--max-tokens", "16", "--tries", "2", "--json", str(out), timeout=600)
+        figures = json.loads(out.read_text())
+        assert figures["arms"] and "reproducible" in figures
     finally:
         server.close()
 
