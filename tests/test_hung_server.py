@@ -91,10 +91,14 @@ def test_requests_a_busy_server_lost_are_noticed_by_whole_answers_too(
     done = RunKeys(run_name).done
     try:
         wait_done_at_least(r, run_name, 4)
-        httpx.post(sim.url + "/_sim/faults", json={"hang": True, "for_s": 1.0},
+        # The window lasts until a request fell into it: how soon the next request is sent
+        # depends on the answers' lengths, which a window of fixed length would bet on.
+        httpx.post(sim.url + "/_sim/faults", json={"hang": True, "for_s": 30.0},
                    timeout=5).raise_for_status()
         wait_for(lambda: httpx.get(sim.url + "/_sim/stats").json()["hung"] >= 1,
-                 what="a request hung")
+                 interval=0.02, what="a request hung")
+        httpx.post(sim.url + "/_sim/faults", json={"hang": False},
+                   timeout=5).raise_for_status()
         wait_for(lambda: any("answer silent for" in str(e.get("error", "")) for e in c.events()),
                  timeout=60, interval=0.02, what="a lost request noticed")
         busy_when_noticed = httpx.get(sim.url + "/_sim/stats").json()["running"]
