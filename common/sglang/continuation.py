@@ -222,9 +222,10 @@ async def retexted(whole: Completion, body: dict[str, Any], server: SGLang) -> C
     without one): the new text alone, split by the server from a start that knows nothing of
     the partial, could land on the wrong side of `</think>`."""
     assert whole.completion_token_ids is not None
-    # SGLang keeps special tokens in the text of an answer to a request with tools.
+    # As the answer's own text: SGLang keeps special tokens in it when asked, or for tools.
     tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
-    text = await server.detokenize(whole.completion_token_ids, not tools)
+    skip = body.get("skip_special_tokens", True) is not False and not tools
+    text = await server.detokenize(whole.completion_token_ids, skip)
     thinking = thinking_on(body)
     reasoning, content = (parse_reasoning(text, thinking) if await server.reasoning_parser()
                           else split_thinking(text) if thinking else (None, text))
