@@ -338,7 +338,7 @@ class Consumer:
                 return None
             ask = functools.partial(self.ask, inflight)
             completion = await self.partials.answer(
-                lease.index, lease.version, body, ask) or await ask(body)
+                lease.index, lease.version, body, ask, self.server) or await ask(body)
             completion = await self.structured.checked(
                 completion, ask, body, params, lease.index, lease.version)
             record = build_record(

@@ -60,7 +60,7 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
             try:
                 partial = (partials or {}).get(index)
                 whole = partial and await continue_answer(
-                    lambda b: server.chat(b, index), body, partial)
+                    lambda b: server.chat(b, index), body, partial, server)
                 answers[index] = whole or await server.chat(body, index)
             except Exception as e:  # one failed probe request is reported, not fatal
                 errors.append(f"index {index}: {e}")

@@ -32,6 +32,8 @@ class App:
         self.routes: dict[tuple[str, str], Route] = {
             ("POST", "/v1/chat/completions"): self.chat,
             ("POST", "/generate"): self.generate,
+            ("POST", "/detokenize"): self.detokenize,
+            ("POST", "/v1/detokenize"): self.detokenize,
             ("GET", "/health"): self.health,
             ("GET", "/health_generate"): self.health,
             ("GET", "/get_model_info"): self.info(info.model_info),
@@ -71,6 +73,9 @@ class App:
 
     async def generate(self, request: Request) -> Response:
         return await self._generation(generation.generate, request)
+
+    async def detokenize(self, request: Request) -> Response:
+        return _json(generation.detokenize(self.engine, request.body))
 
     def info(self, endpoint: Callable[[Settings, Engine], Any]) -> Route:
         async def route(request: Request) -> Response:

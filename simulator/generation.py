@@ -16,6 +16,7 @@ from genq.simulator.model import (
     Completion,
     complete,
     natural_length,
+    parsed,
     prompt_key,
     resume_at,
     texts,
@@ -175,23 +176,27 @@ async def chat(engine: Engine, body: bytes) -> Any:
     done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
-    parser = engine.settings.reasoning_parser is not None
+    parser = engine.settings.reasoning_parser is not None and data.get("separate_reasoning",
+                                                                           True) is not False
     call = _tool_call(data, text) if done.finish_reason == "stop" else None
     if data.get("stream"):  # 0.5.23 streams no ids, return_token_ids or not
         options = data.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
         return await stream_chat(engine, done, len(context), model, parser, usage, call)
     await engine.run(len(context), done)
-    answer = _chat_body(done, len(context), model, parser, call)
+    raw = texts(done, parser=False)[1]
+    answer = _chat_body(done, len(context), model,
+                        parsed(raw, thinking, prefix) if parser else (None, raw), call)
     if data.get("return_token_ids") and not engine.settings.no_token_ids:
         answer["choices"][0].update(prompt_token_ids=context, response_token_ids=done.ids())
     return schema.shaped(engine, data, text, answer)
 
 
-def _chat_body(done: Completion, prompt_tokens: int, model: str, parser: bool,
-               call: dict[str, Any] | None = None) -> dict[str, Any]:
+def _chat_body(done: Completion, prompt_tokens: int, model: str,
+               split: tuple[str | None, str], call: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
     finish = "tool_calls" if call else done.finish_reason
-    reasoning, content = texts(done, parser)
+    reasoning, content = split
     return {
         "id": uuid.uuid4().hex,
         "object": "chat.completion",
@@ -258,3 +263,16 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
             "e2e_latency": time.monotonic() - started,
         },
     }
+
+
+def detokenize(engine: Engine, body: bytes) -> dict[str, Any]:
+    """SGLang's `POST /detokenize` (and `/v1/detokenize`): ids, or lists of them, to the text
+    its tokenizer decodes, special tokens skipped unless told otherwise."""
+    data = _json_object(body)
+    ids, skip = data.get("tokens"), bool(data.get("skip_special_tokens", True))
+    if not isinstance(ids, list):
+        raise ApiError(400, "tokens must be a list of token ids or of lists of them", PYDANTIC)
+    batch = bool(ids) and all(isinstance(each, list) for each in ids)
+    decoded = [tokens.decode(_input_ids(each) if each else [], skip_special=skip)
+               for each in (ids if batch else [ids])]
+    return {"text": decoded if batch else decoded[0]}

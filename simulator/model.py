@@ -119,10 +119,11 @@ def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None
           ) -> tuple[str | None, str]:
     """(reasoning_content, content) that new ids a..b add (default: all of them).
 
-    With a reasoning parser the thinking words go to reasoning_content, the tags and the blank
-    line after `</think>` to neither, as SGLang's qwen3 parser splits them; a completion that
-    never closed its thinking has content "". Without one, reasoning_content is null and content
-    is the raw text, tags and all. The stop token is never text."""
+    With a reasoning parser the thinking words go to reasoning_content and what follows
+    `</think>` (its blank line too) to content, the tags to neither, as SGLang 0.5.23's qwen3
+    parser splits them (it strips nothing); a completion that never closed its thinking has
+    content "". Without one, reasoning_content is null and content is the raw text, tags and
+    all. The stop token is never text."""
     b = done.tokens if b is None else b
     if b <= a:
         return None, ""
@@ -130,7 +131,26 @@ def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None
     if not done.thinking or not parser:
         return None, tk.decode([done.token(i) for i in span], skip_special=True)
     reasoning = tk.decode([done.token(i) for i in span if done.kind(i) == WORD_T])
-    return reasoning, tk.decode([done.token(i) for i in span if done.kind(i) == WORD_A])
+    return reasoning, tk.decode([done.token(i) for i in span if done.kind(i) in (SEP, WORD_A)])
+
+
+def parsed(raw: str, forced: bool, previous: str = "") -> tuple[str | None, str]:
+    """A whole (non-streamed) answer's raw text split as SGLang 0.5.23's qwen3 parser splits
+    it (Qwen3Detector.detect_and_parse): with thinking on (`forced`) text before any
+    `</think>` is thinking, tags or not; a continued answer's start (`previous`, sent with
+    continue_final_message) says whether its thinking is open. It reads no positions, so the
+    new text of an `input_ids` continuation is split from that fresh start, as SGLang's is.
+    Nothing is stripped; empty thinking is null."""
+    thinking = ("<think>" in previous or forced) and "</think>" not in previous
+    if not thinking and "<think>" not in raw:
+        return None, raw
+    while raw.startswith("<think>"):
+        raw = raw[len("<think>"):]
+    if "</think>" in raw:
+        reasoning, _, content = raw.partition("</think>")
+    else:
+        reasoning, content = ("", raw) if "</think>" in previous else (raw, "")
+    return reasoning or None, content
 
 
 def usage(done: Completion, prompt_tokens: int) -> dict:

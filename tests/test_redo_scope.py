@@ -90,3 +90,42 @@ def test_a_failed_redo_keeps_the_previous_result(tmp_path, redis_url, r, run_nam
     records = export(tmp_path, redis_url, run_name)
     assert len(records) == n and not any("kept" in rec for rec in records)
     assert {rec["params_version"] for rec in records} == {3}
+
+
+@pytest.mark.timeout(180)
+def test_a_continued_result_that_stands_again_counts_as_continued(tmp_path, redis_url, r,
+                                                                   run_name, sim_factory):
+    """`genq status` counts the continued answers that stand: a redo that sets one aside
+    uncounts it, and its failing for good makes it stand, and count, again."""
+    n, poison = 8, (2, 5)
+    data = write_dataset(tmp_path / "d.jsonl", n, poison=poison)
+    lenient = sim_factory(time_scale=1000, bad_marker="__nothing_matches__",
+                          length_dist="fixed:400")
+    strict = sim_factory(time_scale=1000, length_dist="fixed:400")
+
+    def run_on(sim) -> None:
+        c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "o", "--burst")
+        assert c.wait(60) == 0, c.log()[-3000:]
+        c.cleanup()
+
+    genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=redis_url,
+         run=run_name)
+    run_on(lenient)
+    genq("requeue", "--set", "max_tokens=500", "--redo", "truncated", "--continue",
+         redis_url=redis_url, run=run_name)
+    run_on(lenient)
+    assert status(redis_url, run_name)["continued"] == {
+        "2": {"continued": n, "decode_tokens_saved": 300 * n}}
+    genq("requeue", "--set", "temperature=0.1", "--redo", "all", redis_url=redis_url,
+         run=run_name)
+    st = status(redis_url, run_name)
+    assert st["done"] == 0
+    assert not any(v["continued"] for v in st["continued"].values())  # all set aside
+    run_on(strict)
+    st = status(redis_url, run_name)
+    assert (st["done"], st["failed"], st["kept"]) == (n, 0, len(poison))
+    kept = [rec for rec in export(tmp_path, redis_url, run_name) if rec.get("kept")]
+    assert sorted(rec["index"] for rec in kept) == list(poison)
+    assert all(rec["continued_from"]["tokens"] == 300 for rec in kept)
+    assert {v: c for v, c in st["continued"].items() if c["continued"]} == {
+        "2": {"continued": len(poison), "decode_tokens_saved": 300 * len(poison)}}

@@ -56,9 +56,18 @@ def test_continuing_from_the_first_k_ids_gives_the_rest_of_the_straight_answer(s
     assert choice["response_token_ids"] == whole["response_token_ids"][k:]
     assert rest["usage"]["completion_tokens"] == 200 - k
     assert choice["finish_reason"] == "stop"
+    # The raw texts join (separate_reasoning: false): the whole answer's, as /detokenize says.
+    raw = chat(sim.url, input_ids=ids, max_tokens=500 - k, separate_reasoning=False)
+    assert raw["choices"][0]["message"]["reasoning_content"] is None
+    text = post(sim.url, "/detokenize", tokens=whole["response_token_ids"][:k])["text"]
+    assert text + raw["choices"][0]["message"]["content"] == post(
+        sim.url, "/detokenize", tokens=whole["response_token_ids"])["text"]
     first, then = cut["choices"][0]["message"], choice["message"]
-    for key in ("reasoning_content", "content"):
-        assert (first[key] or "") + (then[key] or "") == whole["message"][key]
+    if k < 140:  # a cut before </think>: the split joins too
+        for key in ("reasoning_content", "content"):
+            assert (first[key] or "") + (then[key] or "") == whole["message"][key]
+    else:  # after it the parser, starting afresh, reads the rest as thinking, as SGLang's does
+        assert then["content"] == "" and then["reasoning_content"]
 
 
 def test_generate_takes_input_ids_and_agrees_with_chat(sim):
@@ -70,8 +79,8 @@ def test_generate_takes_input_ids_and_agrees_with_chat(sim):
     assert meta["finish_reason"] == {"type": "stop", "matched": 151645}
     assert (meta["prompt_tokens"], meta["completion_tokens"]) == (
         len(whole["prompt_token_ids"]), 200)
-    assert answer["text"] == ("<think>" + whole["message"]["reasoning_content"] + "</think>\n\n"
-                              + whole["message"]["content"])
+    assert answer["text"] == ("<think>" + whole["message"]["reasoning_content"] + "</think>"
+                              + whole["message"]["content"])  # the blank line is content
     cut = post(sim.url, "/generate", input_ids=whole["prompt_token_ids"] + answer["output_ids"][:9],
                sampling_params={"max_new_tokens": 5})
     assert cut["output_ids"] == whole["response_token_ids"][9:14]
@@ -108,8 +117,8 @@ def test_streamed_chunks_carry_no_ids_as_in_0_5_23(sim):
 
 @pytest.mark.parametrize(("prefix", "held"), [
     ("<think>hmm hmm hmm", 4),  # inside the thinking
-    # genq's prefix from the parsed split: no blank line after </think>, yet 143 ids held
-    ("<think>" + " ".join(["hmm"] * 138) + "</think>ok ok", 143),
+    # genq's prefix from the parsed split (the blank line after </think> is content): 143 held
+    ("<think>" + " ".join(["hmm"] * 138) + "</think>\n\nok ok", 143),
 ])
 def test_a_text_continuation_joins_to_the_straight_answer(sim, prefix, held):
     whole = straight(sim)["message"]

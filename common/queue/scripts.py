@@ -143,7 +143,7 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
     keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
             k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
-            k.acc_finish, k.fail_kind, k.fail_kinds]
+            k.acc_finish, k.fail_kind, k.fail_kinds, k.acc_version, k.acc_cont]
     args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
             iso_now(), *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
     return Call("fail", keys, args)

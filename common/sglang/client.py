@@ -82,6 +82,7 @@ class SGLang:
         # get no sign of life, so only --request-timeout ends a hung one.
         self.blind = self.said_blind = False
         self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
+        self._parser: str | None = None  # --reasoning-parser, "" for none; None: not read
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -201,6 +202,32 @@ class SGLang:
     async def queued(self) -> bool:
         load = await self.recent_load()
         return bool(load and load["num_waiting_reqs"] > 0)
+
+    async def reasoning_parser(self) -> str | None:
+        """The server's --reasoning-parser (/get_server_info), read once."""
+        if self._parser is None:
+            info = await self._get_json("/get_server_info")
+            self._parser = str((info.get("reasoning_parser") if isinstance(info, dict)
+                                else None) or "")
+        return self._parser or None
+
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text the server's tokenizer makes of these ids (SGLang's /detokenize)."""
+        body = orjson.dumps({"tokens": ids, "skip_special_tokens": skip_special_tokens})
+        try:
+            async with self.session.post(self.base + "/detokenize", data=body,
+                                         headers=self.headers, timeout=self.chat_timeout,
+                                         allow_redirects=False) as resp:
+                status, content = resp.status, await resp.read()
+        except TRANSPORT_ERRORS as e:
+            raise ServerUnavailable(f"{self.url}/detokenize: {type(e).__name__}: {e}") from None
+        try:
+            texts = orjson.loads(content).get("text") if status == 200 else None
+        except (orjson.JSONDecodeError, AttributeError):
+            texts = None
+        if not isinstance(texts, str):
+            raise ServerUnavailable(f"{self.url}/detokenize: HTTP {status} {content[:200]!r}")
+        return texts
 
     # --- one generation ------------------------------------------------------------------
     async def chat(self, body: dict[str, Any], index: int,

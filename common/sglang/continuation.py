@@ -20,22 +20,35 @@ import zstandard
 from genq.common.data.records import task_of
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
-from genq.common.sglang.stream import Completion, InputTooLong, thinking_on
+from genq.common.sglang.client import SGLang
+from genq.common.sglang.stream import (
+    Completion,
+    InputTooLong,
+    parse_reasoning,
+    split_thinking,
+    thinking_on,
+)
 
 logger = structlog.get_logger()
 
-# What a partial carries: the answer so far and which result it was (and `for_version`).
+# What a partial carries: the answer so far (its ids in a --token-ids run) and which result it
+# was (and `for_version`).
 FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", "params_version",
-          "attempt")
+          "attempt", "prompt_token_ids", "completion_token_ids")
+
+
+def tagged(record: dict[str, Any]) -> bool:
+    """A think tag in the text: sent back as text, the server would split the prefix anew."""
+    texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
+    return "<think>" in texts or "</think>" in texts
 
 
 def continuable(record: dict[str, Any]) -> bool:
-    """Whether a truncated record can be continued: it holds tokens and no think tag (the server
-    would split the prefix otherwise)."""
-    texts = (record.get("reasoning_content") or "") + (record.get("content") or "")
+    """Whether a truncated record can be continued: it holds tokens, and its ids (continued by
+    them, cut wherever) or text without a think tag."""
     return (record.get("finish_reason") == "length"
             and int(record.get("completion_tokens") or 0) > 0
-            and "<think>" not in texts and "</think>" not in texts)
+            and (record.get("completion_token_ids") is not None or not tagged(record)))
 
 
 # Partials one HSET carries: memory and each command stay bounded however many there are.
@@ -122,13 +135,14 @@ class Partials:
             await self.redis.hdel(self.keys.partials, str(index))
 
     async def answer(self, index: int, version: int, body: dict[str, Any],
-                     ask: Callable[[dict[str, Any]], Awaitable[Completion]]) -> Completion | None:
+                     ask: Callable[[dict[str, Any]], Awaitable[Completion]],
+                     server: SGLang | None = None) -> Completion | None:
         """The whole answer continued from this task's partial, or None (none, or refused:
         generate it from the start)."""
         partial = await self.get(index, version)
         if partial is None:
             return None
-        whole = await continue_answer(ask, body, partial)
+        whole = await continue_answer(ask, body, partial, server)
         if whole is None:
             await self.drop(index, version)
         return whole
@@ -149,30 +163,48 @@ def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, An
             "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
 
 
+def ids_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
+    """The request that continues a partial answer from its ids: the prompt's and the partial's
+    as `input_ids` (SGLang 0.5.23 skips the chat template for them; the messages still give
+    the stop tokens), max_tokens less what it holds."""
+    return {**body, "input_ids": [*partial["prompt_token_ids"], *partial["completion_token_ids"]],
+            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
+
+
 def joined(partial: dict[str, Any], new: Completion) -> Completion:
-    """The whole answer: the partial's texts then the continuation's, tokens summed, the
-    continuation's finish_reason."""
+    """The whole answer: the partial's texts (and ids) then the continuation's, tokens summed,
+    the continuation's finish_reason."""
     reasoning, more = partial.get("reasoning_content"), new.reasoning_content
+    ids, more_ids = partial.get("completion_token_ids"), new.completion_token_ids
     return replace(new, reasoning_content=None if reasoning is None and more is None
                    else (reasoning or "") + (more or ""),
                    content=(partial.get("content") or "") + new.content,
                    completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
+                   prompt_token_ids=partial.get("prompt_token_ids") if ids else None,
+                   completion_token_ids=[*ids, *more_ids] if ids and more_ids is not None
+                   else None,
                    continued_from={"version": partial["params_version"],
                                    "attempt": partial["attempt"],
                                    "tokens": int(partial["completion_tokens"])})
 
 
 async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
-                          body: dict[str, Any], partial: dict[str, Any]) -> Completion | None:
-    """The whole answer continued from `partial` (a record's fields) with `ask`, or None if the
-    server did not take the partial as its start (generate it again)."""
-    prompt_tokens = int(partial["prompt_tokens"])
+                          body: dict[str, Any], partial: dict[str, Any],
+                          server: SGLang | None = None) -> Completion | None:
+    """The whole answer continued from `partial` (a record's fields) with `ask`, by its ids in
+    a run that keeps them (its texts from `server`), else by its text; or None if it cannot be
+    or the server did not take the partial as its start (generate it again)."""
+    prompt_tokens, by_ids = int(partial["prompt_tokens"]), bool(body.get("return_token_ids"))
+    if (by_ids and (partial.get("completion_token_ids") is None or server is None)
+            or not by_ids and tagged(partial)):
+        return None
     if body["max_tokens"] <= int(partial["completion_tokens"]):  # the limit adds nothing
         return joined(partial, Completion(finish_reason="length", content="",
                                           reasoning_content=None, prompt_tokens=prompt_tokens,
-                                          completion_tokens=0))
+                                          completion_tokens=0,
+                                          completion_token_ids=[] if by_ids else None))
     try:
-        new = await ask(continue_body(body, partial))
+        new = await ask(ids_body(body, partial) if by_ids else continue_body(body, partial))
     except InputTooLong:  # the prompt and its partial outgrew the context: start again
         logger.warning("continuation_too_long", consequence="the answer is generated again")
         return None
@@ -180,4 +212,21 @@ async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]]
         logger.warning("continuation_refused", prompt_tokens=new.prompt_tokens,
                        consequence="the answer is generated again")
         return None
-    return replace(joined(partial, new), prompt_tokens=prompt_tokens)
+    whole = replace(joined(partial, new), prompt_tokens=prompt_tokens)
+    return await retexted(whole, body, server) if by_ids and server else whole
+
+
+async def retexted(whole: Completion, body: dict[str, Any], server: SGLang) -> Completion:
+    """The whole answer's texts, made from its ids by the server's tokenizer and split as the
+    server splits a straight answer (with SGLang's qwen3 parser, else as stream.finished does
+    without one): the new text alone, split by the server from a start that knows nothing of
+    the partial, could land on the wrong side of `</think>`."""
+    assert whole.completion_token_ids is not None
+    # As the answer's own text: SGLang keeps special tokens in it when asked, or for tools.
+    tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+    skip = body.get("skip_special_tokens", True) is not False and not tools
+    text = await server.detokenize(whole.completion_token_ids, skip)
+    thinking = thinking_on(body)
+    reasoning, content = (parse_reasoning(text, thinking) if await server.reasoning_parser()
+                          else split_thinking(text) if thinking else (None, text))
+    return replace(whole, reasoning_content=reasoning, content=content)

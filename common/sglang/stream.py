@@ -177,6 +177,24 @@ def split_thinking(text: str) -> tuple[str | None, str]:
     return None, text
 
 
+def parse_reasoning(text: str, forced: bool) -> tuple[str | None, str]:
+    """(reasoning_content, content) of a whole answer's raw text as SGLang 0.5.23's qwen3
+    parser gives them (Qwen3Detector.detect_and_parse, then the chat answer: empty thinking is
+    null). It strips nothing; `forced` (thinking on) reads tagless text as thinking, and a
+    `<tool_call>` before any `</think>` ends the thinking."""
+    if not forced and "<think>" not in text:
+        return None, text
+    while text.startswith("<think>"):
+        text = text[len("<think>"):]
+    if "</think>" in text:
+        thought, _, answer = text.partition("</think>")
+    elif (at := text.find("<tool_call>")) != -1:
+        thought, answer = text[:at], text[at:]
+    else:
+        thought, answer = text, ""
+    return thought or None, answer
+
+
 def parse_load(data: Any) -> dict[str, Any]:
     """/v1/loads is {"loads": [per rank]}; requests, KV-cache use and decode speed are summed
     over the ranks (None where absent): what the capacity advice weighs."""
