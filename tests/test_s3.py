@@ -399,3 +399,29 @@ def test_continue_reads_the_truncated_answers_from_s3_alone(
     out = genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
                "--from-s3", URI, redis_url=redis_url, run=run_name).stdout
     assert f"partials kept for --continue: {len(truncated)}" in out
+
+
+@pytest.mark.timeout(150)
+def test_recover_from_s3_alone_keeps_what_pending_continuations_need(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):
+    """Redis is lost after `requeue --continue`, and the consumers' disks with it: `recover
+    --from-s3` finds every pending continuation's partial in the bucket, as --shards does."""
+    import shutil
+
+    k = RunKeys(run_name)
+    data = write_dataset(tmp_path / "d.jsonl", 40)
+    genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run_name)
+    sim = sim_factory(time_scale=1000, length_dist="lognormal:300:0.8")
+    c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "10")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    shutil.rmtree(tmp_path / "out")
+    genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
+         "--from-s3", URI, redis_url=redis_url, run=run_name)
+    pending = r.hlen(k.partials)
+    assert pending > 0
+    r.delete(k.meta)  # the run is gone from Redis before any continuation ran
+    genq("recover", "--from-s3", URI, redis_url=redis_url, run=run_name)
+    assert r.hlen(k.partials) == pending
