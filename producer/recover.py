@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import suppress
 from typing import Any
 
@@ -86,10 +86,11 @@ def present(r: redis.Redis, k: RunKeys, epoch: str) -> str | None:
 
 
 def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
-            streams: Iterable[Iterable[bytes]], out_dirs: list[str], *,
+            streams: Callable[[], Iterable[Iterable[bytes]]], out_dirs: list[str], *,
             replace: bool = False) -> tuple[bool, str]:
-    """Rebuild the run from a manifest and shard line streams; (whether this call did, one line
-    saying what happened)."""
+    """Rebuild the run from a manifest and its shard line streams (opened anew by each call of
+    `streams`: once for the results, once more for the partials pending continuations need);
+    (whether this call did, one line saying what happened)."""
     if manifest["run"] != k.run:
         raise UsageError(f"the manifest is of run {manifest['run']!r}, not {k.run!r}")
     state = present(r, k, manifest["epoch"])
@@ -97,12 +98,12 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
         return False, f"run {k.run!r} is in Redis already: nothing to recover"
     if state is not None and not replace:
         raise GenqError(state)
-    rec = recovery.rebuild(manifest, streams)
+    rec = recovery.rebuild(manifest, streams())
     # Partials go first, in batches, and the run's state after them in one MULTI: a consumer
     # that sees the run back finds them. A replaced run's go with them.
     wanted = recovery.pending_continuations(manifest, rec)
     if wanted:
-        lines = (line for stream in local_streams(out_dirs, k.run) for line in stream)
+        lines = (line for stream in streams() for line in stream)
         samples = int(manifest.get("samples") or 1)
         continuation.put(r, k, pending(lines, wanted, samples), int(manifest["continues"]),
                          samples)
@@ -133,13 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     k = run_keys(a.run)
     dirs = [os.path.abspath(d) for d in a.shards]
     found = local_manifests(dirs, k.run)
-    streams: list[Iterable[Iterable[bytes]]] = [local_streams(dirs, k.run)]
     if a.from_s3:  # shipped output (docs/DEPLOY.md): every consumer's manifest, the shards
         from genq.common.store import s3 as store
 
-        shipped, s3_streams = store.run_source(a.from_s3, k.run, manifests.parse)
-        found += shipped
-        streams.append(s3_streams)
+        found += store.run_source(a.from_s3, k.run, manifests.parse)[0]
+
+    def streams() -> Iterator[Iterable[bytes]]:
+        yield from local_streams(dirs, k.run)
+        if a.from_s3:
+            yield from store.run_source(a.from_s3, k.run, manifests.parse)[1]
     if not found:
         raise UsageError(f"no run manifest ({k.run}.manifest.json) in {', '.join(dirs)}: "
                          "are these the run's output directories, and is --run right?")
@@ -153,8 +156,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{every} (or --partial to go on without them)")
     r = connect(a.redis_url)
     started = time.monotonic()
-    recovered, message = recover(r, k, manifest, (s for group in streams for s in group),
-                                 sorted({*dirs, *listed}), replace=a.replace)
+    recovered, message = recover(r, k, manifest, streams, sorted({*dirs, *listed}),
+                                 replace=a.replace)
     print(f"{message} in {time.monotonic() - started:.1f} s")
     if recovered:
         print("waiting consumers resume by themselves; start a producer (`genq produce "

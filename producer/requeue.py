@@ -146,6 +146,8 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     results, failed = redo(r, k, info.total, a.redo, version) if a.redo != "none" else (0, 0)
     # The manifest beside the shards must know this version before Redis could lose it.
     manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
+    if a.from_s3 and (manifest := manifests.snapshot(r, k)):  # where the disks may be gone
+        store.put_manifest(a.from_s3, k.run, manifest)
     print("\n".join(render(plan)))
     if a.redo != "none":
         print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")

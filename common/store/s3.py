@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import zstandard
 
 from genq.common.data.shards import shard_parts
@@ -115,6 +116,16 @@ def put_verified(s3: Any, uri: S3Uri, key: str, body: bytes, meta: dict[str, str
             or (re.fullmatch(r"[0-9a-f]{32}", etag) and etag != md5.hexdigest())):
         raise StoreUnavailable(f"s3://{uri.bucket}/{key}: the stored object does not match "
                                "what was sent (length or checksum)")
+
+
+def put_manifest(uri: str, run: str, manifest: dict[str, Any]) -> None:
+    """Upload a manifest made where no consumer's directory is (`requeue --from-s3`) as
+    <prefix>/<run>/requeue/manifest.json: `recover --from-s3` takes the newest of them all."""
+    parsed = parse_uri(uri)
+    key = parsed.key(run, "requeue", MANIFEST)
+    with as_unavailable(f"writing s3://{parsed.bucket}/{key}"):
+        put_verified(client(), parsed, key, orjson.dumps(manifest, option=orjson.OPT_INDENT_2),
+                     {})
 
 
 def _run_keys(s3: Any, uri: S3Uri, run: str) -> Iterator[str]:
