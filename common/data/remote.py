@@ -96,9 +96,10 @@ def _fetch_range(s3: Any, bucket: str, key: str, etag: str, fd: int, lo: int, hi
                                  IfMatch=etag)["Body"]
             with body:
                 for chunk in body.iter_chunks(_CHUNK):
-                    chunk = chunk[:hi - pos]
-                    os.pwrite(fd, chunk, pos)
-                    pos += len(chunk)
+                    view = memoryview(chunk)[:hi - pos]
+                    while view:  # pwrite may write less than it was given
+                        written = os.pwrite(fd, view, pos)
+                        pos, view = pos + written, view[written:]
             if pos < hi:
                 raise ConnectionError(f"the stream ended at byte {pos} of {hi}")
         except ClientError as e:
