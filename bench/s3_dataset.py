@@ -3,9 +3,15 @@ empty cache, on the seed's scale (914,000 agentic conversations: system prompt, 
 call, its result, an answer, a follow-up). S3 is moto's server on a free port; the figures are
 genq's side (download, fingerprint, index), not a real S3's bandwidth. Reports the producer's
 wall, the consumer's time from start to its first result and its peak memory (VmHWM) after
-`--seconds` of work.
+`--seconds` of work. The producer's time to `run_registered` is the data set's opening
+(download, fingerprint, index); the rest of `--once` is queueing every row.
 
-    python bench/s3_dataset.py [--rows 914000] [--format parquet|jsonl] [--json FILE]
+`--baseline` first times three copies of the same object from the same S3 with genq's client:
+boto3's `download_file` in 16 MB parts by 4 threads (genq's copy before), genq's own
+(`remote.local_copy`), and one plain `get_object` stream.
+
+    python bench/s3_dataset.py [--rows 914000] [--format parquet|jsonl] [--data DIR]
+                               [--baseline] [--json FILE]
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import signal
 import string
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import _common as kit
 import orjson
@@ -64,6 +73,66 @@ def write(path, rows: int, fmt: str) -> None:
             writer.close()
 
 
+def generated(folder: Path, rows: int, fmt: str) -> Path:
+    """The data set of `rows` rows in `folder`, written unless a whole one is there already."""
+    path = folder / f"prompts-{rows}.{fmt}"
+    if not path.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        write(tmp, rows, fmt)
+        os.replace(tmp, path)
+    return path
+
+
+def produce(uri: str, redis_url: str) -> tuple[float, float]:
+    """`genq produce URI --once`: seconds to its `run_registered` line, and to its exit."""
+    started, registered = time.monotonic(), None
+    proc = subprocess.Popen([sys.executable, "-m", "genq", "produce", uri, "--once"],
+                            cwd=kit.REPO, env=kit.genq_env(redis_url, "s3ds"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert proc.stderr
+    for line in proc.stderr:
+        if registered is None and b"run_registered" in line:
+            registered = time.monotonic() - started
+    if proc.wait() != 0 or registered is None:
+        raise SystemExit(f"genq produce {uri} --once exited {proc.returncode}")
+    return registered, time.monotonic() - started
+
+
+def copies(uri: str, tmp: Path) -> dict[str, float]:
+    """Seconds to copy the object to local disk, three ways, each file removed after."""
+    from boto3.s3.transfer import TransferConfig
+
+    from genq.common.data import remote
+    from genq.common.store import s3 as store
+
+    where, client, out = store.parse_uri(uri), store.client(), tmp / "copy"
+    seconds = {}
+
+    def timed(way: str, copy) -> None:
+        started = time.monotonic()
+        copy()
+        seconds[way] = time.monotonic() - started
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir()
+
+    def one_stream() -> None:
+        body = client.get_object(Bucket=where.bucket, Key=where.prefix)["Body"]
+        with open(out / "one", "wb") as f:
+            for chunk in body.iter_chunks(1 << 20):
+                f.write(chunk)
+
+    out.mkdir()
+    timed("boto3 download_file, 16 MB parts x 4 threads (before)",
+          lambda: client.download_file(where.bucket, where.prefix, str(out / "parts"), Config=
+                                       TransferConfig(multipart_chunksize=16 << 20,
+                                                      max_concurrency=4)))
+    os.environ["XDG_CACHE_HOME"] = str(out)
+    timed("genq remote.local_copy (now)", lambda: remote.local_copy(uri))
+    timed("one get_object stream", one_stream)
+    return seconds
+
+
 def vm_hwm_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
@@ -74,6 +143,10 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=914_000)
     p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     p.add_argument("--seconds", type=float, default=20, help="consumer's work before its stop")
+    p.add_argument("--baseline", action="store_true",
+                   help="also time the copy against boto3's download_file and one stream")
+    p.add_argument("--data", help="a folder where the generated data set is kept and reused "
+                   "(generating 914k rows takes minutes)")
     a = p.parse_args()
     from moto.server import ThreadedMotoServer
 
@@ -92,16 +165,17 @@ def main() -> int:
     f: dict = {"rows": a.rows, "format": a.format}
     with kit.workdir() as tmp, kit.private_redis() as rs, \
             kit.simulators(1, "--time-scale", "400") as [sim]:
-        local = tmp / f"prompts.{a.format}"
-        write(local, a.rows, a.format)
+        local = generated(Path(a.data) if a.data else tmp, a.rows, a.format)
         f["mb"] = local.stat().st_size / 1e6
         s3.upload_file(str(local), BUCKET, local.name)
-        local.unlink()  # from here on the data set is in S3 alone
+        if not a.data:
+            local.unlink()  # from here on the data set is in S3 alone
         uri, r, done = f"s3://{BUCKET}/{local.name}", rs.client(), RunKeys("s3ds").done
-        started = time.monotonic()
+        f["load_before"] = os.getloadavg()
+        if a.baseline:
+            f["copy_s"] = copies(uri, tmp)
         os.environ["XDG_CACHE_HOME"] = str(tmp / "a")  # the producer's machine
-        kit.genq("produce", uri, "--once", redis_url=rs.url, run="s3ds")
-        f["produce_s"] = time.monotonic() - started
+        f["registered_s"], f["produce_s"] = produce(uri, rs.url)
         started = time.monotonic()
         c = kit.consumer(rs.url, "s3ds", "--server", sim.url, "--out", str(tmp / "out"),
                          env={"XDG_CACHE_HOME": str(tmp / "b")})
@@ -112,11 +186,17 @@ def main() -> int:
         f["done"], f["consumer_peak_mb"] = r.bitcount(done), vm_hwm_mb(c.pid)
         c.send_signal(signal.SIGTERM)
         c.wait(60)
+        f["load_after"] = os.getloadavg()
     moto.stop()
-    print(kit.table([(f"{a.rows:,} {a.format}", f"{f['mb']:.0f}", f"{f['produce_s']:.1f}",
-                      f"{f['first_result_s']:.1f}", f["done"], f"{f['consumer_peak_mb']:.0f}")],
-                    ("data set", "MB", "produce (s)", "consumer: first result (s)",
-                     "results", "consumer peak (MB)")))
+    print(kit.table([(f"{a.rows:,} {a.format}", f"{f['mb']:.0f}", f"{f['registered_s']:.1f}",
+                      f"{f['produce_s']:.1f}", f"{f['first_result_s']:.1f}", f["done"],
+                      f"{f['consumer_peak_mb']:.0f}")],
+                    ("data set", "MB", "produce: registered (s)", "produce --once (s)",
+                     "consumer: first result (s)", "results", "consumer peak (MB)")))
+    for way, seconds in f.get("copy_s", {}).items():
+        print(f"copy, {way}: {seconds:.2f} s ({f['mb'] / seconds:.0f} MB/s)")
+    print("load average before {:.1f} {:.1f} {:.1f}, after {:.1f} {:.1f} {:.1f}".format(
+        *f["load_before"], *f["load_after"]))
     kit.dump_json(a.json, f)
     return 0
 

@@ -68,6 +68,7 @@ class FaultProxy:
                                        name="faultproxy")
         self.connections = 0
         self.delay = 0.0  # seconds each relayed chunk is held, either way
+        self.relayed = 0  # bytes relayed from the upstream to clients, in all
 
     def url(self, scheme: str = "redis", path: str = "/0") -> str:
         return f"{scheme}://127.0.0.1:{self.port}{path}"
@@ -147,15 +148,16 @@ class FaultProxy:
             self.links.discard(link)
             return
         link.pumps = [asyncio.create_task(self._pump(reader, link.upstream, link)),
-                      asyncio.create_task(self._pump(up_reader, writer, link))]
+                      asyncio.create_task(self._pump(up_reader, writer, link, down=True))]
 
     async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter,
-                    link: _Link) -> None:
+                    link: _Link, down: bool = False) -> None:
         try:
             while data := await src.read(65536):
                 if self.delay:
                     await asyncio.sleep(self.delay)
                 dst.write(data)
+                self.relayed += len(data) if down else 0
                 await dst.drain()
         except (ConnectionError, OSError):
             pass

@@ -333,6 +333,58 @@ def test_recover_from_s3_alone_restores_the_run_exactly(
         assert status_after[key] == status_before[key], key
 
 
+@pytest.mark.timeout(60)
+def test_a_dropped_download_resumes_from_the_byte_it_reached(tmp_path, s3, monkeypatch):
+    """Every connection reset mid-download: the local copy is whole and exact, and the bytes
+    received before the reset are not fetched again (the next GET starts where it broke)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from genq.common.data import remote
+
+    client, proxy = s3
+    data = os.urandom(6 << 20)
+    client.put_object(Bucket=BUCKET, Key="data/big.jsonl", Body=data)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    proxy.delay = 0.005  # each 64 kB relayed: the download takes about half a second
+    with ThreadPoolExecutor(1) as pool:
+        copy = pool.submit(remote.local_copy, f"s3://{BUCKET}/data/big.jsonl")
+        wait_for(lambda: proxy.relayed > 2 << 20, what="a third of the object received")
+        proxy.set_mode("reset")
+        proxy.set_mode("pass")
+        path = copy.result(30)
+    assert path.read_bytes() == data
+    assert proxy.connections >= 2  # the reset really broke the stream
+    assert proxy.relayed < len(data) + (1 << 20), "the download started again from byte 0"
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.timeout(60)
+def test_an_object_replaced_mid_download_is_refused_not_spliced(tmp_path, s3, monkeypatch):
+    """The object is replaced while its copy is under way and the stream breaks: the resumed
+    GET names the first version's ETag, so the copy stops with a clear error, leaving no file
+    that is half one version and half the other."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    from genq.common.data import remote
+    from genq.common.errors import DatasetError
+
+    client, proxy = s3
+    client.put_object(Bucket=BUCKET, Key="data/big.jsonl", Body=os.urandom(6 << 20))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    proxy.delay = 0.005
+    with ThreadPoolExecutor(1) as pool:
+        copy = pool.submit(remote.local_copy, f"s3://{BUCKET}/data/big.jsonl")
+        wait_for(lambda: proxy.relayed > 2 << 20, what="a third of the object received")
+        client.put_object(Bucket=BUCKET, Key="data/big.jsonl", Body=os.urandom(6 << 20))
+        proxy.set_mode("reset")
+        proxy.set_mode("pass")
+        with pytest.raises(DatasetError, match="replaced while it was downloaded"):
+            copy.result(30)
+    assert [p.name for p in remote.cache_dir().iterdir() if not p.name.endswith(".lock")] == []
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
 def test_a_data_set_in_s3_alone_is_produced_and_consumed(

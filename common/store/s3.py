@@ -52,15 +52,15 @@ def parse_uri(text: str) -> S3Uri:
     return S3Uri(bucket, prefix.strip("/"))
 
 
-def client() -> Any:
+def client(read_timeout: float = 20) -> Any:
     """One boto3 S3 client; thread-safe, so every upload thread shares it."""
     import boto3
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError
 
     # One attempt per call: the shipper's own backoff retries, and a partitioned store holds
-    # a call (and a stopping consumer) at most 5 + 20 s.
-    config = Config(connect_timeout=5, read_timeout=20,
+    # a call (and a stopping consumer) at most 5 + read_timeout s.
+    config = Config(connect_timeout=5, read_timeout=read_timeout,
                     retries={"total_max_attempts": 1, "mode": "standard"})
     try:
         return boto3.session.Session().client("s3", config=config)
