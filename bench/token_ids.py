@@ -1,5 +1,6 @@
 """What `genq produce --token-ids` costs, at the seed's shape: bytes per record (JSONL on disk,
-zstd on S3, as genq ships shards) and the consumer's CPU per task (parse the server's answer,
+zstd on S3, as genq ships shards), a `requeue --continue` partial's bytes in Redis (zstd, as
+common/sglang/continuation.py keeps it), and the consumer's CPU per task (parse the server's answer,
 build the record, encode its line), ids off and on side by side on the same answers.
 
 Records have the seed's shape: agentic-coding prompts of thousands of tokens (lognormal, median
@@ -23,6 +24,7 @@ import zstandard
 from _common import dump_json, parser, table
 
 from genq.common.data.records import build_record
+from genq.common.sglang import continuation
 from genq.common.sglang.stream import whole_answer
 
 VOCAB = 151_669
@@ -79,6 +81,14 @@ def shipped(records: list[bytes]) -> int:
                for i in range(0, len(records), SHARD))
 
 
+def partial_bytes(records: list[bytes]) -> int:
+    """Bytes of these records' partials in Redis, each packed as continuation.put packs it."""
+    packer = zstandard.ZstdCompressor(level=3)
+    return sum(len(packer.compress(orjson.dumps(
+        {**{f: rec.get(f) for f in continuation.FIELDS}, "for_version": 2})))
+        for rec in map(orjson.loads, records))
+
+
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--records", type=int, default=2000)
@@ -90,14 +100,15 @@ def main() -> None:
     for name, bodies in (("ids off", plain), ("ids on", with_ids)):
         lines(bodies[:50])  # warm up
         recs, cpu = lines(bodies)
-        disk, s3 = sum(map(len, recs)), shipped(recs)
+        disk, s3, kept = sum(map(len, recs)), shipped(recs), partial_bytes(recs)
         figures[name] = {"records": len(recs), "jsonl_bytes": disk, "zstd_bytes": s3,
-                         "cpu_s_per_task": cpu}
+                         "partial_bytes": kept, "cpu_s_per_task": cpu}
         rows.append((name, f"{disk / len(recs) / 1024:.1f}", f"{s3 / len(recs) / 1024:.1f}",
                      f"{disk / len(recs) * SEED_RUN / 1e9:.1f}",
-                     f"{s3 / len(recs) * SEED_RUN / 1e9:.1f}", f"{cpu * 1e3:.2f}"))
+                     f"{s3 / len(recs) * SEED_RUN / 1e9:.1f}",
+                     f"{kept / len(recs) / 1024:.1f}", f"{cpu * 1e3:.2f}"))
     print(table(rows, ("", "KiB/record JSONL", "KiB/record zstd", f"GB/{SEED_RUN} JSONL",
-                       f"GB/{SEED_RUN} zstd", "CPU ms/task")))
+                       f"GB/{SEED_RUN} zstd", "KiB/partial in Redis", "CPU ms/task")))
     dump_json(a.json, figures)
 
 
