@@ -429,6 +429,20 @@ def test_a_data_set_in_s3_alone_is_produced_and_consumed(
     assert fingerprints[0] == fingerprints[1]  # a copy in S3 is the same data set as the file
 
 
+def truncated_run_shipped(tmp_path, redis_url, run, sim_factory, n, *, shard_records):
+    """A run of n prompts at max_tokens 400 (about half cut), done by one consumer that shipped
+    its shards to the bucket and left them in tmp_path/out."""
+    data = write_dataset(tmp_path / "d.jsonl", n)
+    genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run)
+    sim = sim_factory(time_scale=1000, length_dist="lognormal:300:0.8")
+    c = consumer(redis_url, run, sim, tmp_path / "out", "--burst", "--shard-records",
+                 str(shard_records))
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+
+
 @pytest.mark.timeout(150)
 def test_continue_reads_the_truncated_answers_from_s3_alone(
         tmp_path, redis_url, run_name, sim_factory, s3):
@@ -436,15 +450,7 @@ def test_continue_reads_the_truncated_answers_from_s3_alone(
     answer's partial in the bucket."""
     import shutil
 
-    n = 60
-    data = write_dataset(tmp_path / "d.jsonl", n)
-    genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run_name)
-    sim = sim_factory(time_scale=1000, length_dist="lognormal:300:0.8")
-    c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "20")
-    try:
-        assert c.wait(90) == 0, c.log()[-3000:]
-    finally:
-        c.cleanup()
+    truncated_run_shipped(tmp_path, redis_url, run_name, sim_factory, 60, shard_records=20)
     truncated = [rec for rec in bucket_records(s3[0], run_name) if rec["finish_reason"] == "length"]
     assert truncated
     shutil.rmtree(tmp_path / "out")
@@ -461,14 +467,7 @@ def test_recover_from_s3_alone_keeps_what_pending_continuations_need(
     import shutil
 
     k = RunKeys(run_name)
-    data = write_dataset(tmp_path / "d.jsonl", 40)
-    genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run_name)
-    sim = sim_factory(time_scale=1000, length_dist="lognormal:300:0.8")
-    c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "10")
-    try:
-        assert c.wait(90) == 0, c.log()[-3000:]
-    finally:
-        c.cleanup()
+    truncated_run_shipped(tmp_path, redis_url, run_name, sim_factory, 40, shard_records=10)
     shutil.rmtree(tmp_path / "out")
     genq("requeue", "--set", "max_tokens=1200", "--redo", "truncated", "--continue",
          "--from-s3", URI, redis_url=redis_url, run=run_name)
