@@ -249,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         timing = soak.run()
         stops = soak.stop_all()
         result = report(a, soak, timing, stops)
+        for proc in [*soak.consumers, *soak.others, *soak.sims]:  # why, before the logs go
+            if stops[proc.name][0] != 0:
+                tail = proc.log.read_bytes()[-2500:].decode(errors="replace")
+                print(f"--- {proc.name} exited {stops[proc.name][0]}; its log ends:\n{tail}",
+                      file=sys.stderr)
     finally:
         if soak is not None:
             soak.close()
