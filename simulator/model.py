@@ -119,11 +119,11 @@ def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None
           ) -> tuple[str | None, str]:
     """(reasoning_content, content) that new ids a..b add (default: all of them).
 
-    With a reasoning parser the thinking words go to reasoning_content and what follows
-    `</think>` (its blank line too) to content, the tags to neither, as SGLang 0.5.23's qwen3
-    parser splits them (it strips nothing); a completion that never closed its thinking has
-    content "". Without one, reasoning_content is null and content is the raw text, tags and
-    all. The stop token is never text."""
+    With a reasoning parser (the streamed chunks; whole answers are `parsed`) the thinking
+    words go to reasoning_content, the tags and the blank line after `</think>` to neither, as
+    SGLang 0.5.23's streamed chunks carry them (tests/test_chunk_shapes.py); a completion that
+    never closed its thinking has content "". Without one, reasoning_content is null and
+    content is the raw text, tags and all. The stop token is never text."""
     b = done.tokens if b is None else b
     if b <= a:
         return None, ""
@@ -131,7 +131,7 @@ def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None
     if not done.thinking or not parser:
         return None, tk.decode([done.token(i) for i in span], skip_special=True)
     reasoning = tk.decode([done.token(i) for i in span if done.kind(i) == WORD_T])
-    return reasoning, tk.decode([done.token(i) for i in span if done.kind(i) in (SEP, WORD_A)])
+    return reasoning, tk.decode([done.token(i) for i in span if done.kind(i) == WORD_A])
 
 
 def parsed(raw: str, forced: bool, previous: str = "") -> tuple[str | None, str]:
