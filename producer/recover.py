@@ -141,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def streams() -> Iterator[Iterable[bytes]]:
         yield from local_streams(dirs, k.run)
-        if a.from_s3:
-            yield from store.run_source(a.from_s3, k.run, manifests.parse)[1]
+        if a.from_s3:  # the shards alone: the manifests were read above
+            shipped = store.iter_shards(store.client(), store.parse_uri(a.from_s3), k.run)
+            yield from (stream for _, _, stream in shipped)
     if not found:
         raise UsageError(f"no run manifest ({k.run}.manifest.json) in {', '.join(dirs)}: "
                          "are these the run's output directories, and is --run right?")
