@@ -5,9 +5,13 @@ them. TYPE_CHECKING imports count: a circle hidden behind one is a circle all th
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import REPO
+import orjson
+import pytest
+from conftest import REPO, genq, genq_env
 
 PACKAGES = ("common", "consumer", "producer", "monitor", "genq", "simulator")
 SERVICES = ("producer", "consumer", "monitor")
@@ -92,3 +96,26 @@ def test_services_import_common_never_each_other():
         and dep.split(".")[1] != name.split(".")[1]
     )
     assert crossing == []
+
+
+def imported_by(*args: str, redis_url: str, run: str) -> set[str]:
+    """The modules a real `genq *args` process imported (python -X importtime, on stderr)."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "genq", *args],
+                          env=genq_env(redis_url, run), capture_output=True, text=True,
+                          timeout=60, check=True)
+    return {line.rsplit("|", 1)[1].strip() for line in proc.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+@pytest.mark.parametrize("flags", [(), ("--json",)], ids=["table", "json"])
+def test_status_starts_without_what_it_does_not_use(tmp_path, redis_url, run_name, flags):
+    """`genq status` is a fresh interpreter each time, so what it imports is most of its time on
+    a machine the consumers keep busy (bench/status_start.py): no logging framework, and with
+    --json no table library either."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(orjson.dumps({"prompt": f"p {i}"}).decode() + "\n" for i in range(5)))
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    loaded = imported_by("status", *flags, redis_url=redis_url, run=run_name)
+    assert "genq.common.report.status" in loaded  # it did read the run
+    assert "structlog" not in loaded
+    assert ("rich" in loaded) == (flags == ())
