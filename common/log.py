@@ -13,7 +13,6 @@ import time
 from typing import IO, Any
 
 import orjson
-import structlog
 
 from genq.common.errors import mask_secrets, mask_tree
 
@@ -59,6 +58,8 @@ def _mask(_logger: Any, _name: str, event: dict[str, Any]) -> Any:
 
 
 def setup() -> None:
+    import structlog  # here, not above: commands that do not log (`genq status`) start faster
+
     processors: list = [structlog.contextvars.merge_contextvars,
                         structlog.processors.add_log_level,
                         structlog.processors.TimeStamper(fmt="iso", utc=True)]
@@ -115,6 +116,8 @@ class Outage:
             else:
                 return
             for_s = round(now - self.since, 1)
+        import structlog
+
         structlog.get_logger("genq").warning(event, error=error_text, for_s=for_s,
                                              failures=self.failures, **fields)
 
@@ -125,6 +128,8 @@ class Outage:
             if self.since is None:
                 return
             lasted, failures, self.since = time.monotonic() - self.since, self.failures, None
+        import structlog
+
         structlog.get_logger("genq").info(self.events[2], lasted_s=round(lasted, 1),
                                           failures=failures, **fields)
 
