@@ -92,6 +92,9 @@ def main() -> int:
                 lat["status_mid_s"] = latency(lambda: kit.genq("status", redis_url=srv.url,
                                                                run=RUN))
                 lat["api_mid_s"] = latency(lambda: monitor.get("/api/status"))
+                print(f"mid-run ({r.bitcount(k.done):,} of {tasks:,} done, load average "
+                      f"{kit.load_average()}): genq status {lat['status_mid_s']} s, /api/status "
+                      f"{lat['api_mid_s']} s", file=sys.stderr, flush=True)
                 if a.profile:
                     subprocess.run([sys.executable, "-m", "cProfile", "-o", a.profile, "-m",
                                     "genq", "status"], cwd=kit.REPO, env=env, check=True,

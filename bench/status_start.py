@@ -1,0 +1,113 @@
+"""`genq status` on a busy machine, this tree against a baseline checkout, side by side.
+
+A run of 914,000 prompts × 4 samples is consumed by three `genq consume` on fast simulators
+(the scale bench's settings), so both cores are busy as they are mid-run. While it runs, the
+two trees' `genq status --json` take turns against the same Redis, a round at a time. Each
+call's wall time and CPU (user + system, from wait4) are kept; the table gives the median and
+the worst of each, and this tree's against the baseline's.
+
+    git worktree add /tmp/base 30a5a45
+    python bench/status_start.py --baseline /tmp/base --rounds 15
+    python bench/status_start.py --baseline /tmp/base --busy 4   # and 4 processes spinning
+
+--busy N adds N processes that only spin, as other work on the same machine would (the 914,000 ×
+4 scale run that saw 1.69 s shared its cores with other benches).
+
+The baseline runs from its own directory with PYTHONPATH set to it, so its `genq` package is
+its own; the same interpreter and installed libraries serve both.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _common as kit
+from faultkit import Background
+from pipeline import wait_for
+
+from genq.common.queue.keys import RunKeys
+
+RUN = "status"
+SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
+       "--max-running-requests", "64"]
+
+
+def status_call(tree: Path, env: dict) -> tuple[float, float]:
+    """One `genq status` from `tree`: (wall s, CPU s)."""
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "genq", "status"], cwd=tree,
+                            env={**env, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    _, code, ru = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - start
+    if os.waitstatus_to_exitcode(code):
+        raise SystemExit(f"genq status from {tree} failed: {proc.stderr.read().decode()[-500:]}")
+    return wall, ru.ru_utime + ru.ru_stime
+
+
+def main() -> int:
+    p = kit.parser(__doc__)
+    p.add_argument("--baseline", required=True, type=Path, help="a checkout of the baseline")
+    p.add_argument("--total", type=int, default=914_000)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--consumers", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--busy", type=int, default=0, help="processes spinning beside the run")
+    p.add_argument("--warm", type=int, default=50_000,
+                   help="samples done before the first round (default 50,000)")
+    a = p.parse_args()
+    trees = {"baseline": a.baseline.resolve(), "this tree": kit.REPO}
+    for tree in trees.values():
+        if not (tree / "genq" / "__main__.py").exists():
+            raise SystemExit(f"{tree} is not a genq checkout")
+    k, calls = RunKeys(RUN), {name: [] for name in trees}
+    with kit.workdir() as work, kit.private_redis() as srv, \
+            kit.simulators(a.consumers, *SIM) as sims:
+        r, env = srv.client(), kit.genq_env(srv.url, RUN)
+        data = kit.write_dataset(work / "d.jsonl", a.total)
+        producer = Background(srv.url, RUN, "produce", str(data), "--samples", str(a.samples))
+        wait_for(lambda: r.exists(k.done), timeout=600, what="the run registered")
+        procs = [kit.consumer(srv.url, RUN, "--server", sim.url, "--out", str(work / f"o{n}"))
+                 for n, sim in enumerate(sims)]
+        spinners: list[subprocess.Popen] = []
+        try:
+            wait_for(lambda: r.bitcount(k.done) >= a.warm, timeout=1800, what="the warm-up")
+            spinners += [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                         for _ in range(a.busy)]
+            cpu0, done_before = kit.machine_cpu(), r.bitcount(k.done)
+            for n in range(a.rounds):
+                order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
+                for name, tree in order:
+                    calls[name].append(status_call(tree, env))
+            cpu1, done_after = kit.machine_cpu(), r.bitcount(k.done)
+        finally:
+            for proc in [*procs, *spinners]:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=60)
+            producer.stop()
+    rows, med = [], {}
+    for name, got in calls.items():
+        walls, cpus = [w for w, _ in got], [c for _, c in got]
+        med[name] = statistics.median(walls), statistics.median(cpus)
+        rows.append((name, f"{med[name][0]:.3f}", f"{max(walls):.3f}", f"{med[name][1]:.3f}",
+                     f"{max(cpus):.3f}"))
+    rows.append(("this / baseline", f"{med['this tree'][0] / med['baseline'][0]:.2f}", "",
+                 f"{med['this tree'][1] / med['baseline'][1]:.2f}", ""))
+    print(f"{a.total:,} prompts × {a.samples}, {a.consumers} consumers, {a.busy} spinning; done "
+          f"{done_before:,} → {done_after:,} during the rounds, the machine "
+          f"{(cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]):.0%} busy")
+    print(kit.table(rows, ("genq status", "wall median s", "wall max s", "CPU median s",
+                           "CPU max s")))
+    kit.dump_json(a.json, {name: [{"wall_s": round(w, 3), "cpu_s": round(c, 3)} for w, c in got]
+                           for name, got in calls.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
