@@ -24,6 +24,8 @@ SCRIPTS = {
     "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5",
                         "--after-run", "200"],
     "scale.py": ["--total", "2000", "--consumers", "2"],
+    "status_start.py": ["--baseline", str(REPO), "--total", "2000", "--consumers", "1",
+                        "--warm", "200", "--rounds", "2", "--busy", "1"],
     "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
@@ -137,6 +139,9 @@ CHECKS = {
     "replay_story.py": check_story,
     "redis_memory.py": check_memory,
     "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 or pytest.fail(f),
+    "status_start.py": lambda f: (set(f) == {"baseline", "this tree"} and all(
+        len(calls) == 2 and all(c["cpu_s"] > 0 for c in calls) for calls in f.values())
+                                  ) or pytest.fail(f),
     "restart.py": lambda f: (f["killed"]["full_again_s"] > 0 and f["tasks_back_s"] > 0
                              and f["bare_full_again_s"] > 0) or pytest.fail(f),
     "s3_shipping.py": check_s3,
