@@ -19,7 +19,6 @@ its own; the same interpreter and installed libraries serve both.
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
@@ -43,11 +42,11 @@ def status_call(tree: Path, env: dict) -> tuple[float, float]:
     proc = subprocess.Popen([sys.executable, "-m", "genq", "status"], cwd=tree,
                             env={**env, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    _, code, ru = os.wait4(proc.pid, 0)
+    code, cpu = kit.wait_rusage(proc, timeout=120)
     wall = time.monotonic() - start
-    if os.waitstatus_to_exitcode(code):
+    if code:
         raise SystemExit(f"genq status from {tree} failed: {proc.stderr.read().decode()[-500:]}")
-    return wall, ru.ru_utime + ru.ru_stime
+    return wall, cpu
 
 
 def main() -> int:

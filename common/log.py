@@ -86,6 +86,13 @@ def say(text: str) -> None:
         silence(sys.stderr)
 
 
+def _logger() -> Any:
+    """genq's structlog logger, imported here for the same reason as in setup()."""
+    import structlog
+
+    return structlog.get_logger("genq")
+
+
 class Outage:
     """An outage logged once when it starts, then at a slowing pace (10 s, 20 s... at most every
     10 min), and once when it ends; `events` names those three. Thread-safe."""
@@ -116,9 +123,7 @@ class Outage:
             else:
                 return
             for_s = round(now - self.since, 1)
-        import structlog
-
-        structlog.get_logger("genq").warning(event, error=error_text, for_s=for_s,
+        _logger().warning(event, error=error_text, for_s=for_s,
                                              failures=self.failures, **fields)
 
     def over(self, **fields: Any) -> None:
@@ -128,9 +133,7 @@ class Outage:
             if self.since is None:
                 return
             lasted, failures, self.since = time.monotonic() - self.since, self.failures, None
-        import structlog
-
-        structlog.get_logger("genq").info(self.events[2], lasted_s=round(lasted, 1),
+        _logger().info(self.events[2], lasted_s=round(lasted, 1),
                                           failures=failures, **fields)
 
 
