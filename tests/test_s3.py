@@ -350,8 +350,9 @@ def test_a_dropped_download_resumes_from_the_byte_it_reached(tmp_path, s3, monke
     with ThreadPoolExecutor(1) as pool:
         copy = pool.submit(remote.local_copy, f"s3://{BUCKET}/data/big.jsonl")
         wait_for(lambda: proxy.relayed > 2 << 20, what="a third of the object received")
+        proxy.delay = 1.0  # the stream held where it is, so a slow moment here cannot let it end
         proxy.set_mode("reset")
-        received = proxy.relayed
+        received, proxy.delay = proxy.relayed, 0.005
         proxy.set_mode("pass")
         path = copy.result(30)
     assert path.read_bytes() == data
@@ -381,8 +382,10 @@ def test_an_object_replaced_mid_download_is_refused_not_spliced(tmp_path, s3, mo
     with ThreadPoolExecutor(1) as pool:
         copy = pool.submit(remote.local_copy, f"s3://{BUCKET}/data/big.jsonl")
         wait_for(lambda: proxy.relayed > 2 << 20, what="a third of the object received")
+        proxy.delay = 1.0  # the stream held where it is while the object is replaced
         client.put_object(Bucket=BUCKET, Key="data/big.jsonl", Body=os.urandom(6 << 20))
         proxy.set_mode("reset")
+        proxy.delay = 0.005
         proxy.set_mode("pass")
         with pytest.raises(DatasetError, match="replaced while it was downloaded"):
             copy.result(30)
