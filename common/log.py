@@ -123,8 +123,8 @@ class Outage:
             else:
                 return
             for_s = round(now - self.since, 1)
-        _logger().warning(event, error=error_text, for_s=for_s,
-                                             failures=self.failures, **fields)
+        _logger().warning(event, error=error_text, for_s=for_s, failures=self.failures,
+                          **fields)
 
     def over(self, **fields: Any) -> None:
         if self.since is None:  # the common case, without the lock
@@ -133,8 +133,8 @@ class Outage:
             if self.since is None:
                 return
             lasted, failures, self.since = time.monotonic() - self.since, self.failures, None
-        _logger().info(self.events[2], lasted_s=round(lasted, 1),
-                                          failures=failures, **fields)
+        _logger().info(self.events[2], lasted_s=round(lasted, 1), failures=failures,
+                       **fields)
 
 
 # One per process: every Redis call that rides out an outage reports to it.
