@@ -55,7 +55,7 @@ def test_a_throttled_range_is_asked_again_and_the_copy_is_whole(s3):
     data = os.urandom(3 << 20)
     client.put_object(Bucket=BUCKET, Key="d.jsonl", Body=data)
     faults.failures = [503, 500]
-    path = remote.local_copy(f"s3://{BUCKET}/d.jsonl")
+    path, _ = remote.local_copy(f"s3://{BUCKET}/d.jsonl")
     assert path.read_bytes() == data
     assert faults.gets == 3 and not faults.failures
 
@@ -104,8 +104,8 @@ def test_every_node_copies_the_version_the_run_registered(
     c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "node2", "--burst")
     try:
         assert c.wait(60) != 0
+        log = c.log()
     finally:
         c.cleanup()
-    log = c.log()
     assert "not the version the run registered" in log and "Traceback" not in log, log[-2000:]
     assert copies() == []
