@@ -61,6 +61,21 @@ def test_a_throttled_range_is_asked_again_and_the_copy_is_whole(s3):
 
 
 @pytest.mark.timeout(60)
+def test_a_killed_download_leaves_no_temporary_file_behind(s3):
+    """A download killed mid-way (a preempted task) leaves its temporary file; the next copy
+    of the same object on the machine removes it."""
+    client, _ = s3
+    data = os.urandom(1 << 20)
+    client.put_object(Bucket=BUCKET, Key="d.jsonl", Body=data)
+    path, _ = remote.local_copy(f"s3://{BUCKET}/d.jsonl")
+    leftover = path.with_name(f"{path.name}.999999.tmp")
+    leftover.write_bytes(data[:1000])
+    path.unlink()
+    assert remote.local_copy(f"s3://{BUCKET}/d.jsonl")[0].read_bytes() == data
+    assert not leftover.exists()
+
+
+@pytest.mark.timeout(60)
 def test_a_store_that_ignores_range_is_refused_and_nothing_is_cached(s3):
     """A store that answers a ranged GET with the whole object would give a resumed or
     parallel copy the wrong bytes at the right size: refused in one line, nothing cached."""
