@@ -68,6 +68,8 @@ def local_copy(uri: str, version: str | None = None) -> tuple[Path, str]:
                                f"{etag}; the bucket holds {meta['ETag']}) and this machine has "
                                "no copy of it: put that version back, or produce the new one "
                                "under another --run")
+        for stale in dest.parent.glob(f"{dest.name}.*.tmp"):  # made only under this lock:
+            stale.unlink(missing_ok=True)  # what is left is a killed download's
         tmp = dest.with_name(f"{dest.name}.{os.getpid()}.tmp")
         started, size = time.monotonic(), meta["ContentLength"]
         logger.info("dataset_download", uri=uri, mb=round(size / 1e6, 1), to=str(dest))
