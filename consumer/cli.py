@@ -255,7 +255,7 @@ def prepare(s: ConsumeSettings, k: RunKeys, stopped: threading.Event
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):
         logger.warning("redis_settings", risk=risk)
-    dataset = open_dataset(info.dataset)
+    dataset = open_dataset(info.dataset, info.dataset_version)
     dataset.verify(info.fingerprint)
     s = replace(s, out=run_outdir(k, s.out, info.epoch))
     sync.sadd(k.outdirs, os.path.abspath(s.out))  # every manifest lists every output dir

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     if r is None or not lost_run_back(r, k, stop):  # stopped while waiting for Redis or it
         logger.info("producer_stopped", run=s.run)
         return 0
-    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples)
+    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples, ds.version)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()

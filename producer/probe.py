@@ -88,7 +88,7 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
         raise UsageError("no live consumer: the probe runs on the servers the run's "
                          "consumers use; start `genq consume` first")
     sample = sorted(random.Random(0).sample(pool, min(n, len(pool))))
-    data = open_dataset(info.dataset)
+    data = open_dataset(info.dataset, info.dataset_version)
     data.verify(info.fingerprint)
     jobs = [(i, data.prompt(i // info.samples)) for i in sample]  # i: a task
     new = {**params.current(r, k)[1], **changes}

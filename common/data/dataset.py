@@ -124,13 +124,15 @@ def _store_index(candidates: list[Path], key: dict[str, Any], offsets: array) ->
                 tmp.unlink()
 
 
-def open_dataset(path: str | os.PathLike[str]) -> Dataset:
-    """Open a data set (a path, or ``s3://bucket/key`` read from this machine's copy); Parquet
-    by suffix or magic bytes, JSON lines otherwise."""
+def open_dataset(path: str | os.PathLike[str], version: str | None = None) -> Dataset:
+    """Open a data set (a path, or ``s3://bucket/key`` read from this machine's copy of the
+    object's `version`, the ETag a run registered, else of the bucket's); Parquet by suffix or
+    magic bytes, JSON lines otherwise."""
+    etag = None
     if str(path).startswith("s3://"):
         from genq.common.data.remote import local_copy
 
-        path = local_copy(str(path))
+        path, etag = local_copy(str(path), version)
     p = Path(path).expanduser().absolute()
     if p.is_dir():
         raise DatasetError(f"data set {p}: is a directory")
@@ -144,8 +146,11 @@ def open_dataset(path: str | os.PathLike[str]) -> Dataset:
         if p.suffix == ".parquet" or os.pread(fd, 4, 0) == b"PAR1":
             from genq.common.data.parquet import ParquetDataset  # pyarrow only when needed
 
-            return ParquetDataset(p, fd)  # takes the fd, closes it if it fails
-        return JsonlDataset(p, fd)
+            ds: Dataset = ParquetDataset(p, fd)  # takes the fd, closes it if it fails
+        else:
+            ds = JsonlDataset(p, fd)
+        ds.version = etag
+        return ds
     except OSError as e:
         os.close(fd)
         raise DatasetError(f"data set {p}: {e.strerror}") from None

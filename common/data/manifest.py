@@ -50,6 +50,7 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
         "continues": int(meta.get("continues") or 0),  # the version `requeue --continue` made
         **({"rows": int(meta["rows"]), "samples": int(meta["samples"])}
            if "samples" in meta else {}),
+        **({"dataset_version": meta["dataset_version"]} if "dataset_version" in meta else {}),
     }
 
 

@@ -260,4 +260,5 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
         "epoch": manifest["epoch"], "recovered_at": time.time(),
         "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1,
         "continues": int(manifest.get("continues") or 0),
-        **{key: manifest[key] for key in ("rows", "samples") if key in manifest}})
+        **{key: manifest[key] for key in ("rows", "samples", "dataset_version")
+           if key in manifest}})

@@ -80,6 +80,7 @@ class Dataset:
     path: Path
     total: int
     fingerprint: str
+    version: str | None = None  # an S3 object's ETag; a run pins the one it registered
 
     def prompt(self, index: int) -> Prompt:
         if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < self.total:

@@ -25,12 +25,13 @@ class RunInfo:
     epoch: str
     gen: int  # the run's generation: each `genq recover` starts the next one
     samples: int = 1  # answers a prompt: task t is row t // samples, sample t % samples
+    dataset_version: str | None = None  # an S3 data set's ETag: every node copies that version
 
 
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: int,
-             samples: int = 1) -> RunInfo:
+             samples: int = 1, version: str | None = None) -> RunInfo:
     """Create the run of rows × samples tasks, or check that an existing run is on the same data
-    set with as many samples a prompt."""
+    set (of the same S3 `version`) with as many samples a prompt."""
     path = dataset if dataset.startswith("s3://") else os.path.abspath(dataset)
     total = rows * samples
     fields: dict[FieldT, EncodableT] = {
@@ -38,6 +39,8 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: i
         "created_at": time.time(), "epoch": secrets.token_hex(8)}
     if samples > 1:  # a run of one sample a prompt keeps the meta it always had
         fields.update(rows=rows, samples=samples)
+    if version:
+        fields["dataset_version"] = version
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         pipe = r.pipeline(transaction=False)
@@ -50,6 +53,10 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: i
         raise DatasetError(f"run {k.run!r} is registered with data set {info.dataset} "
                            f"(fingerprint {info.fingerprint[:16]}); {path} differs: use another "
                            "--run for a new data set")
+    if version and info.dataset_version and info.dataset_version != version:
+        raise DatasetError(f"run {k.run!r} is registered with version {info.dataset_version} "
+                           f"of {path}; the bucket now holds {version}: put that version back, "
+                           "or use another --run for the new one")
     if info.samples != samples:
         raise UsageError(f"run {k.run!r} has {info.samples} samples a prompt, not {samples}: "
                          "give its --samples, or another --run")
@@ -69,7 +76,8 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
                          f"if Redis lost it, rebuild it with `genq recover --shards DIR`")
     return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0),
-                   samples=int(meta.get("samples") or 1))
+                   samples=int(meta.get("samples") or 1),
+                   dataset_version=meta.get("dataset_version") or None)
 
 
 def samples_of(r: redis.Redis, k: RunKeys) -> int:
