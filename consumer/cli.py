@@ -287,10 +287,7 @@ async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
                             sink=writer, server=server, capacity=capacity, model=model,
                             runstate=RunState(k, info.epoch, s.out, info.gen),
                             context_length=context, lease_held=lease_held)
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, consumer.request_stop)
-        if stopped.is_set():  # a signal came while starting up
-            consumer.request_stop()
+        signalled = stop_on_signals_of(consumer, already=stopped.is_set())
         logger.info("consumer_started", capacity=capacity, model=model, context_length=context,
                     shard=str(writer.path))
         await consumer.run()
@@ -299,7 +296,8 @@ async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
             raise GenqError(consumer.runstate.failure)
         if shipper is not None:
             writer.close()  # the last shard joins the backlog
-            wait = s.ship_wait if s.burst else min(s.ship_wait, s.grace)
+            # A signalled stop ships within its grace, --burst too: Slurm kills at KillWait.
+            wait = s.ship_wait if s.burst and not signalled else min(s.ship_wait, s.grace)
             rc = await finish_shipping(shipper, wait)
     finally:
         await shutdown.cancel_and_wait(shipping)
@@ -309,6 +307,30 @@ async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
         writer.close()
         dataset.close()
     return 1 if consumer.crashed else rc
+
+
+_SAME_STOP_S = 2.0  # a SIGTERM this soon after the first is the same stop, told twice
+
+
+def stop_on_signals_of(consumer: Consumer, already: bool) -> list[float]:
+    """SIGTERM and SIGINT stop the consumer, and a second one gives everything back now; but
+    a SIGTERM within 2 s of the first is the same stop: Slurm signals every process of a task
+    and the task's script passes the signal on too. Ctrl-C twice always aborts. The list
+    holds when the first signal came (empty: none yet); `already`: one came while starting."""
+    first: list[float] = [time.monotonic()] if already else []
+
+    def on(sig: signal.Signals) -> None:
+        now = time.monotonic()
+        if sig == signal.SIGTERM and first and now - first[0] < _SAME_STOP_S:
+            return
+        first.append(now)
+        consumer.request_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, on, sig)
+    if already:
+        consumer.request_stop()
+    return first
 
 
 # --- shipping to S3: --burst waits for every shard at the end, a signalled stop its grace ----

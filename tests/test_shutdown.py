@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import orjson
 import pytest
@@ -197,3 +198,27 @@ def test_the_first_signal_says_a_second_stops_at_once_and_a_second_does(
     finally:
         c.cleanup()
     assert owners(r, run_name) == {}, "its leases must be given back, not left to expire"
+
+
+def test_a_sigterm_repeated_at_once_is_the_same_stop(tmp_path, redis_url, r, run_name,
+                                                     sim_factory):
+    """Slurm signals every process of a task and the task's script passes the signal on: two
+    SIGTERMs at once drain as one (no abort), and a SIGTERM seconds later still aborts."""
+    produce_once(write_dataset(tmp_path / "d.jsonl", 40), redis_url, run_name)
+    sim = sim_factory(**sim_kwargs(5.0))
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--grace", "120", name="slurm")
+    try:
+        wait_for(lambda: working(r, run_name, "slurm"), timeout=60, what="consumer working")
+        c.signal(signal.SIGTERM)
+        time.sleep(0.3)  # two signals sent at once would merge into one pending signal
+        c.signal(signal.SIGTERM)
+        wait_for(lambda: [e for e in c.events() if e.get("event") == "stopping"],
+                 what="the stopping line")
+        time.sleep(2.5)
+        assert c.proc.poll() is None, "two SIGTERMs at once aborted the drain"
+        assert [e.get("event") for e in c.events()].count("stopping") == 1
+        c.signal(signal.SIGTERM)
+        assert c.wait(EXIT_BOUND_S) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    assert owners(r, run_name) == {}

@@ -92,13 +92,14 @@ def test_an_array_survives_preemption_and_cancel_and_exports_exactly(
         wait_for(lambda: r.bitcount(done) >= n // 5, 300, 0.2, what="a fifth done")
         slurm("scontrol", "requeue", f"{job}_1")  # as a preemption: SIGTERM, then requeued
         requeued = time.monotonic()
+        slurm("scancel", f"{job}_2")  # mid-run: its consumers hold work when the signal comes
+        wait_for(lambda: not [j for j in active(job) if j.startswith(f"{job}_2 ")], 120, 0.2,
+                 what="the cancelled task gone")
+        drained(logs / f"{job}_2.log", r, RunKeys(run_name))
         wait_for(lambda: job_field(f"{job}_1", "Restarts") == "1"
                  and job_field(f"{job}_1", "JobState") == "RUNNING", 400, 0.2,
                  what="the requeued task running again")
         back_s = time.monotonic() - requeued
-        slurm("scancel", f"{job}_2")
-        wait_for(lambda: not [j for j in active(job) if j.startswith(f"{job}_2 ")], 120, 0.2,
-                 what="the cancelled task gone")
         jobs.append(slurm(*submit, "--array=2", SBATCH))  # resubmitted: a new job, same run
         port = os.environ["GENQ_MONITOR_PORT"]
         status = wait_for(lambda: monitor_status(port), 60, 0.5, what="the monitor")
@@ -116,6 +117,38 @@ def test_an_array_survives_preemption_and_cancel_and_exports_exactly(
     genq("export", "--out", str(local), redis_url=redis_url, run=run_name)  # same machine here
     assert [rec["index"] for rec in read_jsonl(remote)] == list(range(n))
     assert remote.read_bytes() == local.read_bytes()
+
+
+def drained(log_path, r, k: RunKeys) -> None:
+    """A task cancelled mid-run drained on Slurm's one SIGTERM: each consumer stopped on the
+    signal (not at the run's end), was not told twice (which gives everything in flight back
+    at once), shipped every shard within its grace and exited 0, and holds no lease."""
+    log = log_path.read_text()
+    events = [orjson.loads(line) for line in log.splitlines() if line.startswith("{")]
+    names = [e.get("event") for e in events]
+    assert names.count("stopping") == 2 and "run_settled" not in names, log[-3000:]
+    assert not [e for e in events if e.get("then") == "giving it all back now"], log[-3000:]
+    assert names.count("consumer_stopped") == 2, log[-3000:]
+    assert names.count("all_shipped") == 2, log[-3000:]
+    assert "genq.sbatch: consumers exited 0 0" in log, log[-3000:]
+    servers = {e["server"] for e in events if e.get("server")}
+    owners = {v.decode().split("|")[1] for v in r.hvals(k.lease_owner)}
+    assert len(servers) == 2 and not servers & owners
+
+
+def test_a_server_that_dies_while_starting_ends_the_task_in_seconds(cluster, tmp_path,
+                                                                    monkeypatch):
+    """The server command exits at once (a bad model path, say): the task says so and ends,
+    instead of holding its GPUs for GENQ_SERVER_WAIT (30 minutes)."""
+    monkeypatch.setenv("GENQ_SERVER_CMD", f"{sys.executable} -c 'raise SystemExit(3)'")
+    monkeypatch.setenv("GENQ_SERVER_WAIT", "1800")
+    log = tmp_path / "dead.log"
+    job = slurm("sbatch", "--parsable", f"--output={log}", SBATCH)
+    try:
+        wait_for(lambda: not active(job), 90, 0.5, what="the task to end")
+    finally:
+        subprocess.run(["scancel", job])
+    assert "died while starting" in log.read_text(), log.read_text()[-2000:]
 
 
 def monitor_status(port: str) -> dict | None:
