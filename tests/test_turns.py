@@ -9,6 +9,7 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl
 
+from genq.common import turns
 from genq.simulator import tokens
 
 TOOLS = [{"type": "function", "function": {
@@ -51,3 +52,49 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
         assert rec["prompt_token_ids"] == expected
         assert "own answer" not in tokens.decode(rec["prompt_token_ids"])
         assert rec["turn"] == 2  # the second assistant turn of the row, made anew
+
+
+def regenerated(content: str | None, *calls: str) -> dict:
+    """An assistant turn as the model made it, calling these tools."""
+    return {"role": "assistant", "content": content, "reasoning_content": "thought",
+            "tool_calls": [{"id": f"call_{n}", "type": "function",
+                            "function": {"name": name, "arguments": "{}"}}
+                           for n, name in enumerate(calls)] or None}
+
+
+def test_turns_are_the_assistant_messages_and_each_prompt_is_what_comes_before():
+    assert turns.assistant_turns(TWO_TURNS) == [2, 4]
+    assert turns.prompt(TWO_TURNS, 1, []) == TWO_TURNS[:2]
+    made = regenerated(None, "run_shell")
+    # Turn 2 is given the regenerated turn 1, with the row's tool result after it.
+    assert turns.prompt(TWO_TURNS, 2, [made]) == [*TWO_TURNS[:2], made, TWO_TURNS[3]]
+    assert turns.prompt(TWO_TURNS, 3, [made, TWO_TURNS[4]]) == [
+        *TWO_TURNS[:2], made, *TWO_TURNS[3:]]
+    with pytest.raises(ValueError, match="turn 2 needs the 1 turns before it, not 0"):
+        turns.prompt(TWO_TURNS, 2, [])
+
+
+def test_last_drops_a_trailing_assistant_turn_and_answers_anything_else_whole():
+    assert turns.last(TWO_TURNS) == (TWO_TURNS[:-1], 2)
+    assert turns.last(TWO_TURNS[:-1]) == (TWO_TURNS[:-1], 2)
+    assert turns.last(TWO_TURNS[:3]) == (TWO_TURNS[:2], 1)
+    follow_up = [*TWO_TURNS, {"role": "user", "content": "And tests?"}]
+    assert turns.last(follow_up) == (follow_up, 3)
+    assert turns.last(TWO_TURNS[:2]) == (TWO_TURNS[:2], 1)
+
+
+def test_the_rows_tool_results_follow_a_turn_that_calls_the_same_tools_else_it_stops():
+    assert turns.after(TWO_TURNS, 1, "tool_calls", regenerated(None, "run_shell")["tool_calls"]
+                       ) == [TWO_TURNS[3]]
+    assert turns.after(TWO_TURNS, 2, "stop", None) == []  # the last turn: nothing follows
+    assert turns.after(TWO_TURNS, 1, "length", None) == turns.Stop(
+        turns.TRUNCATED, "turn 1 reached max_tokens")
+    assert turns.after(TWO_TURNS, 1, "stop", None) == turns.Stop(
+        turns.DIVERGED, "turn 1 called no tool; the row's called run_shell × 1")
+    twice = regenerated(None, "run_shell", "run_shell")["tool_calls"]
+    assert turns.after(TWO_TURNS, 1, "tool_calls", twice) == turns.Stop(
+        turns.DIVERGED, "turn 1 called run_shell × 2; the row's called run_shell × 1")
+    other = regenerated(None, "read_file")["tool_calls"]
+    assert turns.after(TWO_TURNS, 1, "tool_calls", other).reason == turns.DIVERGED
+    assert turns.after(TWO_TURNS, 2, "tool_calls", other) == turns.Stop(
+        turns.DIVERGED, "turn 2 called read_file × 1; the row's called no tool")
