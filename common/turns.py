@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 Message = dict[str, Any]
+# A run's --turns: LAST makes one answer a row (its final assistant turn, or the next);
+# ALL, every assistant turn in order, is not built yet.
+LAST, ALL = "last", "all"
 DIVERGED, TRUNCATED = "diverged", "truncated"  # why a conversation stopped before its end
 
 

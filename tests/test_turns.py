@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl
 
 from genq.common import turns
+from genq.common.errors import UsageError
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
 from genq.simulator import tokens
 
 TOOLS = [{"type": "function", "function": {
@@ -52,6 +56,27 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
         assert rec["prompt_token_ids"] == expected
         assert "own answer" not in tokens.decode(rec["prompt_token_ids"])
         assert rec["turn"] == 2  # the second assistant turn of the row, made anew
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert status["turns"] == "last" and status["done"] == 2
+    assert "turns last" in genq("status", redis_url=redis_url, run=run_name).stdout
+
+
+def test_turns_all_is_refused_in_one_line_and_a_run_keeps_its_turns(
+        tmp_path, redis_url, r, run_name):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"messages": TWO_TURNS}) + "\n")
+    proc = genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url,
+                run=run_name, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--turns all (every assistant turn, in order) is not built yet" in proc.stderr
+    assert not r.exists(RunKeys(run_name).meta)  # refused before anything was registered
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    # The setting is the run's: registering it again with other turns is refused.
+    k = RunKeys(run_name)
+    info = runs.load(r, k)
+    assert info.turns == turns.LAST
+    with pytest.raises(UsageError, match="makes --turns last, not all"):
+        runs.register(r, k, str(data), info.fingerprint, 1, turns=turns.ALL)
 
 
 def regenerated(content: str | None, *calls: str) -> dict:
