@@ -330,6 +330,9 @@ class Consumer:
             params = await self.params_for(lease.version)
             sample = sample_of(lease.index, self.samples, params)
             messages, turn = turns.last(prompt.messages)
+            if not messages:  # a row of one assistant message: nothing to make it from
+                raise BadTask(prompt.index, f"row {prompt.index}: its only message is an "
+                              "assistant turn: there is no prompt to make it anew from")
             body = request_body(messages, {**params, "seed": sample["seed"]} if sample
                                 else params, self.model, tools=prompt.tools)
             if inflight.abort or self.stop.is_set():

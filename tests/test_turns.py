@@ -36,7 +36,8 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
         tmp_path, redis_url, run_name, sim_factory):
     data = tmp_path / "conversations.jsonl"
     rows = [{"id": "ends-with-answer", "messages": TWO_TURNS, "tools": TOOLS},
-            {"id": "ends-with-tool", "messages": TWO_TURNS[:-1], "tools": TOOLS}]
+            {"id": "ends-with-tool", "messages": TWO_TURNS[:-1], "tools": TOOLS},
+            {"id": "answer-alone", "messages": TWO_TURNS[-1:]}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     sim = sim_factory(time_scale=400)
     genq("produce", str(data), "--once", "--max-tokens", "300", "--token-ids",
@@ -49,6 +50,7 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
     out = tmp_path / "export.jsonl"
     genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
     by_id = {rec["id"]: rec for rec in read_jsonl(out)}
+    assert sorted(by_id) == ["ends-with-answer", "ends-with-tool"]
     # The prompt the server saw (its own prompt ids) is the conversation up to the tool's
     # result, in both rows: the trailing answer is not in it.
     expected = tokens.render(TWO_TURNS[:-1], TOOLS, thinking=True)
@@ -57,7 +59,12 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
         assert "own answer" not in tokens.decode(rec["prompt_token_ids"])
         assert rec["turn"] == 2  # the second assistant turn of the row, made anew
     status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
-    assert status["turns"] == "last" and status["done"] == 2
+    assert status["turns"] == "last" and (status["done"], status["failed"]) == (2, 1)
+    # A row of one assistant message has nothing to prompt with: it fails alone, saying so.
+    (reason,) = status["failure_reasons"]
+    assert reason["reason"] == ("row N: its only message is an assistant turn: there is no "
+                                "prompt to make it anew from")  # status groups by reason
+    assert (reason["count"], reason["example_index"]) == (1, 2)
     assert "turns last" in genq("status", redis_url=redis_url, run=run_name).stdout
 
 
