@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("producer_stopped", run=s.run)
         return 0
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples,
-                         s.turns)
+                         turns=s.turns)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()

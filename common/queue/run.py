@@ -30,7 +30,7 @@ class RunInfo:
 
 
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: int,
-             samples: int = 1, turns: str = LAST) -> RunInfo:
+             samples: int = 1, *, turns: str = LAST) -> RunInfo:
     """Create the run of rows × samples tasks, or check that an existing run is on the same data
     set with as many samples a prompt and the same turns."""
     path = dataset if dataset.startswith("s3://") else os.path.abspath(dataset)
