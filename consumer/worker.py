@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
+from genq.common import turns
 from genq.common.data.records import build_record, failed_record, sample_of
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
@@ -328,7 +329,11 @@ class Consumer:
                 raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
             params = await self.params_for(lease.version)
             sample = sample_of(lease.index, self.samples, params)
-            body = request_body(prompt.messages, {**params, "seed": sample["seed"]} if sample
+            messages, turn = turns.last(prompt.messages)
+            if not messages:  # a row of one assistant message: nothing to make it from
+                raise BadTask(prompt.index, f"row {prompt.index}: its only message is an "
+                              "assistant turn: there is no prompt to make it anew from")
+            body = request_body(messages, {**params, "seed": sample["seed"]} if sample
                                 else params, self.model, tools=prompt.tools)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
@@ -346,7 +351,7 @@ class Consumer:
                 version=lease.version, attempt=lease.attempt, server=self.settings.server,
                 model=body["model"], completion=completion,
                 latency_s=time.monotonic() - inflight.started, gen=lease.gen,
-                clock_offset=self.clock_offset, sample=sample)
+                clock_offset=self.clock_offset, sample=sample, turn=turn)
             return record, completion
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():

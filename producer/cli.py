@@ -11,7 +11,7 @@ import threading
 import redis
 import structlog
 
-from genq.common import log, params, schema
+from genq.common import log, params, schema, turns
 from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -23,7 +23,7 @@ from genq.common.cli import (
     stop_on_signals,
 )
 from genq.common.data.dataset import open_dataset
-from genq.common.errors import REDIS_TROUBLE, RunStateLost
+from genq.common.errors import REDIS_TROUBLE, RunStateLost, UsageError
 from genq.common.queue import feed, heartbeats
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
@@ -62,6 +62,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=0.5, help="top-up period, seconds")
     p.add_argument("--samples", type=int, default=1, metavar="K",
                    help="answers a prompt, each its own task and seed (default 1)")
+    p.add_argument("--turns", choices=(turns.LAST, turns.ALL), default=turns.LAST,
+                   help="which assistant turns to make: `last` (default) makes a row's final "
+                        "assistant turn anew, or answers a row ending with a user or tool "
+                        "message; `all` is not built yet")
     add_redis_wait(p, "--once")
     add_common(p)
     a = p.parse_args(argv)
@@ -75,6 +79,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--window must be >= 0")
     if a.samples < 1:
         p.error("--samples must be >= 1")
+    if a.turns == turns.ALL:  # a UsageError, not p.error: one line, as every refusal
+        raise UsageError("--turns all (every assistant turn, in order) is not built yet: "
+                         "use --turns last, which makes each row's final assistant turn")
     return a
 
 
@@ -91,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if r is None or not lost_run_back(r, k, stop):  # stopped while waiting for Redis or it
         logger.info("producer_stopped", run=s.run)
         return 0
-    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples, ds.version)
+    info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples, ds.version,
+                         turns=s.turns)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()

@@ -81,14 +81,16 @@ def task_of(record: dict[str, Any], samples: int) -> int:
 def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
                  server: str, model: str, completion: Any, latency_s: float,
                  gen: int = 0, clock_offset: float = 0.0,
-                 sample: dict[str, int] | None = None) -> dict[str, Any]:
+                 sample: dict[str, int] | None = None, turn: int = 1) -> dict[str, Any]:
     """clock_offset: Redis's clock less this host's, so that created_at is by Redis's clock;
-    sample: {"sample": s, "seed": n} of a run of several samples a prompt (index is the row)."""
+    sample: {"sample": s, "seed": n} of a run of several samples a prompt (index is the row);
+    turn: which of the row's assistant turns the answer is (common/turns.py)."""
     record: dict[str, Any] = {"index": index}
     if prompt_id is not None:
         record["id"] = prompt_id
     if sample:
         record.update(sample)
+    record["turn"] = turn
     record.update(run=run, params_version=version, attempt=attempt)
     if gen:  # claimed after a `genq recover`: tells this attempt from one claimed before it
         record["gen"] = gen

@@ -14,6 +14,7 @@ from redis.typing import EncodableT, FieldT
 from genq.common.errors import DatasetError, UsageError
 from genq.common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
 from genq.common.queue.replies import blob, text
+from genq.common.turns import LAST
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,12 +27,13 @@ class RunInfo:
     gen: int  # the run's generation: each `genq recover` starts the next one
     samples: int = 1  # answers a prompt: task t is row t // samples, sample t % samples
     dataset_version: str | None = None  # an S3 data set's ETag: every node copies that version
+    turns: str = LAST  # which assistant turns a row's answers are (common/turns.py)
 
 
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: int,
-             samples: int = 1, version: str | None = None) -> RunInfo:
+             samples: int = 1, version: str | None = None, *, turns: str = LAST) -> RunInfo:
     """Create the run of rows × samples tasks, or check that an existing run is on the same data
-    set (of the same S3 `version`) with as many samples a prompt."""
+    set (of the same S3 `version`) with as many samples a prompt and the same turns."""
     path = dataset if dataset.startswith("s3://") else os.path.abspath(dataset)
     total = rows * samples
     fields: dict[FieldT, EncodableT] = {
@@ -41,6 +43,8 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: i
         fields.update(rows=rows, samples=samples)
     if version:
         fields["dataset_version"] = version
+    if turns != LAST:  # likewise: a run of the default keeps its meta, and reads as LAST
+        fields["turns"] = turns
     # HSETNX on the fingerprint makes two producers racing to register agree on one data set.
     if r.hsetnx(k.meta, "fingerprint", fingerprint):
         pipe = r.pipeline(transaction=False)
@@ -60,6 +64,9 @@ def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: i
     if info.samples != samples:
         raise UsageError(f"run {k.run!r} has {info.samples} samples a prompt, not {samples}: "
                          "give its --samples, or another --run")
+    if info.turns != turns:
+        raise UsageError(f"run {k.run!r} makes --turns {info.turns}, not {turns}: give its "
+                         "--turns, or another --run")
     return info
 
 
@@ -77,7 +84,8 @@ def load(r: redis.Redis, k: RunKeys) -> RunInfo:
     return RunInfo(dataset=meta["dataset"], fingerprint=meta["fingerprint"],
                    total=int(meta["total"]), epoch=meta["epoch"], gen=int(meta.get("gen") or 0),
                    samples=int(meta.get("samples") or 1),
-                   dataset_version=meta.get("dataset_version") or None)
+                   dataset_version=meta.get("dataset_version") or None,
+                   turns=meta.get("turns") or LAST)
 
 
 def samples_of(r: redis.Redis, k: RunKeys) -> int:

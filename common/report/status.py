@@ -10,6 +10,7 @@ from typing import Any, cast
 import orjson
 import redis
 
+from genq.common import turns
 from genq.common.cli import run_keys
 from genq.common.errors import UsageError, mask_tree
 from genq.common.params import DEFAULTS, mask_raw
@@ -138,6 +139,7 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
     status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
+    status["turns"] = meta.get("turns") or turns.LAST  # a run setting, as samples is
     # Read just after the MULTI: a run of several samples pays one GET of its done bitmap.
     status["prompts_done"] = raw["done"] if samples == 1 else bitmap.full_groups(
         blob(r.get(k.done)), status["total"] // samples, samples)

@@ -84,7 +84,8 @@ def render_table(status: dict) -> Any:
              style="bold"),
         Text(f"{'█' * filled}{'░' * (30 - filled)} {frac:6.2%}  {done:,} / {total:,} done"
              + (f" samples ({status['prompts_done']:,} prompts with all {status['samples']})"
-                if status.get("samples", 1) > 1 else "")),
+                if status.get("samples", 1) > 1 else "")
+             + f"  turns {status.get('turns', 'last')}"),
         Text(f"queued {status['queued']:,}  in flight {status['inflight']:,} (running "
              f"{status.get('running', 0):,}, claimed ahead {status.get('claimed_ahead', 0):,})  "
              f"failed {status['failed']:,}  remaining {status['remaining']:,}"

@@ -1,0 +1,132 @@
+"""`--turns last`: a row that ends with the data set's own assistant answer has that answer
+generated anew, never answered after; its record says which assistant turn it is."""
+
+from __future__ import annotations
+
+import json
+
+import orjson
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl
+
+from genq.common import turns
+from genq.common.errors import UsageError
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
+from genq.simulator import tokens
+
+TOOLS = [{"type": "function", "function": {
+    "name": "run_shell", "description": "Run a shell command.",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "run_shell", "arguments": "{\"cmd\": \"ls\"}"}}
+# Two assistant turns: a tool call, then the data set's own final answer.
+TWO_TURNS = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "List the files."},
+    {"role": "assistant", "content": None, "tool_calls": [CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "a.py b.py"},
+    {"role": "assistant", "content": "The data set's own answer: a.py and b.py."},
+]
+
+
+@pytest.mark.timeout(120)
+def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
+        tmp_path, redis_url, run_name, sim_factory):
+    data = tmp_path / "conversations.jsonl"
+    rows = [{"id": "ends-with-answer", "messages": TWO_TURNS, "tools": TOOLS},
+            {"id": "ends-with-tool", "messages": TWO_TURNS[:-1], "tools": TOOLS},
+            {"id": "answer-alone", "messages": TWO_TURNS[-1:]}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    sim = sim_factory(time_scale=400)
+    genq("produce", str(data), "--once", "--max-tokens", "300", "--token-ids",
+         redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst")
+    try:
+        assert consumer.wait(90) == 0, consumer.log()[-3000:]
+    finally:
+        consumer.cleanup()
+    out = tmp_path / "export.jsonl"
+    genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
+    by_id = {rec["id"]: rec for rec in read_jsonl(out)}
+    assert sorted(by_id) == ["ends-with-answer", "ends-with-tool"]
+    # The prompt the server saw (its own prompt ids) is the conversation up to the tool's
+    # result, in both rows: the trailing answer is not in it.
+    expected = tokens.render(TWO_TURNS[:-1], TOOLS, thinking=True)
+    for rec in by_id.values():
+        assert rec["prompt_token_ids"] == expected
+        assert "own answer" not in tokens.decode(rec["prompt_token_ids"])
+        assert rec["turn"] == 2  # the second assistant turn of the row, made anew
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert status["turns"] == "last" and (status["done"], status["failed"]) == (2, 1)
+    # A row of one assistant message has nothing to prompt with: it fails alone, saying so.
+    (reason,) = status["failure_reasons"]
+    assert reason["reason"] == ("row N: its only message is an assistant turn: there is no "
+                                "prompt to make it anew from")  # status groups by reason
+    assert (reason["count"], reason["example_index"]) == (1, 2)
+    assert "turns last" in genq("status", redis_url=redis_url, run=run_name).stdout
+
+
+def test_turns_all_is_refused_in_one_line_and_a_run_keeps_its_turns(
+        tmp_path, redis_url, r, run_name):
+    data = tmp_path / "one.jsonl"
+    data.write_text(json.dumps({"messages": TWO_TURNS}) + "\n")
+    proc = genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url,
+                run=run_name, check=False)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "--turns all (every assistant turn, in order) is not built yet" in proc.stderr
+    assert not r.exists(RunKeys(run_name).meta)  # refused before anything was registered
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    # The setting is the run's: registering it again with other turns is refused.
+    k = RunKeys(run_name)
+    info = runs.load(r, k)
+    assert info.turns == turns.LAST
+    with pytest.raises(UsageError, match="makes --turns last, not all"):
+        runs.register(r, k, str(data), info.fingerprint, 1, turns=turns.ALL)
+
+
+def regenerated(content: str | None, *calls: str) -> dict:
+    """An assistant turn as the model made it, calling these tools."""
+    return {"role": "assistant", "content": content, "reasoning_content": "thought",
+            "tool_calls": [{"id": f"call_{n}", "type": "function",
+                            "function": {"name": name, "arguments": "{}"}}
+                           for n, name in enumerate(calls)] or None}
+
+
+def test_turns_are_the_assistant_messages_and_each_prompt_is_what_comes_before():
+    assert turns.assistant_turns(TWO_TURNS) == [2, 4]
+    assert turns.prompt(TWO_TURNS, 1, []) == TWO_TURNS[:2]
+    made = regenerated(None, "run_shell")
+    # Turn 2 is given the regenerated turn 1, with the row's tool result after it.
+    assert turns.prompt(TWO_TURNS, 2, [made]) == [*TWO_TURNS[:2], made, TWO_TURNS[3]]
+    assert turns.prompt(TWO_TURNS, 3, [made, TWO_TURNS[4]]) == [
+        *TWO_TURNS[:2], made, *TWO_TURNS[3:]]
+    with pytest.raises(ValueError, match="turn 2 needs the 1 turns before it, not 0"):
+        turns.prompt(TWO_TURNS, 2, [])
+
+
+def test_last_drops_a_trailing_assistant_turn_and_answers_anything_else_whole():
+    assert turns.last(TWO_TURNS) == (TWO_TURNS[:-1], 2)
+    assert turns.last(TWO_TURNS[:-1]) == (TWO_TURNS[:-1], 2)
+    assert turns.last(TWO_TURNS[:3]) == (TWO_TURNS[:2], 1)
+    follow_up = [*TWO_TURNS, {"role": "user", "content": "And tests?"}]
+    assert turns.last(follow_up) == (follow_up, 3)
+    assert turns.last(TWO_TURNS[:2]) == (TWO_TURNS[:2], 1)
+
+
+def test_the_rows_tool_results_follow_a_turn_that_calls_the_same_tools_else_it_stops():
+    assert turns.after(TWO_TURNS, 1, "tool_calls", regenerated(None, "run_shell")["tool_calls"]
+                       ) == [TWO_TURNS[3]]
+    assert turns.after(TWO_TURNS, 2, "stop", None) == []  # the last turn: nothing follows
+    assert turns.after(TWO_TURNS, 1, "length", None) == turns.Stop(
+        turns.TRUNCATED, "turn 1 reached max_tokens")
+    assert turns.after(TWO_TURNS, 1, "stop", None) == turns.Stop(
+        turns.DIVERGED, "turn 1 called no tool; the row's called run_shell × 1")
+    twice = regenerated(None, "run_shell", "run_shell")["tool_calls"]
+    assert turns.after(TWO_TURNS, 1, "tool_calls", twice) == turns.Stop(
+        turns.DIVERGED, "turn 1 called run_shell × 2; the row's called run_shell × 1")
+    other = regenerated(None, "read_file")["tool_calls"]
+    assert turns.after(TWO_TURNS, 1, "tool_calls", other).reason == turns.DIVERGED
+    assert turns.after(TWO_TURNS, 2, "tool_calls", other) == turns.Stop(
+        turns.DIVERGED, "turn 2 called read_file × 1; the row's called no tool")
