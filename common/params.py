@@ -59,6 +59,9 @@ KNOWN: dict[str, Callable[[str], Any]] = {
 # Known parameters genq acts on itself rather than send (`enable_thinking` goes in the template's
 # kwargs; `schema_retries` bounds the answers asked again for a schema, common/schema.py).
 NOT_SENT = ("enable_thinking", "schema_retries")
+# Parameters a consumer checks once, when it starts (whether the server and --stream can give
+# token ids): a run keeps the value it was made with, so `genq requeue` refuses to change them.
+FIXED = ("return_token_ids",)
 
 
 MASK = "***"

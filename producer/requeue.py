@@ -93,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("--probe needs the parameters to try: give --set KEY=VALUE")
     if not changes and not a.unset and a.redo == "none":
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
+    fixed = sorted(key for key in (*changes, *a.unset) if key in params.FIXED)
+    if fixed:
+        raise UsageError(f"{fixed[0]} is fixed for the run (consumers check it when they start): "
+                         "produce a new --run to change it")
     if a.cont and a.redo != "truncated":
         raise UsageError("--continue continues truncated answers: give --redo truncated")
     if a.from_s3 and not a.cont:

@@ -199,6 +199,9 @@ def test_inflight_abort_requeues_without_spending_attempts(tmp_path, redis_url, 
     (["--set", "oops"], "KEY=VALUE"),
     ([], "nothing to change"),
     (["--redo", "sometimes"], "invalid choice"),
+    # Consumers check it once, at start: a run keeps the token ids it was made with.
+    (["--set", "return_token_ids=true"], "return_token_ids is fixed for the run"),
+    (["--unset", "return_token_ids"], "return_token_ids is fixed for the run"),
 ])
 def test_bad_requeue_changes_nothing(tmp_path, redis_url, r, run_name, args, message):
     genq("produce", str(write_dataset(tmp_path / "d.jsonl", 3)), "--once",
