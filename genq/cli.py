@@ -47,7 +47,10 @@ def export_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
     p.add_argument("--out", required=True,
-                   help="file to write, replaced atomically; its directory is made if missing")
+                   help="file to write, replaced atomically; its directory is made if missing; "
+                        "an existing file only if this run's last export wrote it")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out even if another run (or anything else) wrote it")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
     p.add_argument("--include-failed", action="store_true",
@@ -75,7 +78,8 @@ def export_main(argv: list[str] | None = None) -> int:
     dirs = [a.from_s3] if a.from_s3 else [d for d in a.shards or sorted(
         text(d) for d in r.smembers(k.outdirs)) if os.path.isdir(d)]
     result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
-                                       fmt=fmt, include_failed=a.include_failed,
+                                       fmt=fmt, overwrite=a.overwrite,
+                                       include_failed=a.include_failed,
                                        allow_ambiguous=a.allow_ambiguous)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""
     print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "

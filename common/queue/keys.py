@@ -135,6 +135,8 @@ class RunKeys:
     partials = _Own("Hash: index -> zstd JSON partial answer `requeue --continue` continues (at "
                     "most one per truncated index, for one parameter version; its accepted ack, "
                     "a later requeue or a permanent failure deletes it).")
+    exports = _Own("Hash: absolute path of an export -> its file as inode:size:mtime_ns, so that "
+                   "a later export replaces only a file this run wrote.")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "

@@ -92,11 +92,43 @@ def choose_format(out: str, fmt: str | None) -> str:
     return fmt or named or "jsonl"
 
 
+def _identity(path: str) -> str | None:
+    """The file at ``path`` as "inode:size:mtime_ns", None if absent: a replaced or edited file
+    gets another."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _check_out(r: Any, k: Any, out: str, overwrite: bool) -> None:
+    """Refuse to replace a file this run did not write: another run's results (compose's `down
+    -v` then `up` registers the run anew under its name), or the user's own."""
+    found = _identity(out)
+    if found is None or overwrite:
+        return
+    mine = r.hget(k.exports, os.path.abspath(out))
+    if mine is None or mine.decode() != found:
+        raise UsageError(f"--out {out} exists and is not this run's last export to it (an "
+                         "earlier run's results?): give another --out, or --overwrite to "
+                         "replace it")
+
+
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
-               from_s3: str | None = None, fmt: str = "jsonl",
+               from_s3: str | None = None, fmt: str = "jsonl", overwrite: bool = False,
                **options: Any) -> export.ExportResult:
     """export.export from ``dirs`` or S3 into JSONL or Parquet; ``options`` are passed on. The
-    directory of ``out`` is made if missing, as a consumer makes its --out."""
+    directory of ``out`` is made if missing, as a consumer makes its --out; an existing ``out``
+    is replaced only when it is this run's own export, or ``overwrite``."""
+    _check_out(r, k, out, overwrite)
+    result = _write(r, k, total, dirs, out, from_s3=from_s3, fmt=fmt, **options)
+    r.hset(k.exports, os.path.abspath(out), _identity(out) or "")
+    return result
+
+
+def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
+           from_s3: str | None, fmt: str, **options: Any) -> export.ExportResult:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     except OSError as e:
