@@ -106,7 +106,9 @@ def render_table(status: dict) -> Any:
                           f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"))
     for row in status.get("failure_reasons", []):
         lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
-                          f"(e.g. index {row['example_index']})", style="yellow"))
+                          f"(e.g. index {row['example_index']}"
+                          + (f", sample {row['example_sample']})" if "example_sample" in row
+                             else ")"), style="yellow"))
     ship = status.get("shipping")
     if ship:
         lines.append(Text(
