@@ -327,7 +327,8 @@ class Consumer:
         try:
             prompt = inflight.prompt
             if not isinstance(prompt, Prompt):
-                raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
+                raise prompt or RuntimeError(
+                    f"row {lease.index // self.samples} was not read with its claim")
             params = await self.params_for(lease.version)
             sample = sample_of(lease.index, self.samples, params)
             body = request_body(prompt.messages, {**params, "seed": sample["seed"]} if sample
