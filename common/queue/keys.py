@@ -114,8 +114,8 @@ class RunKeys:
                     "continued (`requeue --continue`), so a redo undoes its counters too.")
     counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum; per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
-                    "invalid|<v>, schema_failed|<v> (answers not matching the schema, prompts "
-                    "failed on it).")
+                    "invalid|<v>, schema_failed|<v>, schema_cut|<v> (answers not matching the "
+                    "schema, prompts failed on it, answers cut at max_tokens).")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
     errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
     fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "

@@ -62,7 +62,8 @@ def history_lines(status: dict) -> list[str]:
             extra += (f"; {c['continued']:,} continued, {c['decode_tokens_saved']:,} decode "
                       "tokens saved")
         if c := (status.get("schema") or {}).get(str(h.get("version"))):
-            extra += f"; schema: {c['invalid']:,} answers invalid, {c['failed']:,} prompts failed"
+            extra += (f"; schema: {c['invalid']:,} answers invalid, {c['failed']:,} prompts "
+                      f"failed, {c.get('cut', 0):,} answers cut at max_tokens (not JSON)")
         out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
     return out
 
