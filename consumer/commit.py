@@ -38,6 +38,10 @@ class Finished:
                       created_at=self.record["created_at"],
                       continued=(c.continued_from or {}).get("tokens", 0))
 
+    def named(self) -> dict[str, Any]:
+        """The task as its record names it to a user: row ``index`` (and ``sample``)."""
+        return {key: self.record[key] for key in ("index", "sample") if key in self.record}
+
 
 class Committer:
     """write(records) makes them durable; ack(results) acknowledges them (retried through
@@ -118,13 +122,13 @@ class Committer:
         for done, outcome in zip(batch, outcomes, strict=True):
             lease = done.inflight.lease
             if outcome == SET_ASIDE:
-                logger.info("result_set_aside", index=lease.index, version=lease.version,
+                logger.info("result_set_aside", **done.named(), version=lease.version,
                             reason="a redo issued since covers it; kept until a new one is "
                                    "accepted")
             elif outcome == SUPERSEDED:
-                logger.info("result_superseded", index=lease.index, version=lease.version,
+                logger.info("result_superseded", **done.named(), version=lease.version,
                             reason="parameters changed; the task runs again under the new ones")
             elif outcome != ACCEPTED:
-                logger.warning("ack_refused", index=lease.index,
+                logger.warning("ack_refused", **done.named(),
                                reason="lease lost; another attempt owns the task")
         return outcomes.count(ACCEPTED)

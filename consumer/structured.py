@@ -48,6 +48,9 @@ class Structured:
             if retry:  # another seed: the same one would sample the same mistake again
                 answer = await ask({**body, "seed": seed + retry})
             if answer.finish_reason in UNCHECKED:
+                if answer.finish_reason == "length":  # cut, so not JSON: status says how many
+                    await self.retry(lambda: self.redis.hincrby(self.keys.counters,
+                                                                f"schema_cut|{version}", 1))
                 return answer
             why = violation(answer.content, schema)
             if why is None:

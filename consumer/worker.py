@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from genq.common import turns
-from genq.common.data.records import build_record, failed_record, sample_of
+from genq.common.data.records import build_record, failed_record, row_fields, sample_of
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import (
@@ -207,7 +207,8 @@ class Consumer:
                     await self.put_back(inflight, "parameters changed before it started")
                     continue
                 # bind/reset, not bound_contextvars(): its generator costs ~2 % of a busy slot
-                tokens = structlog.contextvars.bind_contextvars(index=inflight.lease.index)
+                tokens = structlog.contextvars.bind_contextvars(
+                    **row_fields(inflight.lease.index, self.samples))
                 try:
                     await self.process(inflight)
                 finally:
@@ -260,7 +261,8 @@ class Consumer:
         try:
             await self.retry(lambda: self.queue.release(inflight.lease, refund=True,
                                                         reason=reason, unclaim=True))
-            logger.debug("ready_task_returned", index=inflight.lease.index, reason=reason)
+            logger.debug("ready_task_returned", **row_fields(inflight.lease.index, self.samples),
+                         reason=reason)
         except ShuttingDown:
             pass  # past the grace with Redis away: the lease expires instead
         finally:
@@ -326,7 +328,8 @@ class Consumer:
         try:
             prompt = inflight.prompt
             if not isinstance(prompt, Prompt):
-                raise prompt or RuntimeError(f"row {lease.index} was not read with its claim")
+                raise prompt or RuntimeError(
+                    f"row {lease.index // self.samples} was not read with its claim")
             params = await self.params_for(lease.version)
             sample = sample_of(lease.index, self.samples, params)
             messages, turn = turns.last(prompt.messages)

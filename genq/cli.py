@@ -47,7 +47,11 @@ def export_main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="genq export", description=export_main.__doc__)
     p.add_argument("--out", required=True,
-                   help="file to write, replaced atomically; its directory is made if missing")
+                   help="file to write, replaced atomically; its directory is made if missing; "
+                        "an existing file this run's last export did not write is kept "
+                        "beside it as NAME.earlier-TIME.EXT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --out without keeping it, whatever wrote it")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="shard directory to read (default: those the consumers registered)")
     p.add_argument("--include-failed", action="store_true",
@@ -74,12 +78,16 @@ def export_main(argv: list[str] | None = None) -> int:
     info = runs.load(r, k)
     dirs = [a.from_s3] if a.from_s3 else [d for d in a.shards or sorted(
         text(d) for d in r.smembers(k.outdirs)) if os.path.isdir(d)]
-    result = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
-                                       fmt=fmt, include_failed=a.include_failed,
+    result, kept = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
+                                       fmt=fmt, overwrite=a.overwrite,
+                                       include_failed=a.include_failed,
                                        allow_ambiguous=a.allow_ambiguous)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""
     print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "
           f"from {result.shards} shards to {a.out}")
+    if kept:
+        print(f"{a.out} held another run's results (or a file not exported by this run): kept "
+              f"as {kept}")
     if result.not_accepted_count:
         print(f"genq: warning: {result.not_accepted_count} records are not the accepted result "
               f"(its line is missing from the shards; the newest line was written instead; "

@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     log.setup()
     k = run_keys(s.run)
     ds = open_dataset(s.dataset)
+    ds.check_prompts()  # before Redis: nothing registered for a data set that cannot run
     # --once stays interruptible as any command; the windowed producer stops cleanly.
     stop = threading.Event() if s.once else stop_on_signals()
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,

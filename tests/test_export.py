@@ -110,3 +110,36 @@ def test_export_out_makes_its_directory_and_takes_the_format_from_the_suffix(
                 redis_url=redis_url, run=run_name, check=False)
     assert proc.returncode == 2 and not (tmp_path / "x.parquet").exists()
     assert proc.stderr.count("\n") == 1 and "--format jsonl" in proc.stderr, proc.stderr
+
+
+def test_export_never_replaces_an_earlier_runs_file_unasked(tmp_path, redis_url, r, run_name):
+    """README's compose block twice: `down -v` forgets the run, `up` registers it anew under the
+    same name, and its export to the same --out keeps the first run's results beside it."""
+    def exported_run(content: str) -> None:
+        k, runner = setup_run(r, run_name, 2)
+        for lease in claim(runner, k, n=2):
+            assert ack(runner, k, lease) == 1
+        r.sadd(k.outdirs, str(shard(tmp_path / content, run_name,
+                                    [line(0, 1, content), line(1, 1, content)])))
+
+    for name in ("first", "second", "third"):
+        (tmp_path / name).mkdir()
+    out = tmp_path / "results.jsonl"
+    exported_run("first")
+    genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
+    # The same run exports again to its own file (after a requeue, say): replaced, none kept.
+    genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
+    assert sorted(p.name for p in tmp_path.glob("results*")) == ["results.jsonl"]
+    first = out.read_bytes()
+    r.delete(*r.keys(f"genq:{run_name}:*"))  # `down -v`: the run is forgotten
+    exported_run("second")
+    proc = genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
+    [kept] = [p for p in tmp_path.glob("results*") if p != out]
+    assert kept.read_bytes() == first and str(kept) in proc.stdout, proc.stdout
+    assert [rec["content"] for rec in read_jsonl(out)] == ["second", "second"]
+    # --overwrite: replaced whatever wrote it, nothing more kept.
+    r.delete(*r.keys(f"genq:{run_name}:*"))
+    exported_run("third")
+    genq("export", "--out", str(out), "--overwrite", redis_url=redis_url, run=run_name)
+    assert [rec["content"] for rec in read_jsonl(out)] == ["third", "third"]
+    assert sorted(tmp_path.glob("results*")) == sorted([out, kept])

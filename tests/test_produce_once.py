@@ -40,3 +40,26 @@ def test_produce_once_on_an_idle_run_queues_everything(tmp_path, redis_url, r, r
                redis_url=redis_url, run=run_name).stdout
     assert "enqueued 300 of 300" in out and "live" not in out
     assert r.llen(RunKeys(run_name).rq_queue) == 300
+
+
+def test_produce_refuses_a_data_set_whose_rows_can_never_be_prompts(tmp_path, redis_url, r,
+                                                                    run_name):
+    """No `messages`/`prompt` column or key, or no rows: one line, exit non-zero, no run."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a", "b"]}), tmp_path / "text.parquet")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    (tmp_path / "text.jsonl").write_text('{"text": "a"}\n{"text": "prompt"}\n\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    for name in ("text.parquet", "empty.parquet", "text.jsonl", "empty.jsonl"):
+        proc = genq("produce", str(tmp_path / name), "--once", redis_url=redis_url,
+                    run=run_name, check=False)
+        assert proc.returncode != 0 and proc.stderr.count("\n") == 1, (name, proc.stderr)
+        assert name in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert not r.exists(RunKeys(run_name).meta), name
+    # One row that can be a prompt is enough: the others fail one by one, as bad rows do.
+    (tmp_path / "one.jsonl").write_text('{"text": "a"}\n{"prompt": "hi"}\n')
+    out = genq("produce", str(tmp_path / "one.jsonl"), "--once", redis_url=redis_url,
+               run=run_name).stdout
+    assert "enqueued 2 of 2" in out

@@ -168,3 +168,23 @@ def test_continue_continues_each_truncated_sample_from_its_own_partial(tmp_path,
         assert (new["sample"], new["seed"]) == (old["sample"], old["seed"])
     st = status(redis_url, run_name)
     assert st["continued"]["2"]["continued"] == len(truncated)
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_prompt_is_named_by_its_row_and_sample(tmp_path, redis_url, run_name, sim_factory):
+    """Row 17 of 30 is not JSON; with 2 samples its tasks are 34 and 35. Status, its table and
+    the consumer's log name row 17 (as the export does), never task 34 or 35."""
+    data = write_dataset(tmp_path / "d.jsonl", 30, bad_json=(17,))
+    sim = sim_factory(time_scale=2000)
+    genq("produce", str(data), "--once", "--samples", "2", redis_url=redis_url, run=run_name)
+    c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "o", "--burst")
+    try:
+        assert c.wait(120) == 0, c.log()[-3000:]
+        failed = [e for e in c.events() if e.get("event") == "task_failed"]
+    finally:
+        c.cleanup()
+    assert sorted((e["index"], e["sample"]) for e in failed) == [(17, 0), (17, 1)]
+    [reason] = status(redis_url, run_name)["failure_reasons"]
+    assert (reason["count"], reason["example_index"], reason["example_sample"]) == (2, 17, 0)
+    table = " ".join(genq("status", redis_url=redis_url, run=run_name).stdout.split())
+    assert "(e.g. index 17, sample 0)" in table, table  # rich folds lines at 80 columns

@@ -117,7 +117,7 @@ def test_invalid_answers_are_asked_again_and_counted(tmp_path, redis_url, r, run
                                                      sim_factory, schema_file):
     """20 % of the answers invalid, one retry each: every exported answer matches, status
     counts exactly what the simulator sent, a prompt fails only when both answers were
-    invalid, and a cut answer is truncated, not invalid."""
+    invalid, and a cut answer is truncated, not invalid, and counted as cut."""
     n = 200
     data = write_dataset(tmp_path / "d.jsonl", n)
     sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", invalid_json_rate=0.2,
@@ -137,7 +137,11 @@ def test_invalid_answers_are_asked_again_and_counted(tmp_path, redis_url, r, run
     assert len(records) == n and answered and cut and len(failed) > 1
     assert all(valid(rec["content"]) for rec in answered)
     assert not any(valid(rec["content"]) for rec in cut)  # kept as cut, not asked again
-    assert status["schema"] == {"1": {"invalid": sent["invalid"], "failed": len(failed)}}
+    # A cut answer is not JSON: status counts those too, in --json and in its table.
+    assert status["schema"] == {"1": {"invalid": sent["invalid"], "failed": len(failed),
+                                      "cut": sent["cut"]}}
+    table = " ".join(genq("status", redis_url=redis_url, run=run_name).stdout.split())
+    assert f"{sent['cut']} answers cut at max_tokens (not JSON)" in table, table
     assert status["failed"] == len(failed) and status["truncated"] == len(cut) == sent["cut"]
     # A valid answer was accepted every time: no prompt failed that a retry made valid.
     assert sent["valid"] == len(answered)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
+import re
 import struct
 import sys
 import threading
@@ -23,6 +25,7 @@ from genq.common.errors import BadTask, DatasetError
 
 _CHUNK = 16 << 20  # read size while indexing: big reads keep the pass I/O-bound
 _MAGIC = b"GENQIDX1"
+_PROMPT_KEY = re.compile(rb'"(?:messages|prompt)"\s*:')
 
 
 class JsonlDataset(Dataset):
@@ -52,6 +55,14 @@ class JsonlDataset(Dataset):
             return orjson.loads(line)
         except orjson.JSONDecodeError as e:
             raise BadTask(index, f"row {index}: not valid JSON ({e})") from None
+
+    _field_word = "key"
+
+    def _has_prompt_field(self) -> bool:
+        # One C-speed pass over the file; inside a string a quote is escaped, so only a key (or
+        # a malformed line) matches, and a file without a match has no such key anywhere.
+        with mmap.mmap(self._fd, self._offsets[-1], prot=mmap.PROT_READ) as data:
+            return _PROMPT_KEY.search(data) is not None
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -55,6 +55,11 @@ class ParquetDataset(Dataset):
         self._batches: OrderedDict[tuple[int, int], dict[str, list[Any]]] = OrderedDict()
         self._lock = threading.Lock()  # one ParquetFile handle: reads must not interleave
 
+    _field_word = "column"
+
+    def _has_prompt_field(self) -> bool:
+        return bool({"messages", "prompt"} & set(self._columns))
+
     def _read(self, group: int) -> Any:
         """One row group as an Arrow table. Callers hold the lock."""
         try:

@@ -72,6 +72,15 @@ def sample_of(task: int, samples: int, params: dict[str, Any]) -> dict[str, int]
                                                   sample)}
 
 
+def row_fields(task: int, samples: int) -> dict[str, int]:
+    """A task as users and records name it: its row (``index``) and, in a run of several
+    samples a prompt, its ``sample`` (task_of's inverse)."""
+    if samples == 1:
+        return {"index": task}
+    row, sample = divmod(task, samples)
+    return {"index": row, "sample": sample}
+
+
 def task_of(record: dict[str, Any], samples: int) -> int:
     """The task a record answers: row ``index`` times the run's samples, plus its ``sample``
     (absent: 0, as in a run of one sample a prompt)."""

@@ -92,6 +92,21 @@ class Dataset:
         a thread."""
         return False
 
+    def check_prompts(self) -> None:
+        """Refuse, before a run is registered, a data set none of whose rows can be a prompt:
+        else every row would fail one by one, or nothing would run."""
+        if self.total == 0:
+            raise DatasetError(f"data set {self.path}: has no rows")
+        if not self._has_prompt_field():
+            raise DatasetError(f"data set {self.path}: no row has a 'messages' or 'prompt' "
+                               f"{self._field_word}")
+
+    _field_word = "field"
+
+    def _has_prompt_field(self) -> bool:
+        """Whether some row may hold `messages` or `prompt` (never False for one that does)."""
+        raise NotImplementedError
+
     def verify(self, expected: str) -> None:
         """Refuse to serve a run registered against another version of the file."""
         if expected != self.fingerprint:

@@ -114,8 +114,8 @@ class RunKeys:
                     "continued (`requeue --continue`), so a redo undoes its counters too.")
     counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum; per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
-                    "invalid|<v>, schema_failed|<v> (answers not matching the schema, prompts "
-                    "failed on it).")
+                    "invalid|<v>, schema_failed|<v>, schema_cut|<v> (answers not matching the "
+                    "schema, prompts failed on it, answers cut at max_tokens).")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
     errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
     fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "
@@ -135,6 +135,8 @@ class RunKeys:
     partials = _Own("Hash: index -> zstd JSON partial answer `requeue --continue` continues (at "
                     "most one per truncated index, for one parameter version; its accepted ack, "
                     "a later requeue or a permanent failure deletes it).")
+    exports = _Own("Hash: absolute path of an export -> its file as inode:size:mtime_ns, so that "
+                   "a later export replaces only a file this run wrote.")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "

@@ -12,6 +12,7 @@ import redis
 
 from genq.common import turns
 from genq.common.cli import run_keys
+from genq.common.data.records import row_fields
 from genq.common.errors import UsageError, mask_tree
 from genq.common.params import DEFAULTS, mask_raw
 from genq.common.queue import bitmap, heartbeats
@@ -144,23 +145,26 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     status["prompts_done"] = raw["done"] if samples == 1 else bitmap.full_groups(
         blob(r.get(k.done)), status["total"] // samples, samples)
     status["failure_reasons"], status["failure_reasons_counted"] = _failure_reasons(
-        r, k, raw["failed"])
+        r, k, raw["failed"], samples)
     alert = runhealth.persistence_alert(r, k, sorted(text(d) for d in raw["outdirs"]))
     if alert:
         status["alerts"].append(alert)
     return cast(dict, mask_tree(status))  # no secrets in any field; still a dict
 
 
-def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int) -> tuple[list[dict], int]:
-    """[{"reason", "count", "example_index"}] of the failed prompts (most common first), and how
-    many were looked at."""
+def _failure_reasons(r: redis.Redis, k: RunKeys, failed: int,
+                     samples: int) -> tuple[list[dict], int]:
+    """[{"reason", "count", "example_index"}] of the failed prompts (most common first; the
+    example's row, and "example_sample" in a run of several samples), and how many were looked
+    at."""
     bits = blob(r.get(k.failed)) if failed else b""
     indices = list(itertools.islice(bitmap.set_indices(bits), REASONS_CAP))
     kinds = runs.failure_reasons(r, k, indices)
     example: dict[str, int] = {}
     for index, kind in zip(indices, kinds, strict=True):
         example.setdefault(kind, index)
-    return [{"reason": kind, "count": n, "example_index": example[kind]}
+    return [{"reason": kind, "count": n, **{f"example_{key}": value for key, value in
+                                            row_fields(example[kind], samples).items()}}
             for kind, n in Counter(kinds).most_common(TOP_REASONS)], len(indices)
 
 
@@ -185,14 +189,14 @@ def _shipping(raw: dict) -> dict | None:
 
 
 def _schema_counts(counters: dict[str, int]) -> dict[str, dict[str, int]]:
-    """Per parameter version with a schema: answers that did not match it, and prompts that
-    failed on it (each of their answers invalid)."""
+    """Per parameter version with a schema: answers that did not match it, prompts that failed
+    on it (each of their answers invalid), and answers cut at max_tokens (not JSON)."""
+    names = {"invalid": "invalid", "schema_failed": "failed", "schema_cut": "cut"}
     found: dict[str, dict[str, int]] = {}
     for field, n in counters.items():
         kind, _, version = field.partition("|")
-        if kind in ("invalid", "schema_failed"):
-            counts = found.setdefault(version, {"invalid": 0, "failed": 0})
-            counts["invalid" if kind == "invalid" else "failed"] = n
+        if kind in names:
+            found.setdefault(version, dict.fromkeys(names.values(), 0))[names[kind]] = n
     return dict(sorted(found.items(), key=lambda item: int(item[0])))
 
 

@@ -62,7 +62,8 @@ def history_lines(status: dict) -> list[str]:
             extra += (f"; {c['continued']:,} continued, {c['decode_tokens_saved']:,} decode "
                       "tokens saved")
         if c := (status.get("schema") or {}).get(str(h.get("version"))):
-            extra += f"; schema: {c['invalid']:,} answers invalid, {c['failed']:,} prompts failed"
+            extra += (f"; schema: {c['invalid']:,} answers invalid, {c['failed']:,} prompts "
+                      f"failed, {c.get('cut', 0):,} answers cut at max_tokens (not JSON)")
         out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
     return out
 
@@ -107,7 +108,9 @@ def render_table(status: dict) -> Any:
                           f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"))
     for row in status.get("failure_reasons", []):
         lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
-                          f"(e.g. index {row['example_index']})", style="yellow"))
+                          f"(e.g. index {row['example_index']}"
+                          + (f", sample {row['example_sample']})" if "example_sample" in row
+                             else ")"), style="yellow"))
     ship = status.get("shipping")
     if ship:
         lines.append(Text(

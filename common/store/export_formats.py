@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
+import time
 from typing import Any
 
 import orjson
@@ -92,11 +94,64 @@ def choose_format(out: str, fmt: str | None) -> str:
     return fmt or named or "jsonl"
 
 
+def _identity(path: str) -> str | None:
+    """The file at ``path`` as "inode:size:mtime_ns", None if absent: a replaced or edited file
+    gets another."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _keep_earlier(r: Any, k: Any, out: str, overwrite: bool) -> str | None:
+    """Where a file at ``out`` this run did not write (another run's results: compose's `down
+    -v` then `up` registers the run anew under its name; or the user's own) is kept, named by
+    its time: a second name for it, so the replace that follows leaves it whole. None when
+    there is none, it is this run's own last export, or ``overwrite``."""
+    found = _identity(out)
+    if found is None or overwrite:
+        return None
+    mine = r.hget(k.exports, os.path.abspath(out))
+    if mine is not None and mine.decode() == found:
+        return None
+    stem, suffix = os.path.splitext(out)
+    when = time.strftime("%Y%m%dT%H%M%S", time.gmtime(os.stat(out).st_mtime))
+    n = 1
+    while True:
+        kept = f"{stem}.earlier-{when}{f'-{n}' if n > 1 else ''}{suffix}"
+        try:
+            os.link(out, kept)  # no copy, and the earlier name stays until the export is whole
+            return kept
+        except FileExistsError:
+            n += 1
+        except OSError:  # a file system without hard links
+            if not os.path.exists(kept):
+                shutil.copy2(out, kept)
+                return kept
+            n += 1
+
+
 def run_export(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
-               from_s3: str | None = None, fmt: str = "jsonl",
-               **options: Any) -> export.ExportResult:
+               from_s3: str | None = None, fmt: str = "jsonl", overwrite: bool = False,
+               **options: Any) -> tuple[export.ExportResult, str | None]:
     """export.export from ``dirs`` or S3 into JSONL or Parquet; ``options`` are passed on. The
-    directory of ``out`` is made if missing, as a consumer makes its --out."""
+    directory of ``out`` is made if missing, as a consumer makes its --out. An existing ``out``
+    this run's last export did not write is kept beside it, unless ``overwrite``: the result,
+    and where it was kept."""
+    kept = _keep_earlier(r, k, out, overwrite)
+    try:
+        result = _write(r, k, total, dirs, out, from_s3=from_s3, fmt=fmt, **options)
+    except BaseException:
+        if kept:
+            os.unlink(kept)  # `out` is still the earlier file: one name for it is enough
+        raise
+    r.hset(k.exports, os.path.abspath(out), _identity(out) or "")
+    return result, kept
+
+
+def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
+           from_s3: str | None, fmt: str, **options: Any) -> export.ExportResult:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     except OSError as e:
