@@ -53,11 +53,13 @@ def test_records_keep_the_servers_own_ids_and_export_them_for_drafters(
     tokens = tmp_path / "tokens.jsonl"
     genq("export", "--out", str(tokens), "--format", "tokens", redis_url=redis_url, run=run_name)
     ds = datasets.load_dataset("json", data_files=str(tokens), split="train")
-    assert sorted(ds.column_names) == ["finish_reason", "id", "index", "input_ids", "loss_mask"]
+    assert sorted(ds.column_names) == ["finish_reason", "id", "index", "input_ids", "loss_mask",
+                                       "turn"]
     assert len(ds) == 12
     for sample in ds:
         rec = records[sample["index"]]
         assert sample["id"] == rec["id"] and sample["finish_reason"] == rec["finish_reason"]
+        assert sample["turn"] == rec["turn"] == 1  # a one-message prompt: the first turn
         assert sample["input_ids"] == rec["prompt_token_ids"] + rec["completion_token_ids"]
         assert sample["loss_mask"] == ([0] * len(rec["prompt_token_ids"])
                                        + [1] * len(rec["completion_token_ids"]))

@@ -66,6 +66,14 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
                                 "prompt to make it anew from")  # status groups by reason
     assert (reason["count"], reason["example_index"]) == (1, 2)
     assert "turns last" in genq("status", redis_url=redis_url, run=run_name).stdout
+    # Parquet types the turn; --format tokens (one line per generation) carries it too.
+    import pyarrow.parquet as pq
+
+    genq("export", "--out", str(tmp_path / "e.parquet"), redis_url=redis_url, run=run_name)
+    assert pq.read_table(tmp_path / "e.parquet").column("turn").to_pylist() == [2, 2]
+    lines = tmp_path / "tokens.jsonl"
+    genq("export", "--out", str(lines), "--format", "tokens", redis_url=redis_url, run=run_name)
+    assert [line["turn"] for line in read_jsonl(lines)] == [2, 2]
 
 
 def test_turns_all_is_refused_in_one_line_and_a_run_keeps_its_turns(

@@ -21,7 +21,8 @@ ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
 
 _FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra`` JSON column
-    "index": "int64", "sample": "int32", "seed": "int64", "id": "string", "run": "string",
+    "index": "int64", "sample": "int32", "turn": "int32", "seed": "int64", "id": "string",
+    "run": "string",
     "params_version": "int32",
     "attempt": "int32", "finish_reason": "string", "prompt_tokens": "int64",
     "completion_tokens": "int64", "reasoning_content": "string", "content": "string",
@@ -66,7 +67,8 @@ FORMATS = ("jsonl", "parquet", "tokens")
 
 
 def to_tokens(src: str, out: str) -> None:
-    """Copy ``src`` (export's JSONL) into lines {id, index, input_ids, loss_mask, finish_reason}:
+    """Copy ``src`` (export's JSONL) into lines {id, index, turn, input_ids, loss_mask,
+    finish_reason}, one per generation:
     input_ids the prompt's ids then the completion's, loss_mask 0 on the prompt and 1 on the
     completion, as vLLM's speculators and SpecForge read pre-tokenized samples."""
     with open(src, "rb") as f, open(out, "wb") as w:
@@ -77,8 +79,9 @@ def to_tokens(src: str, out: str) -> None:
                 raise GenqError(f"index {rec['index']} has no token ids: --format tokens needs a "
                                 "run made with `genq produce --token-ids`")
             where = {"sample": rec["sample"]} if "sample" in rec else {}  # --samples K
+            turn = {"turn": rec["turn"]} if "turn" in rec else {}  # records before turns: none
             w.write(orjson.dumps({
-                "id": rec.get("id", rec["index"]), "index": rec["index"], **where,
+                "id": rec.get("id", rec["index"]), "index": rec["index"], **where, **turn,
                 "input_ids": prompt + completion,
                 "loss_mask": [0] * len(prompt) + [1] * len(completion),
                 "finish_reason": rec["finish_reason"]}) + b"\n")
