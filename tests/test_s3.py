@@ -191,6 +191,37 @@ def test_killed_consumer_ships_its_backlog_after_restart(
     assert [rec["index"] for rec in read_jsonl(remote)] == list(range(n))
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("delete", [False, True], ids=["keep", "delete-shipped"])
+def test_a_name_reused_on_an_empty_disk_ships_every_shard(
+        tmp_path, redis_url, r, run_name, sim_factory, s3, delete):
+    """A lost node's replacement, same --name on an empty disk, numbers its shards from 1
+    again: each still reaches S3 (none taken as shipped before it), none deleted unshipped."""
+    client, _ = s3
+    n = 30
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    flags = ("--burst", "--shard-records", "10", "--name", "gpu0",
+             *(("--delete-shipped",) if delete else ()))
+    for out in ("lost", "replacement"):
+        c = consumer(redis_url, run_name, sim, tmp_path / out, *flags)
+        try:
+            assert c.wait(90) == 0, c.log()[-3000:]
+        finally:
+            c.cleanup()
+        if out == "lost":  # every answer again, by the replacement alone
+            genq("requeue", "--set", "temperature=0.5", "--redo", "all",
+                 redis_url=redis_url, run=run_name)
+    again = Counter(rec["index"] for rec in bucket_records(client, run_name)
+                    if rec["params_version"] == 2)
+    assert again == Counter(range(n))
+    assert delete == (not list((tmp_path / "replacement").glob("*.jsonl")))
+    remote = tmp_path / "remote.jsonl"
+    genq("export", "--from-s3", URI, "--out", str(remote), redis_url=redis_url, run=run_name)
+    assert [(rec["index"], rec["params_version"]) for rec in read_jsonl(remote)] \
+        == [(i, 2) for i in range(n)]
+
+
 def test_bad_uri_or_endpoint_is_one_clear_line(tmp_path, redis_url, run_name, monkeypatch):
     proc = genq("export", "--from-s3", "s3://A/x", "--out", str(tmp_path / "o"),
                 redis_url=redis_url, run=run_name, check=False)
