@@ -140,10 +140,11 @@ def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
             if os.fstat(fd).st_size]
 
 
-def shard_parts(path: Path) -> tuple[str, str, str]:
-    """(run, consumer name, zero-padded sequence number) from a shard's file name."""
+def shard_parts(path: Path) -> tuple[str, str, str, str]:
+    """(run, consumer name, the writing process's ``{start}-{pid}``, zero-padded sequence
+    number) from a shard's file name."""
     parts = path.name.removesuffix(".jsonl").split(".")
-    return parts[0], parts[1], parts[3]
+    return parts[0], parts[1], parts[2], parts[3]
 
 
 NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far; the accepted
