@@ -103,7 +103,7 @@ OK, LOST, REPLACED = "ok", "lost", "replaced"
 
 # A consumer checks its run every 0.5 s and beats every 1 s, through an outage too: this long
 # after Redis (re)starts, every live one following a run it forgot has said so (with margin for a
-# loaded node). Before then, no such word proves nothing.
+# loaded node). Before then, their silence proves nothing.
 SETTLE_S = 8
 
 
