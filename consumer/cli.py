@@ -40,10 +40,11 @@ from genq.common.data import manifest as manifests
 from genq.common.data.dataset import open_dataset
 from genq.common.data.rows import Dataset
 from genq.common.data.shard_repair import repair_shards
-from genq.common.data.shards import ShardWriter
-from genq.common.errors import GenqError, ServerUnavailable, UsageError
+from genq.common.data.shards import ShardWriter, safe_name
+from genq.common.errors import REDIS_TROUBLE, GenqError, ServerUnavailable, UsageError
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import text
 from genq.common.report import runhealth
 from genq.common.sglang.client import SGLang
 from genq.common.store import s3 as store
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     # full collection, walking everything start-up loaded, every ~1,000 tasks.
     gc.freeze()
     gc.set_threshold(10_000, 10, 10)
-    return asyncio.run(shutdown.to_the_end(servers.drive(s, serve)))
+    return asyncio.run(shutdown.to_the_end(drive_shipping_leftovers(s)))
 
 
 def check_writable(out: str) -> None:
@@ -356,6 +357,60 @@ def start_shipping(s: ConsumeSettings, k: RunKeys, writer: ShardWriter,
     task = asyncio.create_task(shipper.run(writer, s.shard_minutes * 60))
     task.add_done_callback(shipper_died)
     return shipper, [task]
+
+
+async def drive_shipping_leftovers(s: ConsumeSettings) -> int:
+    """Drive a server (servers.drive); while this consumer waits for one as a spare, ship the
+    leftover shards a dead consumer left in its --out: else they wait unseen for as long as the
+    spare does, or for ever. Serving, its own shipper takes over; stopped first, it says what it
+    leaves unshipped."""
+    client = redis_client(s.redis_url)
+    try:
+        shipper = await leftover_shipper(s, run_keys(s.run), client)
+        if shipper is None:
+            return await servers.drive(s, serve)
+        task = asyncio.create_task(shipper.run())
+        task.add_done_callback(shipper_died)
+        served = False
+
+        async def serve_alone(settings: ConsumeSettings, held: Callable[[], bool]) -> int:
+            nonlocal served
+            served = True
+            await shutdown.cancel_and_wait([task])  # one shipper a directory: serve's own
+            return await serve(settings, held)
+        try:
+            rc = await servers.drive(s, serve_alone)
+            if not served:
+                rc = max(rc, await finish_shipping(shipper, min(s.ship_wait, s.grace)))
+        finally:
+            await shutdown.cancel_and_wait([task])
+        return rc
+    finally:
+        await client.aclose()
+
+
+async def leftover_shipper(s: ConsumeSettings, k: RunKeys, client: aioredis.Redis
+                           ) -> Shipper | None:
+    """A shipper holding the closed shards of the run Redis has now in --out (or in the run's
+    own directory there, run_outdir), when a spare could wait with some; None otherwise."""
+    if not s.s3_uri or s.share_server:  # a shared server is served at once, shipping and all
+        return None
+    try:
+        raw = await client.hget(k.meta, "epoch")
+    except REDIS_TROUBLE:
+        return None  # serve says what is wrong with Redis
+    epoch = None if raw is None else text(raw)
+    mine = [d for d in (s.out, os.path.join(s.out, f"{k.run}-{epoch}"))
+            if epoch and (manifests.find(d, k.run) or {}).get("epoch") == epoch]
+    if not mine:  # shards of an earlier run of this name are not this run's to ship
+        return None
+    shipper = Shipper(store.parse_uri(s.s3_uri), k, safe_name(s.name), mine[0], client,
+                      keep_local=s.keep_local)
+    found = shipper.scan()
+    if not found:
+        return None
+    logger.info("unshipped_shards_found", shards=found, out=mine[0], waiting_for_a_server=True)
+    return shipper
 
 
 async def finish_shipping(shipper: Shipper, wait: float) -> int:

@@ -123,6 +123,16 @@ def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event) -> bool:
     if r.exists(k.meta):
         return True
     waiting = runhealth.waiting(r, k, (runs.LOST,))
+    unsettled = runs.unsettled_s(r)
+    if not waiting and unsettled:  # Redis just (re)started: its consumers may not have looked
+        logger.info("run_absent_after_restart", run=k.run, wait_s=unsettled, reason=(
+            f"run {k.run!r} is not in Redis, which started under {runs.SETTLE_S} s ago: "
+            "waiting for its consumers to say whether they follow a run it lost"))
+        if stop.wait(unsettled):
+            return False
+        if r.exists(k.meta):
+            return True
+        waiting = runhealth.waiting(r, k, (runs.LOST,))
     if not waiting:
         return True
     command, advice = runhealth.lost_recover(k.run, waiting)

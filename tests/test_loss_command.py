@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
 import signal
 
 import pytest
@@ -27,8 +28,11 @@ def printed_command(text: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("gone", [False, True], ids=["kept", "b-deleted"])
 def test_the_recover_command_printed_during_a_loss_names_every_output_directory(
-        tmp_path, run_name, sim_factory):
+        tmp_path, run_name, sim_factory, gone):
+    """Also when b's directory went with its node: the command then names what exists, and
+    --partial, since b's results can only run again."""
     data = write_dataset(tmp_path / "d.jsonl", N)
     sim = sim_factory(**sim_kwargs(0.5))
     k, a_out, b_out = RunKeys(run_name), tmp_path / "a", tmp_path / "b"
@@ -45,6 +49,8 @@ def test_the_recover_command_printed_during_a_loss_names_every_output_directory(
                      == 2 and r.bitcount(k.done) >= 10, timeout=60, what="both working")
             b.signal(signal.SIGTERM)
             assert b.wait(60) == 0, b.log()[-3000:]
+            if gone:
+                shutil.rmtree(b_out)
             r.flushall()
             wait_for(lambda: any(beat.get("run_state") == "lost"
                                  for beat in heartbeats.read(r, k).values()),
@@ -52,7 +58,9 @@ def test_the_recover_command_printed_during_a_loss_names_every_output_directory(
             status = genq("status", redis_url=url, run=run_name, check=False)
             assert status.returncode != 0 and "lost its state" in status.stderr
             command = printed_command(status.stderr)
-            assert {str(a_out), str(b_out)} <= set(command), status.stderr
+            assert str(a_out) in command, status.stderr
+            assert (str(b_out) in command, "--partial" in command) == (not gone, gone), command
+            assert str(b_out) in status.stderr, "the sentence still names the directory gone"
             producer = Background(url, run_name, *args[:-1], "--window", "8")
             [said] = wait_for(lambda: [e for e in producer.events()
                                        if e.get("event") == "run_state_lost"],

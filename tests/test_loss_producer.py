@@ -4,6 +4,8 @@ exit and the recover need --replace."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 from conftest import genq
 from faultkit import Background, Consumer, check_truth, private_redis, sim_kwargs
@@ -47,6 +49,51 @@ def test_a_producer_started_while_its_run_is_lost_waits_for_the_recover(
             genq("recover", "--shards", str(out), redis_url=url, run=run_name)
             assert consumer.wait(120) == 0, consumer.log()[-4000:]
             assert [e for e in again.events() if e.get("event") == "run_registered"]
+            assert again.stop() == 0, again.log()[-3000:]
+        finally:
+            for service in (first, again, consumer):
+                if service is not None:
+                    service.cleanup()
+        check_truth(r, url, run_name, N, tmp_path)
+        r.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_producer_restarted_right_after_redis_restarts_empty_waits_for_the_consumers(
+        tmp_path, run_name, sim_factory):
+    """A producer that starts before any consumer has looked at a Redis restarted empty (one
+    paused here, as a loaded node's may be) must not register the run anew: it waits until the
+    consumers could have said they wait for it, and then waits for the recover."""
+    data = write_dataset(tmp_path / "d.jsonl", N)
+    sim = sim_factory(**sim_kwargs(0.3))
+    out, k = tmp_path / "out", RunKeys(run_name)
+    args = ("produce", str(data), "--max-tokens", "300", "--window", "8", "--interval", "0.1")
+    with private_redis() as srv:  # no AOF: a restart is a loss
+        url, r = srv.url, srv.client()
+        first = Background(url, run_name, *args)
+        again = consumer = None
+        try:
+            wait_for(lambda: r.exists(k.meta), what="the producer registered the run")
+            consumer = Consumer(url, run_name, sim.url, out)
+            wait_for(lambda: r.bitcount(k.done) >= 15, timeout=60, what="15 done")
+            assert first.stop() == 0
+            consumer.signal(signal.SIGSTOP)
+            srv.stop(kill=True)
+            srv.start()
+            again = Background(url, run_name, *args)  # before the consumer has looked
+            said = wait_for(lambda: [e for e in again.events() if e.get("event") in
+                                     ("run_absent_after_restart", "run_registered")],
+                            timeout=30, what="the producer deciding")
+            consumer.signal(signal.SIGCONT)
+            assert said[0]["event"] == "run_absent_after_restart", (
+                f"the lost run registered anew; consumer exit {consumer.wait(30)}:\n"
+                f"{consumer.log()[-1500:]}")
+            said = wait_for(lambda: [e for e in again.events() if e.get("event") in
+                                     ("run_state_lost", "run_registered")],
+                            timeout=30, what="the producer saying it waits")
+            assert said[0]["event"] == "run_state_lost", said
+            genq("recover", "--shards", str(out), redis_url=url, run=run_name)
+            assert consumer.wait(120) == 0, consumer.log()[-4000:]
             assert again.stop() == 0, again.log()[-3000:]
         finally:
             for service in (first, again, consumer):

@@ -77,7 +77,7 @@ def test_clean_run_ships_every_index_once_and_exports_agree(
         c.cleanup()
     keys = store.shard_keys(client, store.parse_uri(URI), run_name)
     assert len(keys) == 5 and all(k.startswith(f"{PREFIX}/{run_name}/") for k in keys)
-    assert keys[0].endswith("/shard-000001.jsonl.zst")
+    assert keys[0].endswith("-000001.jsonl.zst")
     # What recover reads: the manifest that went along, and the shards as line streams.
     found, streams = store.run_source(URI, run_name, lambda body, where: (where, body))
     assert found == [(f"s3://{BUCKET}/" + keys[0].rsplit("/", 1)[0] + "/manifest.json",
@@ -191,6 +191,37 @@ def test_killed_consumer_ships_its_backlog_after_restart(
     assert [rec["index"] for rec in read_jsonl(remote)] == list(range(n))
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("delete", [False, True], ids=["keep", "delete-shipped"])
+def test_a_name_reused_on_an_empty_disk_ships_every_shard(
+        tmp_path, redis_url, r, run_name, sim_factory, s3, delete):
+    """A lost node's replacement, same --name on an empty disk, numbers its shards from 1
+    again: each still reaches S3 (none taken as shipped before it), none deleted unshipped."""
+    client, _ = s3
+    n = 30
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    flags = ("--burst", "--shard-records", "10", "--name", "gpu0",
+             *(("--delete-shipped",) if delete else ()))
+    for out in ("lost", "replacement"):
+        c = consumer(redis_url, run_name, sim, tmp_path / out, *flags)
+        try:
+            assert c.wait(90) == 0, c.log()[-3000:]
+        finally:
+            c.cleanup()
+        if out == "lost":  # every answer again, by the replacement alone
+            genq("requeue", "--set", "temperature=0.5", "--redo", "all",
+                 redis_url=redis_url, run=run_name)
+    again = Counter(rec["index"] for rec in bucket_records(client, run_name)
+                    if rec["params_version"] == 2)
+    assert again == Counter(range(n))
+    assert delete == (not list((tmp_path / "replacement").glob("*.jsonl")))
+    remote = tmp_path / "remote.jsonl"
+    genq("export", "--from-s3", URI, "--out", str(remote), redis_url=redis_url, run=run_name)
+    assert [(rec["index"], rec["params_version"]) for rec in read_jsonl(remote)] \
+        == [(i, 2) for i in range(n)]
+
+
 def test_bad_uri_or_endpoint_is_one_clear_line(tmp_path, redis_url, run_name, monkeypatch):
     proc = genq("export", "--from-s3", "s3://A/x", "--out", str(tmp_path / "o"),
                 redis_url=redis_url, run=run_name, check=False)
@@ -224,9 +255,10 @@ async def ship_all(redis_url: str, uri, k: RunKeys, out) -> None:
 def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redis_url, r,
                                                                    run_name, s3):
     """In-process: an object with the same content is taken as shipped; one with other content
-    (a reused name on a wiped disk) is kept and the shard goes beside it; gzip reads back."""
+    (written by no genq) is kept and the shard goes beside it; gzip reads back."""
     import asyncio
     import gzip
+    import hashlib
 
     from genq.common.data.shards import ShardWriter
 
@@ -244,10 +276,11 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
 
     asyncio.run(ship_all(redis_url, uri, k, tmp_path))
     keys = store.shard_keys(client, uri, run_name)
-    stamp = first.name.split(".")[2]
-    assert keys == [f"{PREFIX}/{run_name}/gpu0/shard-000001.jsonl.zst",
-                    f"{PREFIX}/{run_name}/gpu0/shard-000002.jsonl.zst",
-                    f"{PREFIX}/{run_name}/gpu0/shard-{stamp}-000001.jsonl.zst"]
+    process = first.name.split(".")[2]  # {start}-{pid} of the writer
+    taken = f"{PREFIX}/{run_name}/gpu0/shard-{process}-000001.jsonl.zst"
+    sha = hashlib.sha256(first.read_bytes()).hexdigest()[:16]
+    beside = taken.replace(".jsonl", f"-{sha}.jsonl")
+    assert keys == sorted([taken, beside, store.shard_key(uri, second)])
     assert r.hlen(k.shipped) == 2 and ship_state(r, run_name)["records"] == "4"
     asyncio.run(ship_all(redis_url, uri, k, tmp_path))  # a restart: both recorded, none redone
     r.hdel(k.shipped, store.shard_key(uri, second))  # as if it crashed before recording
@@ -260,6 +293,29 @@ def test_shipper_never_overwrites_other_content_and_never_doubles(tmp_path, redi
     client.put_object(Bucket=BUCKET, Key=f"{PREFIX}/{run_name}/notes.txt", Body=b"not a shard")
     indices = [rec["index"] for rec in bucket_records(client, run_name) if "index" in rec]
     assert sorted(indices) == [0, 1, 2, 3, 9, 99]
+
+
+def test_a_shard_an_older_genq_shipped_is_not_shipped_again(tmp_path, redis_url, r, run_name,
+                                                             s3):
+    """A record under the old per-name key (shard-000001) counts only for the file it names."""
+    import asyncio
+
+    from genq.common.data.shards import ShardWriter
+
+    client, _ = s3
+    uri, k = store.parse_uri(URI), RunKeys(run_name)
+    w = ShardWriter(tmp_path, run_name, "gpu0")
+    w.write_many([{"index": 0, "attempt": 1}])
+    w.close()
+    path, = tmp_path.glob("*.jsonl")
+    legacy = store.legacy_shard_key(uri, path)
+    assert legacy == f"{PREFIX}/{run_name}/gpu0/shard-000001.jsonl.zst"
+    r.hset(k.shipped, legacy, orjson.dumps({"shard": path.name}))
+    asyncio.run(ship_all(redis_url, uri, k, tmp_path))
+    assert store.shard_keys(client, uri, run_name) == [] and r.hlen(k.shipped) == 1
+    r.hset(k.shipped, legacy, orjson.dumps({"shard": "another node's shard 1"}))
+    asyncio.run(ship_all(redis_url, uri, k, tmp_path))
+    assert store.shard_keys(client, uri, run_name) == [store.shard_key(uri, path)]
 
 
 def test_a_slow_trickle_still_ships_by_shard_age(tmp_path, redis_url, r, run_name, s3):

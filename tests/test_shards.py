@@ -105,7 +105,7 @@ def test_shards_are_numbered_for_good_and_rotate_by_age(tmp_path):
     w.rotate_if_older(3600)
     assert closed_shards(tmp_path, "r") == []  # young, and held by the writer
     w.rotate_if_older(0)
-    assert [shard_parts(p) for p in closed_shards(tmp_path, "r")] == [("r", "gpu0", "000002")]
+    assert [shard_parts(p)[::3] for p in closed_shards(tmp_path, "r")] == [("r", "000002")]
     w.rotate_if_older(0)  # nothing written since: no empty shard
     w.close()
     assert len(shipped) == 1

@@ -23,6 +23,11 @@ from genq.common.files import fsync_dir
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 
 
+def safe_name(name: str) -> str:
+    """A consumer's --name as its shard names (and S3 keys) carry it."""
+    return _UNSAFE.sub("_", name) or "consumer"
+
+
 def _out_error(out_dir: Path, e: OSError) -> OutputUnavailable:
     reason = e.strerror or errno.errorcode.get(e.errno or 0, str(e))
     return OutputUnavailable(f"output directory {out_dir}: {reason}")
@@ -35,7 +40,7 @@ class ShardWriter:
     def __init__(self, out_dir: str | os.PathLike[str], run: str, name: str,
                  rotate_every: int | None = None,
                  on_close: Callable[[Path], None] | None = None) -> None:
-        self.out_dir, self.run, self.name = Path(out_dir), run, _UNSAFE.sub("_", name) or "consumer"
+        self.out_dir, self.run, self.name = Path(out_dir), run, safe_name(name)
         self.rotate_every, self.on_close = rotate_every, on_close
         self._lock = threading.Lock()
         self.path: Path | None = None  # the shard being written now (None after a rotation)
@@ -140,10 +145,11 @@ def closed_shards(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
             if os.fstat(fd).st_size]
 
 
-def shard_parts(path: Path) -> tuple[str, str, str]:
-    """(run, consumer name, zero-padded sequence number) from a shard's file name."""
+def shard_parts(path: Path) -> tuple[str, str, str, str]:
+    """(run, consumer name, the writing process's ``{start}-{pid}``, zero-padded sequence
+    number) from a shard's file name."""
     parts = path.name.removesuffix(".jsonl").split(".")
-    return parts[0], parts[1], parts[3]
+    return parts[0], parts[1], parts[2], parts[3]
 
 
 NONE, NEWEST, ACCEPTED = 0, 1, 2  # Picks.state: no line yet; the newest so far; the accepted

@@ -117,6 +117,20 @@ def finished(r: redis.Redis, k: RunKeys, total: int) -> bool:
 
 OK, LOST, REPLACED = "ok", "lost", "replaced"
 
+# A consumer checks its run every 0.5 s and beats every 1 s, through an outage too: this long
+# after Redis (re)starts, every live one following a run it forgot has said so (with margin for a
+# loaded node). Before then, their silence proves nothing.
+SETTLE_S = 8
+
+
+def unsettled_s(r: redis.Redis) -> int:
+    """Seconds until Redis has been up SETTLE_S (0 once it has, or when INFO is not allowed)."""
+    try:
+        uptime = int(r.info("server")["uptime_in_seconds"])
+    except redis.ResponseError:
+        return 0
+    return max(0, SETTLE_S - uptime)
+
 
 def judge(current: str | None, epoch: str) -> str:
     """OK while Redis holds the run of `epoch`, LOST once it forgot it, REPLACED once another

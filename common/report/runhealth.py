@@ -3,6 +3,7 @@ rebuilds it), replaced by a run of its name, back, or kept without persistence."
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import redis
@@ -27,8 +28,13 @@ def lost_recover(run: str, waiting: list[dict[str, Any]]) -> tuple[str | None, s
     outs = {b["out"] for b in waiting if b.get("out")}
     listed = [b.get("out_dirs") for b in waiting]
     if waiting and None not in listed:
-        command = recover_command(run, sorted({*outs, *(d for dirs in listed for d in dirs or ())}))
-        return command, f"rebuild it from the output: {command}"
+        every = {*outs, *(d for dirs in listed for d in dirs or ())}
+        # One gone with its node cannot be given (recover refuses a missing directory): the
+        # command names what exists, and --partial, since those results can only run again.
+        gone = sorted(d for d in every - outs if not os.path.isdir(d))
+        command = recover_command(run, sorted(every - {*gone})) + (" --partial" if gone else "")
+        lost = f" ({', '.join(gone)} no longer there: their results run again)" if gone else ""
+        return command, f"rebuild it from the output{lost}: {command}"
     known = f" (known here: {' '.join(sorted(outs))})" if outs else ""
     return None, ("rebuild it with `genq recover --shards` followed by every consumer's output "
                   f"directory (their --out){known}")

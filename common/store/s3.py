@@ -69,9 +69,17 @@ def client(read_timeout: float = 20) -> Any:
 
 
 def shard_key(uri: S3Uri, path: Path) -> str:
-    """``<prefix>/<run>/<consumer>/shard-000123.jsonl.zst``: a retry writes the same object."""
-    run, name, shard_id = shard_parts(path)
-    return uri.key(run, name, f"shard-{shard_id}{SUFFIX}")
+    """``<prefix>/<run>/<consumer>/shard-<start>-<pid>-000123.jsonl.zst``: a retry writes the
+    same object; named by the writing process too, since a replacement reusing a lost node's
+    --name on an empty disk numbers its shards from 1 again."""
+    run, name, process, seq = shard_parts(path)
+    return uri.key(run, name, f"shard-{process}-{seq}{SUFFIX}")
+
+
+def legacy_shard_key(uri: S3Uri, path: Path) -> str:
+    """The key an older genq shipped this shard under (``shard-000123``, per --name alone)."""
+    run, name, _, seq = shard_parts(path)
+    return uri.key(run, name, f"shard-{seq}{SUFFIX}")
 
 
 def compress(data: bytes) -> bytes:

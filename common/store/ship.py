@@ -125,7 +125,7 @@ class Shipper:
                 await self.report()
 
     async def ship(self, item: Item) -> None:
-        if item.shard and await self.r.hexists(self.k.shipped, item.key):
+        if item.shard and await self.shipped_before(item):
             self.drop_local(item)  # shipped before this consumer (re)started
             return
         try:
@@ -144,6 +144,14 @@ class Shipper:
         logger.info("shipped", key=key, bytes=len(body), raw_bytes=item.size,
                     seconds=round(time.monotonic() - started, 3), backlog=len(self.queue) - 1)
 
+    async def shipped_before(self, item: Item) -> bool:
+        """Recorded as shipped: under its key, or by an older genq under its per-name key, then
+        only if that record names this very file (a reused name's shard 1 is another)."""
+        if await self.r.hexists(self.k.shipped, item.key):
+            return True
+        legacy = await self.r.hget(self.k.shipped, store.legacy_shard_key(self.uri, item.path))
+        return legacy is not None and orjson.loads(legacy).get("shard") == item.path.name
+
     def upload(self, item: Item, body: bytes, meta: dict[str, str]) -> str:
         """Upload under the item's key and return the key used: one holding other content is
         never overwritten (the shard goes beside it)."""
@@ -154,9 +162,8 @@ class Shipper:
                 seen = (there or {}).get("Metadata", {}).get("raw-sha256")
                 if seen == meta["raw-sha256"]:
                     return key
-                if there is not None:
-                    stamp = item.path.name.split(".")[2]
-                    key = key.replace("/shard-", f"/shard-{stamp}-", 1)
+                if there is not None:  # named after its content, so a retry finds it again
+                    key = key.replace(store.SUFFIX, f"-{meta['raw-sha256'][:16]}{store.SUFFIX}")
             store.put_verified(self.s3, self.uri, key, body, meta)
         return key
 
