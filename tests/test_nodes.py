@@ -52,5 +52,5 @@ def test_two_nodes_with_the_same_loopback_port_are_two_servers(tmp_path, run_nam
     records = read_jsonl(export)
     assert Counter(rec["index"] for rec in records) == Counter(range(n))
     by_server = Counter(rec["server"] for rec in records)
-    assert sorted(by_server) == [f"http://127.0.0.1:{port}@node-a",
-                                 f"http://127.0.0.1:{port}@node-b"], by_server
+    assert sorted(by_server) == [f"http://127.0.0.1:{port}#node-a",
+                                 f"http://127.0.0.1:{port}#node-b"], by_server
