@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
 import structlog
@@ -28,6 +30,18 @@ from genq.consumer import shutdown
 from genq.consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
+
+def identity(url: str) -> str:
+    """The server as every node names it: a loopback URL names a server on this node only, so it
+    is qualified by the host's name (``http://127.0.0.1:30000#node-a``): two nodes' servers on
+    the same local port are two servers. Any other URL already names one server."""
+    host = urlsplit(url).hostname or ""
+    try:
+        local = ipaddress.ip_address(host).is_loopback or ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        local = host == "localhost" or host.endswith(".localhost")
+    return f"{url}#{socket.gethostname()}" if local else url
+
 
 def owner_of(token: bytes | str | None) -> str:
     """The readable part of a lease token: consumer name and run."""
@@ -102,11 +116,12 @@ async def try_take(r: aioredis.Redis, s: ConsumeSettings, token: str, *, free: b
     owners: dict[str, str] = {}
     ms = int(s.server_lease * 1000)
     for url in s.servers:
-        if free and await r.set(server_lease(url), token, nx=True, px=ms):
+        lease = server_lease(identity(url))
+        if free and await r.set(lease, token, nx=True, px=ms):
             return url, {}, None
-        holder = await r.get(server_lease(url))
+        holder = await r.get(lease)
         if holder is not None and provably_gone(holder) and await ScriptRunner(r)(
-                server_call("server_take", server_lease(url), holder, token, ms)):
+                server_call("server_take", lease, holder, token, ms)):
             return url, {}, text(holder)
         owners[url] = owner_of(holder)
     return None, owners, None
@@ -117,7 +132,7 @@ async def end_leases_of(r: aioredis.Redis, k: RunKeys, url: str, predecessor: st
     if predecessor.split("|")[1] != k.run:
         return  # another run's consumer: its leases live in that run and expire there
     runner = ScriptRunner(r)
-    ended = await runner(expire_call(k, url))
+    ended = await runner(expire_call(k, identity(url)))
     returned = await runner(reap_call(k))
     logger.info("server_taken_over", predecessor=owner_of(predecessor), leases_ended=ended,
                 tasks_returned=len(returned))
@@ -194,7 +209,7 @@ async def acquire(r: aioredis.Redis, s: ConsumeSettings, token: str,
             loop.remove_signal_handler(sig)
 
 
-async def keep(r: aioredis.Redis, url: str, token: str, held: Held, lost: asyncio.Event) -> None:
+async def keep(r: aioredis.Redis, name: str, token: str, held: Held, lost: asyncio.Event) -> None:
     """Renew every third of the lease; once another holds it, or on a bug, SIGTERM ourselves (the
     work goes back)."""
     ms, runner, pause = int(held.lease_s * 1000), ScriptRunner(r), held.lease_s / 3
@@ -203,7 +218,7 @@ async def keep(r: aioredis.Redis, url: str, token: str, held: Held, lost: asynci
             await asyncio.sleep(pause)
             pause, since = held.lease_s / 3, time.monotonic()
             try:
-                kept = await runner(server_call("server_renew", server_lease(url), token, ms))
+                kept = await runner(server_call("server_renew", server_lease(name), token, ms))
             except REDIS_TROUBLE as e:
                 REDIS_OUTAGE.seen(e)
                 pause = min(pause, 1.0)  # claims may wait for this renewal: try again soon
@@ -211,7 +226,7 @@ async def keep(r: aioredis.Redis, url: str, token: str, held: Held, lost: asynci
             if kept:
                 held.renewed(since)
             else:
-                holder = await r.get(server_lease(url))
+                holder = await r.get(server_lease(name))
                 logger.error("server_lease_lost", driven_by=owner_of(holder))
                 lost.set()
     except Exception:
@@ -225,8 +240,8 @@ async def drive(s: ConsumeSettings,
     """Lease a server, run `serve` on it (told whether the lease is surely still ours), release
     it; exit code 3 when the lease was lost (restart as a spare)."""
     if s.share_server:
-        structlog.contextvars.bind_contextvars(server=s.server)
-        return await serve(s, lambda: True)
+        structlog.contextvars.bind_contextvars(server=identity(s.server))
+        return await serve(replace(s, server_id=identity(s.server)), lambda: True)
     r = aioredis.Redis.from_url(s.redis_url, socket_connect_timeout=5,
                                 socket_timeout=SERVICE_SOCKET_TIMEOUT_S)
     token, held = new_token(s.name, s.run), Held(s.server_lease)
@@ -234,15 +249,16 @@ async def drive(s: ConsumeSettings,
         url = await acquire(r, s, token, held)
         if url is None:
             return 0
-        structlog.contextvars.bind_contextvars(server=url)
+        name = identity(url)
+        structlog.contextvars.bind_contextvars(server=name)
         lost = asyncio.Event()
-        keeper = asyncio.create_task(keep(r, url, token, held, lost))
+        keeper = asyncio.create_task(keep(r, name, token, held, lost))
         try:
-            code = await serve(replace(s, server=url), held)
+            code = await serve(replace(s, server=url, server_id=name), held)
         finally:
             await shutdown.cancel_and_wait([keeper])
             with contextlib.suppress(*REDIS_TROUBLE):
-                if await ScriptRunner(r)(server_call("server_release", server_lease(url), token)):
+                if await ScriptRunner(r)(server_call("server_release", server_lease(name), token)):
                     logger.info("server_released")
         return 3 if lost.is_set() else code
     finally:

@@ -25,6 +25,8 @@ class ConsumeSettings:
     stall_timeout: float = 60.0
     stream: bool = False  # answers streamed (per-answer silence) or whole (less server work)
     servers: tuple[str, ...] = ()  # those it may drive; `server` is the one leased, once serving
+    # `server` as the cluster knows it (servers.identity): leases, records, status, heartbeats.
+    server_id: str = ""
     server_lease: float = 15.0
     share_server: bool = False
     s3_uri: str | None = None  # shipping to S3 (common/store/ship.py) is off without one

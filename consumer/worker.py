@@ -63,7 +63,7 @@ class Consumer:
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
-        self.queue = TaskQueue(client, keys, server=s.server, worker=s.name,
+        self.queue = TaskQueue(client, keys, server=s.server_id, worker=s.name,
                                visibility_timeout=s.visibility_timeout,
                                life=lambda: (runstate.epoch, runstate.gen))
         self.follower = Follower(server, capacity=capacity, context_length=context_length,
@@ -351,7 +351,7 @@ class Consumer:
                 completion, ask, body, params, lease.index, lease.version)
             record = build_record(
                 run=self.settings.run, index=lease.index // self.samples, prompt_id=prompt.id,
-                version=lease.version, attempt=lease.attempt, server=self.settings.server,
+                version=lease.version, attempt=lease.attempt, server=self.settings.server_id,
                 model=body["model"], completion=completion,
                 latency_s=time.monotonic() - inflight.started, gen=lease.gen,
                 clock_offset=self.clock_offset, sample=sample, turn=turn)
@@ -389,7 +389,7 @@ class Consumer:
             run=self.settings.run, index=lease.index // self.samples, version=lease.version,
             gen=lease.gen,
             prompt_id=prompt.id if isinstance(prompt, Prompt) else getattr(prompt, "row_id", None),
-            attempt=lease.attempt, server=self.settings.server, error=reason,
+            attempt=lease.attempt, server=self.settings.server_id, error=reason,
             clock_offset=self.clock_offset)
         if self.samples > 1:  # the task is row index, sample (records.task_of)
             record["sample"] = lease.index % self.samples
@@ -459,7 +459,8 @@ class Consumer:
         self.started_at = self.started_at or now
         f = self.follower
         # held = running at the server + claimed ahead + answered and being committed
-        beat = {"name": self.settings.name, "server": self.settings.server,
+        beat = {"name": self.settings.name, "server": self.settings.server_id,
+                "url": self.settings.server,
                 "capacity": self.capacity, "inflight": len(self.held), "running": self.running,
                 "ahead": len(self.prefetch.ready), "load": f.load,
                 "load_history": list(f.history), "host": socket.gethostname(),
@@ -530,6 +531,6 @@ class Consumer:
     async def follow_server(self) -> None:
         if await self.follower.server_tick() or not self.server_recorded:
             f = self.follower
-            await presence.record_server(self.redis, self.keys, self.settings.server,
+            await presence.record_server(self.redis, self.keys, self.settings.server_id,
                                          f.context_length, f.server_max or self.capacity)
             self.server_recorded = True

@@ -83,7 +83,9 @@ def run_probe(r: redis.Redis, k: RunKeys, info: RunInfo, *, n: int, changes: dic
     pool = population(r, k, mode)
     if not pool:
         raise UsageError(f"nothing to probe: no prompt would be redone ({mode})")
-    servers = sorted({b["server"] for b in heartbeats.read(r, k).values() if b.get("server")})
+    # A beat's `url` is what its consumer calls (`server` names it across the cluster).
+    servers = sorted({b.get("url") or b["server"] for b in heartbeats.read(r, k).values()
+                      if b.get("server")})
     if not servers:
         raise UsageError("no live consumer: the probe runs on the servers the run's "
                          "consumers use; start `genq consume` first")

@@ -18,6 +18,7 @@ from test_server_leasing import LEASE_S, Replica, Watch
 
 from genq.common.data import manifest as manifests
 from genq.common.queue.keys import RunKeys, server_lease
+from genq.consumer.servers import identity
 
 N = 160
 PAUSE_S = LEASE_S / 2 + 0.2  # longer than the spare's poll, within the holder's lease
@@ -43,7 +44,7 @@ def paused(holder: Replica, what) -> None:
 
 def wait_held_by_holder(r, server: str, replicas: list[Replica]) -> None:
     try:
-        wait_for(lambda: (r.get(server_lease(server)) or b"").startswith(b"holder|"),
+        wait_for(lambda: (r.get(server_lease(identity(server))) or b"").startswith(b"holder|"),
                  timeout=10, what="the holder holding its server lease again")
     except AssertionError as e:
         raise AssertionError("\n".join([str(e), *(c.log()[-2000:] for c in replicas)])) from None
@@ -142,7 +143,8 @@ def test_a_holder_frozen_across_a_loss_claims_nothing_once_its_server_is_taken(
             srv.start()
             r = srv.client()
             genq("recover", "--shards", str(out), redis_url=srv.url, run=run_name)
-            r.set(server_lease(sim.url), "spare|x|1", px=60_000)  # the spare that waited it out
+            # the spare that waited it out
+            r.set(server_lease(identity(sim.url)), "spare|x|1", px=60_000)
             before = sum(claims(r, run_name, N))
             time.sleep(LEASE_S)  # the holder frozen past its lease
             holder.signal(signal.SIGCONT)

@@ -19,7 +19,7 @@ from faultkit import Background, sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys, server_lease
-from genq.consumer.servers import pid_space, process_start, provably_gone
+from genq.consumer.servers import identity, pid_space, process_start, provably_gone
 
 # Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
 LEASE_S = 3.0
@@ -45,7 +45,7 @@ class Replica(ConsumerProcess):
 
     def driving(self) -> list[str]:
         """The servers this replica started driving, in order (a replica drives one at most)."""
-        return [e["server"] for e in self.events() if e.get("event") == "consumer_started"]
+        return [e["leased"] for e in self.events() if e.get("event") == "server_leased"]
 
     def said(self, event: str) -> list[dict]:
         return [e for e in self.events() if e.get("event") == event]
@@ -101,7 +101,7 @@ def test_three_replicas_two_servers_one_spare_takes_over(tmp_path, redis_url, r,
         # The spare names who drives each server; Redis holds one lease per server.
         assert set(spare.said("spare_waiting")[0]["driven_by"]) == set(urls)
         for url in urls:
-            owner = r.get(server_lease(url)).decode().split("|")[0]
+            owner = r.get(server_lease(identity(url))).decode().split("|")[0]
             assert drivers(replicas)[url] == [owner]
 
         # A consumer pointed at a driven server by hand says so and does not drive it.
@@ -133,7 +133,7 @@ def test_three_replicas_two_servers_one_spare_takes_over(tmp_path, redis_url, r,
     assert watch.seen == [], f"servers driven twice at once: {watch.seen[:3]}"
     assert int(r.bitcount(k.done)) == n
     # Every lease is given back on a clean exit; the dead consumer's one expired.
-    assert not any(r.exists(server_lease(url)) for url in urls)
+    assert not any(r.exists(server_lease(identity(url))) for url in urls)
     genq("export", "--out", str(tmp_path / "all.jsonl"), redis_url=redis_url, run=run_name)
     assert sorted(rec["index"] for rec in read_jsonl(tmp_path / "all.jsonl")) == list(range(n))
     # A figure, not a bound: the server is idle for at most the lease plus one poll.
@@ -149,13 +149,13 @@ def test_a_lost_lease_stops_the_consumer(tmp_path, redis_url, r, run_name, sim_f
     try:
         wait_for(lambda: c.driving(), timeout=20, what="the consumer driving")
         c.signal(signal.SIGSTOP)
-        wait_for(lambda: not r.exists(server_lease(sim.url)), timeout=10 * LEASE_S,
+        wait_for(lambda: not r.exists(server_lease(identity(sim.url))), timeout=10 * LEASE_S,
                  what="the frozen consumer's lease expiring")
-        r.set(server_lease(sim.url), "other|x|1", px=60_000)
+        r.set(server_lease(identity(sim.url)), "other|x|1", px=60_000)
         c.signal(signal.SIGCONT)
         assert c.wait(60) == 3, c.log()[-3000:]
         assert c.said("server_lease_lost")
-        assert r.get(server_lease(sim.url)) == b"other|x|1"
+        assert r.get(server_lease(identity(sim.url))) == b"other|x|1"
     finally:
         c.cleanup()
 
@@ -291,7 +291,7 @@ def test_a_consumer_indexing_a_big_data_set_keeps_its_server_lease(tmp_path, red
     data.with_name(data.name + ".genq-idx").unlink()  # the producer's: the consumer builds it
     sim = sim_factory(**sim_kwargs(0.3, max_running_requests=4))
     c = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "big", "--server-lease", "1")
-    lease, grabbed, started = server_lease(sim.url), False, None
+    lease, grabbed, started = server_lease(identity(sim.url)), False, None
     try:
         wait_for(lambda: r.exists(lease) or not c.alive(), timeout=60,
                  what="the consumer taking its server")

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_monitor import Monitor
 
 from genq.common.report.status import read_status
+from genq.consumer.servers import identity
 
 pytestmark = pytest.mark.timeout(300)
 WINDOW_S = "8"  # the advice window, shortened so the test runs in seconds
@@ -58,7 +59,7 @@ def test_busy_server_with_free_kv_is_advised_to_raise(busy_run, r, run_name, red
     assert len(row["load_history"]) >= 3 and row["load_history"][-1]["max_running"] == 16
     [a] = status["advice"]
     # 16 answers of ~1,005 tokens hold < 2 % of a 1M pool: the step limit (x2.5) decides.
-    assert a["kind"] == "raise" and a["server"] == sim.url
+    assert a["kind"] == "raise" and a["server"] == identity(sim.url)
     assert a["current"] == 16 and a["suggested"] == 40
     assert a["evidence"]["waiting_max"] == 0 and a["evidence"]["running_mean"] >= 14.4
     assert row["advice"] == a
@@ -79,12 +80,12 @@ def test_busy_server_with_free_kv_is_advised_to_raise(busy_run, r, run_name, red
                                capture_output=True, timeout=30)
         assert check.returncode == 0, check.stdout + check.stderr
         samples = {s.name: s.value for f in text_string_to_metric_families(body.decode())
-                   for s in f.samples if s.labels.get("server") == sim.url}
+                   for s in f.samples if s.labels.get("server") == identity(sim.url)}
         assert samples["genq_server_max_running"] == 16
         assert samples["genq_server_kv_pool_tokens"] == 1_000_000
         assert 0 < samples["genq_server_kv_usage"] < 0.05
         assert samples["genq_server_advised_max_running"] == 40
-        page_row = _page_row(monitor, sim.url)
+        page_row = _page_row(monitor, identity(sim.url))
         assert "raise --max-running-requests to 40" in page_row
     finally:
         log = monitor.stop()
