@@ -107,3 +107,43 @@ def test_a_run_with_ids_continues_by_them(tmp_path, redis_url, r, run_name, sim_
     st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=runs["cont"]).stdout)
     assert st["continued"] == {"2": {"continued": len(cut),
                                      "decode_tokens_saved": small * len(cut)}}
+
+
+TOOLS = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}]
+
+
+def fields(c) -> tuple:
+    """What a record keeps of an answer; a tool call's id is the server's fresh one each time."""
+    calls = [{**call, "id": None} for call in c.tool_calls or ()]
+    return (c.reasoning_content, c.content, calls, c.prompt_token_ids, c.completion_token_ids,
+            c.completion_tokens, c.finish_reason)
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None])
+@pytest.mark.parametrize("parser", ["qwen3", None])
+def test_continued_answer_with_tools_is_the_straight_one(sim_factory, parser, tools):
+    """A row with tools: the server keeps special tokens in its text and trims the matched stop
+    token from it; the continued answer's text, calls, ids and finish are the straight ones,
+    cut inside the thinking, on `</think>`, after it."""
+    sim = sim_factory(time_scale=1000, reasoning_parser=parser, length_dist=f"fixed:{NATURAL}")
+    body = params.request_body([{"role": "user", "content": "Count the words."}],
+                               {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
+
+    async def main() -> None:
+        server = SGLang(sim.url, request_timeout=60)
+        try:
+            async def ask(b):
+                return await server.chat(b, 0)
+
+            want = await ask({**body, "max_tokens": NATURAL + 10})
+            assert want.finish_reason == ("tool_calls" if tools else "stop")
+            for cut in range(1, NATURAL - 1):
+                part = await ask({**body, "max_tokens": cut})
+                got = await continue_answer(ask, {**body, "max_tokens": NATURAL + 10},
+                                            partial_of(part), server)
+                assert got is not None
+                assert fields(got) == fields(want), f"cut at {cut} (</think> at {CLOSE})"
+        finally:
+            await server.close()
+
+    asyncio.run(main())
