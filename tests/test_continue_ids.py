@@ -7,6 +7,7 @@ with and without a reasoning parser; the real tier's run is in test_continue_ids
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -16,7 +17,7 @@ from pipeline import ConsumerProcess, read_jsonl, write_dataset
 from genq.common import params
 from genq.common.queue.keys import RunKeys
 from genq.common.sglang.client import SGLang
-from genq.common.sglang.continuation import continuable, continue_answer
+from genq.common.sglang.continuation import continuable, continue_answer, retexted
 
 NATURAL = 40  # every answer: 27 thinking ids (`<think>` first), `</think>` at 27, then content
 CLOSE = int(NATURAL * 0.7) - 1
@@ -143,6 +144,27 @@ def test_continued_answer_with_tools_is_the_straight_one(sim_factory, parser, to
                                             partial_of(part), server)
                 assert got is not None
                 assert fields(got) == fields(want), f"cut at {cut} (</think> at {CLOSE})"
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
+    """SGLang cuts its text at the first match of a `stop` string (the ids run on past it);
+    the simulator stops on its end token only, so the server's match is given here."""
+    sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", length_dist=f"fixed:{NATURAL}")
+    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+
+    async def main() -> None:
+        server = SGLang(sim.url, request_timeout=60)
+        try:
+            whole = await server.chat({**body, "max_tokens": NATURAL}, 0)
+            again = await retexted(replace(whole, matched_stop=" ok"), body, server)
+            assert whole.content.count(" ok") > 1
+            assert again.content == whole.content[:whole.content.index(" ok")]
+            assert again.reasoning_content == whole.reasoning_content
         finally:
             await server.close()
 
