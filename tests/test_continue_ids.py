@@ -169,3 +169,32 @@ def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
             await server.close()
 
     asyncio.run(main())
+
+
+def test_a_continued_answer_says_the_whole_budget_it_had(sim_factory):
+    """`max_tokens` lowered to fit the context: the continued answer's `max_tokens_used` is the
+    straight answer's (the partial's tokens and the continuation's room), not the room alone."""
+    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+
+    async def answers(url: str, limit: int, cut: int):
+        server = SGLang(url, request_timeout=60)
+        try:
+            async def ask(b):
+                return await server.chat(b, 0)
+
+            part = await ask({**body, "max_tokens": cut})
+            whole = await continue_answer(ask, {**body, "max_tokens": limit}, partial_of(part),
+                                          server)
+            return part, whole, await ask({**body, "max_tokens": limit})
+        finally:
+            await server.close()
+
+    probe = sim_factory(time_scale=1000, length_dist=f"fixed:{NATURAL}")
+    prompt = asyncio.run(answers(probe.url, NATURAL, 5))[0].prompt_tokens
+    sim = sim_factory(time_scale=1000, length_dist=f"fixed:{NATURAL}",
+                      context_length=prompt + NATURAL + 3)
+    part, whole, want = asyncio.run(answers(sim.url, 4 * NATURAL, 10))
+    assert want.max_tokens == NATURAL + 3 and whole is not None
+    assert (whole.max_tokens, whole.completion_token_ids) == (want.max_tokens,
+                                                              want.completion_token_ids)
