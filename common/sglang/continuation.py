@@ -180,6 +180,9 @@ def joined(partial: dict[str, Any], new: Completion) -> Completion:
                    else (reasoning or "") + (more or ""),
                    content=(partial.get("content") or "") + new.content,
                    completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
+                   # Lowered to fit the context: the whole answer had the partial's tokens too.
+                   max_tokens=None if new.max_tokens is None
+                   else new.max_tokens + int(partial["completion_tokens"]),
                    prompt_token_ids=partial.get("prompt_token_ids") if ids else None,
                    completion_token_ids=[*ids, *more_ids] if ids and more_ids is not None
                    else None,
