@@ -86,7 +86,8 @@ def test_export_include_failed_writes_each_failed_prompt_with_its_reason(
     records = read_jsonl(out)
     assert [rec["index"] for rec in records] == [0, 1, 2, 3]  # one record per prompt
     assert records[1] == {"index": 1, "run": run_name, "status": "failed",
-                          "error": "row N: not valid JSON"}  # kept once for all its rows
+                          "error": "row N: not valid JSON",  # kept once for all its rows
+                          "error_kind": "row N: not valid JSON"}
     assert records[3]["error"] == "HTTP 400: <b>" and "status" not in records[0]
 
 
