@@ -386,15 +386,11 @@ class Consumer:
         Else fail.lua's outcome."""
         lease, prompt = inflight.lease, inflight.prompt
         record = failed_record(
-            run=self.settings.run, index=lease.index // self.samples, version=lease.version,
-            gen=lease.gen,
+            run=self.settings.run, task=lease.index, samples=self.samples, error=reason,
+            answer=answer,  # failed on the schema: the last answer, for inspection
             prompt_id=prompt.id if isinstance(prompt, Prompt) else getattr(prompt, "row_id", None),
-            attempt=lease.attempt, server=self.settings.server_id, error=reason,
-            clock_offset=self.clock_offset)
-        if self.samples > 1:  # the task is row index, sample (records.task_of)
-            record["sample"] = lease.index % self.samples
-        if answer is not None:  # failed on the schema: the last answer, for inspection
-            record["answer"] = answer
+            version=lease.version, attempt=lease.attempt, server=self.settings.server_id,
+            gen=lease.gen, clock_offset=self.clock_offset)
         try:
             await asyncio.to_thread(self.sink.write_many, [record])
         except Exception as e:

@@ -7,6 +7,7 @@ with and without a reasoning parser; the real tier's run is in test_continue_ids
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import orjson
 import pytest
@@ -16,7 +17,7 @@ from pipeline import ConsumerProcess, read_jsonl, write_dataset
 from genq.common import params
 from genq.common.queue.keys import RunKeys
 from genq.common.sglang.client import SGLang
-from genq.common.sglang.continuation import continuable, continue_answer
+from genq.common.sglang.continuation import continuable, continue_answer, retexted
 
 NATURAL = 40  # every answer: 27 thinking ids (`<think>` first), `</think>` at 27, then content
 CLOSE = int(NATURAL * 0.7) - 1
@@ -107,3 +108,93 @@ def test_a_run_with_ids_continues_by_them(tmp_path, redis_url, r, run_name, sim_
     st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=runs["cont"]).stdout)
     assert st["continued"] == {"2": {"continued": len(cut),
                                      "decode_tokens_saved": small * len(cut)}}
+
+
+TOOLS = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}]
+
+
+def fields(c) -> tuple:
+    """What a record keeps of an answer; a tool call's id is the server's fresh one each time."""
+    calls = [{**call, "id": None} for call in c.tool_calls or ()]
+    return (c.reasoning_content, c.content, calls, c.prompt_token_ids, c.completion_token_ids,
+            c.completion_tokens, c.finish_reason)
+
+
+@pytest.mark.parametrize("tools", [TOOLS, None])
+@pytest.mark.parametrize("parser", ["qwen3", None])
+def test_continued_answer_with_tools_is_the_straight_one(sim_factory, parser, tools):
+    """A row with tools: the server keeps special tokens in its text and trims the matched stop
+    token from it; the continued answer's text, calls, ids and finish are the straight ones,
+    cut inside the thinking, on `</think>`, after it."""
+    sim = sim_factory(time_scale=1000, reasoning_parser=parser, length_dist=f"fixed:{NATURAL}")
+    body = params.request_body([{"role": "user", "content": "Count the words."}],
+                               {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
+
+    async def main() -> None:
+        server = SGLang(sim.url, request_timeout=60)
+        try:
+            async def ask(b):
+                return await server.chat(b, 0)
+
+            want = await ask({**body, "max_tokens": NATURAL + 10})
+            assert want.finish_reason == ("tool_calls" if tools else "stop")
+            for cut in range(1, NATURAL - 1):
+                part = await ask({**body, "max_tokens": cut})
+                got = await continue_answer(ask, {**body, "max_tokens": NATURAL + 10},
+                                            partial_of(part), server)
+                assert got is not None
+                assert fields(got) == fields(want), f"cut at {cut} (</think> at {CLOSE})"
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
+    """SGLang cuts its text at the first match of a `stop` string (the ids run on past it);
+    the simulator stops on its end token only, so the server's match is given here."""
+    sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", length_dist=f"fixed:{NATURAL}")
+    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+
+    async def main() -> None:
+        server = SGLang(sim.url, request_timeout=60)
+        try:
+            whole = await server.chat({**body, "max_tokens": NATURAL}, 0)
+            again = await retexted(replace(whole, matched_stop=" ok"), body, server)
+            assert whole.content.count(" ok") > 1
+            assert again.content == whole.content[:whole.content.index(" ok")]
+            assert again.reasoning_content == whole.reasoning_content
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_continued_answer_says_the_whole_budget_it_had(sim_factory):
+    """`max_tokens` lowered to fit the context: the continued answer's `max_tokens_used` is the
+    straight answer's (the partial's tokens and the continuation's room), not the room alone."""
+    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+
+    async def answers(url: str, limit: int, cut: int):
+        server = SGLang(url, request_timeout=60)
+        try:
+            async def ask(b):
+                return await server.chat(b, 0)
+
+            part = await ask({**body, "max_tokens": cut})
+            whole = await continue_answer(ask, {**body, "max_tokens": limit}, partial_of(part),
+                                          server)
+            return part, whole, await ask({**body, "max_tokens": limit})
+        finally:
+            await server.close()
+
+    probe = sim_factory(time_scale=1000, length_dist=f"fixed:{NATURAL}")
+    prompt = asyncio.run(answers(probe.url, NATURAL, 5))[0].prompt_tokens
+    sim = sim_factory(time_scale=1000, length_dist=f"fixed:{NATURAL}",
+                      context_length=prompt + NATURAL + 3)
+    part, whole, want = asyncio.run(answers(sim.url, 4 * NATURAL, 10))
+    assert want.max_tokens == NATURAL + 3 and whole is not None
+    assert (whole.max_tokens, whole.completion_token_ids) == (want.max_tokens,
+                                                              want.completion_token_ids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import orjson
 from conftest import genq
-from pipeline import read_jsonl
+from pipeline import ConsumerProcess, read_jsonl, write_dataset
 from test_scripts import ack, claim, setup_run
 
 from genq.common.queue import scripts
@@ -86,7 +86,8 @@ def test_export_include_failed_writes_each_failed_prompt_with_its_reason(
     records = read_jsonl(out)
     assert [rec["index"] for rec in records] == [0, 1, 2, 3]  # one record per prompt
     assert records[1] == {"index": 1, "run": run_name, "status": "failed",
-                          "error": "row N: not valid JSON"}  # kept once for all its rows
+                          "error": "row N: not valid JSON",  # kept once for all its rows
+                          "error_kind": "row N: not valid JSON"}
     assert records[3]["error"] == "HTTP 400: <b>" and "status" not in records[0]
 
 
@@ -143,3 +144,29 @@ def test_export_never_replaces_an_earlier_runs_file_unasked(tmp_path, redis_url,
     genq("export", "--out", str(out), "--overwrite", redis_url=redis_url, run=run_name)
     assert [rec["content"] for rec in read_jsonl(out)] == ["third", "third"]
     assert sorted(tmp_path.glob("results*")) == sorted([out, kept])
+
+
+def test_a_failed_line_has_one_shape_whoever_wrote_it(tmp_path, redis_url, run_name,
+                                                      sim_factory):
+    """The consumer's failed line (copied from its shard) and the one export makes from Redis
+    where no shard has it: the same keys in the same order, the consumer's adding what only it
+    knew; Redis keeps the reason's kind, so that line's `error` is the kind."""
+    data = write_dataset(tmp_path / "d.jsonl", 6, poison=(1, 4))
+    genq("produce", str(data), "--once", "--samples", "2", redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim_factory(time_scale=1000).url,
+                               tmp_path / "out", "--burst")
+    assert consumer.wait(60) == 0, consumer.log()[-2000:]
+    consumer.cleanup()
+    (tmp_path / "none").mkdir()
+    lines = {}
+    for how, extra in (("shard", []), ("redis", ["--shards", str(tmp_path / "none")])):
+        out = tmp_path / f"{how}.jsonl"
+        genq("export", "--out", str(out), "--include-failed", *extra, redis_url=redis_url,
+             run=run_name, check=False)
+        lines[how] = [rec for rec in read_jsonl(out) if rec.get("status") == "failed"]
+    assert len(lines["shard"]) == len(lines["redis"]) == 4
+    for full, bare in zip(lines["shard"], lines["redis"], strict=True):
+        assert full["id"] in ("p1", "p4") and full["server"] and full["attempt"] >= 1
+        assert list(bare) == [key for key in full if key in bare]
+        assert bare == {**{key: full[key] for key in bare}, "error": full["error_kind"]}
+        assert set(bare) == {"index", "sample", "run", "status", "error", "error_kind"}

@@ -200,3 +200,20 @@ def test_a_warming_server_is_waited_for(
     waits = [e for e in events if e.get("event") == "waiting_for_server"]
     assert waits and "HTTP 503" in waits[0]["error"]
     assert rows[0]["capacity"] == 4
+
+
+@pytest.mark.parametrize("bad", [2**31, -1])
+def test_token_ids_outside_int32_are_refused_when_they_arrive(bad):
+    """The export keeps ids as int32: one past it is a broken answer, refused on arrival (the
+    task goes back without spending an attempt), never a record that fails the export."""
+    answer = real("chat_stop.json")
+    choice = answer["choices"][0]
+    good = {**answer, "choices": [{**choice, "prompt_token_ids": [1, 2**31 - 1],
+                                   "response_token_ids": [5, 2]}]}
+    done = whole_answer(orjson.dumps(good), URL, thinking=False)
+    assert (done.completion_token_ids, done.matched_stop) == ([5, 2], 2)
+    broken = {**answer, "choices": [{**choice, "prompt_token_ids": [1],
+                                     "response_token_ids": [5, bad]}]}
+    with pytest.raises(ServerUnavailable, match=f"token id {bad} outside 0..2147483647") as e:
+        whole_answer(orjson.dumps(broken), URL, thinking=False)
+    assert "\n" not in str(e.value) and classify(e.value) is Retryable

@@ -123,19 +123,25 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
 FAILED = "failed"  # a failed task's line: its `status`
 
 
-def failed_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
-                  server: str, error: str, gen: int = 0,
+def failed_record(*, run: str, task: int, samples: int, error: str,
+                  answer: dict[str, Any] | None = None, prompt_id: Any = None,
+                  version: int | None = None, attempt: int = 0, server: str = "", gen: int = 0,
                   clock_offset: float = 0.0) -> dict[str, Any]:
-    """A failed task's line: its whole reason (`error`; Redis keeps only its `error_kind`), as
-    `export --include-failed` writes it. Never a result (``is_failure``)."""
-    record: dict[str, Any] = {"index": index}
+    """A failed task's line, the one shape `export --include-failed` writes: its reason
+    (`error`; Redis keeps only its kind), a prompt failed on the schema its last `answer`.
+    The consumer also says the row's id and which claim failed (`version` on); export, making
+    one from Redis, knows none of that. Never a result (``is_failure``)."""
+    record: dict[str, Any] = {"index": task // samples}
+    if samples > 1:  # the task is row index, sample (task_of)
+        record["sample"] = task % samples
     if prompt_id is not None:
         record["id"] = prompt_id
-    record.update(run=run, status=FAILED, error=error, error_kind=reason_kind(error),
-                  params_version=version, attempt=attempt)
-    if gen:
-        record["gen"] = gen
-    record.update(server=server, created_at=round(time.time() + clock_offset, 3))
+    record.update(run=run, status=FAILED, error=error, error_kind=reason_kind(error))
+    if version is not None:
+        record.update(params_version=version, attempt=attempt, **({"gen": gen} if gen else {}),
+                      server=server, created_at=round(time.time() + clock_offset, 3))
+    if answer is not None:
+        record["answer"] = answer
     return record
 
 

@@ -180,6 +180,9 @@ def joined(partial: dict[str, Any], new: Completion) -> Completion:
                    else (reasoning or "") + (more or ""),
                    content=(partial.get("content") or "") + new.content,
                    completion_tokens=int(partial["completion_tokens"]) + new.completion_tokens,
+                   # Lowered to fit the context: the whole answer had the partial's tokens too.
+                   max_tokens=None if new.max_tokens is None
+                   else new.max_tokens + int(partial["completion_tokens"]),
                    prompt_token_ids=partial.get("prompt_token_ids") if ids else None,
                    completion_token_ids=[*ids, *more_ids] if ids and more_ids is not None
                    else None,
@@ -225,8 +228,24 @@ async def retexted(whole: Completion, body: dict[str, Any], server: SGLang) -> C
     # As the answer's own text: SGLang keeps special tokens in it when asked, or for tools.
     tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
     skip = body.get("skip_special_tokens", True) is not False and not tools
-    text = await server.detokenize(whole.completion_token_ids, skip)
+    text = await server.detokenize(await untrimmed(whole, server), skip)
+    if isinstance(whole.matched_stop, str) and (at := text.find(whole.matched_stop)) != -1:
+        text = text[:at]  # SGLang cuts its text at the first match of the stop string
     thinking = thinking_on(body)
     reasoning, content = (parse_reasoning(text, thinking) if await server.reasoning_parser()
                           else split_thinking(text) if thinking else (None, text))
     return replace(whole, reasoning_content=reasoning, content=content)
+
+
+async def untrimmed(whole: Completion, server: SGLang) -> list[int]:
+    """The ids whose text SGLang returns: all but the stop token an answer ended on, which its
+    detokenizer drops (the ids keep it, as the real server's do). A `tool_calls` finish no
+    longer says what it matched: its last id is that token if the tokenizer skips it."""
+    ids = whole.completion_token_ids or []
+    stop, last = whole.matched_stop, ids[-1] if ids else None
+    if type(stop) is int:
+        return ids[:-1] if last == stop else ids
+    if (whole.finish_reason == "tool_calls" and stop is None and last is not None
+            and await server.detokenize([last], True) == ""):
+        return ids[:-1]
+    return ids

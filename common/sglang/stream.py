@@ -40,6 +40,9 @@ class Completion:
     # The server's own token ids (asked with return_token_ids): what the model read and wrote.
     prompt_token_ids: list[int] | None = None
     completion_token_ids: list[int] | None = None
+    # The stop token id or string the answer ended on (SGLang's `matched_stop`): the server
+    # leaves it out of the text, and a text made again from the ids must too.
+    matched_stop: int | str | None = None
 
 
 class ContextExceeded(TryAgain):
@@ -129,16 +132,23 @@ def whole_answer(body: bytes, url: str, *, thinking: bool) -> Completion:
     done = finished(url, choice.get("finish_reason"), message.get("content") or "",
                     message.get("reasoning_content"), usage, thinking=thinking,
                     tool_calls=message.get("tool_calls") or None)
+    matched = choice.get("matched_stop")
+    if type(matched) in (int, str):
+        done = replace(done, matched_stop=matched)
     if "response_token_ids" not in choice:
         return done
     prompt_ids, ids = choice.get("prompt_token_ids"), choice.get("response_token_ids")
     if not (token_ids(prompt_ids) and token_ids(ids)):
         raise ServerUnavailable(f"{url}: malformed token ids in answer {body[:200]!r}")
+    # Records and exports keep ids as int32 (a vocabulary fits): one past it is a broken answer.
+    if (bad := next((i for i in (*prompt_ids, *ids) if not 0 <= i <= MAX_TOKEN_COUNT),
+                    None)) is not None:
+        raise ServerUnavailable(f"{url}: token id {bad} outside 0..{MAX_TOKEN_COUNT} in answer")
     return replace(done, prompt_token_ids=prompt_ids, completion_token_ids=ids)
 
 
 def token_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(type(i) is int and i >= 0 for i in value)
+    return isinstance(value, list) and all(type(i) is int for i in value)
 
 
 def finished(url: str, finish: str | None, content: str, reasoning: str | None,

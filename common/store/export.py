@@ -15,7 +15,7 @@ from typing import IO
 import orjson
 import redis
 
-from genq.common.data.records import shard_files
+from genq.common.data.records import failed_record, shard_files
 from genq.common.data.shards import ACCEPTED, NEWEST, NONE, Picks, pick_lines
 from genq.common.errors import GenqError, reason_kind
 from genq.common.queue import bitmap
@@ -60,14 +60,14 @@ def accepted_state(r: redis.Redis, k: RunKeys):
 
 def _failed_line(run: str, task: int, reason: str, invalid: bytes = b"",
                  samples: int = 1) -> bytes:
-    """A failed task's record; a prompt failed on the schema also carries its last answer."""
-    where = {"index": task // samples, **({"sample": task % samples} if samples > 1 else {})}
-    record = {**where, "run": run, "status": "failed", "error": reason}
+    """A failed task's record from Redis; a prompt failed on the schema also carries its last
+    answer."""
     answer = orjson.loads(invalid) if invalid else None
     # Kept by an earlier failure on the schema, the index may fail for another reason now.
-    if answer and reason.startswith(reason_kind(answer.get("violation") or "")):
-        record["answer"] = answer
-    return orjson.dumps(record) + b"\n"
+    if not (answer and reason.startswith(reason_kind(answer.get("violation") or ""))):
+        answer = None
+    return orjson.dumps(failed_record(run=run, task=task, samples=samples, error=reason,
+                                      answer=answer)) + b"\n"
 
 
 def kept_lookup(r: redis.Redis, k: RunKeys):
