@@ -160,7 +160,7 @@ class RunKeys:
 RUNS = "genq:runs"
 
 
-def server_lease(url: str) -> str:
-    """String: the lease token of the one consumer driving this SGLang server, any run
-    (consumer/servers.py)."""
-    return f"genq:server:{url}"
+def server_lease(server: str) -> str:
+    """String: the lease token of the one consumer driving this SGLang server, any run; `server`
+    is its identity (consumer/servers.identity: a loopback URL carries its node's name)."""
+    return f"genq:server:{server}"
