@@ -59,6 +59,17 @@ KNOWN: dict[str, Callable[[str], Any]] = {
 # Known parameters genq acts on itself rather than send (`enable_thinking` goes in the template's
 # kwargs; `schema_retries` bounds the answers asked again for a schema, common/schema.py).
 NOT_SENT = ("enable_thinking", "schema_retries")
+# Parameters consumers check once, at start (consumer/cli.py check_token_ids), not per request:
+# a requeue changing one would reach consumers that never checked it.
+AT_START = ("return_token_ids",)
+
+
+def check_changeable(changes: Iterable[str], unset: Iterable[str]) -> None:
+    """Refuse, in one line, a requeue of a parameter consumers read only at start."""
+    for key in (*changes, *unset):
+        if key in AT_START:
+            raise UsageError(f"{key} is read by consumers at start, not per request: it cannot "
+                             "change in a running run (produce a new run; nothing was changed)")
 
 
 MASK = "***"

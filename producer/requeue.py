@@ -87,6 +87,7 @@ def _positive(value: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     changes = params.parse_sets(a.set, a.raw)
+    params.check_changeable(changes, a.unset)
     if a.schema:
         changes["response_format"] = schema.response_format(a.schema)
     if a.probe and not changes:
