@@ -19,6 +19,7 @@ from sglang_servers import start_server
 
 from genq.common.errors import UsageError
 from genq.common.params import request_body
+from genq.common.queue.keys import RunKeys
 from genq.common.schema import response_format, violation
 
 SCHEMA = {
@@ -91,6 +92,28 @@ def test_produce_refuses_a_file_that_is_no_schema(tmp_path, redis_url, run_name)
     out = genq("produce", str(data), "--once", "--schema", str(tmp_path / "s.json"),
                redis_url=redis_url, run=run_name, check=False)
     assert out.returncode == 2 and "cannot read a JSON document" in out.stderr
+
+
+@pytest.mark.parametrize("ref", ["#/$defs/nowhere", "other.json#/x",
+                                 "https://example.com/remote.json"])
+def test_a_ref_that_resolves_nowhere_is_refused_in_one_line(tmp_path, redis_url, r, run_name,
+                                                            ref):
+    """A consumer cannot resolve it either: accepted, it would fail every prompt that reaches
+    it. Refused at produce and at requeue, with no traceback and no run or version made."""
+    data = write_dataset(tmp_path / "d.jsonl", 2)
+    bad = tmp_path / "ref.json"
+    bad.write_text(json.dumps({"type": "object", "$defs": {"grade": {"enum": ["A"]}},
+                               "properties": {"g": {"$ref": "#/$defs/grade"},
+                                              "h": {"items": {"$ref": ref}}}}))
+    out = genq("produce", str(data), "--once", "--schema", str(bad), redis_url=redis_url,
+               run=run_name, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and f"$ref {ref!r}" in out.stderr
+    assert not r.exists(RunKeys(run_name).params)
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    out = genq("requeue", "--schema", str(bad), redis_url=redis_url, run=run_name, check=False)
+    assert out.returncode == 2 and f"$ref {ref!r}" in out.stderr and "Traceback" not in out.stderr
+    assert r.get(RunKeys(run_name).params_version) == b"1"
 
 
 def test_the_simulator_answers_with_an_instance_of_the_schema(sim_factory):
