@@ -10,6 +10,9 @@ from typing import Any
 
 import jsonschema
 import orjson
+import referencing.exceptions
+from jsonschema_specifications import REGISTRY as METASCHEMAS
+from referencing.jsonschema import specification_with
 
 from genq.common.errors import UsageError
 
@@ -31,9 +34,40 @@ def response_format(path: str) -> dict[str, Any]:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as e:
         raise UsageError(f"--schema {path}: not a valid JSON Schema: {e.message}") from None
+    if (ref := unresolvable(schema)) is not None:
+        raise UsageError(f"--schema {path}: $ref {ref!r} resolves nowhere (a consumer resolves "
+                         "refs within the schema only, never from a file or the network)")
     # OpenAI's name rule (letters, digits, _ and -), which SGLang passes on to its backend.
     name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).stem)[:64] or "schema"
     return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
+# Keywords whose values are data, not subschemas: a {"$ref": ...} inside them is no reference.
+_DATA = ("const", "enum", "default", "examples")
+
+
+def unresolvable(schema: dict[str, Any]) -> str | None:
+    """The first `$ref` of `schema` that jsonschema cannot resolve (it would raise at the first
+    answer that reaches it), else None. Each subschema's `$id` moves the base, as in jsonschema."""
+    dialect = schema.get("$schema") or jsonschema.validators.validator_for(schema).META_SCHEMA[
+        "$schema"]
+    spec = specification_with(dialect)
+
+    def walk(node: Any, resolver: Any) -> str | None:
+        if isinstance(node, list):
+            return next((ref for item in node if (ref := walk(item, resolver))), None)
+        if not isinstance(node, dict):
+            return None
+        resolver = resolver.in_subresource(spec.create_resource(node))
+        if isinstance(ref := node.get("$ref"), str):
+            try:
+                resolver.lookup(ref)
+            except referencing.exceptions.Unresolvable:
+                return ref
+        return next((ref for key, value in node.items() if key not in _DATA
+                     if (ref := walk(value, resolver))), None)
+
+    return walk(schema, METASCHEMAS.resolver_with_root(spec.create_resource(schema)))
 
 
 def schema_of(params: dict[str, Any]) -> dict[str, Any] | None:
