@@ -5,6 +5,7 @@ first violation, its last answer kept for `export --include-failed`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,7 +15,7 @@ import structlog
 
 from genq.common.errors import AnswerInvalid
 from genq.common.queue.keys import RunKeys
-from genq.common.schema import SCHEMA_RETRIES, schema_of, violation
+from genq.common.schema import SCHEMA_RETRIES, checker, schema_of, violation
 from genq.common.sglang.stream import Completion
 
 logger = structlog.get_logger("consumer")
@@ -32,6 +33,7 @@ class Structured:
     def __init__(self, client: aioredis.Redis, keys: RunKeys,
                  retry: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> None:
         self.redis, self.keys, self.retry = client, keys, retry
+        self.checkers: dict[int, Any] = {}  # version -> its schema's validator, built once
 
     async def checked(self, answer: Completion, ask: Callable[[dict], Awaitable[Completion]],
                       body: dict[str, Any], params: dict[str, Any], index: int,
@@ -42,6 +44,8 @@ class Structured:
         schema = schema_of(params)
         if schema is None:
             return answer
+        if version not in self.checkers:
+            self.checkers[version] = checker(schema)
         retries = int(params.get("schema_retries", SCHEMA_RETRIES))
         seed, counter = int(body.get("seed") or 0), f"invalid|{version}"
         for retry in range(retries + 1):
@@ -49,7 +53,9 @@ class Structured:
                 answer = await ask({**body, "seed": seed + retry})
             if answer.finish_reason in UNCHECKED:
                 return answer
-            why = violation(answer.content, schema)
+            # In a thread: a slow pattern (bounded, common/schema.py) must not hold up the
+            # loop that renews leases.
+            why = await asyncio.to_thread(violation, answer.content, self.checkers[version])
             if why is None:
                 return answer
             await self.retry(lambda: self.redis.hincrby(self.keys.counters, counter, 1))
