@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import redis
 
+from genq.common.data.records import MAX_RETRIES
 from genq.common.errors import UsageError
 from genq.common.queue import scripts
 from genq.common.queue.keys import RunKeys
@@ -52,7 +53,9 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "model": str,
     "enable_thinking": _bool,
-    "schema_retries": _checked(int, lambda n: n >= 0, "must be an integer >= 0"),
+    # Below MAX_RETRIES: each retry's seed stays distinct (common/data/records.py request_seed).
+    "schema_retries": _checked(int, lambda n: 0 <= n < MAX_RETRIES,
+                               f"must be an integer 0-{MAX_RETRIES - 1}"),
     # `genq produce --token-ids`: the server answers with its prompt and completion token ids.
     "return_token_ids": _bool,
 }

@@ -11,7 +11,9 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 
-from genq.common.params import request_body
+from genq.common.data.records import MAX_RETRIES, MAX_SAMPLES, request_seed
+from genq.common.errors import UsageError
+from genq.common.params import parse_sets, request_body
 from genq.common.queue.keys import RunKeys
 
 SCHEMA = {"type": "object", "required": ["grade"],
@@ -46,3 +48,16 @@ def test_the_seed_of_a_retried_answer_reproduces_it(tmp_path, redis_url, r, run_
         if again["choices"][0]["message"]["content"] != rec["content"]:
             differ.append((rec["index"], rec["sample"], rec["seed"]))
     assert not differ
+
+
+def test_seeds_are_distinct_within_a_row_and_below_2_31():
+    """For every (sample, retry) of a row, another seed, each a 31-bit one, whatever the base."""
+    for base in (0, 7, 2**31 - 1, -3):
+        for index in (0, 1, 999_999):
+            seeds = [request_seed(base, index, sample, retry)
+                     for sample in (0, 1, 2, 15, MAX_SAMPLES - 1)
+                     for retry in (0, 1, 2, MAX_RETRIES - 1)]
+            assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**31 for s in seeds)
+    # A schema_retries past the distinct range is refused where it is set.
+    with pytest.raises(UsageError, match="schema_retries"):
+        parse_sets([f"schema_retries={MAX_RETRIES}"])
