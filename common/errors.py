@@ -51,6 +51,11 @@ class AnswerInvalid(BadTask):
         return (type(self), (self.index, self.reason, self.answer))
 
 
+class SchemaUnusable(GenqError):
+    """The version's JSON Schema cannot check an answer (a `$ref` that resolves nowhere, in a
+    schema no produce or requeue checked): every answer of the version would fail alike."""
+
+
 class TryAgain(GenqError):
     """No finished result, or a prompt too long for this server's context: not proof of a bad
     prompt, so the task runs again, spending an attempt."""
@@ -102,7 +107,7 @@ REDIS_TROUBLE: tuple[type[Exception], ...] = (
 def classify(exc: BaseException) -> type[BadTask] | type[TryAgain] | type[Retryable] | None:
     """The one verdict on a failed task: BadTask (fail it), TryAgain (retry, spending an attempt;
     also any other OSError), Retryable (retry without spending one) or None (a bug)."""
-    if isinstance(exc, BadTask):
+    if isinstance(exc, (BadTask, SchemaUnusable)):
         return BadTask
     if isinstance(exc, TryAgain):
         return TryAgain

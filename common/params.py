@@ -10,6 +10,7 @@ from typing import Any
 import orjson
 import redis
 
+from genq.common.data.records import MAX_RETRIES
 from genq.common.errors import UsageError
 from genq.common.queue import scripts
 from genq.common.queue.keys import RunKeys
@@ -52,16 +53,26 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "model": str,
     "enable_thinking": _bool,
-    "schema_retries": _checked(int, lambda n: n >= 0, "must be an integer >= 0"),
+    # Below MAX_RETRIES: each retry's seed stays distinct (common/data/records.py request_seed).
+    "schema_retries": _checked(int, lambda n: 0 <= n < MAX_RETRIES,
+                               f"must be an integer 0-{MAX_RETRIES - 1}"),
     # `genq produce --token-ids`: the server answers with its prompt and completion token ids.
     "return_token_ids": _bool,
 }
 # Known parameters genq acts on itself rather than send (`enable_thinking` goes in the template's
 # kwargs; `schema_retries` bounds the answers asked again for a schema, common/schema.py).
 NOT_SENT = ("enable_thinking", "schema_retries")
-# Parameters a consumer checks once, when it starts (whether the server and --stream can give
-# token ids): a run keeps the value it was made with, so `genq requeue` refuses to change them.
-FIXED = ("return_token_ids",)
+# Parameters consumers check once, at start (consumer/cli.py check_token_ids), not per request:
+# a requeue changing one would reach consumers that never checked it.
+AT_START = ("return_token_ids",)
+
+
+def check_changeable(changes: Iterable[str], unset: Iterable[str]) -> None:
+    """Refuse, in one line, a requeue of a parameter consumers read only at start."""
+    for key in (*changes, *unset):
+        if key in AT_START:
+            raise UsageError(f"{key} is read by consumers at start, not per request: it cannot "
+                             "change in a running run (produce a new run; nothing was changed)")
 
 
 MASK = "***"

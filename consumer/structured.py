@@ -5,6 +5,7 @@ first violation, its last answer kept for `export --include-failed`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -14,7 +15,7 @@ import structlog
 
 from genq.common.errors import AnswerInvalid
 from genq.common.queue.keys import RunKeys
-from genq.common.schema import SCHEMA_RETRIES, schema_of, violation
+from genq.common.schema import SCHEMA_RETRIES, checker, schema_of, violation
 from genq.common.sglang.stream import Completion
 
 logger = structlog.get_logger("consumer")
@@ -32,29 +33,35 @@ class Structured:
     def __init__(self, client: aioredis.Redis, keys: RunKeys,
                  retry: Callable[[Callable[[], Awaitable[Any]]], Awaitable[Any]]) -> None:
         self.redis, self.keys, self.retry = client, keys, retry
+        self.checkers: dict[int, Any] = {}  # version -> its schema's validator, built once
 
     async def checked(self, answer: Completion, ask: Callable[[dict], Awaitable[Completion]],
                       body: dict[str, Any], params: dict[str, Any], index: int,
-                      version: int) -> Completion:
-        """`answer` if it matches (or the version has no schema), else the first of up to
-        schema_retries answers asked again that does; AnswerInvalid if none does. Each invalid
-        answer counts in invalid|<version> as it arrives."""
+                      version: int, seed_of: Callable[[int], int]) -> tuple[Completion, int | None]:
+        """(`answer`, None) if it matches (or the version has no schema), else the first of up
+        to schema_retries answers asked again that does, with the seed that made it (retry r
+        asks with seed_of(r)); AnswerInvalid if none does. Each invalid answer counts in
+        invalid|<version> as it arrives."""
         schema = schema_of(params)
         if schema is None:
-            return answer
+            return answer, None
+        if version not in self.checkers:
+            self.checkers[version] = checker(schema)
         retries = int(params.get("schema_retries", SCHEMA_RETRIES))
-        seed, counter = int(body.get("seed") or 0), f"invalid|{version}"
+        seed, counter = None, f"invalid|{version}"
         for retry in range(retries + 1):
             if retry:  # another seed: the same one would sample the same mistake again
-                answer = await ask({**body, "seed": seed + retry})
+                answer = await ask({**body, "seed": (seed := seed_of(retry))})
             if answer.finish_reason in UNCHECKED:
                 if answer.finish_reason == "length":  # cut, so not JSON: status says how many
                     await self.retry(lambda: self.redis.hincrby(self.keys.counters,
                                                                 f"schema_cut|{version}", 1))
-                return answer
-            why = violation(answer.content, schema)
+                return answer, seed
+            # In a thread: a slow pattern (bounded, common/schema.py) must not hold up the
+            # loop that renews leases.
+            why = await asyncio.to_thread(violation, answer.content, self.checkers[version])
             if why is None:
-                return answer
+                return answer, seed
             await self.retry(lambda: self.redis.hincrby(self.keys.counters, counter, 1))
             logger.info("answer_invalid", violation=why, retry=retry, retries=retries)
         kept = {"params_version": version, "finish_reason": answer.finish_reason,

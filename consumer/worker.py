@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 import structlog
 
 from genq.common import turns
-from genq.common.data.records import build_record, failed_record, row_fields, sample_of
+from genq.common.data.records import build_record, failed_record, row_fields, sample_of, task_seed
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import (
@@ -347,8 +347,11 @@ class Consumer:
             ask = functools.partial(self.ask, inflight)
             completion = await self.partials.answer(
                 lease.index, lease.version, body, ask, self.server) or await ask(body)
-            completion = await self.structured.checked(
-                completion, ask, body, params, lease.index, lease.version)
+            completion, seed = await self.structured.checked(
+                completion, ask, body, params, lease.index, lease.version,
+                functools.partial(task_seed, lease.index, self.samples, params))
+            if seed is not None:  # a schema retry made the answer: the record names its seed
+                sample = {**(sample or {}), "seed": seed}
             record = build_record(
                 run=self.settings.run, index=lease.index // self.samples, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server_id,

@@ -23,6 +23,7 @@ from genq.common.cli import (
     stop_on_signals,
 )
 from genq.common.data.dataset import open_dataset
+from genq.common.data.records import MAX_SAMPLES
 from genq.common.errors import REDIS_TROUBLE, RunStateLost, UsageError
 from genq.common.queue import feed, heartbeats
 from genq.common.queue import run as runs
@@ -77,8 +78,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         a.params["response_format"] = schema.response_format(a.schema)
     if a.window < 0:
         p.error("--window must be >= 0")
-    if a.samples < 1:
-        p.error("--samples must be >= 1")
+    if not 1 <= a.samples <= MAX_SAMPLES:  # beyond it, two samples of a row could share a seed
+        p.error(f"--samples must be 1-{MAX_SAMPLES}")
     if a.turns == turns.ALL:  # a UsageError, not p.error: one line, as every refusal
         raise UsageError("--turns all (every assistant turn, in order) is not built yet: "
                          "use --turns last, which makes each row's final assistant turn")

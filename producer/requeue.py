@@ -87,16 +87,13 @@ def _positive(value: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     changes = params.parse_sets(a.set, a.raw)
+    params.check_changeable(changes, a.unset)
     if a.schema:
         changes["response_format"] = schema.response_format(a.schema)
     if a.probe and not changes:
         raise UsageError("--probe needs the parameters to try: give --set KEY=VALUE")
     if not changes and not a.unset and a.redo == "none":
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
-    fixed = sorted(key for key in (*changes, *a.unset) if key in params.FIXED)
-    if fixed:
-        raise UsageError(f"{fixed[0]} is fixed for the run (consumers check it when they start): "
-                         "produce a new --run to change it")
     if a.cont and a.redo != "truncated":
         raise UsageError("--continue continues truncated answers: give --redo truncated")
     if a.from_s3 and not a.cont:

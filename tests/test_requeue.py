@@ -199,9 +199,11 @@ def test_inflight_abort_requeues_without_spending_attempts(tmp_path, redis_url, 
     (["--set", "oops"], "KEY=VALUE"),
     ([], "nothing to change"),
     (["--redo", "sometimes"], "invalid choice"),
-    # Consumers check it once, at start: a run keeps the token ids it was made with.
-    (["--set", "return_token_ids=true"], "return_token_ids is fixed for the run"),
-    (["--unset", "return_token_ids"], "return_token_ids is fixed for the run"),
+    # Consumers check token ids once, at start: a switch mid-run would write records without
+    # them, and `export --format tokens` fails at the first one.
+    (["--set", "return_token_ids=false"], "return_token_ids is read by consumers at start"),
+    (["--set", "return_token_ids=true"], "return_token_ids is read by consumers at start"),
+    (["--unset", "return_token_ids"], "return_token_ids is read by consumers at start"),
 ])
 def test_bad_requeue_changes_nothing(tmp_path, redis_url, r, run_name, args, message):
     genq("produce", str(write_dataset(tmp_path / "d.jsonl", 3)), "--once",

@@ -11,7 +11,7 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 
 from genq.common.data import manifest as manifests
-from genq.common.data.records import sample_seed, task_of
+from genq.common.data.records import request_seed, task_of
 from genq.common.queue import bitmap
 from genq.common.queue.keys import RunKeys
 
@@ -52,7 +52,7 @@ def test_samples_are_distinct_reproducible_and_per_sample(tmp_path, redis_url, r
     # One record per (index, sample), in task order, each with its sample's seed.
     assert [(rec["index"], rec["sample"]) for rec in records] == \
         [(i, s) for i in range(ROWS) for s in range(K)]
-    assert all(rec["seed"] == sample_seed(0, rec["index"], rec["sample"]) for rec in records)
+    assert all(rec["seed"] == request_seed(0, rec["index"], rec["sample"]) for rec in records)
     assert all(rec["id"] == f"p{rec['index']}" for rec in records)
     st = status(redis_url, run_name)
     truncated = [task_of(rec, K) for rec in records if rec["finish_reason"] == "length"]

@@ -17,9 +17,10 @@ from faultkit import record_figures
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 from sglang_servers import start_server
 
-from genq.common.errors import UsageError
+from genq.common.errors import BadTask, SchemaUnusable, UsageError, classify
 from genq.common.params import request_body
-from genq.common.schema import response_format, violation
+from genq.common.queue.keys import RunKeys
+from genq.common.schema import checker, response_format, violation
 
 SCHEMA = {
     "type": "object",
@@ -62,15 +63,29 @@ def export(tmp_path, redis_url, run) -> list[dict]:
 
 
 def test_the_first_violation_is_named_by_its_path():
-    assert violation('{"name": "abc", "grade": "B", "score": 3}', SCHEMA) is None
-    enum = violation('{"name": "abc", "grade": "Z", "score": 3}', SCHEMA)
+    check = checker(SCHEMA)
+    assert violation('{"name": "abc", "grade": "B", "score": 3}', check) is None
+    enum = violation('{"name": "abc", "grade": "Z", "score": 3}', check)
     assert enum is not None and "$.grade" in enum and '["A","B","C"]' in enum
-    missing = violation('{"name": "abc", "grade": "A"}', SCHEMA)
+    missing = violation('{"name": "abc", "grade": "A"}', check)
     assert missing is not None and "'score' is a required property" in missing
-    nested = violation('{"name": "abc", "grade": "A", "score": 1, "tags": ["x", 2]}', SCHEMA)
+    nested = violation('{"name": "abc", "grade": "A", "score": 1, "tags": ["x", 2]}', check)
     assert nested is not None and "$.tags[1]" in nested
-    assert violation('{"name": "ab', SCHEMA).startswith("answer is not JSON")
-    assert violation(None, SCHEMA).startswith("answer is not JSON")
+    assert violation('{"name": "ab', check).startswith("answer is not JSON")
+    assert violation(None, check).startswith("answer is not JSON")
+
+
+def test_a_schema_that_cannot_check_fails_the_prompt_not_the_consumer():
+    """A `--raw response_format` is not checked at produce: its unresolvable $ref must reach the
+    consumer as one verdict (fail the prompt), never as an error no verdict covers."""
+    broken = {"type": "object", "properties": {"g": {"$ref": "#/$defs/nowhere"}}}
+    with pytest.raises(SchemaUnusable, match="nowhere") as caught:
+        checker(broken)
+    assert classify(caught.value) is BadTask
+    lax = jsonschema.validators.validator_for(broken)(broken)  # built without the ref check
+    with pytest.raises(SchemaUnusable) as caught:
+        violation('{"g": 1}', lax)
+    assert classify(caught.value) is BadTask
 
 
 def test_the_schema_goes_to_the_server_as_its_response_format(schema_file, tmp_path):
@@ -91,6 +106,28 @@ def test_produce_refuses_a_file_that_is_no_schema(tmp_path, redis_url, run_name)
     out = genq("produce", str(data), "--once", "--schema", str(tmp_path / "s.json"),
                redis_url=redis_url, run=run_name, check=False)
     assert out.returncode == 2 and "cannot read a JSON document" in out.stderr
+
+
+@pytest.mark.parametrize("ref", ["#/$defs/nowhere", "other.json#/x",
+                                 "https://example.com/remote.json"])
+def test_a_ref_that_resolves_nowhere_is_refused_in_one_line(tmp_path, redis_url, r, run_name,
+                                                            ref):
+    """A consumer cannot resolve it either: accepted, it would fail every prompt that reaches
+    it. Refused at produce and at requeue, with no traceback and no run or version made."""
+    data = write_dataset(tmp_path / "d.jsonl", 2)
+    bad = tmp_path / "ref.json"
+    bad.write_text(json.dumps({"type": "object", "$defs": {"grade": {"enum": ["A"]}},
+                               "properties": {"g": {"$ref": "#/$defs/grade"},
+                                              "h": {"items": {"$ref": ref}}}}))
+    out = genq("produce", str(data), "--once", "--schema", str(bad), redis_url=redis_url,
+               run=run_name, check=False)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and f"$ref {ref!r}" in out.stderr
+    assert not r.exists(RunKeys(run_name).params)
+    genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    out = genq("requeue", "--schema", str(bad), redis_url=redis_url, run=run_name, check=False)
+    assert out.returncode == 2 and f"$ref {ref!r}" in out.stderr and "Traceback" not in out.stderr
+    assert r.get(RunKeys(run_name).params_version) == b"1"
 
 
 def test_the_simulator_answers_with_an_instance_of_the_schema(sim_factory):
