@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ignore return_token_ids, like a gateway or a server that cannot return ids",
     )
     p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="report the prefix cache's hits as usage.prompt_tokens_details.cached_tokens, "
+        "as SGLang's flag of that name",
+    )
+    p.add_argument(
         "--decode-tps",
         type=positive,
         default=87.5,

@@ -153,7 +153,7 @@ def _answer(engine: Engine, context: list[int], max_tokens: int, seed: Any) -> C
     settings = engine.settings
     natural = natural_length(prompt_key(prompt, seed), settings.seed, settings.length_dist)
     done = complete(natural, max_tokens, thinking, resume_at(generated, natural, thinking))
-    return done
+    return dataclasses.replace(done, cached_tokens=engine.prefix.take(context, done.ids()))
 
 
 async def chat(engine: Engine, body: bytes) -> Any:
@@ -173,7 +173,8 @@ async def chat(engine: Engine, body: bytes) -> Any:
     context = _input_ids(data.get("input_ids")) or tokens.render(
         messages, data.get("tools"), thinking, prefix)
     done = _answer(engine, context, max_tokens, data.get("seed"))
-    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
+    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish(), cached_tokens=(
+        done.cached_tokens if engine.settings.enable_cache_report else 0))
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None and data.get("separate_reasoning",
@@ -259,7 +260,7 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
             "finish_reason": finish,
             "prompt_tokens": len(context),
             "completion_tokens": done.tokens,
-            "cached_tokens": 0,
+            "cached_tokens": done.cached_tokens,
             "e2e_latency": time.monotonic() - started,
         },
     }
