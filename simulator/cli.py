@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of answers to a json_schema response_format that do not match it",
     )
     p.add_argument(
+        "--tool-call-rate", type=rate, default=1.0,
+        help="share of answers to a request with tools that call its first tool (the rest "
+        "answer in text); decided by the prompt's ids and the seeds",
+    )
+    p.add_argument(
         "--bad-marker",
         default="__GENQ_BAD__",
         help="a prompt containing this text is rejected with HTTP 400",

@@ -88,6 +88,8 @@ class Settings:
     hang_rate: float = 0.0
     reset_rate: float = 0.0
     invalid_json_rate: float = 0.0
+    # Share of requests with tools whose answer calls the first one (the rest answer in text).
+    tool_call_rate: float = 1.0
     bad_marker: str = "__GENQ_BAD__"
 
     @property
