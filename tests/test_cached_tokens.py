@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl
@@ -13,12 +14,7 @@ from pipeline import ConsumerProcess, read_jsonl
 SYSTEM = {"role": "system", "content": "You are a careful assistant who reads every word. " * 8}
 
 
-def _run(tmp_path, redis_url, run_name, sim, *flags: str) -> list[dict]:
-    data = tmp_path / "shared-prefix.jsonl"
-    rows = [{"id": f"q{i}", "messages": [SYSTEM, {"role": "user", "content": f"Question {i}?"}]}
-            for i in range(2)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    genq("produce", str(data), "--once", "--max-tokens", "64", redis_url=redis_url, run=run_name)
+def _consume(tmp_path, redis_url, run_name, sim, *flags: str) -> list[dict]:
     consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst", *flags)
     try:
         assert consumer.wait(90) == 0, consumer.log()[-3000:]
@@ -27,6 +23,28 @@ def _run(tmp_path, redis_url, run_name, sim, *flags: str) -> list[dict]:
     out = tmp_path / "export.jsonl"
     genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
     return read_jsonl(out)
+
+
+def _run(tmp_path, redis_url, run_name, sim, *flags: str, rows: int = 2) -> list[dict]:
+    data = tmp_path / "shared-prefix.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "messages": [
+        SYSTEM, {"role": "user", "content": f"Question {i}?"}]}) + "\n" for i in range(rows)))
+    genq("produce", str(data), "--once", "--max-tokens", "64", redis_url=redis_url, run=run_name)
+    return _consume(tmp_path, redis_url, run_name, sim, *flags)
+
+
+def _status(redis_url, run_name) -> dict:
+    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+
+
+def _agrees(status: dict, records: list[dict]) -> None:
+    """The run's cache counters are the sums over the standing records."""
+    prompt = sum(rec["prompt_tokens"] for rec in records)
+    cached = sum(rec.get("cached_tokens", 0) for rec in records)
+    assert 0 < cached < prompt
+    assert (status["prompt_tokens_total"], status["cached_prompt_tokens_total"]) == (prompt,
+                                                                                     cached)
+    assert status["cache_hit_share"] == pytest.approx(cached / prompt, abs=1e-4)
 
 
 @pytest.mark.parametrize("mode", ["whole", "stream"])
@@ -46,3 +64,20 @@ def test_a_server_without_cache_report_leaves_the_field_out(
         tmp_path, redis_url, run_name, sim_factory):
     sim = sim_factory(time_scale=400, length_dist="fixed:20")
     assert all("cached_tokens" not in rec for rec in _run(tmp_path, redis_url, run_name, sim))
+
+
+def test_status_shows_the_cache_hit_share_through_a_redo_and_a_recover(
+        tmp_path, redis_url, run_name, sim_factory):
+    sim = sim_factory(time_scale=400, length_dist="lognormal:60:0.8", enable_cache_report=True)
+    records = _run(tmp_path, redis_url, run_name, sim, rows=8)
+    assert any(rec["finish_reason"] == "length" for rec in records)
+    _agrees(_status(redis_url, run_name), records)
+    # A redo takes the replaced results' counts away and the new ones add theirs.
+    genq("requeue", "--set", "max_tokens=500", "--redo", "truncated", redis_url=redis_url,
+         run=run_name)
+    records = _consume(tmp_path, redis_url, run_name, sim)
+    assert all(rec["finish_reason"] == "stop" for rec in records)
+    _agrees(_status(redis_url, run_name), records)
+    # Recover rebuilds the counters from the shards alone.
+    genq("recover", "--shards", str(tmp_path / "out"), redis_url=redis_url, run=run_name)
+    _agrees(_status(redis_url, run_name), records)
