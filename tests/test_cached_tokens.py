@@ -10,6 +10,9 @@ import orjson
 import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl
+from prometheus_client.parser import text_string_to_metric_families
+
+from genq.monitor.metrics import render
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who reads every word. " * 8}
 
@@ -80,4 +83,13 @@ def test_status_shows_the_cache_hit_share_through_a_redo_and_a_recover(
     _agrees(_status(redis_url, run_name), records)
     # Recover rebuilds the counters from the shards alone.
     genq("recover", "--shards", str(tmp_path / "out"), redis_url=redis_url, run=run_name)
-    _agrees(_status(redis_url, run_name), records)
+    status = _status(redis_url, run_name)
+    _agrees(status, records)
+    table = genq("status", redis_url=redis_url, run=run_name).stdout
+    assert f"cached {status['cached_prompt_tokens_total']:,} " in table
+    assert f"({status['cache_hit_share']:.1%} cache hits)" in table
+    # The monitor's /metrics, made from the same status as /api/status and the page.
+    samples = {s.name: s.value for family in text_string_to_metric_families(render(status))
+               for s in family.samples}
+    assert samples["genq_cached_prompt_tokens_total"] == status["cached_prompt_tokens_total"]
+    assert samples["genq_prompt_tokens_total"] == status["prompt_tokens_total"]
