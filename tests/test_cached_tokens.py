@@ -8,10 +8,12 @@ import json
 
 import orjson
 import pytest
-from conftest import genq
+from conftest import ack_call, genq
 from pipeline import ConsumerProcess, read_jsonl
 from prometheus_client.parser import text_string_to_metric_families
+from test_scripts import claim, setup_run
 
+from genq.common.queue import feed, scripts
 from genq.monitor.metrics import render
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant who reads every word. " * 8}
@@ -93,3 +95,18 @@ def test_status_shows_the_cache_hit_share_through_a_redo_and_a_recover(
                for s in family.samples}
     assert samples["genq_cached_prompt_tokens_total"] == status["cached_prompt_tokens_total"]
     assert samples["genq_prompt_tokens_total"] == status["prompt_tokens_total"]
+
+
+def test_a_redo_takes_the_cached_tokens_away_and_a_failed_one_puts_them_back(r, run_name):
+    k, runner = setup_run(r, run_name, 1)
+    ((jid, idx, ex, att),) = claim(runner, k)
+    runner(ack_call(k, jid, idx, ex, completion_tokens=50, prompt_tokens=90, cached=64,
+                    finish_reason="length", version=1, attempt=att, server="s"))
+    assert r.hget(k.counters, "cached_sum") == b"64"
+    assert runner(scripts.redo_call(k, "truncated", 0, 1, 2)) == [1, 1]
+    assert r.hget(k.counters, "cached_sum") == b"0"
+    feed.enqueue(r, k, [idx], runner)
+    ((jid, idx, ex, att),) = claim(runner, k)
+    # The new attempt fails for good: the result set aside stands again, with its counts.
+    assert runner(scripts.fail_call(k, jid, idx, ex, reason="gave up", worker="w1")) == 2
+    assert r.hget(k.counters, "cached_sum") == b"64"
