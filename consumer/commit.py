@@ -36,7 +36,8 @@ class Finished:
                       completion_tokens=c.completion_tokens, prompt_tokens=c.prompt_tokens,
                       finish_reason=c.finish_reason, version=lease.version, attempt=lease.attempt,
                       created_at=self.record["created_at"],
-                      continued=(c.continued_from or {}).get("tokens", 0))
+                      continued=(c.continued_from or {}).get("tokens", 0),
+                      cached=c.cached_tokens or 0)
 
     def named(self) -> dict[str, Any]:
         """The task as its record names it to a user: row ``index`` (and ``sample``)."""

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="ignore return_token_ids, like a gateway or a server that cannot return ids",
     )
     p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="report the prefix cache's hits as usage.prompt_tokens_details.cached_tokens, "
+        "as SGLang's flag of that name",
+    )
+    p.add_argument(
         "--decode-tps",
         type=positive,
         default=87.5,
@@ -144,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--invalid-json-rate", type=rate, default=0.0,
         help="share of answers to a json_schema response_format that do not match it",
+    )
+    p.add_argument(
+        "--tool-call-rate", type=rate, default=1.0,
+        help="share of answers to a request with tools that call its first tool (the rest "
+        "answer in text); decided by the prompt's ids and the seeds",
     )
     p.add_argument(
         "--bad-marker",

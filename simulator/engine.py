@@ -14,6 +14,7 @@ import structlog
 from genq.simulator.httpserver import ResetConnection
 from genq.simulator.kv import Slots
 from genq.simulator.model import Completion
+from genq.simulator.prefix import PrefixCache
 from genq.simulator.settings import Settings
 
 log = structlog.get_logger()
@@ -142,6 +143,7 @@ class Engine:
         self.settings = settings
         self.slots = Slots(settings.running_limit, settings.max_total_tokens)
         self.stats = Stats()
+        self.prefix = PrefixCache(settings.max_total_tokens)
         self.faults = self.initial_faults()
         self._active: dict[int, _Running] = {}
         self._ids = itertools.count()

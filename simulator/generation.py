@@ -20,6 +20,7 @@ from genq.simulator.model import (
     prompt_key,
     resume_at,
     texts,
+    unit_draw,
     usage,
 )
 from genq.simulator.streaming import stream_chat
@@ -116,15 +117,21 @@ def _check_marker(engine: Engine, text: str) -> None:
                        engine.faults.retry_after)
 
 
-def _tool_call(data: dict[str, Any], text: str) -> dict[str, Any] | None:
-    """SGLang with --tool-call-parser: an answer to a request with tools calls the first one
-    (the simulator's model always does, unless tool_choice is "none")."""
+def _tool_call(engine: Engine, data: dict[str, Any], text: str, context: list[int]
+               ) -> dict[str, Any] | None:
+    """SGLang with --tool-call-parser: an answer to a request with tools calls the first one,
+    with probability --tool-call-rate (unless tool_choice is "none"), drawn from the prompt's
+    ids and the request's seed apart from the length's draw, so the same request decides the
+    same way every time."""
     tools = data.get("tools")
     if not isinstance(tools, list) or not tools or data.get("tool_choice") == "none":
         return None
     function = tools[0].get("function") if isinstance(tools[0], dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError(400, "each tool must be {type: function, function: {name, ...}}", PYDANTIC)
+    key = prompt_key(tokens.split_prompt(context)[0], data.get("seed")) + "|tool"
+    if unit_draw(key, engine.settings.seed) >= engine.settings.tool_call_rate:
+        return None
     arguments = orjson.dumps({"words": len(text.split())}).decode()
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "index": 0, "type": "function",
             "function": {"name": function["name"], "arguments": arguments}}
@@ -153,7 +160,7 @@ def _answer(engine: Engine, context: list[int], max_tokens: int, seed: Any) -> C
     settings = engine.settings
     natural = natural_length(prompt_key(prompt, seed), settings.seed, settings.length_dist)
     done = complete(natural, max_tokens, thinking, resume_at(generated, natural, thinking))
-    return done
+    return dataclasses.replace(done, cached_tokens=engine.prefix.take(context, done.ids()))
 
 
 async def chat(engine: Engine, body: bytes) -> Any:
@@ -173,12 +180,13 @@ async def chat(engine: Engine, body: bytes) -> Any:
     context = _input_ids(data.get("input_ids")) or tokens.render(
         messages, data.get("tools"), thinking, prefix)
     done = _answer(engine, context, max_tokens, data.get("seed"))
-    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish())
+    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish(), cached_tokens=(
+        done.cached_tokens if engine.settings.enable_cache_report else 0))
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None and data.get("separate_reasoning",
                                                                            True) is not False
-    call = _tool_call(data, text) if done.finish_reason == "stop" else None
+    call = _tool_call(engine, data, text, context) if done.finish_reason == "stop" else None
     if data.get("stream"):  # 0.5.23 streams no ids, return_token_ids or not
         options = data.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
@@ -259,7 +267,7 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
             "finish_reason": finish,
             "prompt_tokens": len(context),
             "completion_tokens": done.tokens,
-            "cached_tokens": 0,
+            "cached_tokens": done.cached_tokens,
             "e2e_latency": time.monotonic() - started,
         },
     }

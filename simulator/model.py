@@ -51,6 +51,8 @@ class Completion:
     start: int = 0
     # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
     forced_finish: str = ""
+    # Prompt tokens the server's prefix cache held (what it reports as cached_tokens).
+    cached_tokens: int = 0
 
     @property
     def close(self) -> int:
@@ -155,13 +157,15 @@ def parsed(raw: str, forced: bool, previous: str = "") -> tuple[str | None, str]
 
 def usage(done: Completion, prompt_tokens: int) -> dict:
     """The `usage` object of a chat answer, keys as SGLang 0.5.23 sends them:
-    `completion_tokens_details` is null without reasoning tokens."""
+    `completion_tokens_details` is null without reasoning tokens, `prompt_tokens_details`
+    without cached tokens (SGLang counts them only with --enable-cache-report)."""
     reasoning = done.reasoning_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + done.tokens,
         "completion_tokens": done.tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": ({"cached_tokens": done.cached_tokens}
+                                  if done.cached_tokens else None),
         "reasoning_tokens": reasoning,
         "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }

@@ -75,6 +75,8 @@ class Settings:
     no_token_ids: bool = False
     # Tokens per streamed chunk (SGLang's --stream-interval): 1, one chunk per decode step.
     stream_interval: int = 1
+    # Report the prefix cache's hits in chat usage (SGLang's --enable-cache-report).
+    enable_cache_report: bool = False
     decode_tps: float = 87.5
     ttft: float = 0.5
     time_scale: float = 1.0
@@ -86,6 +88,8 @@ class Settings:
     hang_rate: float = 0.0
     reset_rate: float = 0.0
     invalid_json_rate: float = 0.0
+    # Share of requests with tools whose answer calls the first one (the rest answer in text).
+    tool_call_rate: float = 1.0
     bad_marker: str = "__GENQ_BAD__"
 
     @property

@@ -74,6 +74,34 @@ def _content(message: dict[str, Any]) -> str:
     return content if isinstance(content, str) else ""
 
 
+def _last_query(messages: list[dict[str, Any]]) -> int:
+    """Where Qwen3's template says the last user query is: the last user message that is not a
+    tool's answer in a <tool_response> wrapper (none: the last message)."""
+    for at in range(len(messages) - 1, -1, -1):
+        text = messages[at].get("content")
+        if messages[at].get("role") == "user" and isinstance(text, str) and not (
+                text.startswith("<tool_response>") and text.endswith("</tool_response>")):
+            return at
+    return len(messages) - 1
+
+
+def _assistant(message: dict[str, Any], keep_thinking: bool) -> str:
+    """An assistant turn of the history as Qwen3's template renders it: its reasoning (sent as
+    reasoning_content, or inside <think> in content) kept only after the last user query,
+    inside the tool chain the model is still working through, and dropped before it."""
+    content, reasoning = _content(message), message.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if "</think>" in content:
+            parts = content.split("</think>")
+            reasoning = parts[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = parts[-1].lstrip("\n")
+    if keep_thinking and reasoning:
+        thought, answer = reasoning.strip("\n"), content.lstrip("\n")
+        return f"<think>\n{thought}\n</think>\n\n{answer}"
+    return content
+
+
 def _tools_block(tools: list[Any]) -> str:
     """Qwen3's system-prompt tools section: a row with tools has other prompt ids."""
     lines = "\n".join(orjson.dumps(t, option=orjson.OPT_SORT_KEYS).decode() for t in tools)
@@ -86,7 +114,9 @@ def render(messages: list[dict[str, Any]], tools: Any, thinking: bool,
     """The prompt ids of a chat request: each message as `<|im_start|>role\\ncontent<|im_end|>`,
     the tools block in the system message, then the generation prompt (with the empty thinking
     block when thinking is off) and, when continuing, the answer's start."""
-    turns = [(m.get("role", ""), _content(m)) for m in messages]
+    last_query = _last_query(messages)
+    turns = [(m.get("role", ""), _assistant(m, keep_thinking=at > last_query)
+              if m.get("role") == "assistant" else _content(m)) for at, m in enumerate(messages)]
     if isinstance(tools, list) and tools:
         if turns and turns[0][0] == "system":
             turns[0] = ("system", turns[0][1] + "\n\n" + _tools_block(tools))

@@ -69,6 +69,7 @@ def reference_counters(standing: dict[int, tuple]) -> tuple[dict[str, int], Coun
     counters = {f"finish:{name}": n for name, n in names.items()}
     counters["ctok_sum"] = sum(r[3] for r in standing.values())
     counters["ptok_sum"] = sum(r[4] for r in standing.values())
+    counters["cached_sum"] = sum(r[5] for r in standing.values())
     return counters, Counter(r[3] for r in standing.values())
 
 
@@ -88,6 +89,7 @@ line_st = st.one_of(
         "attempt": st.integers(0, 5),
         "finish_reason": st.sampled_from(["stop", "length", "abort", None, "weird"]),
         "completion_tokens": st.integers(0, 70_000), "prompt_tokens": st.integers(0, 9),
+        "cached_tokens": st.integers(0, 9),
         "created_at": st.sampled_from([10.0, 50.0, 60.0, 90.0]),
     }).map(lambda d: orjson.dumps(d) + b"\n"),
     st.sampled_from([b"torn", b"garbage\n", b"\n", b'{"index": 1}\n', b"[1]\n"]),
@@ -137,6 +139,6 @@ def test_results_read_as_mappings():
     rec = recovery.rebuild(
         {"total": 5, "history": [{"version": 1, "redo": "none", "inflight": "finish"}]},
         [[orjson.dumps({"index": 3, "params_version": 1, "attempt": 2}) + b"\n"]])
-    assert list(rec.standing) == [3] and rec.standing[3] == (1, 2, 4, 0, 0)
+    assert list(rec.standing) == [3] and rec.standing[3] == (1, 2, 4, 0, 0, 0)
     assert 3 in rec.standing and 2 not in rec.standing and "3" not in rec.standing
     assert rec.standing.get(7) is None and not rec.kept and rec.claims == {3: 2}

@@ -120,6 +120,8 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
                   reasoning_content=completion.reasoning_content, content=completion.content,
                   server=server, model=model, latency_s=round(latency_s, 3),
                   created_at=round(time.time() + clock_offset, 3))
+    if getattr(completion, "cached_tokens", None) is not None:  # the server reported its cache
+        record["cached_tokens"] = completion.cached_tokens
     if getattr(completion, "max_tokens", None):  # lowered to fit the model's context
         record["max_tokens_used"] = completion.max_tokens
     if getattr(completion, "completion_token_ids", None) is not None:  # a --token-ids run

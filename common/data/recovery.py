@@ -26,8 +26,8 @@ from genq.common.queue import bitmap
 from genq.common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 from genq.common.queue.run import preallocate
 
-# (params_version, attempt, finish code, completion_tokens, prompt_tokens)
-Result = tuple[int, int, int, int, int]
+# (params_version, attempt, finish code, completion_tokens, prompt_tokens, cached prompt tokens)
+Result = tuple[int, int, int, int, int, int]
 LENGTH = finish_code("length")
 _NONE, _STANDING, _KEPT = 0, 1, 2
 V = TypeVar("V")
@@ -66,7 +66,7 @@ class Recovered:
 
     def __init__(self, total: int = 0) -> None:
         self.state = bytearray(total)  # _NONE, _STANDING or _KEPT
-        self.columns = [array("q", bytes(8 * total)) for _ in range(5)]  # one per Result field
+        self.columns = [array("q", bytes(8 * total)) for _ in range(6)]  # one per Result field
         self.seen = bytearray(total)  # 1 where an index was claimed
         self.attempt = array("q", bytes(8 * total))  # the highest attempt seen
         self.gen = array("q", bytes(8 * total))  # the generation of the result kept
@@ -118,7 +118,7 @@ def _light(line: bytes, samples: int = 1) -> tuple[int, Result, float, int, int]
     try:
         result = (int(rec["params_version"]), int(rec["attempt"]),
                   finish_code(rec.get("finish_reason")), int(rec.get("completion_tokens") or 0),
-                  int(rec.get("prompt_tokens") or 0))
+                  int(rec.get("prompt_tokens") or 0), int(rec.get("cached_tokens") or 0))
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
         where = {"index": int(rec["index"]), "sample": int(rec.get("sample") or 0)}
@@ -172,7 +172,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
     return out
 
 
-FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks")
+FIELDS = ("acc_version", "acc_attempt", "acc_finish", "acc_tokens", "acc_ptoks", "acc_cached")
 # Byte widths of the per-index BITFIELDs, from the one table the Lua scripts' layout follows.
 WIDTHS = {name: PER_INDEX_BITS[name] // 8 for name in (*FIELDS, "claims", "acc_cont")}
 
@@ -205,11 +205,12 @@ def pending_continuations(manifest: dict[str, Any],
 
 def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
     """The run's counters and completion-length histogram over the standing results."""
-    finish, ctoks, ptoks = rec.columns[2:]
+    finish, ctoks, ptoks, cached = rec.columns[2:]
     names = Counter(FINISH_NAMES.get(finish[i], "other") for i in rec.standing)
     counters = {f"finish:{name}": n for name, n in names.items()}
     counters["ctok_sum"] = sum(ctoks[i] for i in rec.standing)
     counters["ptok_sum"] = sum(ptoks[i] for i in rec.standing)
+    counters["cached_sum"] = sum(cached[i] for i in rec.standing)
     for i in rec.standing:  # answers `requeue --continue` continued, as ack.lua counts them
         if rec.cont[i]:
             version = rec.columns[0][i]
@@ -227,9 +228,9 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
     # Every key of the run's state (not heartbeats or rate buckets).
     pipe.delete(k.done, k.failed, k.pending, k.truncated, k.kept, k.leases, k.lease_owner,
                 k.claims, k.spent, k.tries, k.acc_attempt, k.acc_version, k.acc_tokens, k.acc_ptoks,
-                k.acc_cont, k.acc_finish, k.counters, k.length_hist, k.errors, k.fail_kind,
-                k.fail_kinds, k.params, k.params_version, k.params_floor, k.params_history,
-                k.redo_marks, k.rq_queue, k.rq_wip)
+                k.acc_cont, k.acc_cached, k.acc_finish, k.counters, k.length_hist, k.errors,
+                k.fail_kind, k.fail_kinds, k.params, k.params_version, k.params_floor,
+                k.params_history, k.redo_marks, k.rq_queue, k.rq_wip)
     pipe.set(k.done, bitmap.encode(rec.standing, total))
     pipe.set(k.truncated, bitmap.encode((i for i in rec.standing if finish[i] == LENGTH), total))
     if rec.kept:

@@ -20,7 +20,8 @@ FINISH_CODES = {name: code for code, name in FINISH_NAMES.items()}
 # Redis grows a string by doubling it, which would keep up to twice the bytes needed.
 PER_INDEX_BITS = {"done": 1, "failed": 1, "pending": 1, "truncated": 1, "claims": 16,
                   "spent": 8, "tries": 8, "acc_attempt": 16, "acc_version": 16, "acc_tokens": 32,
-                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8, "acc_cont": 32}
+                  "acc_ptoks": 32, "acc_finish": 8, "fail_kind": 8, "acc_cont": 32,
+                  "acc_cached": 32}
 
 
 def finish_code(reason: str | None) -> int:
@@ -109,10 +110,13 @@ class RunKeys:
     acc_version = _Own("BITFIELD u16 per index: the parameter version of the accepted result.")
     acc_tokens = _Own("BITFIELD u32 per index: completion_tokens of the accepted result.")
     acc_ptoks = _Own("BITFIELD u32 per index: prompt_tokens of the accepted result.")
+    acc_cached = _Own("BITFIELD u32 per index: prompt tokens the server reported cached for the "
+                      "accepted result (0: none or not reported).")
     acc_finish = _Own("BITFIELD u8 per index: FINISH_CODES code of the accepted result.")
     acc_cont = _Own("BITFIELD u32 per index: tokens of the partial answer the accepted result "
                     "continued (`requeue --continue`), so a redo undoes its counters too.")
-    counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum; per "
+    counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum, "
+                    "cached_sum (prompt tokens the servers found cached); per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
                     "invalid|<v>, schema_failed|<v>, schema_cut|<v> (answers not matching the "
                     "schema, prompts failed on it, answers cut at max_tokens).")

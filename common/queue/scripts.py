@@ -110,6 +110,7 @@ class Result:
     attempt: int
     created_at: float | None = None  # by Redis's clock (None: now), as abort switches are
     continued: int = 0  # tokens of the partial answer it continued (not decoded again)
+    cached: int = 0  # prompt tokens the server reported cached (0: none or not reported)
 
 
 def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
@@ -117,12 +118,13 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont]
+            k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont, k.acc_cached]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
         rows.append([r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
-                     FINISH_NAMES[code], code, r.version, r.attempt, r.created_at, r.continued])
+                     FINISH_NAMES[code], code, r.version, r.attempt, r.created_at, r.continued,
+                     r.cached])
     # One JSON argument: redis-py packs one bytes object instead of nine values per result.
     args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
                        RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows), life]
@@ -143,7 +145,7 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
     keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
             k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
-            k.acc_finish, k.fail_kind, k.fail_kinds, k.acc_version, k.acc_cont]
+            k.acc_finish, k.fail_kind, k.fail_kinds, k.acc_version, k.acc_cont, k.acc_cached]
     args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
             iso_now(), *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
     return Call("fail", keys, args)
@@ -189,7 +191,7 @@ def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
     slice per call, so the atomic script never holds up the consumers' acks for long."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
-            k.pending, k.kept, k.tries, k.acc_cont]
+            k.pending, k.kept, k.tries, k.acc_cont, k.acc_cached]
     return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
 
 

@@ -245,6 +245,11 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         "kept": counters.get("kept", 0),
         "output_tokens_total": counters.get("ctok_sum", 0),
         "prompt_tokens_total": counters.get("ptok_sum", 0),
+        "cached_prompt_tokens_total": counters.get("cached_sum", 0),
+        # Of the prompt tokens, those the servers found in their prefix cache (reported only
+        # by servers launched with --enable-cache-report).
+        "cache_hit_share": round(counters.get("cached_sum", 0) / counters["ptok_sum"], 4)
+        if counters.get("ptok_sum") else None,
         # Per parameter version: answers `requeue --continue` continued, and their partials'
         # tokens, which regenerating them would have decoded again.
         "continued": {v.partition("|")[2]: {"continued": c, "decode_tokens_saved": counters.get(

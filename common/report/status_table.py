@@ -106,6 +106,10 @@ def render_table(status: dict) -> Any:
     if o["max"] is not None:
         lines.append(Text(f"output tokens mean {o['mean']:,.0f}  p50 {o['p50']:,}  "
                           f"p90 {o['p90']:,}  p99 {o['p99']:,}  max {o['max']:,}"))
+    if status.get("cached_prompt_tokens_total"):  # servers that report their prefix cache
+        lines.append(Text(f"prompt tokens {status['prompt_tokens_total']:,}, cached "
+                          f"{status['cached_prompt_tokens_total']:,} "
+                          f"({status['cache_hit_share']:.1%} cache hits)"))
     for row in status.get("failure_reasons", []):
         lines.append(Text(f"failed {row['count']:,} x {row['reason']} "
                           f"(e.g. index {row['example_index']}"

@@ -43,6 +43,8 @@ class Completion:
     # The stop token id or string the answer ended on (SGLang's `matched_stop`): the server
     # leaves it out of the text, and a text made again from the ids must too.
     matched_stop: int | str | None = None
+    # Prompt tokens the server found in its prefix cache; None where it does not say.
+    cached_tokens: int | None = None
 
 
 class ContextExceeded(TryAgain):
@@ -164,7 +166,8 @@ def finished(url: str, finish: str | None, content: str, reasoning: str | None,
     return Completion(
         finish_reason=finish, content=content, reasoning_content=reasoning,
         prompt_tokens=token_count(usage, "prompt_tokens", url),
-        completion_tokens=token_count(usage, "completion_tokens", url), tool_calls=tool_calls)
+        completion_tokens=token_count(usage, "completion_tokens", url), tool_calls=tool_calls,
+        cached_tokens=cached_count(usage, url))
 
 
 def token_count(usage: Any, key: str, url: str) -> int:
@@ -173,6 +176,15 @@ def token_count(usage: Any, key: str, url: str) -> int:
     if type(count) is not int or not 0 <= count <= MAX_TOKEN_COUNT:
         raise ServerUnavailable(f"{url}: implausible usage {key}={count!r}")
     return count
+
+
+def cached_count(usage: Any, url: str) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`, or None where the answer has none: SGLang
+    sends it only with --enable-cache-report, and then null for a prompt with no hit."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return token_count(details, "cached_tokens", url)
 
 
 def split_thinking(text: str) -> tuple[str | None, str]:

@@ -8,13 +8,14 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries, 25 acc_cont
+--       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries, 25 acc_cont,
+--       26 acc_cached
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
 --       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
 --       params version, attempt, created_at (Redis's clock), tokens of the partial answer it
---       continued] (one argument: the client encodes
+--       continued, cached prompt tokens] (one argument: the client encodes
 --       it with one call),
 --       12 the run's life the caller knows, "epoch|generation" ('': not checked)
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
@@ -26,7 +27,7 @@ local items, jids, out = {}, {}, {}
 for n, r in ipairs(cjson.decode(ARGV[11])) do
   items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
     fname = r[6], fcode = r[7], ver = r[8], attempt = r[9], at = r[10],
-    cont = tonumber(r[11]) or 0}
+    cont = tonumber(r[11]) or 0, cached = tonumber(r[12]) or 0}
   jids[n], out[n] = r[1], 0
 end
 local function push(list, ...)
@@ -118,6 +119,7 @@ if #accept > 0 then
       add(counters, 'finish:' .. it.fname, 1)
       add(counters, 'ctok_sum', it.ctoks)
       add(counters, 'ptok_sum', it.ptoks)
+      add(counters, 'cached_sum', it.cached)
       add(hist, it.ctoks, 1)
       add(bucket, 'req', 1)
       -- The rate is what the servers decode now: not a continued answer's partial.
@@ -141,12 +143,13 @@ if #accept > 0 then
   end
 end
 if #keep > 0 then
-  local tokens, ptoks, finish, version, attempt, cont = {}, {}, {}, {}, {}, {}
+  local tokens, ptoks, finish, version, attempt, cont, cached = {}, {}, {}, {}, {}, {}, {}
   for _, it in ipairs(keep) do
     local at = '#' .. it.idx
     push(tokens, 'SET', 'u32', at, it.ctoks)
     push(cont, 'SET', 'u32', at, it.cont)
     push(ptoks, 'SET', 'u32', at, it.ptoks)
+    push(cached, 'SET', 'u32', at, it.cached)
     push(finish, 'SET', 'u8', at, it.fcode)
     push(version, 'SET', 'u16', at, it.ver)
     push(attempt, 'SET', 'u16', at, it.attempt)
@@ -157,6 +160,7 @@ if #keep > 0 then
   redis.call('BITFIELD', KEYS[11], unpack(version))
   redis.call('BITFIELD', KEYS[12], unpack(attempt))
   redis.call('BITFIELD', KEYS[25], unpack(cont))
+  redis.call('BITFIELD', KEYS[26], unpack(cached))
 end
 if #kept > 0 then redis.call('BITFIELD', KEYS[19], unpack(kept)) end
 if #spent > 2 then

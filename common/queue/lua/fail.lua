@@ -4,7 +4,8 @@
 -- rq-dashboard can show, both kept for the failure ttl as RQ keeps them.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry,
 --       8 kept, 9 done, 10 truncated, 11 counters, 12 length_hist, 13 acc_tokens,
---       14 acc_ptoks, 15 acc_finish, 16 fail_kind, 17 fail_kinds, 18 acc_version, 19 acc_cont
+--       14 acc_ptoks, 15 acc_finish, 16 fail_kind, 17 fail_kinds, 18 acc_version, 19 acc_cont,
+--       20 acc_cached
 -- ARGV: 1 job id, 2 index, 3 exec id, 4 reason (per-prompt parts blanked), 5 rq exc_string (b64 zlib), 6 worker name,
 --       7 failure ttl, 8 now iso, 9 job key prefix, 10 execution key prefix,
 --       11 executions key prefix, 12 results key prefix, 13.. finish names by code
@@ -28,6 +29,8 @@ if redis.call('GETBIT', KEYS[8], idx) == 1 then
   redis.call('HINCRBY', KEYS[11], 'finish:' .. (ARGV[12 + code] or 'other'), 1)
   redis.call('HINCRBY', KEYS[11], 'ctok_sum', ctoks)
   redis.call('HINCRBY', KEYS[11], 'ptok_sum', ptoks)
+  redis.call('HINCRBY', KEYS[11], 'cached_sum',
+             redis.call('BITFIELD', KEYS[20], 'GET', 'u32', at)[1])
   redis.call('HINCRBY', KEYS[11], 'kept', 1)
   redis.call('HINCRBY', KEYS[12], ctoks, 1)
   local cont = redis.call('BITFIELD', KEYS[19], 'GET', 'u32', at)[1]

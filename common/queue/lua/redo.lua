@@ -3,7 +3,7 @@
 -- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
 -- KEYS: 1 done, 2 truncated, 3 failed, 4 counters, 5 length_hist, 6 acc_tokens, 7 acc_ptoks,
 --       8 acc_finish, 9 acc_version, 10 spent, 11 errors, 12 rq failed registry, 13 pending,
---       14 kept, 15 tries, 16 acc_cont
+--       14 kept, 15 tries, 16 acc_cont, 17 acc_cached
 -- ARGV: 1 what (truncated|done|failed), 2 start, 3 stop (exclusive), 4 redo results whose
 --       version is below this, 5 run name, 6 limit, 7.. finish names by code (keys.FINISH_NAMES)
 -- Returns {indices made runnable, position to continue from (stop when finished)}
@@ -27,6 +27,8 @@ local function undo_result(idx)
   -- 0 - n, not -n: Lua's -0 reaches Redis as "-0", which HINCRBY rejects mid-script.
   redis.call('HINCRBY', KEYS[4], 'ctok_sum', 0 - ctoks)
   redis.call('HINCRBY', KEYS[4], 'ptok_sum', 0 - ptoks)
+  redis.call('HINCRBY', KEYS[4], 'cached_sum',
+             0 - redis.call('BITFIELD', KEYS[17], 'GET', 'u32', at)[1])
   if redis.call('HINCRBY', KEYS[5], ctoks, -1) <= 0 then redis.call('HDEL', KEYS[5], ctoks) end
   redis.call('SETBIT', KEYS[1], idx, 0)
   redis.call('SETBIT', KEYS[2], idx, 0)

@@ -1,0 +1,51 @@
+"""The simulator renders a conversation's history as Qwen3's chat template does: an assistant
+turn's reasoning stays in the prompt after the last user query (inside the tool chain being
+worked through) and is dropped before it."""
+
+from __future__ import annotations
+
+import httpx
+from test_simulator import FAST
+
+from genq.simulator.tokens import encode
+
+pytest_plugins = ["sim_fixtures"]
+
+CALL = [{"id": "call_1", "type": "function",
+         "function": {"name": "read_file", "arguments": "{\"path\": \"a.py\"}"}}]
+CONVERSATION = [
+    {"role": "user", "content": "First question."},
+    {"role": "assistant", "reasoning_content": "oldthought", "content": "First answer."},
+    {"role": "user", "content": "Now read a.py."},
+    {"role": "assistant", "reasoning_content": "chainthought", "content": "Reading.",
+     "tool_calls": CALL},
+    {"role": "tool", "tool_call_id": "call_1", "content": "print(1)"},
+    {"role": "user", "content": "<tool_response>\nprint(2)\n</tool_response>"},
+    {"role": "assistant", "content": "<think>\ninlinethought\n</think>\n\nLooked."},
+    {"role": "tool", "tool_call_id": "call_1", "content": "print(3)"},
+]
+
+
+def _holds(ids: list[int], part: list[int]) -> bool:
+    return any(ids[at:at + len(part)] == part for at in range(len(ids) - len(part) + 1))
+
+
+def _prompt_ids(url: str, messages: list[dict]) -> list[int]:
+    body = {"model": "m", "messages": messages, "max_tokens": 4, "return_token_ids": True}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=10)
+    return r.json()["choices"][0]["prompt_token_ids"]
+
+
+def test_reasoning_is_kept_after_the_last_user_query_and_dropped_before(sim_factory):
+    sim = sim_factory(**FAST)
+    ids = _prompt_ids(sim.url, CONVERSATION)
+    # Before the last query: the answer only, its reasoning gone.
+    assert _holds(ids, encode("assistant\nFirst answer.")) and not _holds(ids, encode("oldthought"))
+    # After it (a user message that is only a tool response does not count as a query): both
+    # reasoning_content and thinking written inside content are rendered in <think>.
+    assert _holds(ids, encode("assistant\n<think>\nchainthought\n</think>\n\nReading."))
+    assert _holds(ids, encode("assistant\n<think>\ninlinethought\n</think>\n\nLooked."))
+    # A new user query moves the line: the chain's reasoning now lies before it.
+    later = _prompt_ids(sim.url, [*CONVERSATION, {"role": "user", "content": "Thanks."}])
+    assert not _holds(later, encode("chainthought")) and not _holds(later, encode("inlinethought"))
+    assert _holds(later, encode("assistant\nLooked."))
