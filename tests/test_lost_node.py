@@ -1,0 +1,64 @@
+"""A node lost before its shards reached S3: `genq requeue --redo missing --from-s3` puts back
+exactly the done tasks S3 holds no accepted result for, and a late ship of one of them never
+gives the export two lines."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import orjson
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl
+from test_s3 import BUCKET, URI, s3, start_run  # noqa: F401  (s3: the moto fixture)
+
+from genq.common.store import s3 as store
+
+
+def run_consumer(redis_url, run, sim, out, name):
+    c = ConsumerProcess(redis_url, run, sim.url, out, "--s3-uri", URI, "--name", name,
+                        "--burst", "--shard-records", "10")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+
+
+@pytest.mark.timeout(180)
+def test_redo_missing_puts_back_what_s3_lacks_and_export_holds_each_once(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
+    client, _ = s3
+    n = 60
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    run_consumer(redis_url, run_name, sim, tmp_path / "a", "node-a")
+    # The node is lost with two shards S3 never got: their objects go, and the disk with them.
+    keys = store.shard_keys(client, store.parse_uri(URI), run_name)
+    lost = {key: client.get_object(Bucket=BUCKET, Key=key)["Body"].read() for key in keys[1:3]}
+    ids = {key.rsplit("/shard-", 1)[1].split(".")[0] for key in lost}
+    lost_indices = {orjson.loads(line)["index"]
+                    for _, sid, stream in store.iter_shards(client, store.parse_uri(URI), run_name)
+                    if sid in ids for line in stream}
+    for key in lost:
+        client.delete_object(Bucket=BUCKET, Key=key)
+    shutil.rmtree(tmp_path / "a")
+    assert len(lost_indices) == 20
+    out = tmp_path / "export.jsonl"
+    warned = genq("export", "--from-s3", URI, "--out", str(out), redis_url=redis_url,
+                  run=run_name, check=False)
+    assert warned.returncode == 1
+
+    put_back = genq("requeue", "--redo", "missing", "--from-s3", URI, redis_url=redis_url,
+                    run=run_name)
+    assert "queued again: 20 finished results (missing)" in put_back.stdout, put_back.stdout
+    st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert st["done"] == n - 20
+    # Another node runs them; then the lost node's shards arrive after all (it came back).
+    run_consumer(redis_url, run_name, sim, tmp_path / "b", "node-b")
+    for key, body in lost.items():
+        client.put_object(Bucket=BUCKET, Key=key, Body=body)
+    genq("export", "--from-s3", URI, "--out", str(out), redis_url=redis_url, run=run_name)
+    records = read_jsonl(out)
+    assert Counter(rec["index"] for rec in records) == Counter(range(n))
+    assert {rec["index"] for rec in records if rec["params_version"] == 2} == lost_indices
