@@ -136,6 +136,8 @@ class RunKeys:
                     "most one per truncated index, for one parameter version; its accepted ack, "
                     "a later requeue or a permanent failure deletes it).")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
+    redo_missing = _Own("Bitmap, while `requeue --redo missing` runs: the done indices whose "
+                        "accepted result S3 does not hold, undone by redo.lua.")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "
                 "pending_bytes|<consumer>, error|<consumer>, error_at|<consumer> while a "
