@@ -10,9 +10,10 @@ from collections import Counter
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl
-from test_s3 import BUCKET, URI, s3, start_run  # noqa: F401  (s3: the moto fixture)
+from pipeline import ConsumerProcess, read_jsonl, wait_for
+from test_s3 import BUCKET, URI, bucket_records, s3, start_run  # noqa: F401  (s3: the moto fixture)
 
+from genq.common.queue.keys import RunKeys
 from genq.common.store import s3 as store
 
 
@@ -62,3 +63,46 @@ def test_redo_missing_puts_back_what_s3_lacks_and_export_holds_each_once(
     records = read_jsonl(out)
     assert Counter(rec["index"] for rec in records) == Counter(range(n))
     assert {rec["index"] for rec in records if rec["params_version"] == 2} == lost_indices
+
+
+@pytest.mark.timeout(180)
+def test_a_node_killed_mid_run_loses_nothing_after_redo_missing(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
+    """The issue's case: two consumers, each its own --out shipping to S3; one killed -9
+    mid-run and its disk gone; redo missing and one more consumer make the export whole."""
+    n = 160
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=40, max_running_requests=4)
+    flags = ("--s3-uri", URI, "--visibility-timeout", "3")
+    # The lost node ships nothing before it dies (its shard never fills): all it did is lost.
+    lost = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "a", *flags,
+                           "--name", "node-a", "--shard-records", "1000")
+    kept = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "b", *flags,
+                           "--name", "node-b", "--burst", "--shard-records", "10")
+    k = RunKeys(run_name)
+    try:
+        wait_for(lambda: bitcount(r, k.done) >= n // 4, timeout=60, what="a quarter done")
+        lost.kill()
+        shutil.rmtree(tmp_path / "a")
+        assert kept.wait(120) == 0, kept.log()[-3000:]
+    finally:
+        lost.cleanup()
+        kept.cleanup()
+    st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert st["done"] == n
+    out = tmp_path / "export.jsonl"
+    assert genq("export", "--from-s3", URI, "--out", str(out), redis_url=redis_url,
+                run=run_name, check=False).returncode == 1
+    put_back = genq("requeue", "--redo", "missing", "--from-s3", URI, redis_url=redis_url,
+                    run=run_name)
+    held = len(bucket_records(s3[0], run_name))
+    assert f"queued again: {n - held} finished results (missing)" in put_back.stdout, \
+        put_back.stdout
+    assert 0 < n - held < n
+    run_consumer(redis_url, run_name, sim, tmp_path / "c", "node-c")
+    genq("export", "--from-s3", URI, "--out", str(out), redis_url=redis_url, run=run_name)
+    assert Counter(rec["index"] for rec in read_jsonl(out)) == Counter(range(n))
+
+
+def bitcount(r, key: str) -> int:
+    return int(r.bitcount(key))
