@@ -106,3 +106,37 @@ def test_a_node_killed_mid_run_loses_nothing_after_redo_missing(
 
 def bitcount(r, key: str) -> int:
     return int(r.bitcount(key))
+
+
+@pytest.mark.timeout(120)
+def test_status_counts_done_results_not_yet_in_s3_and_keeps_a_dead_nodes_figure(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
+    """`unshipped`: done results on a node's disk only, per consumer and for the run, in
+    status, its table and /metrics; a node killed with them keeps showing them."""
+    import subprocess
+
+    from genq.monitor import metrics
+
+    n = 30
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    c = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "a", "--s3-uri", URI,
+                        "--name", "node-a", "--shard-records", "1000")
+
+    def status() -> dict:
+        return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+
+    try:
+        wait_for(lambda: (status()["shipping"] or {}).get("unshipped") == n, timeout=60,
+                 what=f"{n} unshipped")
+        c.kill()
+    finally:
+        c.cleanup()
+    st = status()  # the dead node's last figure is still there: those results may be lost
+    assert st["done"] == n and st["shipping"]["unshipped_by_consumer"] == {"node-a": n}
+    assert f"unshipped {n}" in genq("status", redis_url=redis_url, run=run_name).stdout
+    body = metrics.render(st)
+    assert f"genq_results_unshipped {n}.0" in body
+    check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
