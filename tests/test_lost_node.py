@@ -136,7 +136,7 @@ def test_status_counts_done_results_not_yet_in_s3_and_keeps_a_dead_nodes_figure(
     assert st["done"] == n and st["shipping"]["unshipped_by_consumer"] == {"node-a": n}
     assert f"unshipped {n}" in genq("status", redis_url=redis_url, run=run_name).stdout
     body = metrics.render(st)
-    assert f"genq_results_unshipped {n}.0" in body
+    assert f'genq_results_unshipped{{run="{run_name}"}} {n}.0' in body
     check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
                            text=True, timeout=30)
     assert check.returncode == 0, check.stderr

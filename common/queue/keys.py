@@ -141,7 +141,8 @@ class RunKeys:
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "
                 "pending_bytes|<consumer>, error|<consumer>, error_at|<consumer> while a "
-                "consumer has a backlog or trouble.")
+                "consumer has a backlog or trouble; unshipped|<consumer>: its done results "
+                "not in S3 yet, as last reported.")
 
     @property
     def rate_prefix(self) -> str:
