@@ -42,6 +42,8 @@ RUN_METRICS = [
      _shipping("shards_shipped")),
     ("genq_shards_pending", "gauge", "Closed output shards still waiting to be shipped to S3.",
      _shipping("shards_pending")),
+    ("genq_results_unshipped", "gauge", "Done results on a consumer's disk only, not yet in "
+     "S3 (a dead consumer's last figure included).", _shipping("unshipped")),
     # Not genq_total: promtool rejects a _total suffix on anything but a counter.
     ("genq_prompts", "gauge", "Prompts in the data set.", lambda s: s["total"]),
     ("genq_remaining", "gauge", "Prompts neither done nor failed.", lambda s: s["remaining"]),

@@ -45,8 +45,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "new version on (its response_format; --unset response_format drops it)")
     p.add_argument("--unset", action="append", default=[], metavar="KEY",
                    help="remove a parameter (a known one falls back to its default)")
-    p.add_argument("--redo", choices=["none", "truncated", "failed", "all"], default="none",
-                   help="also run again: results that hit max_tokens, failed prompts, or all")
+    p.add_argument("--redo", choices=["none", "truncated", "failed", "all", "missing"],
+                   default="none", help="also run again: results that hit max_tokens, failed "
+                   "prompts, all, or the done results S3 does not hold (missing, with --from-s3)")
     p.add_argument("--inflight", choices=["abort", "finish"],
                    help="requests running under older parameters: abort and requeue them "
                         "(default when parameters change) or let them finish (default for "
@@ -59,7 +60,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="with --continue: shard directory to read (default: those the "
                         "consumers registered)")
     p.add_argument("--from-s3", metavar="URI",
-                   help="with --continue: read the shards from s3://bucket/prefix instead")
+                   help="with --continue: read the shards from s3://bucket/prefix instead; with "
+                        "--redo missing: the shipped output to check")
     p.add_argument("--dry-run", action="store_true",
                    help="say what would change and what it costs, change nothing")
     p.add_argument("--probe", type=_positive, metavar="N",
@@ -96,8 +98,12 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
     if a.cont and a.redo != "truncated":
         raise UsageError("--continue continues truncated answers: give --redo truncated")
-    if a.from_s3 and not a.cont:
-        raise UsageError("--from-s3 reads the partials of --continue: give --continue")
+    if a.redo == "missing" and (not a.from_s3 or a.probe):
+        raise UsageError("--redo missing runs again what --from-s3 URI lacks: give --from-s3, "
+                         "and no --probe")
+    if a.from_s3 and not a.cont and a.redo != "missing":
+        raise UsageError("--from-s3 reads the partials of --continue or what --redo missing "
+                         "checks: give one of them")
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
@@ -115,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.cont and a.from_s3:  # the shards from S3 alone, read as the partials are kept
             store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
             shards = [fetched]
+        if a.redo == "missing":  # the done results none of the shipped shards holds
+            store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
+            plan = plan_with(missing=tuple(export.not_held(r, k, info.total, [fetched])))
         return apply(a, r, k, info, changes, inflight, plan_with, plan, shards)
 
 
@@ -144,7 +153,8 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
     if version != plan.new_version:  # another requeue made one meanwhile: not theirs either
         continuation.drop_all(r, k)
-    results, failed = redo(r, k, info.total, a.redo, version) if a.redo != "none" else (0, 0)
+    results, failed = (redo(r, k, info.total, a.redo, version, plan.missing)
+                       if a.redo != "none" else (0, 0))
     # The manifest beside the shards must know this version before Redis could lose it.
     manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
     if a.from_s3 and (manifest := manifests.snapshot(r, k)):  # where the disks may be gone
@@ -183,19 +193,23 @@ def find_partials(r: redis.Redis, k: RunKeys, total: int,
     return usable, sum(1 for _ in bitmap.set_indices(truncated, below=total)), dirs
 
 
-def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int) -> tuple[int, int]:
+def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int,
+         missing: tuple[int, ...] = ()) -> tuple[int, int]:
     """Walk each pass in bounded script calls; returns (results undone, failed revived)."""
     runner = ScriptRunner(r)
-    counts = {"truncated": 0, "done": 0, "failed": 0}
+    counts = dict.fromkeys(("truncated", "done", "failed", "missing"), 0)
+    if mode == "missing":  # the one pass whose indices come from here, not a run bitmap
+        r.set(k.redo_missing, bitmap.encode(missing, total))
     with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
-        for what in params.REDO_PASSES[mode]:
+        for what in params.REDO_PASSES.get(mode, (mode,)):
             task = bar.add_task(f"redo {what}", total=total)
             pos = 0
             while pos < total:
                 count, pos = runner(redo_call(k, what, pos, total, below))
                 counts[what] += int(count)
                 bar.update(task, completed=int(pos))
-    return counts["truncated"] + counts["done"], counts["failed"]
+    r.delete(k.redo_missing)
+    return counts["truncated"] + counts["done"] + counts["missing"], counts["failed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -215,13 +229,15 @@ class Plan:
     tok_per_s: float
     continued: tuple[int, int, int] | None = None  # --continue: answers, tokens kept, regenerated
     dirs: tuple[str, ...] = ()  # the shard directories --continue read
+    missing: tuple[int, ...] = ()  # --redo missing: the done tasks S3 holds no result for
 
 
 def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: float,
                  ctok_sum: int, old_max: int, new_max: int, continued: int = 0) -> tuple[int, int]:
     """(low, high) output tokens the requeue adds: a truncated result between its old and new
     max_tokens (continued: their difference), `all` about what it has, others a mean result."""
-    low = high = round((failed + aborted) * mean)
+    again = results if redo == "missing" else 0  # a mean result each
+    low = high = round((failed + aborted + again) * mean)
     if redo == "truncated":
         high += continued * max(0, new_max - old_max)
         results -= continued
@@ -235,11 +251,13 @@ def extra_tokens(*, redo: str, results: int, failed: int, aborted: int, mean: fl
 
 def make_plan(r: redis.Redis, k: RunKeys, *, changes: dict[str, Any], unset: list[str],
               redo: str, inflight: str,
-              partials: tuple[int, int, int, list[str]] | None = None) -> Plan:
+              partials: tuple[int, int, int, list[str]] | None = None,
+              missing: tuple[int, ...] = ()) -> Plan:
     version, old = params.current(r, k)
     new, diff = params.apply(old, changes, unset)
     st = read_status(r, k.run)
-    results = {"truncated": st["truncated"], "all": st["done"]}.get(redo, 0)
+    results = {"truncated": st["truncated"], "all": st["done"],
+               "missing": len(missing)}.get(redo, 0)
     failed = st["failed"] if redo in ("failed", "all") else 0
     aborted = st["inflight"] if inflight == "abort" else 0
     old_max = int(old.get("max_tokens", params.DEFAULTS["max_tokens"]))
@@ -252,7 +270,8 @@ def make_plan(r: redis.Redis, k: RunKeys, *, changes: dict[str, Any], unset: lis
     return Plan(run=k.run, version=version, new_version=version + 1, diff=diff,
                 new_params=new, redo=redo, inflight=inflight, results=results, failed=failed,
                 aborted=aborted, tokens=tokens, tok_per_s=st["rate"]["tok_per_s"],
-                continued=continued, dirs=tuple(partials[3]) if partials else ())
+                continued=continued, dirs=tuple(partials[3]) if partials else (),
+                missing=missing)
 
 
 def _tokens(n: int) -> str:
@@ -272,6 +291,10 @@ def render(plan: Plan) -> list[str]:
         scope = "that ended truncated" if plan.redo == "truncated" else "all"
         lines.append(f"redo {plan.redo}: {plan.results} finished results ({scope}) of older "
                      "versions run again, and any still in flight that end in scope")
+    if plan.redo == "missing":
+        first = ", ".join(map(str, plan.missing[:10])) + (", ..." if plan.results > 10 else "")
+        lines.append(f"redo missing: {plan.results} finished results S3 does not hold run "
+                     f"again{f' (tasks {first})' if first else ''}")
     if plan.continued:
         n, kept, again = plan.continued
         lines.append(f"continue: {n} truncated answers continue from their partial ({kept:,} "

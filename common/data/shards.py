@@ -116,6 +116,11 @@ class ShardWriter:
                     self._close_current()
             done += room
 
+    @property
+    def open_records(self) -> int:
+        """Records in the shard being written, not closed (so not shipped) yet."""
+        return self._count
+
     def rotate_if_older(self, max_age_s: float) -> None:
         """Close the current shard if it holds records and was opened max_age_s ago or more."""
         with self._lock:

@@ -142,10 +142,13 @@ class RunKeys:
     exports = _Own("Hash: absolute path of an export -> its file as inode:size:mtime_ns, so that "
                    "a later export replaces only a file this run wrote.")
     outdirs = _Own("Set of output directories consumers wrote shards to (export reads them).")
+    redo_missing = _Own("Bitmap, while `requeue --redo missing` runs: the done indices whose "
+                        "accepted result S3 does not hold, undone by redo.lua.")
     shipped = _Own("Hash: S3 key -> JSON {sha256, bytes, records, shard, key} per shard shipped.")
     ship = _Own("Hash of shipping totals: shards, bytes, records; pending|<consumer>, "
                 "pending_bytes|<consumer>, error|<consumer>, error_at|<consumer> while a "
-                "consumer has a backlog or trouble.")
+                "consumer has a backlog or trouble; unshipped|<consumer>: its done results "
+                "not in S3 yet, as last reported.")
 
     @property
     def rate_prefix(self) -> str:

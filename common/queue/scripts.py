@@ -187,11 +187,11 @@ def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = ""
 
 def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
               limit: int = 10_000) -> Call:
-    """what: "truncated"/"done" (results to undo) or "failed" (prompts to revive); a bounded
-    slice per call, so the atomic script never holds up the consumers' acks for long."""
+    """what: "truncated"/"done"/"missing" (results to undo) or "failed" (prompts to revive); a
+    bounded slice per call, so the atomic script never holds up the consumers' acks for long."""
     keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
             k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
-            k.pending, k.kept, k.tries, k.acc_cont, k.acc_cached]
+            k.pending, k.kept, k.tries, k.acc_cont, k.acc_cached, k.redo_missing]
     return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
 
 

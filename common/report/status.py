@@ -174,6 +174,7 @@ def _shipping(raw: dict) -> dict | None:
     if not raw:
         return None
     ship = {text(f): text(v) for f, v in raw.items()}
+    unshipped = {f[10:]: int(_num(v)) for f, v in ship.items() if f.startswith("unshipped|")}
     errors = sorted((_num(ship.get(f"error_at|{f[6:]}")), f[6:], v)
                     for f, v in ship.items() if f.startswith("error|"))
     return {
@@ -183,6 +184,8 @@ def _shipping(raw: dict) -> dict | None:
         "shards_pending": sum(int(_num(v)) for f, v in ship.items() if f.startswith("pending|")),
         "bytes_pending": sum(int(_num(v)) for f, v in ship.items()
                              if f.startswith("pending_bytes|")),
+        # done results on a consumer's disk only, a dead one's last figure included
+        "unshipped": sum(unshipped.values()), "unshipped_by_consumer": unshipped,
         "last_error": f"{errors[-1][1]}: {errors[-1][2]}" if errors else None,
         "last_error_at": errors[-1][0] if errors else None,
     }

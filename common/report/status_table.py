@@ -119,7 +119,8 @@ def render_table(status: dict) -> Any:
     if ship:
         lines.append(Text(
             f"S3 shipped {ship['shards_shipped']:,} shards ({ship['bytes_shipped']:,} B)  "
-            f"pending {ship['shards_pending']:,} ({ship['bytes_pending']:,} B)"
+            f"pending {ship['shards_pending']:,} ({ship['bytes_pending']:,} B)  "
+            f"unshipped {ship['unshipped']:,}"
             + (f"  last error: {ship['last_error']}" if ship["last_error"] else "")))
     lines += [Text(f"  {line}", style="dim") for line in history_lines(status)]
     if status.get("recovered_at"):

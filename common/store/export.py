@@ -211,6 +211,15 @@ def standing(r: redis.Redis, k: RunKeys, total: int, dirs: list[str],
                 yield orjson.loads(_read_at(fd, picks.length[i], picks.offset[i], paths[file_no]))
 
 
+def not_held(r: redis.Redis, k: RunKeys, total: int, dirs: list[str]) -> list[int]:
+    """The done tasks whose accepted line is in none of ``dirs``' shards: what an export of
+    them would miss, or write from a line Redis did not accept."""
+    accepted, is_done, done = accepted_state(r, k)
+    picks = pick_lines(shard_paths(dirs, k.run), total, accepted, is_done,
+                       samples=runs.samples_of(r, k))
+    return [i for i in bitmap.set_indices(done, below=total) if picks.state[i] != ACCEPTED]
+
+
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
            *, include_failed: bool = False, allow_ambiguous: bool = False) -> ExportResult:
     accepted, is_done, done_raw = accepted_state(r, k)

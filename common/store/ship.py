@@ -37,6 +37,7 @@ class Item:
     shard: bool  # shards are compressed and counted; other files go as they are
     size: int
     version: tuple[int, int] = (0, 0)  # (mtime_ns, size) of a watched file when queued
+    records: int = 0  # a shard's lines: results on this disk only until it ships
 
 
 def _prepare(item: Item) -> tuple[bytes, dict[str, str]]:
@@ -61,6 +62,8 @@ class Shipper:
         self.last_error: str | None = None
         self.watched: dict[Path, str] = {}
         self.sent: dict[Path, tuple[int, int]] = {}
+        self.sink: Any = None  # the shard writer, whose open shard is unshipped too
+        self.published: int | None = None  # the unshipped figure last put in Redis
 
     def closed(self, path: Path) -> None:
         """The shard writer's on_close hook: called from any thread, never blocks."""
@@ -68,8 +71,12 @@ class Shipper:
 
     def add_shard(self, path: Path) -> None:
         if path not in self.queue:
-            size = path.stat().st_size if path.exists() else 0
-            self.queue[path] = Item(path, store.shard_key(self.uri, path), True, size)
+            try:
+                size, records = path.stat().st_size, path.read_bytes().count(b"\n")
+            except FileNotFoundError:
+                size = records = 0
+            self.queue[path] = Item(path, store.shard_key(self.uri, path), True, size,
+                                    records=records)
         self.wake.set()
 
     def watch(self, path: Path, name: str) -> None:
@@ -97,12 +104,16 @@ class Shipper:
 
     async def run(self, sink: Any = None, max_age_s: float | None = None) -> None:
         """Ship until cancelled; close ``sink``'s shard when it is older than ``max_age_s``."""
+        self.sink = sink
         with contextlib.suppress(*REDIS_TROUBLE):  # reported again after the first upload
             await self.report()
         while True:
             if sink is not None and max_age_s:
                 await asyncio.to_thread(sink.rotate_if_older, max_age_s)
             self.check_watched()
+            if self.unshipped() != self.published:  # acks add to it between ships
+                with contextlib.suppress(*REDIS_TROUBLE):
+                    await self.report()
             if not self.queue:
                 self.wake.clear()
                 # the age rotation needs a tick; asyncio.timeout, as 3.11's wait_for can
@@ -184,10 +195,17 @@ class Shipper:
             await self.report()
         await asyncio.sleep(delay)
 
+    def unshipped(self) -> int:
+        """Results acknowledged on this disk and not in S3 yet: queued shards and the open one."""
+        open_now = self.sink.open_records if self.sink is not None else 0
+        return open_now + sum(i.records for i in self.queue.values() if i.shard)
+
     async def report(self) -> None:
-        """This consumer's backlog and last error in genq:<run>:ship; fields removed once clear."""
+        """This consumer's backlog and last error in genq:<run>:ship; fields removed once clear.
+        Its unshipped figure stays, 0 or not: a dead consumer's last one says what it took."""
         me, pending = self.consumer, [i.size for i in self.queue.values() if i.shard]
         backlog = {f"pending|{me}": len(pending), f"pending_bytes|{me}": sum(pending)}
+        unshipped = self.unshipped()
         error = {f"error|{me}": self.last_error or "", f"error_at|{me}": round(time.time(), 3)}
         pipe = self.r.pipeline(transaction=True)
         for fields, present in ((backlog, pending), (error, self.failures)):
@@ -195,7 +213,9 @@ class Shipper:
                 pipe.hset(self.k.ship, mapping=fields)
             else:
                 pipe.hdel(self.k.ship, *fields)
+        pipe.hset(self.k.ship, f"unshipped|{me}", unshipped)
         await pipe.execute()
+        self.published = unshipped
 
     async def finish(self, timeout: float) -> list[Path]:
         """Wait until the queue is empty or ``timeout`` passes; what is still unshipped."""

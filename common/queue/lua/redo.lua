@@ -3,8 +3,9 @@
 -- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
 -- KEYS: 1 done, 2 truncated, 3 failed, 4 counters, 5 length_hist, 6 acc_tokens, 7 acc_ptoks,
 --       8 acc_finish, 9 acc_version, 10 spent, 11 errors, 12 rq failed registry, 13 pending,
---       14 kept, 15 tries, 16 acc_cont, 17 acc_cached
--- ARGV: 1 what (truncated|done|failed), 2 start, 3 stop (exclusive), 4 redo results whose
+--       14 kept, 15 tries, 16 acc_cont, 17 acc_cached, 18 redo_missing (what = missing: the
+--       done indices `requeue --redo missing` found no accepted line for in S3)
+-- ARGV: 1 what (truncated|done|failed|missing), 2 start, 3 stop (exclusive), 4 redo results whose
 --       version is below this, 5 run name, 6 limit, 7.. finish names by code (keys.FINISH_NAMES)
 -- Returns {indices made runnable, position to continue from (stop when finished)}
 local what, start, stop = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -55,6 +56,7 @@ end
 
 local source, fn = KEYS[2], undo_result
 if what == 'done' then source = KEYS[1] end
+if what == 'missing' then source = KEYS[18] end
 if what == 'failed' then source, fn = KEYS[3], revive_failed end
 local count, pos = 0, start
 while pos < stop and count < limit do
