@@ -29,6 +29,7 @@ SCRIPTS = {
     "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
+    "ship_window.py": ["--shards", "2", "--minutes", "0.5,1"],
     "token_ids.py": ["--records", "60"],
     "s3_dataset.py": ["--rows", "2000", "--seconds", "1"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
@@ -146,6 +147,12 @@ CHECKS = {
                              and f["bare_full_again_s"] > 0) or pytest.fail(f),
     "s3_shipping.py": check_s3,
     "s3_dataset.py": lambda f: (f["done"] > 0 and f["consumer_peak_mb"] > 0) or pytest.fail(f),
+    # Two ages: the shorter ships more requests an hour and risks fewer results.
+    "ship_window.py": lambda f: (
+        [a["minutes"] for a in f["ages"]] == [0.5, 1.0]
+        and f["ages"][0]["requests_per_hour"] > f["ages"][1]["requests_per_hour"] > 0
+        and 0 < f["ages"][0]["at_risk_per_node"] < f["ages"][1]["at_risk_per_node"]
+        or pytest.fail(f)),
     "chaos.py": lambda f: all(f["checks"].values()) or pytest.fail(f),
     "token_ids.py": lambda f: (f["ids on"]["zstd_bytes"] > f["ids off"]["zstd_bytes"] > 0
                                and f["ids on"]["records"] == 60) or pytest.fail(f),
