@@ -30,10 +30,14 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 
 from genq.common.queue.keys import RunKeys
+from genq.consumer.servers import identity
 
 
 def held_by(r, run: str, server: str) -> set[str]:
-    return {job for job, owner in owners(r, run).items() if owner.split("|")[1] == server}
+    """The jobs leased by the consumer driving `server` (its URL): a lease names the server as
+    the cluster knows it (consumer/servers.identity)."""
+    return {job for job, owner in owners(r, run).items()
+            if owner.split("|")[1] == identity(server)}
 
 
 def test_sigkill_mid_request_returns_its_tasks_within_the_visibility_timeout(
