@@ -19,6 +19,7 @@ from sglang_servers import CONTEXT, KINDS, SIM_PLAIN_CAPACITY, TUNED_CAPACITY, s
 
 from genq.common.queue.keys import RunKeys
 from genq.common.report.status import read_status
+from genq.consumer.servers import identity
 
 pytestmark = pytest.mark.timeout(900)
 FLAGS = ("--poll", "0.05", "--server-wait", "300", "--visibility-timeout", "20",
@@ -156,7 +157,7 @@ def test_context_limit_requeue_refuses_and_long_prompts_are_lowered_not_failed(
     refused = genq("requeue", "--set", f"max_tokens={CONTEXT}", "--redo", "truncated",
                    redis_url=redis_url, run=run_name, check=False)
     assert refused.returncode == 2
-    assert f"context on {tuned.url} is {CONTEXT} tokens" in refused.stderr
+    assert f"context on {identity(tuned.url)} is {CONTEXT} tokens" in refused.stderr
     assert refused.stderr.count("\n") == 1
     assert (r.get(k.params_version), r.bitcount(k.done), r.bitcount(k.truncated)) == before
 
