@@ -201,6 +201,8 @@ def test_a_consumer_killed_and_run_again_takes_over_at_once(tmp_path, redis_url,
         second = Replica(redis_url, run_name, [sim.url], tmp_path / "out", "second", *slow)
         wait_for(lambda: second.driving(), timeout=15, what="the relaunched consumer driving")
         driving_s = time.monotonic() - relaunched
+        # server_leased is said before the dead holder's leases are ended and logged
+        wait_for(lambda: second.said("server_taken_over"), timeout=15, what="the take-over")
         [taken] = second.said("server_taken_over")
         assert taken["leases_ended"] >= 8 and taken["tasks_returned"] >= 8
         assert "first" in taken["predecessor"]
