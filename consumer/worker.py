@@ -17,7 +17,6 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common import turns
 from genq.common.data.records import build_record, failed_record, row_fields, sample_of, task_seed
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
@@ -46,6 +45,7 @@ from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 from genq.consumer.structured import Structured
+from genq.turns import splice as turns
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")

@@ -11,7 +11,7 @@ import threading
 import redis
 import structlog
 
-from genq.common import log, params, schema, turns
+from genq.common import log, params, schema
 from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -31,6 +31,7 @@ from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
 from genq.common.queue.scripts import ScriptRunner, reap_call
 from genq.common.report import runhealth
+from genq.turns import splice as turns
 
 logger = structlog.get_logger("producer")
 

@@ -10,11 +10,11 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl
 
-from genq.common import turns
 from genq.common.errors import UsageError
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.simulator import tokens
+from genq.turns import splice as turns
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_shell", "description": "Run a shell command.",

@@ -10,7 +10,6 @@ from typing import Any, cast
 import orjson
 import redis
 
-from genq.common import turns
 from genq.common.cli import run_keys
 from genq.common.data.records import row_fields
 from genq.common.errors import UsageError, mask_tree
@@ -20,6 +19,7 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.report import advice, runhealth, stats
+from genq.turns import splice as turns
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S
