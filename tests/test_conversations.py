@@ -99,7 +99,9 @@ def check_chains(rows: list[list[dict]], records: list[dict]) -> dict[int, list[
                 index, rec["turn"])
             made.append(splice.message_of(rec))
         *before, last = chain
-        assert all("stopped" not in rec for rec in before)
+        assert all("stopped" not in rec and "ended" not in rec for rec in before)
+        assert last["ended"] == ("truncated" if last["finish_reason"] == "length" else
+                                 last.get("stopped", "complete"))
         if len(chain) < len(splice.assistant_turns(messages)):
             assert last["stopped"] in ("diverged", "truncated"), last
             assert (last["stopped"] == "truncated") == (last["finish_reason"] == "length")

@@ -84,6 +84,7 @@ class Conversations:
                     record.update(stopped=follow.reason, stopped_detail=follow.detail)
                 end = splice.TRUNCATED if completion.finish_reason == "length" else (
                     follow.reason if follow else COMPLETE)
+                record["ended"] = end  # the conversation's last generation: recover finds it
                 if not await self.record(inflight, Standing(made, end=end, last=turn), b"",
                                          unstable, checked):
                     return None
