@@ -32,6 +32,7 @@ from genq.common.sglang import continuation
 from genq.common.store import export
 from genq.common.store import s3 as store
 from genq.producer import probe
+from genq.turns import splice
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -107,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
+    if info.turns == splice.ALL and (a.cont or a.redo == "missing" or a.schema):
+        flag = "--continue" if a.cont else "--redo missing" if a.redo == "missing" else "--schema"
+        raise UsageError(f"{flag} is not built for a --turns all run: a redo of truncated "
+                         "conversations makes their truncated turn again from its start")
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
     plan_with = functools.partial(make_plan, r, k, changes=changes, unset=a.unset, redo=a.redo,
                                   inflight=inflight)

@@ -204,3 +204,54 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
         assert chain[t - 1]["params_version"] == 2
         asked += len(chain) - (t - 1)
     assert requests_served(*sims) - before - PROBE == asked
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    """A conversation failed at its second turn (the server refuses that prompt for good) keeps
+    its first; `--redo failed` goes on from the second, on a server that takes it. Each of the
+    --samples is its own conversation."""
+    bad = [{"role": "system", "content": "You are a coding agent."},
+           {"role": "user", "content": "Read f1.py."},
+           {"role": "assistant", "content": None, "tool_calls": [call(1)]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "REFUSE_ME"},
+           {"role": "assistant", "content": "Done."}]
+    rows = [bad, conversation(1)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
+                            + "\n" for i, m in enumerate(rows)))
+    sim = sim_factory(time_scale=200, length_dist="fixed:20", bad_marker="REFUSE_ME")
+    genq("produce", str(data), "--once", "--turns", "all", "--samples", "2", "--max-tokens",
+         "100", redis_url=redis_url, run=run_name)
+
+    def consume(url: str) -> None:
+        consumer = ConsumerProcess(redis_url, run_name, url, tmp_path / "out", "--burst")
+        try:
+            assert consumer.wait(90) == 0, consumer.log()[-3000:]
+        finally:
+            consumer.cleanup()
+
+    consume(sim.url)
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert (status["done"], status["failed"]) == (2, 2)  # both samples of the refused row
+    first = by_conversation(export(tmp_path, redis_url, run_name, "first.jsonl"))
+    assert status["conversations"]["generations"] == sum(map(len, first.values()))
+    failed = [rec for rec in export(tmp_path, redis_url, run_name, "first.jsonl")
+              if rec["index"] == 0]
+    assert sorted((rec["sample"], rec["turn"]) for rec in failed) == [(0, 1), (1, 1)]
+    # What is not built for conversations is refused in one line, before anything changes.
+    refused = genq("requeue", "--redo", "truncated", "--continue", redis_url=redis_url,
+                   run=run_name, check=False)
+    assert refused.returncode == 2 and "--continue is not built for a --turns all run" in \
+        refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+    genq("requeue", "--redo", "failed", redis_url=redis_url, run=run_name)
+    consume(sim_factory(time_scale=200, length_dist="fixed:20").url)
+    again = [rec for rec in export(tmp_path, redis_url, run_name, "again.jsonl")
+             if rec["index"] == 0]
+    for sample in (0, 1):
+        chain = sorted((rec for rec in again if rec["sample"] == sample),
+                       key=lambda rec: rec["turn"])
+        assert [rec["turn"] for rec in chain] == [1, 2]
+        assert chain[0] in failed  # the first turn kept, not made again
+        assert chain[1]["attempt"] > chain[0]["attempt"] and "ended" in chain[1]
