@@ -38,6 +38,9 @@ RUN_METRICS = [
     ("genq_cached_prompt_tokens_total", "counter",
      "Prompt tokens over done results the servers found in their prefix cache.",
      lambda s: s.get("cached_prompt_tokens_total", 0)),
+    ("genq_generations_total", "counter", "Accepted generations: one a done prompt, or every "
+     "accepted turn of a --turns all run's conversations.",
+     lambda s: (s.get("conversations") or {}).get("generations", s["done"])),
     ("genq_shards_shipped_total", "counter", "Output shards shipped to S3 and verified.",
      _shipping("shards_shipped")),
     ("genq_shards_pending", "gauge", "Closed output shards still waiting to be shipped to S3.",

@@ -255,3 +255,27 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
         assert [rec["turn"] for rec in chain] == [1, 2]
         assert chain[0] in failed  # the first turn kept, not made again
         assert chain[1]["attempt"] > chain[0]["attempt"] and "ended" in chain[1]
+    # The monitor shows what status counts: on the page, in /api/status and in /metrics.
+    from playwright.sync_api import sync_playwright
+    from test_monitor import Monitor
+
+    monitor = Monitor(redis_url, run_name, tmp_path)
+    try:
+        conv = monitor.status()["conversations"]
+        _, metrics, _ = monitor.get("/metrics")
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(monitor.url + "/")
+            page.wait_for_function("!document.getElementById('conversations').hidden")
+            shown = {i: page.text_content(f"#{i}") for i in ("conv-done", "conv-generations",
+                                                              "conv-ended")}
+            browser.close()
+    finally:
+        monitor.stop()
+    assert conv["done"] == 4 and shown["conv-done"] == "4 / 4"
+    assert shown["conv-generations"] == str(conv["generations"])
+    assert f"genq_generations_total{{run=\"{run_name}\"}} {conv['generations']}" in \
+        metrics.decode()
+    assert all(f"{why} {n}" in shown["conv-ended"] for why, n in conv["stopped"].items())
