@@ -12,7 +12,9 @@ import orjson
 import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
+from test_scripts import ack, claim, setup_run
 
+from genq.common.queue import feed, scripts
 from genq.common.queue.keys import RunKeys
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -92,3 +94,35 @@ def test_the_copies_are_bounded_and_the_shards_keep_every_answer(tmp_path, redis
     assert len(records) == n and sum("answer" in rec for rec in records) == keep
     assert f"{n - keep} prompts failed on the schema have no answer in Redis" in proc.stderr, \
         proc.stderr
+
+
+def test_a_copy_lives_while_its_failure_stands_and_the_bound_counts_the_rest(r, run_name):
+    """invalid.lua on its own: no copy for a prompt a redo revived before it ran; past the
+    bound no new copy (counted), a kept one may be replaced; the prompt's next failure, for any
+    reason, drops its copy (fail.lua), and so does its accepted ack (ack.lua)."""
+    k, runner = setup_run(r, run_name, 4)
+    fail = "answer is not JSON: unexpected character"
+
+    def fails(lease, reason=fail) -> None:
+        jid, idx, ex, _ = lease
+        assert runner(scripts.fail_call(k, jid, idx, ex, reason=reason, worker="w1")) == 1
+
+    def keep(index, keep_at_most=2) -> int:
+        return runner(scripts.invalid_call(k, index, b'{"content": "x"}', 1, keep_at_most))
+
+    assert keep(0) == 0 and r.hlen(k.invalid) == 0  # not failed (revived meanwhile)
+    leases = claim(runner, k, n=4)
+    for lease in leases[:3]:
+        fails(lease)
+    assert [keep(0), keep(1), keep(2), keep(0)] == [1, 1, 2, 1]
+    assert r.hlen(k.invalid) == 2
+    counts = r.hgetall(k.counters)
+    assert counts[b"schema_failed|1"] == b"5" and counts[b"schema_unkept|1"] == b"1"
+
+    runner(scripts.redo_call(k, "failed", 0, 4, 1))  # all three run again
+    feed.enqueue(r, k, [0, 1, 2], runner)  # as requeue does after the redo
+    again = {lease[1]: lease for lease in claim(runner, k, n=4)}
+    fails(again[0], "gave up after 3 tries; last error: HTTP 500")
+    assert r.hkeys(k.invalid) == [b"1"]  # 0 failed for another reason: not its answer now
+    assert ack(runner, k, again[1]) == 1
+    assert r.hlen(k.invalid) == 0
