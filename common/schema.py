@@ -141,3 +141,8 @@ def violation(content: str | None, validator: Any) -> str | None:
     if len(expected) > 120:
         expected = expected[:117] + "..."
     return f"answer does not match the schema at {error.json_path}: {expected}"
+
+
+def is_violation(reason: str) -> bool:
+    """Whether a failure reason is one of violation()'s: the prompt failed on its schema."""
+    return reason.startswith(("answer is not JSON", "answer does not match the schema"))

@@ -52,6 +52,7 @@ from genq.common.store.ship import Shipper
 from genq.consumer import servers, shutdown
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
+from genq.consumer.structured import invalid_keep
 from genq.consumer.worker import Consumer
 
 logger = structlog.get_logger("consumer")
@@ -136,6 +137,10 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
             store.parse_uri(a.s3_uri)
         except UsageError as e:
             p.error(str(e))
+    try:
+        invalid_keep()  # read again where it is used (consumer/structured.py): refused here
+    except UsageError as e:
+        p.error(str(e))
     named = {f.name: getattr(a, f.name) for f in fields(ConsumeSettings) if f.name in vars(a)}
     return ConsumeSettings(**{**named, "server": urls[0], "servers": tuple(urls),
                               "name": a.name or f"{socket.gethostname()}-{os.getpid()}",

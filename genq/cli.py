@@ -93,6 +93,11 @@ def export_main(argv: list[str] | None = None) -> int:
         print(f"genq: warning: {result.not_accepted_count} records are not the accepted result "
               f"(its line is missing from the shards; the newest line was written instead; "
               f"first: {result.not_accepted[:5]})", file=sys.stderr)
+    if result.answers_unkept:
+        print(f"genq: warning: {result.answers_unkept} prompts failed on the schema have no "
+              "answer in Redis (it keeps a bounded number) nor a failed line in the shards "
+              f"read: their records lack `answer`; are all shard directories given?",
+              file=sys.stderr)
     if result.missing:
         print(f"genq: warning: {result.done - result.written} done prompts have no record in "
               f"{dirs} (first: {result.missing[:5]}); are all shard directories given?",

@@ -52,7 +52,8 @@ def populate(r, run: str, *, length_per_bucket: int = 4) -> float:
         mapping={"finish:stop": 80, "finish:length": 20, "ctok_sum": 160_000, "ptok_sum": 9_000,
                  "continued|3": 7, "saved|3": 2_800,  # requeue --continue under v3
                  "invalid|3": 5, "schema_failed|3": 1,  # --schema: answers not matching it,
-                 "schema_cut|3": 2},  # and cut at max_tokens
+                 "schema_cut|3": 2,  # and cut at max_tokens
+                 "schema_unkept|3": 1},  # and failed prompts Redis keeps no answer of
     )
     r.rpush(k.params_history, orjson.dumps({"version": 3, "changes": {"max_tokens": [2048, 4096]},
                                             "redo": "truncated", "inflight": "abort", "at": 1}))
@@ -270,9 +271,9 @@ def test_status_cli(redis_url, r, run_name, capsys):
     assert "100 / 1,000 done" in out and "genq requeue --set max_tokens=8192" in out
     assert s["continued"] == {"3": {"continued": 7, "decode_tokens_saved": 2800}}
     assert "7 continued, 2,800 decode tokens saved" in out
-    assert s["schema"] == {"3": {"invalid": 5, "failed": 1, "cut": 2}}
+    assert s["schema"] == {"3": {"invalid": 5, "failed": 1, "cut": 2, "unkept": 1}}
     assert ("schema: 5 answers invalid, 1 prompts failed, 2 answers cut at max_tokens (not JSON)"
-            in " ".join(out.split()))  # wrapped
+            ", 1 answers not kept in Redis" in " ".join(out.split()))  # wrapped
     assert status_main(["--redis-url", redis_url, "--run", "nosuchrun"]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown run 'nosuchrun'" in err
@@ -338,7 +339,7 @@ def test_page_shows_the_status(monitor):
     assert REASON in reasons and reasons.startswith("1") and not injected
     assert "7 continued, 2,800 decode tokens saved" in history
     assert ("schema: 5 answers invalid, 1 prompts failed, 2 answers cut at max_tokens (not JSON)"
-            in history)
+            ", 1 answers not kept in Redis" in history)
 
 
 def test_the_log_says_what_the_page_says(monitor, run_name):

@@ -120,15 +120,18 @@ class RunKeys:
                 "boundary_checked (`--turns all`: turns whose prompt ids did not begin with the "
                 "turn before's, of those checked); per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
-                    "invalid|<v>, schema_failed|<v>, schema_cut|<v> (answers not matching the "
-                    "schema, prompts failed on it, answers cut at max_tokens).")
+                    "invalid|<v>, schema_failed|<v>, schema_cut|<v>, schema_unkept|<v> (answers "
+                    "not matching the schema, prompts failed on it, answers cut at max_tokens, "
+                    "failed prompts whose answer `invalid` has no room for).")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
     errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
     fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "
                      "(fail_kinds; 0: none recorded, 255: one of the reasons past the 254th).")
     fail_kinds = _Own("Hash: failure reason, URLs and numbers blanked (reason_kind) -> its number.")
     invalid = _Own("Hash: index -> JSON last answer of a prompt failed on the schema (its "
-                   "content, finish reason, violation), shown by export --include-failed.")
+                   "content, finish reason, violation), shown by export --include-failed; at "
+                   "most GENQ_INVALID_KEEP entries (invalid.lua), each cut; its prompt's next "
+                   "failure or accepted ack deletes it.")
     conv = _Own("Hash, in a `--turns all` run: task index -> JSON where its conversation stands "
                 "(turns/state.py): the accepted generations before its last, and once its last "
                 "is made, how it ended and at which turn.")

@@ -22,7 +22,7 @@ from genq.common.queue.keys import (
 )
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
-         "server_renew", "server_release", "server_take", "bump", "turn")
+         "server_renew", "server_release", "server_take", "bump", "invalid", "turn")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
@@ -119,7 +119,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
             k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont, k.acc_cached,
-            k.conv_msgs]
+            k.invalid, k.conv_msgs]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
@@ -153,10 +153,17 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
     keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
             k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
-            k.acc_finish, k.fail_kind, k.fail_kinds, k.acc_version, k.acc_cont, k.acc_cached]
+            k.acc_finish, k.fail_kind, k.fail_kinds, k.acc_version, k.acc_cont, k.acc_cached,
+            k.invalid]
     args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
             iso_now(), *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
     return Call("fail", keys, args)
+
+
+def invalid_call(k: RunKeys, index: int, answer: bytes, version: int, keep: int) -> Call:
+    """Keep `answer` (JSON) as the last of a prompt failed on its schema, while the run keeps
+    fewer than `keep` such copies."""
+    return Call("invalid", [k.invalid, k.counters, k.failed], [index, answer, version, keep])
 
 
 def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S,

@@ -196,13 +196,15 @@ def _shipping(raw: dict) -> dict | None:
 
 def _schema_counts(counters: dict[str, int]) -> dict[str, dict[str, int]]:
     """Per parameter version with a schema: answers that did not match it, prompts that failed
-    on it (each of their answers invalid), and answers cut at max_tokens (not JSON)."""
-    names = {"invalid": "invalid", "schema_failed": "failed", "schema_cut": "cut"}
+    on it (each of their answers invalid), and answers cut at max_tokens (not JSON); `unkept`,
+    only once some: failed prompts whose answer Redis has no copy of (past its bound)."""
+    names = {"invalid": "invalid", "schema_failed": "failed", "schema_cut": "cut",
+             "schema_unkept": "unkept"}
     found: dict[str, dict[str, int]] = {}
     for field, n in counters.items():
         kind, _, version = field.partition("|")
         if kind in names:
-            found.setdefault(version, dict.fromkeys(names.values(), 0))[names[kind]] = n
+            found.setdefault(version, {"invalid": 0, "failed": 0, "cut": 0})[names[kind]] = n
     return dict(sorted(found.items(), key=lambda item: int(item[0])))
 
 

@@ -64,6 +64,9 @@ def history_lines(status: dict) -> list[str]:
         if c := (status.get("schema") or {}).get(str(h.get("version"))):
             extra += (f"; schema: {c['invalid']:,} answers invalid, {c['failed']:,} prompts "
                       f"failed, {c.get('cut', 0):,} answers cut at max_tokens (not JSON)")
+            if c.get("unkept"):
+                extra += (f", {c['unkept']:,} answers not kept in Redis (past its bound; "
+                          "the shards' failed lines hold them)")
         out.append(f"v{h.get('version')} {when}Z  {what}{extra}")
     return out
 

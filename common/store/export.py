@@ -22,6 +22,7 @@ from genq.common.queue import bitmap
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
+from genq.common.schema import is_violation
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +35,9 @@ class ExportResult:
     not_accepted: list[int]  # done indices written from a line that is not the accepted one
     not_accepted_count: int
     failed_written: int
+    # Failed on the schema, written from Redis without a shard line, and Redis kept no copy of
+    # the answer (past its bound, consumer/structured.py): their records lack `answer`.
+    answers_unkept: int = 0
 
 
 def accepted_state(r: redis.Redis, k: RunKeys):
@@ -58,16 +62,20 @@ def accepted_state(r: redis.Redis, k: RunKeys):
     return accepted, is_done, done
 
 
-def _failed_line(run: str, task: int, reason: str, invalid: bytes = b"",
-                 samples: int = 1) -> bytes:
+def _failed_record(run: str, task: int, reason: str, invalid: bytes = b"",
+                   samples: int = 1) -> dict:
     """A failed task's record from Redis; a prompt failed on the schema also carries its last
-    answer."""
+    answer, where Redis kept a copy."""
     answer = orjson.loads(invalid) if invalid else None
     # Kept by an earlier failure on the schema, the index may fail for another reason now.
     if not (answer and reason.startswith(reason_kind(answer.get("violation") or ""))):
         answer = None
-    return orjson.dumps(failed_record(run=run, task=task, samples=samples, error=reason,
-                                      answer=answer)) + b"\n"
+    return failed_record(run=run, task=task, samples=samples, error=reason, answer=answer)
+
+
+def _failed_line(run: str, task: int, reason: str, invalid: bytes = b"",
+                 samples: int = 1) -> bytes:
+    return orjson.dumps(_failed_record(run, task, reason, invalid, samples)) + b"\n"
 
 
 def kept_lookup(r: redis.Redis, k: RunKeys):
@@ -89,20 +97,23 @@ _FAILED_BATCH = 5_000  # failure reasons read at a time
 
 
 def _spill_failed(r: redis.Redis, k: RunKeys, indices: array,
-                  spill: IO[bytes]) -> tuple[array, array]:
+                  spill: IO[bytes]) -> tuple[array, array, int]:
     """Write a record for each of these failed indices (ascending) to ``spill``, its reason's
-    kind as Redis keeps it, then rewind it; the indices and lengths."""
-    lengths, samples = array("q"), runs.samples_of(r, k)
+    kind as Redis keeps it, then rewind it; the indices, lengths, and how many failed on the
+    schema without the answer's copy."""
+    lengths, samples, unkept = array("q"), runs.samples_of(r, k), 0
     for lo in range(0, len(indices), _FAILED_BATCH):
         batch = indices[lo:lo + _FAILED_BATCH]
         reasons = runs.failure_reasons(r, k, batch)
         kept = [blob(raw) for raw in r.hmget(k.invalid, [str(i) for i in batch])]
         for index, reason, invalid in zip(batch, reasons, kept, strict=True):
-            line = _failed_line(k.run, index, reason, invalid, samples)
+            record = _failed_record(k.run, index, reason, invalid, samples)
+            unkept += "answer" not in record and is_violation(reason)
+            line = orjson.dumps(record) + b"\n"
             spill.write(line)
             lengths.append(len(line))
     spill.seek(0)
-    return indices, lengths
+    return indices, lengths, unkept
 
 
 def _read_at(fd: int, length: int, offset: int, path: Path) -> bytes:
@@ -260,11 +271,11 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
                         picks.state[index] = NONE
                 # Those with a failed line in the shards (their whole reason) are copied.
                 failed = array("q", (i for i in failed if picks.state[i] == NONE))
-                failed_lengths = array("q")
+                failed_lengths, unkept = array("q"), 0
                 if failed:
                     spill = stack.enter_context(
                         tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(out))))
-                    failed, failed_lengths = _spill_failed(r, k, failed, spill)
+                    failed, failed_lengths, unkept = _spill_failed(r, k, failed, spill)
                 starts, size, marked = _layout(picks, failed, failed_lengths, paths, kept)
                 _copy(picks, paths, starts, marked, dst)
                 for index, length in zip(failed, failed_lengths, strict=True):
@@ -281,4 +292,5 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str,
             os.unlink(tmp)
     return ExportResult(written=written, done=done, missing=missing, torn_lines=picks.torn,
                         shards=len(paths), not_accepted=fallback,
-                        not_accepted_count=fallback_count, failed_written=failed_count)
+                        not_accepted_count=fallback_count, failed_written=failed_count,
+                        answers_unkept=unkept)

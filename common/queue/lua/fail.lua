@@ -5,7 +5,7 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 failed, 5 pending, 6 errors, 7 rq failed registry,
 --       8 kept, 9 done, 10 truncated, 11 counters, 12 length_hist, 13 acc_tokens,
 --       14 acc_ptoks, 15 acc_finish, 16 fail_kind, 17 fail_kinds, 18 acc_version, 19 acc_cont,
---       20 acc_cached
+--       20 acc_cached, 21 invalid
 -- ARGV: 1 job id, 2 index, 3 exec id, 4 reason (per-prompt parts blanked), 5 rq exc_string (b64 zlib), 6 worker name,
 --       7 failure ttl, 8 now iso, 9 job key prefix, 10 execution key prefix,
 --       11 executions key prefix, 12 results key prefix, 13.. finish names by code
@@ -18,6 +18,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 drop_leases({jid}, {exec}, ARGV[10], ARGV[11])
 redis.call('SETBIT', KEYS[5], idx, 0)
 redis.call('HDEL', KEYS[6], idx)
+-- An answer kept from an earlier failure on the schema is not this failure's: the consumer
+-- keeps this one's (invalid.lua) if it was the schema again.
+redis.call('HDEL', KEYS[21], idx)
 if redis.call('GETBIT', KEYS[8], idx) == 1 then
   -- A redo never loses a result: the one it set aside is what this index keeps.
   local at = '#' .. idx
