@@ -51,8 +51,10 @@ class Completion:
     start: int = 0
     # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
     forced_finish: str = ""
-    # Prompt tokens the server's prefix cache held (what it reports as cached_tokens).
+    # Prompt tokens the server's prefix cache held: they cost no prefill time, and a chat
+    # answer reports them as cached_tokens only when `cache_report` (--enable-cache-report).
     cached_tokens: int = 0
+    cache_report: bool = True
 
     @property
     def close(self) -> int:
@@ -165,7 +167,7 @@ def usage(done: Completion, prompt_tokens: int) -> dict:
         "total_tokens": prompt_tokens + done.tokens,
         "completion_tokens": done.tokens,
         "prompt_tokens_details": ({"cached_tokens": done.cached_tokens}
-                                  if done.cached_tokens else None),
+                                  if done.cached_tokens and done.cache_report else None),
         "reasoning_tokens": reasoning,
         "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }
