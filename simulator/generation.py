@@ -269,6 +269,9 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
             "prompt_tokens": len(context),
             "completion_tokens": done.tokens,
             "cached_tokens": done.cached_tokens,
+            # 0.5.23 says where the hit was kept (all on the GPU here), null on a miss.
+            "cached_tokens_details": ({"device": done.cached_tokens, "host": 0}
+                                      if done.cached_tokens else None),
             "e2e_latency": time.monotonic() - started,
         },
     }
