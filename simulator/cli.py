@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds to the first token",
     )
     p.add_argument(
+        "--prefill-tps",
+        type=positive,
+        default=None,
+        help="prompt tokens per second the prefill reads, added to --ttft; tokens the prefix "
+        "cache holds cost nothing (without it: the flat --ttft whatever the prompt)",
+    )
+    p.add_argument(
         "--stream-interval",
         type=positive_int,
         default=1,

@@ -134,6 +134,7 @@ class _Running:
     prompt_tokens: int
     tokens: int
     started: float
+    first_token_s: float  # simulated seconds from admission to the first token
 
 
 class Engine:
@@ -209,22 +210,32 @@ class Engine:
         cost = prompt_tokens + completion.tokens  # what it will hold in the KV pool at its end
         await self.slots.acquire(cost)
         key = next(self._ids)
+        first = self.first_token_s(prompt_tokens, completion.cached_tokens)
         try:
-            self._active[key] = _Running(prompt_tokens, completion.tokens, self.clock())
+            self._active[key] = _Running(prompt_tokens, completion.tokens, self.clock(), first)
             if emit is None:
-                await self.sleep((s.ttft + completion.tokens / s.decode_tps) / s.time_scale)
+                await self.sleep((first + completion.tokens / s.decode_tps) / s.time_scale)
             else:
-                await self._decode_steps(completion.tokens, emit)
+                await self._decode_steps(first, completion.tokens, emit)
         finally:
             self._active.pop(key, None)
             self.slots.release(cost)
 
-    async def _decode_steps(self, tokens: int, emit: Emit) -> None:
+    def first_token_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """Simulated seconds from admission to the first token: --ttft, plus the prompt tokens
+        the prefix cache did not hold at --prefill-tps (the cached ones are not computed again,
+        which is what a prefix cache is for; the report flag does not change it)."""
+        s = self.settings
+        if s.prefill_tps is None:
+            return s.ttft
+        return s.ttft + max(0, prompt_tokens - cached_tokens) / s.prefill_tps
+
+    async def _decode_steps(self, first_token_s: float, tokens: int, emit: Emit) -> None:
         """Emit every --stream-interval tokens on the schedule --decode-tps and --time-scale
         set; never fewer, larger chunks: a simulator too slow for the pace falls behind and
         says so (`simulator_behind` once, `behind_s` in /_sim/stats)."""
         s = self.settings
-        await self.sleep(s.ttft / s.time_scale)
+        await self.sleep(first_token_s / s.time_scale)
         per_s = s.decode_tps * s.time_scale
         done = min(1, tokens)  # the first token comes with the prefill, as in SGLang
         emit(done)
@@ -247,7 +258,7 @@ class Engine:
         now = self.clock()
         total = 0
         for r in self._active.values():
-            decoded = ((now - r.started) * s.time_scale - s.ttft) * s.decode_tps
+            decoded = ((now - r.started) * s.time_scale - r.first_token_s) * s.decode_tps
             total += r.prompt_tokens + min(r.tokens, max(0, int(decoded)))
         return total
 
@@ -257,7 +268,7 @@ class Engine:
         s = self.settings
         now = self.clock()
         decoding = sum(1 for r in self._active.values()
-                       if (now - r.started) * s.time_scale >= s.ttft)
+                       if (now - r.started) * s.time_scale >= r.first_token_s)
         return decoding * s.decode_tps * s.time_scale
 
     def stats_view(self) -> dict:

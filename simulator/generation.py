@@ -180,8 +180,9 @@ async def chat(engine: Engine, body: bytes) -> Any:
     context = _input_ids(data.get("input_ids")) or tokens.render(
         messages, data.get("tools"), thinking, prefix)
     done = _answer(engine, context, max_tokens, data.get("seed"))
-    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish(), cached_tokens=(
-        done.cached_tokens if engine.settings.enable_cache_report else 0))
+    # The cache is there either way; the flag only says whether the answer reports its hits.
+    done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish(),
+                               cache_report=engine.settings.enable_cache_report)
     # SGLang echoes the request's model, or says "default" when there is none.
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None and data.get("separate_reasoning",
@@ -268,6 +269,9 @@ async def generate(engine: Engine, body: bytes) -> dict[str, Any]:
             "prompt_tokens": len(context),
             "completion_tokens": done.tokens,
             "cached_tokens": done.cached_tokens,
+            # 0.5.23 says where the hit was kept (all on the GPU here), null on a miss.
+            "cached_tokens_details": ({"device": done.cached_tokens, "host": 0}
+                                      if done.cached_tokens else None),
             "e2e_latency": time.monotonic() - started,
         },
     }

@@ -45,6 +45,7 @@ def server_info(s: Settings, e: Engine) -> dict[str, Any]:
         "simulator": {
             "decode_tps": s.decode_tps,
             "ttft": s.ttft,
+            "prefill_tps": s.prefill_tps,
             "time_scale": s.time_scale,
             "length_dist": str(s.length_dist),
             "seed": s.seed,

@@ -51,8 +51,10 @@ class Completion:
     start: int = 0
     # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
     forced_finish: str = ""
-    # Prompt tokens the server's prefix cache held (what it reports as cached_tokens).
+    # Prompt tokens the server's prefix cache held: they cost no prefill time, and a chat
+    # answer reports them as cached_tokens only when `cache_report` (--enable-cache-report).
     cached_tokens: int = 0
+    cache_report: bool = True
 
     @property
     def close(self) -> int:
@@ -158,14 +160,14 @@ def parsed(raw: str, forced: bool, previous: str = "") -> tuple[str | None, str]
 def usage(done: Completion, prompt_tokens: int) -> dict:
     """The `usage` object of a chat answer, keys as SGLang 0.5.23 sends them:
     `completion_tokens_details` is null without reasoning tokens, `prompt_tokens_details`
-    without cached tokens (SGLang counts them only with --enable-cache-report)."""
+    without --enable-cache-report; with it `{"cached_tokens": N}` always, 0 on a miss."""
     reasoning = done.reasoning_tokens
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + done.tokens,
         "completion_tokens": done.tokens,
         "prompt_tokens_details": ({"cached_tokens": done.cached_tokens}
-                                  if done.cached_tokens else None),
+                                  if done.cache_report else None),
         "reasoning_tokens": reasoning,
         "completion_tokens_details": {"reasoning_tokens": reasoning} if reasoning else None,
     }

@@ -79,6 +79,9 @@ class Settings:
     enable_cache_report: bool = False
     decode_tps: float = 87.5
     ttft: float = 0.5
+    # Prompt tokens per second the prefill reads, on top of --ttft; only the tokens the prefix
+    # cache did not hold are read. None: prefill costs the flat --ttft, whatever the prompt.
+    prefill_tps: float | None = None
     time_scale: float = 1.0
     # Calibrated on the real run: at max_tokens 4096, ~18 % truncate and the median is ~2326.
     length_dist: LengthDist = LengthDist(kind="lognormal", median=2326, sigma=0.62)

@@ -4,6 +4,7 @@ SGLang 0.5.23 started by scripts/real-sglang.sh (the `real_sglang` tier, run by 
 
 - "tuned": --max-running-requests 16, --reasoning-parser qwen3, --enable-metrics
 - "plain": only the model (no --max-running-requests, no reasoning parser)
+- "cache": "tuned" and --enable-cache-report (answers say their prefix-cache hits)
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ MODES = {
     "tuned": {"MAX_RUNNING": str(TUNED_CAPACITY),
               "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics"},
     "plain": {"MAX_RUNNING": "", "EXTRA_ARGS": ""},
+    "cache": {"MAX_RUNNING": str(TUNED_CAPACITY),
+              "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics --enable-cache-report"},
 }
 
 
@@ -73,12 +76,13 @@ class SimServer(Server):
         if self.sim is not None:
             self.sim.cleanup()
         self.mode = mode or self.mode
-        tuned = self.mode == "tuned"
+        tuned = self.mode != "plain"
         flags = sim_flags(
             time_scale=40, length_dist="lognormal:20:0.6", context_length=CONTEXT,
             max_running_requests=TUNED_CAPACITY if tuned else None,
             effective_max_running=SIM_PLAIN_CAPACITY,
-            reasoning_parser="qwen3" if tuned else None)
+            reasoning_parser="qwen3" if tuned else None,
+            enable_cache_report=self.mode == "cache")
         self.sim = SimProcess(*flags, port=self.port).start()
         self.url = self.sim.url
 

@@ -1,6 +1,7 @@
 """The prompt tokens a server found in its prefix cache (SGLang with --enable-cache-report:
-`usage.prompt_tokens_details.cached_tokens`) are kept in each record; an answer that reports
-none leaves the record without the field, never a made-up 0."""
+`usage.prompt_tokens_details.cached_tokens`, 0 on a miss) are kept in each record; an answer
+that reports nothing (a server without the flag: null) leaves the record without the field,
+never a made-up 0."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from conftest import ack_call, genq
 from pipeline import ConsumerProcess, read_jsonl
 from prometheus_client.parser import text_string_to_metric_families
+from sglang_servers import KINDS, start_server
 from test_scripts import claim, setup_run
 
 from genq.common.queue import feed, scripts
@@ -30,10 +32,11 @@ def _consume(tmp_path, redis_url, run_name, sim, *flags: str) -> list[dict]:
     return read_jsonl(out)
 
 
-def _run(tmp_path, redis_url, run_name, sim, *flags: str, rows: int = 2) -> list[dict]:
-    data = tmp_path / "shared-prefix.jsonl"
+def _run(tmp_path, redis_url, run_name, sim, *flags: str, rows: int = 2,
+         system: dict = SYSTEM) -> list[dict]:
+    data = tmp_path / f"{run_name}.jsonl"
     data.write_text("".join(json.dumps({"id": f"q{i}", "messages": [
-        SYSTEM, {"role": "user", "content": f"Question {i}?"}]}) + "\n" for i in range(rows)))
+        system, {"role": "user", "content": f"Question {i}?"}]}) + "\n" for i in range(rows)))
     genq("produce", str(data), "--once", "--max-tokens", "64", redis_url=redis_url, run=run_name)
     return _consume(tmp_path, redis_url, run_name, sim, *flags)
 
@@ -58,11 +61,42 @@ def test_records_keep_the_cached_prompt_tokens_the_server_reports(
     sim = sim_factory(time_scale=400, length_dist="fixed:20", enable_cache_report=True)
     records = _run(tmp_path, redis_url, run_name, sim, *(["--stream"] if mode == "stream" else []))
     assert len(records) == 2
-    # Whichever row the server saw first found nothing cached (SGLang then says null); the
+    # Whichever row the server saw first found nothing cached (SGLang 0.5.23 then says 0); the
     # other found the shared system prompt.
     first, second = sorted(records, key=lambda rec: rec.get("cached_tokens", -1))
-    assert "cached_tokens" not in first
+    assert first["cached_tokens"] == 0
     assert 0 < second["cached_tokens"] < second["prompt_tokens"]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_server_reports_the_cached_prefix_of_a_prompt_sent_again(
+        kind, tmp_path, redis_url, run_name):
+    """The same long system prompt twice, one request after the other (--concurrency 1: two at
+    once would both be prefilled before either is cached), whole and streamed answers: the
+    second record keeps the hit the server reports, and status counts it. On the real tier
+    this checks what SGLang 0.5.23 itself sends with --enable-cache-report."""
+    server = start_server(kind, "cache")
+    try:
+        for mode in ("whole", "stream"):
+            run = f"{run_name}-{mode}"
+            # Another system prompt each time, so the streamed run starts from an empty cache.
+            system = {**SYSTEM, "content": f"({mode}) " + SYSTEM["content"]}
+            (tmp_path / mode).mkdir()
+            records = _run(tmp_path / mode, redis_url, run, server, "--concurrency", "1",
+                           "--server-wait", "300",
+                           *(["--stream"] if mode == "stream" else []), system=system)
+            # The first found at most the chat template's opening cached (an earlier run's
+            # prompts begin with it too); SGLang still says how many, 0 included, never null.
+            first, second = sorted(records, key=lambda rec: rec.get("cached_tokens", -1))
+            assert 0 <= first["cached_tokens"] < first["prompt_tokens"] // 2, (mode, first)
+            assert second["prompt_tokens"] // 2 < second["cached_tokens"] < second[
+                "prompt_tokens"], (mode, second)
+            status = _status(redis_url, run)
+            assert status["cached_prompt_tokens_total"] == (
+                first["cached_tokens"] + second["cached_tokens"]), mode
+    finally:
+        server.close()
 
 
 def test_a_server_without_cache_report_leaves_the_field_out(

@@ -27,7 +27,8 @@ def test_a_next_turn_finds_the_last_turns_prompt_and_answer_cached(sim_factory):
     sim = sim_factory(**FAST, enable_cache_report=True)
     first = chat(sim.url, "a question long enough to fill some pages " * 4,
                  return_token_ids=True).json()
-    assert first["usage"]["prompt_tokens_details"] is None  # nothing cached yet: null, as SGLang
+    # Nothing cached yet: SGLang 0.5.23 with the flag says 0 (null is only without the flag).
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     choice = first["choices"][0]
     held = choice["prompt_token_ids"] + choice["response_token_ids"]
     follow = held + [7] * 40  # the next turn: all of it, then new messages
@@ -44,9 +45,15 @@ def test_without_the_flag_chat_reports_null_and_generate_still_counts(sim_factor
     ids = list(range(3, 3 + 5 * PAGE))
     assert _ids_chat(sim.url, ids)["usage"]["prompt_tokens_details"] is None
     assert _ids_chat(sim.url, ids)["usage"]["prompt_tokens_details"] is None
-    # SGLang's native /generate always says cached_tokens in meta_info.
+    # SGLang's native /generate always says cached_tokens in meta_info, and where they were
+    # kept (0.5.23: on the GPU, "device"; null on a miss).
     meta = httpx.post(sim.url + "/generate", json={"input_ids": ids}, timeout=10).json()
     assert meta["meta_info"]["cached_tokens"] == _all_but_last(ids)
+    assert meta["meta_info"]["cached_tokens_details"] == {"device": _all_but_last(ids),
+                                                           "host": 0}
+    miss = httpx.post(sim.url + "/generate", json={"input_ids": [9] * 40}, timeout=10).json()
+    assert (miss["meta_info"]["cached_tokens"], miss["meta_info"]["cached_tokens_details"]) == (
+        0, None)
 
 
 def test_the_cache_forgets_the_least_recently_used_beyond_its_capacity():

@@ -180,7 +180,7 @@ def token_count(usage: Any, key: str, url: str) -> int:
 
 def cached_count(usage: Any, url: str) -> int | None:
     """`usage.prompt_tokens_details.cached_tokens`, or None where the answer has none: SGLang
-    sends it only with --enable-cache-report, and then null for a prompt with no hit."""
+    sends it only with --enable-cache-report (0 on a miss); without, the details are null."""
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     if not isinstance(details, dict) or details.get("cached_tokens") is None:
         return None
