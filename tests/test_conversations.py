@@ -204,6 +204,15 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
         assert chain[t - 1]["params_version"] == 2
         asked += len(chain) - (t - 1)
     assert requests_served(*sims) - before - PROBE == asked
+    # ... and some went past the turn they were cut at.
+    assert any(len(new_chains[i]) > rec["turn"] for i, rec in truncated.items())
+    # --format tokens: one row a generation, the earlier turns in its prompt under mask 0.
+    rows_out = export(tmp_path, redis_url, run_name, "tokens.jsonl", "--format", "tokens")
+    assert [(row["index"], row["turn"]) for row in rows_out] == [
+        (rec["index"], rec["turn"]) for rec in redone]
+    for row, rec in zip(rows_out, redone, strict=True):
+        assert row["input_ids"] == rec["prompt_token_ids"] + rec["completion_token_ids"]
+        assert row["loss_mask"] == [0] * rec["prompt_tokens"] + [1] * rec["completion_tokens"]
 
 
 @pytest.mark.timeout(180)
