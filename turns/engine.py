@@ -101,7 +101,7 @@ class Conversations:
         """turn.lua: where the conversation stands, iff its lease is ours."""
         lease, c = inflight.lease, self.c
         call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
-                         messages, unstable, checked)
+                         messages, len(standing.made), standing.ended(), unstable, checked)
         if await c.retry(lambda: self.scripts(call)):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "

@@ -19,12 +19,17 @@ import redis.asyncio as aioredis
 import zstandard
 
 from genq.common.queue.keys import RunKeys
+from genq.turns import splice
 
 # One accepted generation: [params version, attempt, generation, finish code,
 # completion_tokens, prompt_tokens, cached prompt tokens] (keys.FINISH_CODES).
 Entry = list[int]
 VERSION, ATTEMPT = 0, 1
 COMPLETE = "complete"  # a conversation that reached its last turn (else splice.DIVERGED, ...)
+# How a conversation ended, as conv_end keeps it (top 2 bits of 16; the turn below them).
+END_CODES = {COMPLETE: 1, splice.DIVERGED: 2, splice.TRUNCATED: 3}
+END_NAMES = {code: name for name, code in END_CODES.items()}
+TURN_BITS = 14
 
 _compress = zstandard.ZstdCompressor(level=3)
 _decompress = zstandard.ZstdDecompressor()
@@ -36,6 +41,12 @@ class Standing:
     messages: list[dict[str, Any]] = field(default_factory=list)  # their assistant messages
     end: str = ""  # once its last turn is made: COMPLETE, DIVERGED or TRUNCATED
     last: int = 0  # that turn's number
+
+    def ended(self) -> int:
+        """conv_end's value: how it ended and at which turn; 0 while it runs."""
+        if not self.end:
+            return 0
+        return END_CODES[self.end] << TURN_BITS | min(self.last, (1 << TURN_BITS) - 1)
 
     def encode(self) -> bytes:
         out: dict[str, Any] = {"made": self.made}

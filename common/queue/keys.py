@@ -138,6 +138,11 @@ class RunKeys:
     conv_msgs = _Own("Hash, in a `--turns all` run: task index -> zstd JSON of the made "
                      "assistant messages before its last (the next turn's prompt); dropped when "
                      "its last is accepted, unless cut at max_tokens (a redo goes on from it).")
+    conv_made = _Own("BITFIELD u16 per index, in a `--turns all` run: its conversation's "
+                     "accepted generations before its last (status sums them).")
+    conv_end = _Own("BITFIELD u16 per index, in a `--turns all` run: how its conversation ended "
+                    "(turns/state.py END_CODES, top 2 bits) and at which turn (14 bits); 0 "
+                    "while it runs.")
     params = _Own("Hash: version -> JSON parameters.")
     params_version = _Own("String: the current parameter version.")
     params_floor = _Own("String: the oldest parameter version still accepted; an abort raises it.")

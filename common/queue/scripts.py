@@ -141,10 +141,14 @@ def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: b
 
 
 def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes,
-              messages: bytes, unstable: int = 0, checked: int = 0) -> Call:
-    """A conversation's made turn, written to its shard: where it stands (turns/state.py)."""
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.counters]
-    return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked])
+              messages: bytes, made: int, ended: int, unstable: int = 0,
+              checked: int = 0) -> Call:
+    """A conversation's made turn, written to its shard: where it stands (turns/state.py),
+    its made turns' count and how it ended (0: not yet) for status."""
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.counters, k.conv_made,
+            k.conv_end]
+    return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked,
+                               made, ended])
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
