@@ -21,7 +21,6 @@ from genq.common.data.records import build_record
 from genq.common.data.rows import Prompt
 from genq.common.errors import BadTask
 from genq.common.params import request_body
-from genq.common.queue.keys import finish_code
 from genq.common.queue.scripts import ScriptRunner, turn_call
 from genq.common.sglang.stream import Completion
 from genq.consumer.leases import Inflight
@@ -74,9 +73,7 @@ class Conversations:
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:
                 ids = [*completion.prompt_token_ids, *completion.completion_token_ids]
-            entry = [lease.version, lease.attempt, lease.gen,
-                     finish_code(completion.finish_reason), completion.completion_tokens,
-                     completion.prompt_tokens, completion.cached_tokens or 0]
+            entry = [lease.version, lease.attempt]
             follow = splice.after(row, turn, completion.finish_reason, completion.tool_calls) \
                 if turn < count else None
             if follow is None or isinstance(follow, splice.Stop):

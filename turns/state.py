@@ -21,8 +21,8 @@ import zstandard
 from genq.common.queue.keys import RunKeys
 from genq.turns import splice
 
-# One accepted generation: [params version, attempt, generation, finish code,
-# completion_tokens, prompt_tokens, cached prompt tokens] (keys.FINISH_CODES).
+# One accepted generation: [params version, attempt], the key its line is found by (a
+# recover's generation is not needed: attempts rise across recovers).
 Entry = list[int]
 VERSION, ATTEMPT = 0, 1
 COMPLETE = "complete"  # a conversation that reached its last turn (else splice.DIVERGED, ...)

@@ -133,8 +133,8 @@ class RunKeys:
                    "most GENQ_INVALID_KEEP entries (invalid.lua), each cut; its prompt's next "
                    "failure or accepted ack deletes it.")
     conv = _Own("Hash, in a `--turns all` run: task index -> JSON where its conversation stands "
-                "(turns/state.py): the accepted generations before its last, and once its last "
-                "is made, how it ended and at which turn.")
+                "(turns/state.py): the [version, attempt] key of each accepted generation "
+                "before its last, and once its last is made, how it ended and at which turn.")
     conv_msgs = _Own("Hash, in a `--turns all` run: task index -> zstd JSON of the made "
                      "assistant messages before its last (the next turn's prompt); dropped when "
                      "its last is accepted, unless cut at max_tokens (a redo goes on from it).")
