@@ -83,22 +83,24 @@ class Conversations:
                     follow.reason if follow else COMPLETE)
                 record["ended"] = end  # the conversation's last generation: recover finds it
                 if not await self.record(inflight, Standing(made, end=end, last=turn), b"",
-                                         unstable, checked):
+                                         unstable, checked, 0):
                     return None
                 return record, completion
             await asyncio.to_thread(c.sink.write_many, [record])
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
-                                     unstable, checked):
+                                     unstable, checked, max(1, completion.completion_tokens)):
                 return None
         raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
 
     async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
-                     unstable: int, checked: int) -> bool:
-        """turn.lua: where the conversation stands, iff its lease is ours."""
+                     unstable: int, checked: int, tokens: int) -> bool:
+        """turn.lua: where the conversation stands, iff its lease is ours; `tokens` of a turn
+        before its last count in the rate."""
         lease, c = inflight.lease, self.c
         call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
-                         messages, len(standing.made), standing.ended(), unstable, checked)
+                         messages, len(standing.made), standing.ended(), unstable, checked,
+                         tokens, c.settings.server_id)
         if await c.retry(lambda: self.scripts(call)):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "

@@ -23,7 +23,7 @@ Z95 = 1.959964  # two-sided 95 %
 def activity_start(buckets: Buckets, created_at: float | None = None) -> float | None:
     """When the run began producing results: its first bucket with completions, or its creation
     time within it."""
-    active = [b for b, f in buckets.items() if f.get("req", 0) > 0]
+    active = [b for b, f in buckets.items() if f.get("req", 0) > 0 or f.get("gen", 0) > 0]
     if not active:
         return created_at
     first = min(active) * RATE_BUCKET_S

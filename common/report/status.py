@@ -143,7 +143,10 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
     status["turns"] = meta.get("turns") or turns.LAST  # a run setting, as samples is
     if status["turns"] == turns.ALL:  # what export writes, per conversation and generation
-        status["conversations"] = conversation_figures(r, k, status["total"])
+        status["conversations"] = conv = conversation_figures(r, k, status["total"])
+        since = stats.activity_start(buckets, _number(meta.get("created_at")))
+        made = stats.window_rate(buckets, "gen", now, WINDOWS["5m"], since)  # turns before last
+        conv["generations_per_s"] = round(made + status["rate"]["req_per_s"], 4)
     # Read just after the MULTI: a run of several samples pays one GET of its done bitmap.
     status["prompts_done"] = raw["done"] if samples == 1 else bitmap.full_groups(
         blob(r.get(k.done)), status["total"] // samples, samples)

@@ -150,8 +150,9 @@ def conversation_line(c: dict[str, Any]) -> str:
     each = f" ({c['turns_per_conversation']} turns each)" if c["turns_per_conversation"] else ""
     ended = "  ".join(f"{why} {n:,}" for why, n in sorted(c["stopped"].items())) or "—"
     cut = ", ".join(f"{t}: {n:,}" for t, n in c["truncated_by_turn"].items())
+    rate = f" ({c['generations_per_s']:.2f}/s)" if c.get("generations_per_s") else ""
     return (f"conversations {c['done']:,} / {c['total']:,} done  generations "
-            f"{c['generations']:,}{each}  ended {ended}"
+            f"{c['generations']:,}{rate}{each}  ended {ended}"
             + (f"  truncated at turn {cut}" if cut else "")
             + (f"  boundary unstable {c['boundary_unstable']:,} of {c['boundary_checked']:,}"
                if c["boundary_checked"] else ""))

@@ -6,7 +6,9 @@
 -- ARGV: 1 job id, 2 exec id, 3 task index, 4 where it stands (JSON), 5 the made assistant
 --       messages before its last (zstd JSON; '' leaves them as they are), 6 turns whose
 --       prompt did not begin with the turn before's ids (boundary unstable), 7 turns checked,
---       8 its made turns' count, 9 how it ended and at which turn (state.ended; 0: not yet)
+--       8 its made turns' count, 9 how it ended and at which turn (state.ended; 0: not yet),
+--       10 a turn before the last: its completion tokens, for the rate (0: the last, which
+--       ack.lua counts), 11 server, 12 rate key prefix, 13 rate bucket seconds, 14 its ttl
 -- Returns 1 if written, 0 if the lease was no longer ours.
 if not owns(redis.call('HGET', KEYS[2], ARGV[1]), ARGV[2]) then return 0 end
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
@@ -15,4 +17,12 @@ redis.call('BITFIELD', KEYS[7], 'SET', 'u16', '#' .. ARGV[3], ARGV[8])
 if ARGV[9] ~= '0' then redis.call('BITFIELD', KEYS[8], 'SET', 'u16', '#' .. ARGV[3], ARGV[9]) end
 if ARGV[6] ~= '0' then redis.call('HINCRBY', KEYS[6], 'boundary_unstable', ARGV[6]) end
 if ARGV[7] ~= '0' then redis.call('HINCRBY', KEYS[6], 'boundary_checked', ARGV[7]) end
+if ARGV[10] ~= '0' then  -- the rate's buckets, as ack.lua keeps them: tokens and generations
+  local t = redis.call('TIME')
+  local key = ARGV[12] .. math.floor(tonumber(t[1]) / tonumber(ARGV[13]))
+  redis.call('HINCRBY', key, 'tok', ARGV[10])
+  redis.call('HINCRBY', key, 'tok|' .. ARGV[11], ARGV[10])
+  redis.call('HINCRBY', key, 'gen', 1)
+  redis.call('EXPIRE', key, ARGV[14])
+end
 return 1
