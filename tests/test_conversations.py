@@ -65,7 +65,9 @@ def midway(r, k: RunKeys, server: str) -> list[int]:
     out = []
     for task, raw in r.hgetall(k.conv).items():
         owner = r.hget(k.lease_owner, k.job_id(int(task)))  # "exec|server|version|attempt"
-        if orjson.loads(raw)["made"] and owner and f"|{server}" in owner.decode():
+        # The server as leases name it: its URL, and for a loopback one "#" and its node.
+        if orjson.loads(raw)["made"] and owner and \
+                owner.decode().split("|")[1].split("#")[0] == server:
             out.append(int(task))
     return out
 
@@ -121,7 +123,8 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
                             + "\n" for i, m in enumerate(rows)))
     sim_kwargs = dict(time_scale=60, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
                       max_running_requests=4)
-    sims = [sim_factory(**sim_kwargs), sim_factory(**sim_kwargs)]
+    # The doomed consumer's server is the slower: its conversations are midway longer.
+    sims = [sim_factory(**{**sim_kwargs, "time_scale": 20}), sim_factory(**sim_kwargs)]
     genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "60", "--token-ids",
          redis_url=redis_url, run=run_name)
     flags = ("--burst", "--visibility-timeout", "3")
@@ -130,8 +133,11 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
     try:
         k = RunKeys(run_name)
         # Mid-conversation: turns recorded of conversations not ended yet.
-        wait_for(lambda: len(midway(r, k, sims[0].url)) >= 2, interval=0.01, timeout=60,
-                 what="conversations midway on the doomed consumer")
+        try:
+            wait_for(lambda: midway(r, k, sims[0].url), interval=0.01, timeout=90,
+                     what="conversations midway on the doomed consumer")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{doomed.log()[-3000:]}") from None
         doomed.kill()
         killed_at = requests_served(*sims)
         assert other.wait(180) == 0, other.log()[-3000:]
