@@ -108,6 +108,8 @@ class Arm:
         f = self.figures
         f["redis_b_end"] = self.used() - self.base
         f["status_end"] = before = self.status()
+        # Where the conversations ended (--turns all's status: "diverged", "truncated", ...).
+        f["stopped"] = (before.get("conversations") or {}).get("stopped", "-")
         f["export"] = kit.timed(["export", "--out", str(self.work / "all.jsonl")], self.env,
                                 nofile=256)
         f["generations"] = sum(1 for _ in open(self.work / "all.jsonl", "rb"))
@@ -151,7 +153,8 @@ class Arm:
 
 
 ROWS = (("generations", "generations"), ("per conversation", "generations_per_conversation"),
-        ("complete", "complete"), ("wall s", "wall_s"), ("generations/s", "generations_per_s"),
+        ("complete", "complete"), ("conversations stopped", "stopped"), ("wall s", "wall_s"),
+        ("generations/s", "generations_per_s"),
         ("consumer CPU ms / generation", "cpu_ms_per_generation"),
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
