@@ -55,8 +55,7 @@ def _corpus() -> tuple[str, ...]:
 def _words(rng: random.Random, shape: tuple[float, float, int]) -> str:
     median, sigma, cap = shape
     n = max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma))))
-    corpus = _corpus()
-    return " ".join(corpus[rng.randrange(len(corpus))] for _ in range(n))
+    return " ".join(rng.choices(_corpus(), k=n))
 
 
 def chain_length(rng: random.Random) -> int:
