@@ -284,7 +284,7 @@ async def serve(s: ConsumeSettings, lease_held: Callable[[], bool]) -> int:
         capacity, model, context = await wait_for_server(server, s)
         await check_token_ids(server, s, params.current(sync, k)[1], model)
         consumer = Consumer(s, client, k, sync=sync, total=info.total, samples=info.samples,
-                            dataset=dataset,
+                            turns=info.turns, dataset=dataset,
                             sink=writer, server=server, capacity=capacity, model=model,
                             runstate=RunState(k, info.epoch, s.out, info.gen),
                             context_length=context, lease_held=lease_held)

@@ -17,7 +17,6 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common import turns
 from genq.common.data.records import build_record, failed_record, row_fields, sample_of, task_seed
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
@@ -46,6 +45,8 @@ from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 from genq.consumer.structured import Structured
+from genq.turns import splice
+from genq.turns.engine import Conversations
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -54,12 +55,14 @@ T = TypeVar("T")
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Dataset, sink: ShardWriter,
-                 samples: int = 1,
+                 samples: int = 1, turns: str = splice.LAST,
                  server: SGLang, capacity: int, model: str, runstate: RunState,
                  context_length: int | None = None,
                  lease_held: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
         self.samples = samples  # task t asks for row t // samples
+        # --turns all: a task is a conversation, made turn by turn (turns/engine.py)
+        self.conversations = Conversations(self) if turns == splice.ALL else None
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
@@ -332,7 +335,9 @@ class Consumer:
                     f"row {lease.index // self.samples} was not read with its claim")
             params = await self.params_for(lease.version)
             sample = sample_of(lease.index, self.samples, params)
-            messages, turn = turns.last(prompt.messages)
+            if self.conversations is not None:
+                return await self.conversations.make(inflight, prompt, params, sample)
+            messages, turn = splice.last(prompt.messages)
             if not messages:  # a row of one assistant message: nothing to make it from
                 raise BadTask(prompt.index, f"row {prompt.index}: its only message is an "
                               "assistant turn: there is no prompt to make it anew from")

@@ -64,8 +64,9 @@ def export_main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=export_formats.FORMATS,
                    help="jsonl, parquet (typed columns, bounded row groups) or tokens (a "
                         "--token-ids run's {id, index, input_ids, loss_mask, finish_reason} "
-                        "lines for drafter training); default: parquet for an --out ending "
-                        ".parquet or .pq, else jsonl")
+                        "lines for drafter training) or conversations (a --turns all run's "
+                        "{id, index, tools, messages} rows, made turns in place); default: "
+                        "parquet for an --out ending .parquet or .pq, else jsonl")
     add_common(p)
     a = p.parse_args(argv)
     fmt = export_formats.choose_format(a.out, a.format)  # before Redis: the flags' errors first

@@ -11,7 +11,7 @@ import threading
 import redis
 import structlog
 
-from genq.common import log, params, schema, turns
+from genq.common import log, params, schema
 from genq.common.cli import (
     SERVICE_SOCKET_TIMEOUT_S,
     add_common,
@@ -31,6 +31,7 @@ from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
 from genq.common.queue.scripts import ScriptRunner, reap_call
 from genq.common.report import runhealth
+from genq.turns import splice as turns
 
 logger = structlog.get_logger("producer")
 
@@ -66,7 +67,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--turns", choices=(turns.LAST, turns.ALL), default=turns.LAST,
                    help="which assistant turns to make: `last` (default) makes a row's final "
                         "assistant turn anew, or answers a row ending with a user or tool "
-                        "message; `all` is not built yet")
+                        "message; `all` makes every assistant turn in order, each given the "
+                        "turns made before it (docs/REFERENCE.md, \"Turns\")")
     add_redis_wait(p, "--once")
     add_common(p)
     a = p.parse_args(argv)
@@ -74,15 +76,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
              "return_token_ids": "true" if a.token_ids else None}
     sets = [*a.set, *(f"{key}={value}" for key, value in named.items() if value is not None)]
     a.params = {**params.DEFAULTS, **params.parse_sets(sets, a.raw)}
+    if a.schema and a.turns == turns.ALL:  # a UsageError, not p.error: one line, as every refusal
+        raise UsageError("--schema with --turns all: a conversation's turns call tools and "
+                         "answer in text, so no one schema fits them; drop one of the two")
     if a.schema:
         a.params["response_format"] = schema.response_format(a.schema)
     if a.window < 0:
         p.error("--window must be >= 0")
     if not 1 <= a.samples <= MAX_SAMPLES:  # beyond it, two samples of a row could share a seed
         p.error(f"--samples must be 1-{MAX_SAMPLES}")
-    if a.turns == turns.ALL:  # a UsageError, not p.error: one line, as every refusal
-        raise UsageError("--turns all (every assistant turn, in order) is not built yet: "
-                         "use --turns last, which makes each row's final assistant turn")
     return a
 
 

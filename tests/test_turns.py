@@ -10,11 +10,11 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl
 
-from genq.common import turns
 from genq.common.errors import UsageError
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.simulator import tokens
+from genq.turns import splice as turns
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_shell", "description": "Run a shell command.",
@@ -76,14 +76,16 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
     assert [line["turn"] for line in read_jsonl(lines)] == [2, 2]
 
 
-def test_turns_all_is_refused_in_one_line_and_a_run_keeps_its_turns(
+def test_turns_all_with_a_schema_is_refused_in_one_line_and_a_run_keeps_its_turns(
         tmp_path, redis_url, r, run_name):
     data = tmp_path / "one.jsonl"
     data.write_text(json.dumps({"messages": TWO_TURNS}) + "\n")
-    proc = genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url,
-                run=run_name, check=False)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    proc = genq("produce", str(data), "--once", "--turns", "all", "--schema", str(schema),
+                redis_url=redis_url, run=run_name, check=False)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert "--turns all (every assistant turn, in order) is not built yet" in proc.stderr
+    assert "--schema with --turns all" in proc.stderr
     assert not r.exists(RunKeys(run_name).meta)  # refused before anything was registered
     genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
     # The setting is the run's: registering it again with other turns is refused.

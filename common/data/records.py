@@ -105,7 +105,7 @@ def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt:
                  sample: dict[str, int] | None = None, turn: int = 1) -> dict[str, Any]:
     """clock_offset: Redis's clock less this host's, so that created_at is by Redis's clock;
     sample: {"sample": s, "seed": n} of a run of several samples a prompt (index is the row);
-    turn: which of the row's assistant turns the answer is (common/turns.py)."""
+    turn: which of the row's assistant turns the answer is (turns/splice.py)."""
     record: dict[str, Any] = {"index": index}
     if prompt_id is not None:
         record["id"] = prompt_id

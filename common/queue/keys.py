@@ -116,7 +116,9 @@ class RunKeys:
     acc_cont = _Own("BITFIELD u32 per index: tokens of the partial answer the accepted result "
                     "continued (`requeue --continue`), so a redo undoes its counters too.")
     counters = _Own("Hash of totals over done results: finish:<name>, ctok_sum, ptok_sum, "
-                    "cached_sum (prompt tokens the servers found cached); per "
+                    "cached_sum (prompt tokens the servers found cached), boundary_unstable and "
+                "boundary_checked (`--turns all`: turns whose prompt ids did not begin with the "
+                "turn before's, of those checked); per "
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
                     "invalid|<v>, schema_failed|<v>, schema_cut|<v> (answers not matching the "
                     "schema, prompts failed on it, answers cut at max_tokens).")
@@ -127,6 +129,12 @@ class RunKeys:
     fail_kinds = _Own("Hash: failure reason, URLs and numbers blanked (reason_kind) -> its number.")
     invalid = _Own("Hash: index -> JSON last answer of a prompt failed on the schema (its "
                    "content, finish reason, violation), shown by export --include-failed.")
+    conv = _Own("Hash, in a `--turns all` run: task index -> JSON where its conversation stands "
+                "(turns/state.py): the accepted generations before its last, and once its last "
+                "is made, how it ended and at which turn.")
+    conv_msgs = _Own("Hash, in a `--turns all` run: task index -> zstd JSON of the made "
+                     "assistant messages before its last (the next turn's prompt); dropped when "
+                     "its last is accepted, unless cut at max_tokens (a redo goes on from it).")
     params = _Own("Hash: version -> JSON parameters.")
     params_version = _Own("String: the current parameter version.")
     params_floor = _Own("String: the oldest parameter version still accepted; an abort raises it.")

@@ -22,11 +22,11 @@ from genq.common.queue.keys import (
 )
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
-         "server_renew", "server_release", "server_take", "bump")
+         "server_renew", "server_release", "server_take", "bump", "turn")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
-LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap")
+LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
@@ -118,7 +118,8 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
             k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
             k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont, k.acc_cached]
+            k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont, k.acc_cached,
+            k.conv_msgs]
     rows = []
     for r in results:
         code = finish_code(r.finish_reason)
@@ -137,6 +138,13 @@ def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: b
     keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.spent, k.errors, k.tries]
     args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k), int(unclaim)]
     return Call("release", keys, args)
+
+
+def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes,
+              messages: bytes, unstable: int = 0, checked: int = 0) -> Call:
+    """A conversation's made turn, written to its shard: where it stands (turns/state.py)."""
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.counters]
+    return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked])
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,

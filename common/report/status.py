@@ -10,7 +10,6 @@ from typing import Any, cast
 import orjson
 import redis
 
-from genq.common import turns
 from genq.common.cli import run_keys
 from genq.common.data.records import row_fields
 from genq.common.errors import UsageError, mask_tree
@@ -20,6 +19,8 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.report import advice, runhealth, stats
+from genq.turns import splice as turns
+from genq.turns.export import figures as conversation_figures
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S
@@ -141,6 +142,8 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
     status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
     status["turns"] = meta.get("turns") or turns.LAST  # a run setting, as samples is
+    if status["turns"] == turns.ALL:  # what export writes, per conversation and generation
+        status["conversations"] = conversation_figures(r, k, status["total"])
     # Read just after the MULTI: a run of several samples pays one GET of its done bitmap.
     status["prompts_done"] = raw["done"] if samples == 1 else bitmap.full_groups(
         blob(r.get(k.done)), status["total"] // samples, samples)

@@ -96,6 +96,8 @@ def render_table(status: dict) -> Any:
         Text(f"finish {mix}  truncated {status['truncation_rate']:.1%} "
              f"(last 5 min {status['recent_truncation_rate']:.1%})"),
     ]
+    if conv := status.get("conversations"):
+        lines.append(Text(conversation_line(conv)))
     vt = status.get("version_truncation") or {}
     if vt.get("rate") is not None and status["params_version"] > 1:
         low, high = vt["ci"]
@@ -138,3 +140,15 @@ def render_table(status: dict) -> Any:
         if alert.get("command"):
             lines.append(Text(f"  {alert['command']}", style="bold"))
     return Group(*lines)
+
+
+def conversation_line(c: dict[str, Any]) -> str:
+    """A --turns all run: its conversations, their generations and how they ended."""
+    each = f" ({c['turns_per_conversation']} turns each)" if c["turns_per_conversation"] else ""
+    ended = "  ".join(f"{why} {n:,}" for why, n in sorted(c["stopped"].items())) or "—"
+    cut = ", ".join(f"{t}: {n:,}" for t, n in c["truncated_by_turn"].items())
+    return (f"conversations {c['done']:,} / {c['total']:,} done  generations "
+            f"{c['generations']:,}{each}  ended {ended}"
+            + (f"  truncated at turn {cut}" if cut else "")
+            + (f"  boundary unstable {c['boundary_unstable']:,} of {c['boundary_checked']:,}"
+               if c["boundary_checked"] else ""))

@@ -5,6 +5,7 @@ lines drafter pipelines read."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -14,8 +15,11 @@ from typing import Any
 import orjson
 
 from genq.common.errors import GenqError, UsageError
+from genq.common.queue import run as runs
 from genq.common.store import export
 from genq.common.store import s3 as store
+from genq.turns import export as turns_export
+from genq.turns import splice
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
@@ -63,7 +67,7 @@ def jsonl_to_parquet(src: str, out: str) -> None:
 
 # An --out ending so names its format; any other suffix is JSONL unless --format says otherwise.
 SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
-FORMATS = ("jsonl", "parquet", "tokens")
+FORMATS = ("jsonl", "parquet", "tokens", "conversations")
 
 
 def to_tokens(src: str, out: str) -> None:
@@ -91,7 +95,8 @@ def choose_format(out: str, fmt: str | None) -> str:
     """--format, else the one --out's suffix names, else jsonl; a --format the suffix
     contradicts is a usage error (the file's name would lie about its content)."""
     named = SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower())
-    if fmt and named and fmt != named and (fmt, named) != ("tokens", "jsonl"):  # JSON lines too
+    lines = named == "jsonl" and fmt in ("tokens", "conversations")  # JSON lines too
+    if fmt and named and fmt != named and not lines:
         raise UsageError(f"--format {fmt} contradicts --out {out}, a {named} name: drop "
                          "--format or change the name")
     return fmt or named or "jsonl"
@@ -163,13 +168,19 @@ def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
         if from_s3:
             dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="genq-s3-"))]
             store.fetch_run(store.parse_uri(from_s3), k.run, dirs[0])
-        if fmt == "jsonl":
-            return export.export(r, k, total, dirs, out, **options)
+        write = export.export
+        if runs.load(r, k).turns == splice.ALL:  # one line per generation, or conversations
+            write = functools.partial(turns_export.export, conversations=fmt == "conversations")
+        elif fmt == "conversations":
+            raise UsageError("--format conversations needs a run made with `genq produce "
+                             "--turns all`; this one makes one answer a row")
+        if fmt in ("jsonl", "conversations"):
+            return write(r, k, total, dirs, out, **options)
         # Beside `out`, so that the finished file is renamed into place whole.
         tmp = stack.enter_context(tempfile.TemporaryDirectory(
             prefix="genq-export-", dir=os.path.dirname(os.path.abspath(out))))
         jsonl, final = os.path.join(tmp, "export.jsonl"), os.path.join(tmp, "export.final")
-        result = export.export(r, k, total, dirs, jsonl, **options)
+        result = write(r, k, total, dirs, jsonl, **options)
         (jsonl_to_parquet if fmt == "parquet" else to_tokens)(jsonl, final)
         os.replace(final, out)
         return result

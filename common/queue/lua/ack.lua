@@ -9,7 +9,7 @@
 --       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
 --       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
 --       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries, 25 acc_cont,
---       26 acc_cached
+--       26 acc_cached, 27 conv_msgs
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
@@ -187,6 +187,12 @@ local indices, finished, old = {}, {}, {}
 for _, it in ipairs(accept) do indices[#indices + 1] = it.idx end
 redis.call('HDEL', KEYS[20], unpack(indices))
 redis.call('HDEL', KEYS[23], unpack(indices))  -- a partial is continued once at most
+-- A conversation (--turns all) needs its made turns again only if a redo goes on from its end.
+local ended = {}
+for _, it in ipairs(accept) do
+  if it.fname ~= 'length' then ended[#ended + 1] = it.idx end
+end
+if #ended > 0 then redis.call('HDEL', KEYS[27], unpack(ended)) end
 -- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
 -- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
 for _, it in ipairs(accept) do

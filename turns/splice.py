@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 Message = dict[str, Any]
-# A run's --turns: LAST makes one answer a row (its final assistant turn, or the next);
-# ALL, every assistant turn in order, is not built yet.
+# A run's --turns: LAST makes one answer a row (its final assistant turn, or the next); ALL
+# makes every assistant turn in order (turns/engine.py).
 LAST, ALL = "last", "all"
 DIVERGED, TRUNCATED = "diverged", "truncated"  # why a conversation stopped before its end
 
@@ -30,6 +30,34 @@ class Stop:
 def assistant_turns(messages: Sequence[Message]) -> list[int]:
     """Where each assistant turn is: turn k is messages[assistant_turns(messages)[k - 1]]."""
     return [at for at, m in enumerate(messages) if m.get("role") == "assistant"]
+
+
+def count(messages: Sequence[Message]) -> int:
+    """How many turns `--turns all` makes of a row: its assistant turns, plus the answer to a
+    row that ends with a user or tool message."""
+    at = assistant_turns(messages)
+    return len(at) if at and at[-1] == len(messages) - 1 else len(at) + 1
+
+
+def message_of(record: dict[str, Any]) -> Message:
+    """A made turn as the next turn's prompt holds it: the record's content, reasoning_content
+    and tool_calls (what the chat template may render of an assistant message)."""
+    message: Message = {"role": "assistant", "content": record.get("content")}
+    if record.get("reasoning_content"):
+        message["reasoning_content"] = record["reasoning_content"]
+    if record.get("tool_calls"):
+        message["tool_calls"] = record["tool_calls"]
+    return message
+
+
+def tool_chain(messages: Sequence[Message], turn: int) -> bool:
+    """Whether only tool results stand between turn `turn` and the one before it: the template
+    then renders the turn before unchanged, so this turn's prompt ids begin with its ids."""
+    at = assistant_turns(messages)
+    if not 1 < turn <= len(at) + 1:
+        return False
+    between = messages[at[turn - 2] + 1:at[turn - 1] if turn <= len(at) else len(messages)]
+    return bool(between) and all(m.get("role") == "tool" for m in between)
 
 
 def prompt(messages: Sequence[Message], turn: int,
@@ -51,7 +79,7 @@ def last(messages: Sequence[Message]) -> tuple[list[Message], int]:
     that turn made anew, so genq never answers after an answer; one ending with a user or tool
     message is answered whole, as its next turn."""
     at = assistant_turns(messages)
-    turn = len(at) if at and at[-1] == len(messages) - 1 else len(at) + 1
+    turn = count(messages)
     return prompt(messages, turn, [messages[i] for i in at[:turn - 1]]), turn
 
 

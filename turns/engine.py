@@ -1,0 +1,120 @@
+"""`--turns all` in the consumer: a claimed task is one conversation (a row, or one sample of
+it), made turn by turn in the slot that claimed it, so each turn goes to the server that made
+the turn before and finds its prefix in the server's cache.
+
+Each made turn but the last is written to the shard, then recorded in Redis (turns/state.py)
+while the task's lease is ours: a consumer killed mid-conversation costs only the turn in flight,
+and whichever consumer claims the task next goes on from the turn after the last recorded one.
+The last turn (the row's last, or the one that stopped the conversation) is the task's result,
+written and acknowledged by the Committer like any task's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from genq.common.data.records import build_record
+from genq.common.data.rows import Prompt
+from genq.common.errors import BadTask
+from genq.common.params import request_body
+from genq.common.queue.keys import finish_code
+from genq.common.queue.scripts import ScriptRunner, turn_call
+from genq.common.sglang.stream import Completion
+from genq.consumer.leases import Inflight
+from genq.turns import splice, state
+from genq.turns.state import COMPLETE, Standing
+
+if TYPE_CHECKING:
+    from genq.consumer.worker import Consumer
+
+logger = structlog.get_logger("consumer")
+
+
+class Conversations:
+    def __init__(self, consumer: Consumer) -> None:
+        self.c = consumer
+        self.scripts = ScriptRunner(consumer.redis)
+
+    async def make(self, inflight: Inflight, prompt: Prompt, params: dict[str, Any],
+                   sample: dict[str, int] | None
+                   ) -> tuple[dict[str, Any], Completion] | None:
+        """The conversation's last turn (record, completion) for the Committer; None if it
+        ended otherwise: given back at a stop (its made turns stay), or its lease lost."""
+        c, lease, row = self.c, inflight.lease, prompt.messages
+        count = splice.count(row)
+        standing = await c.retry(lambda: state.resume(c.redis, c.keys, lease.index,
+                                                      lease.version))
+        made, messages = standing.made[:count - 1], standing.messages[:count - 1]
+        if made:
+            logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
+        ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
+        sent = {**params, "seed": sample["seed"]} if sample else params
+        for turn in range(len(made) + 1, count + 1):
+            before = splice.prompt(row, turn, messages)
+            if not before:  # a row of one assistant message: nothing to make it from
+                raise BadTask(prompt.index, f"row {prompt.index}: its only message is an "
+                              "assistant turn: there is no prompt to make it anew from")
+            if inflight.abort or c.stop.is_set():  # between turns: the made ones are kept
+                inflight.abort = inflight.abort or "shutdown"
+                await c.after_abort(inflight)
+                return None
+            body = request_body(before, sent, c.model, tools=prompt.tools)
+            asked = time.monotonic()
+            completion = await c.ask(inflight, body)
+            record = build_record(
+                run=c.settings.run, index=lease.index // c.samples, prompt_id=prompt.id,
+                version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
+                model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
+                gen=lease.gen, clock_offset=c.clock_offset, sample=sample, turn=turn)
+            unstable, checked = _boundary(ids, row, turn, completion)
+            if completion.prompt_token_ids is not None \
+                    and completion.completion_token_ids is not None:
+                ids = [*completion.prompt_token_ids, *completion.completion_token_ids]
+            entry = [lease.version, lease.attempt, lease.gen,
+                     finish_code(completion.finish_reason), completion.completion_tokens,
+                     completion.prompt_tokens, completion.cached_tokens or 0]
+            follow = splice.after(row, turn, completion.finish_reason, completion.tool_calls) \
+                if turn < count else None
+            if follow is None or isinstance(follow, splice.Stop):
+                if isinstance(follow, splice.Stop):
+                    record.update(stopped=follow.reason, stopped_detail=follow.detail)
+                end = splice.TRUNCATED if completion.finish_reason == "length" else (
+                    follow.reason if follow else COMPLETE)
+                record["ended"] = end  # the conversation's last generation: recover finds it
+                if not await self.record(inflight, Standing(made, end=end, last=turn), b"",
+                                         unstable, checked):
+                    return None
+                return record, completion
+            await asyncio.to_thread(c.sink.write_many, [record])
+            made, messages = [*made, entry], [*messages, splice.message_of(record)]
+            if not await self.record(inflight, Standing(made), state.pack(messages),
+                                     unstable, checked):
+                return None
+        raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
+
+    async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
+                     unstable: int, checked: int) -> bool:
+        """turn.lua: where the conversation stands, iff its lease is ours."""
+        lease, c = inflight.lease, self.c
+        call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
+                         messages, unstable, checked)
+        if await c.retry(lambda: self.scripts(call)):
+            return True
+        logger.warning("lease_lost", reason="lease expired; the conversation was handed out "
+                       "again", turn=len(standing.made) + 1)
+        return False
+
+
+def _boundary(ids: list[int] | None, row: list[dict[str, Any]], turn: int,
+              completion: Completion) -> tuple[int, int]:
+    """(unstable, checked): inside a tool chain the template renders the turn before unchanged,
+    so this turn's prompt ids begin with the turn before's prompt and completion ids; a turn
+    whose do not is counted (after speculators' BoundaryUnstableError), never hidden."""
+    now = completion.prompt_token_ids
+    if ids is None or now is None or not splice.tool_chain(row, turn):
+        return 0, 0
+    return int(now[:len(ids)] != ids), 1

@@ -1,0 +1,182 @@
+"""`--turns all` in `genq export` and `genq status`: every accepted generation of every
+conversation, found in the shards by the key Redis accepted it under (turns/state.py: the made
+turns' entries, and the last turn's acc_version and acc_attempt once the conversation is done),
+written one line a generation or one row a conversation; and the figures status shows, read from
+the same state, so status counts what export writes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from genq.common.data.dataset import open_dataset
+from genq.common.data.records import is_failure, parse_line, task_of
+from genq.common.errors import GenqError
+from genq.common.queue import bitmap
+from genq.common.queue import run as runs
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.replies import blob
+from genq.common.store import export as results
+from genq.turns import splice
+from genq.turns.state import ATTEMPT, VERSION, Standing
+
+Key = tuple[int, int]  # (params_version, attempt) a generation's line carries
+
+
+def standings(r: redis.Redis, k: RunKeys) -> dict[int, Standing]:
+    """Task -> where its conversation stands, for every conversation begun."""
+    return {int(task): Standing.decode(raw) for task, raw in r.hscan_iter(k.conv, count=1000)}
+
+
+def accepted_keys(r: redis.Redis, k: RunKeys) -> tuple[dict[int, list[Key]], bytes]:
+    """(task -> the key of each accepted generation, turn 1 first; the done bitmap)."""
+    accepted, is_done, done_raw = results.accepted_state(r, k)
+    keys: dict[int, list[Key]] = {}
+    for task, standing in standings(r, k).items():
+        keys[task] = [(e[VERSION], e[ATTEMPT]) for e in standing.made]
+    for task in bitmap.set_indices(done_raw):
+        if (last := accepted(task)) is not None:
+            keys.setdefault(task, []).append(last)
+    return keys, done_raw
+
+
+def _pick(paths: list[Path], keys: dict[int, list[Key]], samples: int
+          ) -> tuple[dict[tuple[int, int], tuple[int, int, int]], int]:
+    """(task, turn) -> (file number, offset, length) of its accepted line; torn lines."""
+    picks: dict[tuple[int, int], tuple[int, int, int]] = {}
+    torn = 0
+    for file_no, path in enumerate(paths):
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            continue  # shipped and removed since the directory was listed
+        with f:
+            offset = 0
+            for line in f:
+                start, offset = offset, offset + len(line)
+                rec = parse_line(line)
+                if rec is None or "index" not in rec:
+                    torn += bool(line.strip())
+                    continue
+                if is_failure(rec) or type(rec["index"]) is not int:
+                    continue
+                task, turn = task_of(rec, samples), rec.get("turn", 1)
+                want = keys.get(task)
+                if not want or type(turn) is not int or not 0 < turn <= len(want) \
+                        or (task, turn) in picks:
+                    continue
+                if want[turn - 1] == (rec.get("params_version"), rec.get("attempt")):
+                    picks[(task, turn)] = (file_no, start, len(line))
+    return picks, torn
+
+
+def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
+           ) -> Iterator[tuple[int, int, bytes]]:
+    """(task, turn, line) of each pick, by task then turn."""
+    fds: dict[int, int] = {}
+    try:
+        for (task, turn), (file_no, offset, length) in sorted(picks.items()):
+            if file_no not in fds:
+                fds[file_no] = os.open(paths[file_no], os.O_RDONLY)
+            yield task, turn, os.pread(fds[file_no], length, offset)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,
+           conversations: bool = False, include_failed: bool = False,
+           allow_ambiguous: bool = False) -> results.ExportResult:
+    """One line per accepted generation (by task, then turn), or with `conversations` one row
+    per done conversation: {id, index, [sample,] tools, messages}, its made turns in place of
+    the row's and cut where it stopped. Written beside `out`, then renamed into place."""
+    if include_failed:
+        raise GenqError("--include-failed in a --turns all run: a failed conversation's "
+                        "accepted turns are written as any; its reason is in `genq status`")
+    info = runs.load(r, k)
+    keys, done_raw = accepted_keys(r, k)
+    paths = results.shard_paths(dirs, k.run)
+    picks, torn = _pick(paths, keys, info.samples)
+    missing = sorted({task for task, want in keys.items()
+                      for turn in range(1, len(want) + 1) if (task, turn) not in picks})
+    done = int(r.bitcount(k.done))
+    tmp = f"{out}.tmp-{os.getpid()}"
+    written = 0
+    try:
+        with open(tmp, "wb") as w:
+            if conversations:
+                written = _conversations(w, _lines(paths, picks), info, done_raw, set(missing))
+            else:
+                for _task, _turn, line in _lines(paths, picks):
+                    w.write(line)
+                    written += 1
+            w.flush()
+            os.fsync(w.fileno())
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return results.ExportResult(written=written, done=done, missing=missing[:20],
+                                torn_lines=torn, shards=len(paths), not_accepted=[],
+                                not_accepted_count=0, failed_written=0)
+
+
+def _conversations(w: Any, lines: Iterator[tuple[int, int, bytes]], info: runs.RunInfo,
+                   done_raw: bytes, missing: set[int]) -> int:
+    """Write one row per done conversation whose every line was found; how many."""
+    dataset = open_dataset(info.dataset, info.dataset_version)
+    written, task = 0, -1
+    made: list[dict[str, Any]] = []
+
+    def flush() -> int:
+        if task < 0 or task in missing or not bitmap.is_set(done_raw, task):
+            return 0
+        row = dataset.prompt(task // info.samples)
+        messages = splice.prompt(row.messages, len(made), made[:-1]) + made[-1:]
+        out: dict[str, Any] = {"id": row.id if row.id is not None else row.index,
+                               "index": row.index}
+        if info.samples > 1:
+            out["sample"] = task % info.samples
+        out.update(tools=row.tools, messages=messages)
+        w.write(orjson.dumps(out) + b"\n")
+        return 1
+
+    for now, _turn, line in lines:
+        if now != task:
+            written += flush()
+            task, made = now, []
+        made.append(splice.message_of(orjson.loads(line)))
+    return written + flush()
+
+
+def figures(r: redis.Redis, k: RunKeys, total: int) -> dict[str, Any]:
+    """What status shows of a `--turns all` run: conversations done of total, generations
+    accepted (what export writes), turns per done conversation, how they ended, at which turn
+    the truncated ones were cut, and the turns whose prompt ids did not extend the turn
+    before's (boundary unstable) of those checked."""
+    done_raw = blob(r.get(k.done))
+    ended: Counter[str] = Counter()
+    cut: Counter[int] = Counter()
+    generations = turns = 0
+    for task, standing in standings(r, k).items():
+        generations += len(standing.made)
+        if bitmap.is_set(done_raw, task):
+            generations += 1
+            turns += len(standing.made) + 1
+            ended[standing.end or "complete"] += 1
+            if standing.end == splice.TRUNCATED:
+                cut[len(standing.made) + 1] += 1
+    done = int(r.bitcount(k.done))
+    counters = r.hmget(k.counters, ["boundary_unstable", "boundary_checked"])
+    return {"done": done, "total": total, "generations": generations,
+            "turns_per_conversation": round(turns / done, 2) if done else None,
+            "stopped": dict(ended),
+            "truncated_by_turn": {str(t): n for t, n in sorted(cut.items())},
+            "boundary_unstable": int(counters[0] or 0), "boundary_checked": int(counters[1] or 0)}

@@ -1,0 +1,77 @@
+"""Where a conversation stands between its turns, as Redis keeps it: the accepted generations
+before its last (one entry each: the key its line is found by, and its figures), the made
+assistant messages they hold (the next turn's prompt needs them, on whichever consumer takes the
+conversation next), and once its last turn is made, how it ended.
+
+A made turn is written to the consumer's shard first, then turn.lua records it here, iff the
+task's lease is still ours: the same write-then-acknowledge rule as every result. The last turn
+is acknowledged by ack.lua like any task's result; its key is the index's acc_version and
+acc_attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+import zstandard
+
+from genq.common.queue.keys import RunKeys
+
+# One accepted generation: [params version, attempt, generation, finish code,
+# completion_tokens, prompt_tokens, cached prompt tokens] (keys.FINISH_CODES).
+Entry = list[int]
+VERSION, ATTEMPT = 0, 1
+COMPLETE = "complete"  # a conversation that reached its last turn (else splice.DIVERGED, ...)
+
+_compress = zstandard.ZstdCompressor(level=3)
+_decompress = zstandard.ZstdDecompressor()
+
+
+@dataclass
+class Standing:
+    made: list[Entry] = field(default_factory=list)  # turns 1..n, before the last
+    messages: list[dict[str, Any]] = field(default_factory=list)  # their assistant messages
+    end: str = ""  # once its last turn is made: COMPLETE, DIVERGED or TRUNCATED
+    last: int = 0  # that turn's number
+
+    def encode(self) -> bytes:
+        out: dict[str, Any] = {"made": self.made}
+        if self.end:
+            out.update(end=self.end, last=self.last)
+        return orjson.dumps(out)
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> Standing:
+        if not raw:
+            return cls()
+        got = orjson.loads(raw)
+        return cls(made=got.get("made", []), end=got.get("end", ""), last=got.get("last", 0))
+
+
+def pack(messages: list[dict[str, Any]]) -> bytes:
+    return _compress.compress(orjson.dumps(messages))
+
+
+def unpack(raw: bytes) -> list[dict[str, Any]]:
+    return orjson.loads(_decompress.decompress(raw))
+
+
+async def resume(r: aioredis.Redis, k: RunKeys, task: int, version: int) -> Standing:
+    """Where a claimed conversation goes on from: its made turns with their messages. It begins
+    again at turn 1 when those messages are gone (it ended, and is asked again whole) or a
+    `requeue --redo all` issued at or below `version` covers its first turn."""
+    pipe = r.pipeline(transaction=False)
+    pipe.hget(k.conv, str(task))
+    pipe.hget(k.conv_msgs, str(task))
+    pipe.hget(k.redo_marks, "done")
+    raw, msgs, redo_all = await pipe.execute()
+    standing = Standing.decode(raw)
+    messages = unpack(msgs) if msgs else []
+    made = standing.made
+    if len(messages) < len(made) or (
+            made and redo_all and made[0][VERSION] < int(redo_all) <= version):
+        return Standing()
+    return Standing(made=made, messages=messages[:len(made)])
