@@ -32,7 +32,7 @@ SCRIPTS = {
     "ship_window.py": ["--shards", "2", "--minutes", "0.5,1"],
     "token_ids.py": ["--records", "60"],
     "s3_dataset.py": ["--rows", "2000", "--seconds", "1"],
-    "conversations.py": ["--conversations", "50", "--deadline", "60", "--arms", "last"],
+    "conversations.py": ["--conversations", "50", "--deadline", "60"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
                  "--slots", "4", "--timeout", "120"],
 }
@@ -141,6 +141,9 @@ def check_conversations(f: dict) -> None:
         got = f[arm]
         assert got["complete"] and got["generations"] >= 50 and got["consumer_cpu_s"] > 0
         assert got["redis_b_peak"] > 0 and got["export"]["wall_s"] > 0
+    # Every turn made: more generations than conversations, each conversation ended somehow.
+    assert f["all"]["generations"] > f["last"]["generations"] == 50
+    assert sum(f["all"]["stopped"].values()) == 50
 
 
 CHECKS = {
