@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,27 @@ def simulators(n: int, *flags: str) -> Iterator[list[SimProcess]]:
     finally:
         for sim in sims:
             sim.cleanup()
+
+
+def timed(args: list[str], env: dict, nofile: int | None = None) -> dict:
+    """A genq command to its end: wall s and peak RSS (MB), optionally under `ulimit -n`."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "genq", *args], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=limit if nofile else None)
+    _, status, ru = os.wait4(proc.pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"genq {args[0]} failed: {proc.stderr.read().decode()[-2000:]}")
+    return {"wall_s": round(time.monotonic() - start, 2), "rss_mb": round(ru.ru_maxrss / 1024)}
+
+
+def latency(fetch) -> float:
+    start = time.monotonic()
+    fetch()
+    return round(time.monotonic() - start, 3)
 
 
 def proc_cpu_s(pid: int) -> float:

@@ -16,7 +16,6 @@ RSS) and `genq recover` after FLUSHALL (wall, peak RSS), checked against the run
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -32,27 +31,6 @@ from genq.common.queue.keys import RunKeys
 RUN = "scale"
 SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
        "--max-running-requests", "64"]
-
-
-def timed(args: list[str], env: dict, nofile: int | None = None) -> dict:
-    """A genq command to its end: wall s and peak RSS (MB), optionally under `ulimit -n`."""
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "genq", *args], cwd=kit.REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=limit if nofile else None)
-    _, status, ru = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"genq {args[0]} failed: {proc.stderr.read().decode()[-2000:]}")
-    return {"wall_s": round(time.monotonic() - start, 2), "rss_mb": round(ru.ru_maxrss / 1024)}
-
-
-def latency(fetch) -> float:
-    start = time.monotonic()
-    fetch()
-    return round(time.monotonic() - start, 3)
 
 
 def main() -> int:
@@ -89,9 +67,9 @@ def main() -> int:
                     cpu[pid] = ru.ru_utime + ru.ru_stime
             if not half and r.bitcount(k.done) >= tasks // 2:
                 half = True
-                lat["status_mid_s"] = latency(lambda: kit.genq("status", redis_url=srv.url,
-                                                               run=RUN))
-                lat["api_mid_s"] = latency(lambda: monitor.get("/api/status"))
+                lat["status_mid_s"] = kit.latency(lambda: kit.genq("status", redis_url=srv.url,
+                                                                   run=RUN))
+                lat["api_mid_s"] = kit.latency(lambda: monitor.get("/api/status"))
                 print(f"mid-run ({r.bitcount(k.done):,} of {tasks:,} done, load average "
                       f"{kit.load_average()}): genq status {lat['status_mid_s']} s, /api/status "
                       f"{lat['api_mid_s']} s", file=sys.stderr, flush=True)
@@ -102,16 +80,16 @@ def main() -> int:
             peak_mb = max(peak_mb, used_mb())
             time.sleep(0.5)
         wall, (busy, total) = time.monotonic() - started, kit.machine_cpu()
-        lat["status_end_s"] = latency(lambda: kit.genq("status", redis_url=srv.url, run=RUN))
-        lat["api_end_s"] = latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))
+        lat["status_end_s"] = kit.latency(lambda: kit.genq("status", redis_url=srv.url, run=RUN))
+        lat["api_end_s"] = kit.latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))
         producer.stop()
         monitor.proc.terminate()
         end_mb, done = used_mb(), r.bitcount(k.done)
         shards = sum(len(list(out.glob("*.jsonl"))) for out in outs)
-        export = timed(["export", "--out", str(work / "all.jsonl")], env, nofile=256)
+        export = kit.timed(["export", "--out", str(work / "all.jsonl")], env, nofile=256)
         exported = sum(1 for _ in open(work / "all.jsonl", "rb"))
         r.flushall()  # what a restart without persistence leaves
-        recover = timed(["recover", "--shards", *map(str, outs)], env, nofile=256)
+        recover = kit.timed(["recover", "--shards", *map(str, outs)], env, nofile=256)
         recovered = r.bitcount(k.done)
     if not done == exported == recovered == tasks:
         raise SystemExit(f"done {done}, exported {exported}, recovered {recovered}")

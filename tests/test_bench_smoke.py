@@ -32,6 +32,7 @@ SCRIPTS = {
     "ship_window.py": ["--shards", "2", "--minutes", "0.5,1"],
     "token_ids.py": ["--records", "60"],
     "s3_dataset.py": ["--rows", "2000", "--seconds", "1"],
+    "conversations.py": ["--conversations", "50", "--deadline", "60"],
     "chaos.py": ["--prompts", "80", "--faults", "2", "--fault-every", "0.5", "--servers", "1",
                  "--slots", "4", "--timeout", "120"],
 }
@@ -132,6 +133,19 @@ def check_s3(f: dict) -> None:
     assert f["outage"]["exit"] == 0
 
 
+def check_conversations(f: dict) -> None:
+    shape = f["dataset"]
+    assert shape["rows"] == 50 and 1 <= shape["users_per_row"] <= 3
+    assert shape["tool_calls_per_row"] >= shape["users_per_row"]  # a chain after each request
+    for arm in f["args"]["arms"].split(","):
+        got = f[arm]
+        assert got["complete"] and got["generations"] >= 50 and got["consumer_cpu_s"] > 0
+        assert got["redis_b_peak"] > 0 and got["export"]["wall_s"] > 0
+    # Every turn made: more generations than conversations, each conversation ended somehow.
+    assert f["all"]["generations"] > f["last"]["generations"] == 50
+    assert sum(f["all"]["stopped"].values()) == 50
+
+
 CHECKS = {
     "throughput.py": check_throughput,
     "idle.py": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
@@ -154,6 +168,31 @@ CHECKS = {
         and 0 < f["ages"][0]["at_risk_per_node"] < f["ages"][1]["at_risk_per_node"]
         or pytest.fail(f)),
     "chaos.py": lambda f: all(f["checks"].values()) or pytest.fail(f),
+    "conversations.py": check_conversations,
     "token_ids.py": lambda f: (f["ids on"]["zstd_bytes"] > f["ids off"]["zstd_bytes"] > 0
                                and f["ids on"]["records"] == 60) or pytest.fail(f),
 }
+
+
+def test_conversation_rows_are_seeded_and_call_the_rows_first_tool() -> None:
+    """bench/conversations.py's rows: the same for a seed, and shaped so that a simulator
+    calling the request's first tool matches every tool turn (one call each)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import _conversations as data
+
+    rows = list(data.rows(200, seed=3))
+    assert rows == list(data.rows(200, seed=3)) and rows != list(data.rows(200, seed=4))
+    assert data.row(3, 150) == rows[150]  # a row depends on (seed, index) alone
+    for row in rows:
+        first = row["tools"][0]["function"]["name"]
+        messages = row["messages"]
+        assert messages[0]["role"] == "system" and messages[-1]["role"] == "assistant"
+        for at, m in enumerate(messages):
+            if m["role"] == "user":  # a chain of 1-20 calls, then a final answer
+                assert messages[at + 1].get("tool_calls")
+            if m.get("tool_calls"):
+                (call,) = m["tool_calls"]
+                assert call["function"]["name"] == first
+                assert messages[at + 1] == {"role": "tool", "tool_call_id": call["id"],
+                                            "content": messages[at + 1]["content"]}
+    assert 7 <= data.shape(rows)["assistant_turns_per_row"] <= 9.5

@@ -1,0 +1,138 @@
+"""Agentic-coding conversations at the seed's shape, for bench/conversations.py: a data set
+of JSON lines rows {"id", "messages", "tools"} (docs/CLI.md, "Data set").
+
+A row: a system prompt (one of a few, as a deployment has few), then 1-3 user requests; each
+request is worked through a tool chain of 1-20 calls and closed by a final assistant answer.
+Each tool-calling assistant turn makes exactly one call, to the row's first tool, followed by
+a `tool` message with its result: the simulator with `--tool-call-rate R` calls a request's
+first tool by name, so a regenerated call matches the row's and `--turns all` splices the
+row's result in and goes on. About 8 assistant turns a row on average.
+
+Texts are words drawn from Python's own documentation (prose and code) with their frequencies,
+kept modest in length (tens of words a message) so a 2-core machine can regenerate every turn
+of 100,000 rows; the simulator's prompt cost grows with the words it tokenizes.
+
+Deterministic: row i depends only on (seed, i), so any prefix or slice of a data set is the
+same rows whatever N was asked for.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from pydoc_data.topics import topics
+from typing import Any
+
+import orjson
+
+USERS = (1, 2, 3)
+USER_WEIGHTS = (0.35, 0.35, 0.30)  # 1.95 user requests a row
+CHAIN_MEDIAN, CHAIN_SIGMA, CHAIN_MAX = 2.3, 0.8, 20  # tool calls after each request
+# Words a message: lognormal (median, sigma, cap).
+SYSTEM_WORDS = (90, 0.3, 200)
+USER_WORDS = (25, 0.6, 200)
+RESULT_WORDS = (40, 0.8, 400)
+ANSWER_WORDS = (35, 0.6, 300)
+SYSTEMS = 4  # distinct system prompts
+TOOLS: dict[str, tuple[str, str]] = {  # name: (description, its one argument)
+    "run_shell": ("Run a shell command in the repository and return its output.", "cmd"),
+    "read_file": ("Read a file of the repository.", "path"),
+    "write_file": ("Write a file of the repository, replacing its content.", "path"),
+    "search_code": ("Search the repository for a regular expression.", "pattern"),
+    "apply_patch": ("Apply a unified diff to the repository.", "diff"),
+    "list_dir": ("List a directory of the repository.", "path"),
+}
+
+
+@cache
+def _corpus() -> tuple[str, ...]:
+    return tuple(" ".join(topics.values()).split())
+
+
+def _words(rng: random.Random, shape: tuple[float, float, int]) -> str:
+    median, sigma, cap = shape
+    n = max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma))))
+    return " ".join(rng.choices(_corpus(), k=n))
+
+
+def chain_length(rng: random.Random) -> int:
+    """Tool calls worked through after one user request: 1-20, most short, a long tail."""
+    return max(1, min(CHAIN_MAX, round(rng.lognormvariate(math.log(CHAIN_MEDIAN),
+                                                          CHAIN_SIGMA))))
+
+
+def tool(name: str) -> dict[str, Any]:
+    description, arg = TOOLS[name]
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {arg: {"type": "string"}},
+                       "required": [arg]}}}
+
+
+def _call(rng: random.Random, name: str, n: int) -> dict[str, Any]:
+    arg = TOOLS[name][1]
+    value = " ".join(rng.choices(_corpus(), k=rng.randint(2, 8)))
+    return {"id": f"call_{n}", "type": "function",
+            "function": {"name": name, "arguments": orjson.dumps({arg: value}).decode()}}
+
+
+def system_prompt(seed: int, which: int) -> str:
+    rng = random.Random(f"system:{seed}:{which}")
+    return "You are a coding agent working in the user's repository. " + _words(rng,
+                                                                               SYSTEM_WORDS)
+
+
+def row(seed: int, index: int) -> dict[str, Any]:
+    """Row `index` of the data set of this seed."""
+    rng = random.Random(f"{seed}:{index}")
+    names = rng.sample(sorted(TOOLS), k=rng.randint(2, len(TOOLS)))
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt(seed, rng.randrange(SYSTEMS))}]
+    calls = 0
+    for _ in range(rng.choices(USERS, USER_WEIGHTS)[0]):
+        messages.append({"role": "user", "content": _words(rng, USER_WORDS)})
+        for _ in range(chain_length(rng)):
+            calls += 1
+            call = _call(rng, names[0], calls)
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            messages.append({"role": "tool", "tool_call_id": call["id"],
+                             "content": _words(rng, RESULT_WORDS)})
+        messages.append({"role": "assistant", "content": _words(rng, ANSWER_WORDS)})
+    return {"id": f"conv-{seed}-{index}", "messages": messages,
+            "tools": [tool(name) for name in names]}
+
+
+def rows(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
+    return (row(seed, i) for i in range(n))
+
+
+def write(path: Path, n: int, seed: int = 0) -> Path:
+    """The data set of n rows, as JSON lines."""
+    with open(path, "wb") as f:
+        for r in rows(n, seed):
+            f.write(orjson.dumps(r) + b"\n")
+    return path
+
+
+def shape(sample: list[dict[str, Any]]) -> dict[str, float]:
+    """What a data set looks like: per row, user requests, assistant turns (tool-calling and
+    final), the longest chain, and words; over a sample of its rows."""
+    users = turns = calls = words = longest = 0
+    for r in sample:
+        chain = 0
+        for m in r["messages"]:
+            role = m["role"]
+            users += role == "user"
+            turns += role == "assistant"
+            calls += bool(m.get("tool_calls"))
+            words += len((m.get("content") or "").split())
+            chain = chain + 1 if m.get("tool_calls") else 0 if role == "user" else chain
+            longest = max(longest, chain)
+    n = max(1, len(sample))
+    return {"rows": len(sample), "users_per_row": round(users / n, 2),
+            "assistant_turns_per_row": round(turns / n, 2),
+            "tool_calls_per_row": round(calls / n, 2), "longest_chain": longest,
+            "words_per_row": round(words / n, 1)}

@@ -1,0 +1,226 @@
+"""Conversations at the seed's shape: every assistant turn regenerated in order (`genq produce
+--turns all`) against a one-turn run of the same rows (`--turns last`, the baseline), side by
+side on the same Redis and simulators.
+
+The data set comes from bench/_conversations.py (seeded): agentic-coding rows of a system
+prompt, 1-3 user requests, each worked through a chain of 1-20 tool calls (one call a turn, to
+the row's first tool) and closed by a final answer, ~8 assistant turns a row. The simulators
+answer fast (16-token answers, time scale 10000) with `--tool-call-rate R --enable-cache-report`:
+at R = 1.0 every regenerated turn calls the row's first tool, so a tool turn's results are
+spliced in and the chain goes on, and a final-answer turn, which made no call in the row,
+diverges there.
+
+Each arm: the windowed producer, `genq consume --burst` per simulator, to the end or to
+--deadline (then the consumers are stopped with SIGTERM and the figures are those of the
+prefix done, said in `complete`). Measured: Redis `used_memory` above the arm's start (mid-run
+and at the end, and peak), per conversation; consumers' CPU per generation (wait4); `genq
+status` wall mid-run; `genq export` and, after FLUSHALL, `genq recover` walls (peak RSS),
+checked against each other. Ratios are all/last.
+
+    python bench/conversations.py                          # 100,000 conversations
+    python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import _common as kit
+import _conversations as data
+import orjson
+from faultkit import Background
+from pipeline import wait_for
+
+from genq.common.queue.keys import RunKeys
+
+SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
+       "--max-running-requests", "64", "--enable-cache-report"]
+ARMS = ("last", "all")
+
+
+class Arm:
+    """One run of the data set with `--turns TURNS`, on the shared Redis and simulators."""
+
+    def __init__(self, turns: str, a, srv, sims, work: Path, dataset: Path) -> None:
+        self.turns, self.a, self.srv, self.sims = turns, a, srv, sims
+        self.run, self.work, self.dataset = f"conv-{turns}", work / turns, dataset
+        self.r, self.k = srv.client(), RunKeys(self.run)
+        self.env = kit.genq_env(srv.url, self.run)
+        self.figures: dict = {"turns": turns}
+
+    def used(self) -> int:
+        return int(self.r.info("memory")["used_memory"])
+
+    def status(self) -> dict:
+        return orjson.loads(kit.genq("status", "--json", redis_url=self.srv.url,
+                                     run=self.run).stdout)
+
+    def mid_run(self) -> None:
+        """`genq status` timed three times (median) and the Redis memory, while consumers run."""
+        walls = [kit.latency(self.status) for _ in range(3)]
+        self.figures["status_mid_s"] = statistics.median(walls)
+        self.figures["redis_b_mid"] = self.used() - self.base
+        self.figures["mid_status"] = self.status()
+        print(f"[{self.turns}] mid-run at {time.monotonic() - self.started:.0f} s (load average "
+              f"{kit.load_average()}): genq status {self.figures['status_mid_s']} s, Redis "
+              f"{self.figures['redis_b_mid'] / 2**20:.1f} MB", file=sys.stderr, flush=True)
+
+    def consume(self) -> None:
+        """Consumers to their end (or the deadline): their CPU by wait4, memory peaks."""
+        outs = [self.work / f"out{n}" for n in range(len(self.sims))]
+        procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
+                              str(out)) for sim, out in zip(self.sims, outs, strict=True)]
+        self.started, cpu, peak, mid = time.monotonic(), {}, 0, False
+        deadline, stopped = self.started + self.a.deadline, False
+        while len(cpu) < len(procs):
+            for proc in procs:  # wait4 for each one's CPU, not poll(), which would reap it
+                pid, status, ru = (os.wait4(proc.pid, os.WNOHANG) if proc.pid not in cpu
+                                   else (0, 0, None))
+                if pid:
+                    cpu[pid] = ru.ru_utime + ru.ru_stime
+                    if os.waitstatus_to_exitcode(status) not in (0, -signal.SIGTERM):
+                        raise SystemExit(f"a consumer exited {status}")
+            elapsed = time.monotonic() - self.started
+            if not mid and (self.r.bitcount(self.k.done) >= self.a.conversations // 2
+                            or elapsed >= self.a.deadline / 2):
+                mid = True
+                self.mid_run()
+            if not stopped and time.monotonic() > deadline:
+                stopped = True
+                print(f"[{self.turns}] deadline: stopping the consumers", file=sys.stderr)
+                for proc in procs:
+                    if proc.pid not in cpu:
+                        proc.send_signal(signal.SIGTERM)
+            peak = max(peak, self.used() - self.base)
+            time.sleep(0.25)
+        self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
+                            complete=not stopped, consumer_cpu_s=round(sum(cpu.values()), 2),
+                            redis_b_peak=peak)
+        self.outs = outs
+
+    def timed(self, *args: str) -> dict:
+        """A genq command under `ulimit -n 256` as scale.py times it; where that fails (one
+        that opens every shard at once), the failure is kept and it runs unlimited."""
+        try:
+            return kit.timed(list(args), self.env, nofile=256)
+        except SystemExit as failed:
+            print(f"[{self.turns}] under ulimit -n 256: {str(failed)[-300:]}", file=sys.stderr)
+            return {**kit.timed(list(args), self.env), "failed_at_256_files": str(failed)[-200:]}
+
+    def finish(self) -> None:
+        """Export, FLUSHALL, recover: walls, and the counts checked against each other."""
+        f = self.figures
+        f["redis_b_end"] = self.used() - self.base
+        f["status_end"] = before = self.status()
+        # Where the conversations ended (--turns all's status: "diverged", "truncated", ...).
+        f["stopped"] = (before.get("conversations") or {}).get("stopped", "-")
+        f["export"] = self.timed("export", "--out", str(self.work / "all.jsonl"), "--overwrite")
+        f["generations"] = sum(1 for _ in open(self.work / "all.jsonl", "rb"))
+        self.r.flushall()  # what a restart without persistence leaves
+        f["recover"] = self.timed("recover", "--shards", *map(str, self.outs))
+        after = self.status()
+        for key in ("total", "done", "failed"):
+            if before.get(key) != after.get(key):
+                raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
+                                 f"{after.get(key)} recovered")
+        self.r.flushall()
+
+    def registered(self, producer: Background) -> bool:
+        """Whether the run is registered; a producer that exited first (a refused setting)
+        ends the bench with its log."""
+        if producer.proc.poll() is not None and not self.r.exists(self.k.done):
+            raise SystemExit(f"[{self.turns}] genq produce exited: {producer.log()[-2000:]}")
+        return bool(self.r.exists(self.k.done))
+
+    def measure(self) -> dict:
+        self.work.mkdir()
+        self.base = self.used()
+        producer = Background(self.srv.url, self.run, "produce", str(self.dataset), "--turns",
+                              self.turns, "--max-tokens", str(self.a.max_tokens))
+        try:
+            wait_for(lambda: self.registered(producer), timeout=600, what="the run registered")
+            self.consume()
+        finally:
+            producer.stop()
+            producer.cleanup()
+        self.finish()
+        f, n, gens = self.figures, self.a.conversations, max(1, self.figures["generations"])
+        f.update(cpu_ms_per_generation=round(1000 * f["consumer_cpu_s"] / gens, 3),
+                 generations_per_conversation=round(gens / n, 2),
+                 generations_per_s=round(gens / f["wall_s"], 1),
+                 redis_b_per_conversation_mid=round(f["redis_b_mid"] / n, 1),
+                 redis_b_per_conversation_end=round(f["redis_b_end"] / n, 1),
+                 redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1))
+        return f
+
+
+ROWS = (("generations", "generations"), ("per conversation", "generations_per_conversation"),
+        ("complete", "complete"), ("conversations stopped", "stopped"), ("wall s", "wall_s"),
+        ("generations/s", "generations_per_s"),
+        ("consumer CPU ms / generation", "cpu_ms_per_generation"),
+        ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
+        ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
+        ("Redis B / conversation, end", "redis_b_per_conversation_end"),
+        ("genq status s, mid-run (median of 3)", "status_mid_s"))
+
+
+def report(arms: dict[str, dict]) -> str:
+    """A row a figure, a column an arm, and all/last where both ran."""
+    def ratio(a, b) -> str:
+        ok = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
+        return f"{a / b:.2f}" if ok and b else "-"
+
+    def cell(f: dict, key: str) -> object:
+        return f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if key in ("export", "recover") \
+            else f[key]
+
+    both = set(ARMS) <= set(arms)
+    rows = []
+    for name, key in (*ROWS, ("genq export s (peak RSS MB)", "export"),
+                      ("genq recover s (peak RSS MB)", "recover")):
+        row = [name, *(cell(f, key) for f in arms.values())]
+        if both:
+            timed = key in ("export", "recover")
+            every, last = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ARMS[::-1])
+            row.append(ratio(every, last))
+        rows.append(tuple(row))
+    heads = ("figure", *(f"--turns {t}" for t in arms), *(("all/last",) if both else ()))
+    return kit.table(rows, heads)
+
+
+def main() -> int:
+    p = kit.parser(__doc__)
+    p.add_argument("--conversations", type=int, default=100_000)
+    p.add_argument("--consumers", type=int, default=2, help="each on its own simulator")
+    p.add_argument("--seed", type=int, default=0, help="the data set's")
+    p.add_argument("--tool-call-rate", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=4096)
+    p.add_argument("--deadline", type=float, default=1200,
+                   help="seconds an arm's consumers run before they are stopped")
+    p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
+    a = p.parse_args()
+    sim = [*SIM, "--tool-call-rate", str(a.tool_call_rate)]
+    figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}
+    with kit.workdir() as work, kit.private_redis() as srv, \
+            kit.simulators(a.consumers, *sim) as sims:
+        start = time.monotonic()
+        dataset = data.write(work / "conversations.jsonl", a.conversations, a.seed)
+        figures["dataset"] = {**data.shape(list(data.rows(min(a.conversations, 5000), a.seed))),
+                              "bytes": dataset.stat().st_size,
+                              "write_s": round(time.monotonic() - start, 1)}
+        print(f"data set: {figures['dataset']}", file=sys.stderr, flush=True)
+        arms = {turns: Arm(turns, a, srv, sims, work, dataset).measure()
+                for turns in a.arms.split(",")}
+    figures.update(arms, load_average_after=kit.load_average())
+    print(report(arms))
+    kit.dump_json(a.json, figures)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
