@@ -136,3 +136,50 @@ def test_recover_rebuilds_conversations_done_and_midway_and_they_go_on(
             asked += len(chain) - (t - 1)
         assert requests_served(fresh) - served == asked
         r.close()
+
+
+def _gen(index: int, turn: int, version: int, attempt: int, *, finish: str = "stop",
+         ended: str = "", at: float = 10.0) -> bytes:
+    rec = {"index": index, "turn": turn, "params_version": version, "attempt": attempt,
+           "finish_reason": finish, "completion_tokens": 7, "prompt_tokens": 3,
+           "created_at": at, "content": f"{index}.{turn} v{version} a{attempt}"}
+    return orjson.dumps({**rec, **({"ended": ended} if ended else {})}) + b"\n"
+
+
+def test_each_turn_takes_the_newest_line_not_older_than_the_turn_before():
+    from genq.turns import state
+    from genq.turns.recover import rebuild
+    history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0},
+               {"version": 2, "redo": "truncated", "inflight": "finish", "at": 50.0}]
+    manifest = {"run": "x", "total": 5, "turns": "all", "params_version": 2,
+                "history": history}
+    lines = [
+        # 0: claim 1 lost its lease after turn 2; claim 2 went on from turn 3 while claim 1
+        # still wrote its turns 3 and 4 (never recorded).
+        _gen(0, 1, 1, 1), _gen(0, 2, 1, 1), _gen(0, 3, 1, 1), _gen(0, 3, 1, 2),
+        _gen(0, 4, 1, 2, ended="complete"), _gen(0, 4, 1, 1, ended="complete"),
+        # 1: cut at turn 2, redone under v2 from turn 2.
+        _gen(1, 1, 1, 1), _gen(1, 2, 1, 1, finish="length", ended="truncated"),
+        _gen(1, 2, 2, 2, at=60), _gen(1, 3, 2, 2, ended="complete", at=61),
+        # 2: cut at turn 2, its redo not made yet: kept aside, its turn 1 kept to go on from.
+        _gen(2, 1, 1, 1), _gen(2, 2, 1, 1, finish="length", ended="truncated"),
+        # 3: midway: turn 3 of an older claim is no part of it.
+        _gen(3, 3, 1, 1), _gen(3, 1, 1, 2), _gen(3, 2, 1, 2),
+        # 4: its turn 1 never written whole.
+        _gen(4, 1, 1, 1)[:-5],
+    ]
+    out = rebuild(manifest, lambda: [iter(lines)])
+    rec = out.rec
+    assert set(rec.standing) == {0, 1} and set(rec.kept) == {2}
+    assert rec.standing[0][:2] == (1, 2) and rec.standing[1][:2] == (2, 2)
+    assert rec.claims == {0: 2, 1: 2, 2: 1, 3: 2} and rec.skipped == 1
+    conv = {task: state.Standing.decode(raw) for task, raw in out.conv.items()}
+    assert [e[:2] for e in conv[0].made] == [[1, 1], [1, 1], [1, 2]]
+    assert (conv[0].end, conv[0].last) == ("complete", 4)
+    assert [e[:2] for e in conv[1].made] == [[1, 1], [2, 2]]
+    assert (conv[2].end, conv[2].last, len(conv[2].made)) == ("truncated", 2, 1)
+    assert [e[:2] for e in conv[3].made] == [[1, 2], [1, 2]] and not conv[3].end
+    # Messages for what goes on: the midway one and the one cut (ack.lua drops the others').
+    assert sorted(out.msgs) == [2, 3]
+    assert [m["content"] for m in state.unpack(out.msgs[3])] == ["3.1 v1 a2", "3.2 v1 a2"]
+    assert [m["content"] for m in state.unpack(out.msgs[2])] == ["2.1 v1 a1"]
