@@ -14,7 +14,7 @@ import pytest
 from conftest import genq
 from faultkit import private_redis
 from pipeline import ConsumerProcess, read_jsonl, wait_for
-from test_conversations import TOOLS, by_conversation, conversation, midway, requests_served
+from test_conversations import TOOLS, by_conversation, conversation, requests_served
 
 from genq.common.queue.keys import RunKeys
 
@@ -46,6 +46,13 @@ def conversations(url: str, run: str) -> dict:
     return orjson.loads(genq("status", "--json", redis_url=url, run=run).stdout)["conversations"]
 
 
+def going_on(r, k: RunKeys) -> int:
+    """Conversations with turns recorded and their last not made yet (one made but not yet
+    acknowledged says how it ended already)."""
+    return sum(1 for raw in r.hvals(k.conv) if (got := orjson.loads(raw))["made"]
+               and "end" not in got)
+
+
 def consume(url: str, run: str, server: str, out: Path) -> None:
     c = ConsumerProcess(url, run, server, out, "--burst", "--visibility-timeout", "3")
     try:
@@ -59,7 +66,9 @@ def test_recover_rebuilds_conversations_done_and_midway_and_they_go_on(
         tmp_path, run_name, sim_factory):
     data = tmp_path / "conversations.jsonl"
     write_rows(data, N)
-    sim, fresh = sim_factory(**SIM), sim_factory(**SIM)
+    # The doomed consumer's server is slower, so conversations stay midway a while.
+    sim, slow, fresh = sim_factory(**SIM), sim_factory(**{**SIM, "time_scale": 10}), \
+        sim_factory(**SIM)
     ended, half = run_name + "e", run_name + "m"
     produce = ("produce", str(data), "--once", "--turns", "all", "--max-tokens", "60")
     with private_redis() as redis_srv:  # FLUSHALL there loses every run, as a lost Redis
@@ -68,14 +77,14 @@ def test_recover_rebuilds_conversations_done_and_midway_and_they_go_on(
         genq(*produce, redis_url=url, run=ended)
         consume(url, ended, sim.url, tmp_path / "e")
         genq(*produce, redis_url=url, run=half)
-        doomed = ConsumerProcess(url, half, sim.url, tmp_path / "m", "--visibility-timeout", "3")
+        doomed = ConsumerProcess(url, half, slow.url, tmp_path / "m", "--visibility-timeout", "3")
         try:
-            wait_for(lambda: len(midway(r, RunKeys(half), sim.url)) >= 3, interval=0.01,
+            wait_for(lambda: going_on(r, RunKeys(half)) >= 3, interval=0.01,
                      timeout=60, what="conversations midway")
             # Decoding stands still, so every turn written is recorded before the kill: the
             # shards then hold exactly what Redis accepted (a line written and never recorded
             # would be adopted by the recover, as any written result is).
-            httpx.post(sim.url + "/_sim/faults", json={"stall": True}, timeout=5)
+            httpx.post(slow.url + "/_sim/faults", json={"stall": True}, timeout=5)
             time.sleep(1.5)
             doomed.kill()
         finally:
