@@ -18,7 +18,9 @@ an ``--inflight abort`` switch is no line; a `--redo` that covers the last keeps
 the task runs again (from the made turns, or from turn 1 after a redo of all: state.resume).
 Not covered: the boundary_unstable/boundary_checked counters (no line says them) and
 `requeue --continue` partials (a conversation's turns are never continued). Unlike `rebuild`,
-this holds each (task, turn)'s newest line in a dict: some 200 bytes a generation.
+this holds each (task, turn)'s newest line in a dict and reads the shards twice: 350,000
+generations of 100,000 conversations took 16 s and 0.55 GiB at peak (`rebuild` of the same
+lines: 4.5 s).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ Key = tuple[int, int, int]  # (params_version, gen, attempt): the newest line of
 BATCH = 1000  # hash fields a round trip when writing conversations back
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Line:
     """One generation's line, as much of it as the chain and the task's result need."""
 
