@@ -23,6 +23,8 @@ from genq.common.queue.replies import text
 from genq.common.report.runhealth import recover_command
 from genq.common.sglang import continuation
 from genq.common.store.export import shard_paths
+from genq.turns import recover as conversations
+from genq.turns.splice import ALL
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -98,10 +100,13 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
         return False, f"run {k.run!r} is in Redis already: nothing to recover"
     if state is not None and not replace:
         raise GenqError(state)
-    rec = recovery.rebuild(manifest, streams())
-    # Partials go first, in batches, and the run's state after them in one MULTI: a consumer
-    # that sees the run back finds them. A replaced run's go with them.
-    wanted = recovery.pending_continuations(manifest, rec)
+    # A --turns all run: a chain of generations a task, not one result (turns/recover.py).
+    rebuilt = conversations.rebuild(manifest, streams) if manifest.get("turns") == ALL else None
+    rec = rebuilt.rec if rebuilt else recovery.rebuild(manifest, streams())
+    # Partials and conversations go first, in batches, and the run's state after them in one
+    # MULTI: a consumer that sees the run back finds them. A replaced run's go with them.
+    conversations.put(r, k, rebuilt)
+    wanted = recovery.pending_continuations(manifest, rec) if rebuilt is None else {}
     if wanted:
         lines = (line for stream in streams() for line in stream)
         samples = int(manifest.get("samples") or 1)

@@ -51,6 +51,7 @@ def snapshot(r: redis.Redis, k: RunKeys) -> dict[str, Any] | None:
         **({"rows": int(meta["rows"]), "samples": int(meta["samples"])}
            if "samples" in meta else {}),
         **({"dataset_version": meta["dataset_version"]} if "dataset_version" in meta else {}),
+        **({"turns": meta["turns"]} if "turns" in meta else {}),  # recover rebuilds by it
     }
 
 

@@ -79,6 +79,13 @@ class Recovered:
         self.skipped = 0  # torn, unparsable, or outside the data set
         self.refused = 0  # written after an abort switch under older parameters
 
+    def stand(self, index: int, result: Result, gen: int, *, kept: bool = False) -> None:
+        """Set the result of ``index`` from outside ``rebuild`` (a conversation's last
+        generation: turns/recover.py); ``kept``: set aside by a redo, not done."""
+        for column, value in zip(self.columns, result, strict=True):
+            column[index] = value
+        self.gen[index], self.state[index] = gen, _KEPT if kept else _STANDING
+
     def _row(self, index: int) -> Result:
         return cast(Result, tuple(column[index] for column in self.columns))
 
@@ -130,7 +137,7 @@ def _light(line: bytes, samples: int = 1) -> tuple[int, Result, float, int, int]
         return None
 
 
-def _failure_line(line: bytes) -> bool:
+def failure_line(line: bytes) -> bool:
     """A failed task's line: no result, and not unreadable either (read again: they are few)."""
     rec = parse_line(line)
     return rec is not None and is_failure(rec)
@@ -148,7 +155,7 @@ def rebuild(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]]) -> Rec
             out.lines += 1
             parsed = _light(line, samples)
             if parsed is None or not 0 <= parsed[0] < total:
-                out.skipped += bool(line.strip()) and not _failure_line(line)
+                out.skipped += bool(line.strip()) and not failure_line(line)
                 continue
             index, result, created_at, gen, cont = parsed
             seen[index], claimed[index] = 1, max(claimed[index], result[1])  # claimed starts at 0
@@ -261,5 +268,5 @@ def restore(pipe: redis.client.Pipeline, k: RunKeys, manifest: dict[str, Any],
         "epoch": manifest["epoch"], "recovered_at": time.time(),
         "gen": max(int(manifest.get("gen") or 0), rec.newest_gen) + 1,
         "continues": int(manifest.get("continues") or 0),
-        **{key: manifest[key] for key in ("rows", "samples", "dataset_version")
+        **{key: manifest[key] for key in ("rows", "samples", "dataset_version", "turns")
            if key in manifest}})
