@@ -124,8 +124,8 @@ def chains(newest: dict[tuple[int, int], Line]) -> dict[int, list[Line]]:
 
 
 def _entry(line: Line) -> state.Entry:
-    version, attempt, code, ctoks, ptoks, cached = line.result
-    return [version, attempt, line.key[1], code, ctoks, ptoks, cached]
+    version, attempt, *_ = line.result
+    return [version, attempt]
 
 
 def rebuild(manifest: dict[str, Any],
@@ -173,10 +173,22 @@ def _messages(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]],
 def put(r: redis.Redis, k: RunKeys, rebuilt: Rebuilt | None) -> None:
     """Write the conversations back (none: only delete any a replaced run left), in batches
     before the run's state: no consumer reads them until the run is back."""
-    r.delete(k.conv, k.conv_msgs)
+    r.delete(k.conv, k.conv_msgs, k.conv_made, k.conv_end)
     if rebuilt is None:
         return
     for key, values in ((k.conv, rebuilt.conv), (k.conv_msgs, rebuilt.msgs)):
         items = list(values.items())
         for at in range(0, len(items), BATCH):
             r.hset(key, mapping=dict(items[at:at + BATCH]))
+    # The per-index figures status reads, as turn.lua keeps them.
+    tasks = list(rebuilt.conv.items())
+    for at in range(0, len(tasks), BATCH):
+        pipe = r.pipeline(transaction=False)
+        for task, raw in tasks[at:at + BATCH]:
+            standing = Standing.decode(raw)
+            pipe.execute_command("BITFIELD", k.conv_made, "SET", "u16", f"#{task}",
+                                 len(standing.made))
+            if standing.end:
+                pipe.execute_command("BITFIELD", k.conv_end, "SET", "u16", f"#{task}",
+                                     standing.ended())
+        pipe.execute()
