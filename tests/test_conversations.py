@@ -296,3 +296,37 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
     assert f"genq_generations_total{{run=\"{run_name}\"}} {conv['generations']}" in \
         metrics.decode()
     assert all(f"{why} {n}" in shown["conv-ended"] for why, n in conv["stopped"].items())
+
+
+@pytest.mark.timeout(180)
+def test_export_of_conversations_reads_more_shards_than_it_may_open_files(
+        tmp_path, redis_url, run_name, sim_factory):
+    """One shard a record, more shards than RLIMIT_NOFILE lets the export open at once: both
+    formats write every generation, as they do without the limit."""
+    import resource
+
+    def few_files() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(
+            resource.RLIMIT_NOFILE)[1]))
+
+    rows = [conversation(i) for i in range(60)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
+                            + "\n" for i, m in enumerate(rows)))
+    sim = sim_factory(time_scale=200, tool_call_rate=1.0, length_dist="fixed:20")
+    genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst",
+                               "--shard-records", "1")
+    try:
+        assert consumer.wait(90) == 0, consumer.log()[-3000:]
+    finally:
+        consumer.cleanup()
+    shards = list((tmp_path / "out").rglob("*.jsonl"))
+    assert len(shards) > 64
+    for fmt in ("jsonl", "conversations"):
+        whole = export(tmp_path, redis_url, run_name, f"whole-{fmt}.jsonl", "--format", fmt)
+        out = tmp_path / f"limited-{fmt}.jsonl"
+        proc = genq("export", "--out", str(out), "--format", fmt, redis_url=redis_url,
+                    run=run_name, check=False, preexec_fn=few_files)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert read_jsonl(out) == whole and whole
