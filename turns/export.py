@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import sys
 from array import array
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,13 +79,21 @@ def _pick(paths: list[Path], keys: dict[int, list[Key]], samples: int
     return picks, torn
 
 
+OPEN_AT_ONCE = 16  # shards held open while lines are copied in task order: a run has thousands
+
+
 def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
            ) -> Iterator[tuple[int, int, bytes]]:
-    """(task, turn, line) of each pick, by task then turn."""
-    fds: dict[int, int] = {}
+    """(task, turn, line) of each pick, by task then turn, with at most OPEN_AT_ONCE shards
+    open (the least recently read is closed first)."""
+    fds: OrderedDict[int, int] = OrderedDict()
     try:
         for (task, turn), (file_no, offset, length) in sorted(picks.items()):
-            if file_no not in fds:
+            if file_no in fds:
+                fds.move_to_end(file_no)
+            else:
+                if len(fds) >= OPEN_AT_ONCE:
+                    os.close(fds.popitem(last=False)[1])
                 fds[file_no] = os.open(paths[file_no], os.O_RDONLY)
             yield task, turn, os.pread(fds[file_no], length, offset)
     finally:
