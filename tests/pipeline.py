@@ -81,6 +81,16 @@ class ConsumerProcess:
         self.log_path.unlink(missing_ok=True)
 
 
+def consume_to_the_end(redis_url: str, run: str, server: str, out: Path, *flags: str,
+                       timeout: float = 90) -> None:
+    """`genq consume --burst` on `server` until the run settles; its log if it fails."""
+    consumer = ConsumerProcess(redis_url, run, server, out, "--burst", *flags)
+    try:
+        assert consumer.wait(timeout) == 0, consumer.log()[-3000:]
+    finally:
+        consumer.cleanup()
+
+
 def bitcount(r: redis.Redis, key: str) -> int:
     return int(r.bitcount(key))
 

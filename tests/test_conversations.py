@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, wait_for
+from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
 
 from genq.common.queue.keys import RunKeys
 from genq.simulator import tokens
@@ -242,14 +242,7 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
     genq("produce", str(data), "--once", "--turns", "all", "--samples", "2", "--max-tokens",
          "100", redis_url=redis_url, run=run_name)
 
-    def consume(url: str) -> None:
-        consumer = ConsumerProcess(redis_url, run_name, url, tmp_path / "out", "--burst")
-        try:
-            assert consumer.wait(90) == 0, consumer.log()[-3000:]
-        finally:
-            consumer.cleanup()
-
-    consume(sim.url)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
     assert (status["done"], status["failed"]) == (2, 2)  # both samples of the refused row
     first = by_conversation(export(tmp_path, redis_url, run_name, "first.jsonl"))
@@ -263,7 +256,8 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
     assert refused.returncode == 2 and "--continue is not built for a --turns all run" in \
         refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
     genq("requeue", "--redo", "failed", redis_url=redis_url, run=run_name)
-    consume(sim_factory(time_scale=200, length_dist="fixed:20").url)
+    consume_to_the_end(redis_url, run_name, sim_factory(time_scale=200, length_dist="fixed:20").url,
+                       tmp_path / "out")
     again = [rec for rec in export(tmp_path, redis_url, run_name, "again.jsonl")
              if rec["index"] == 0]
     for sample in (0, 1):
@@ -315,12 +309,7 @@ def test_export_of_conversations_reads_more_shards_than_it_may_open_files(
                             + "\n" for i, m in enumerate(rows)))
     sim = sim_factory(time_scale=200, tool_call_rate=1.0, length_dist="fixed:20")
     genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url, run=run_name)
-    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst",
-                               "--shard-records", "1")
-    try:
-        assert consumer.wait(90) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", "--shard-records", "1")
     shards = list((tmp_path / "out").rglob("*.jsonl"))
     assert len(shards) > 64
     for fmt in ("jsonl", "conversations"):

@@ -13,7 +13,7 @@ import orjson
 import pytest
 from conftest import genq
 from faultkit import private_redis
-from pipeline import ConsumerProcess, read_jsonl, wait_for
+from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
 from test_conversations import TOOLS, by_conversation, conversation, requests_served
 
 from genq.common.queue.keys import RunKeys
@@ -57,11 +57,7 @@ def going_on(r, k: RunKeys) -> int:
 
 
 def consume(url: str, run: str, server: str, out: Path) -> None:
-    c = ConsumerProcess(url, run, server, out, "--burst", "--visibility-timeout", "3")
-    try:
-        assert c.wait(180) == 0, c.log()[-3000:]
-    finally:
-        c.cleanup()
+    consume_to_the_end(url, run, server, out, "--visibility-timeout", "3", timeout=180)
 
 
 @pytest.mark.timeout(300)

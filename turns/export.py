@@ -20,6 +20,7 @@ import redis
 
 from genq.common.data.dataset import open_dataset
 from genq.common.data.records import is_failure, parse_line, task_of
+from genq.common.data.shards import shard_lines
 from genq.common.errors import GenqError
 from genq.common.queue import bitmap
 from genq.common.queue import run as runs
@@ -54,28 +55,20 @@ def _pick(paths: list[Path], keys: dict[int, list[Key]], samples: int
     """(task, turn) -> (file number, offset, length) of its accepted line; torn lines."""
     picks: dict[tuple[int, int], tuple[int, int, int]] = {}
     torn = 0
-    for file_no, path in enumerate(paths):
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            continue  # shipped and removed since the directory was listed
-        with f:
-            offset = 0
-            for line in f:
-                start, offset = offset, offset + len(line)
-                rec = parse_line(line)
-                if rec is None or "index" not in rec:
-                    torn += bool(line.strip())
-                    continue
-                if is_failure(rec) or type(rec["index"]) is not int:
-                    continue
-                task, turn = task_of(rec, samples), rec.get("turn", 1)
-                want = keys.get(task)
-                if not want or type(turn) is not int or not 0 < turn <= len(want) \
-                        or (task, turn) in picks:
-                    continue
-                if want[turn - 1] == (rec.get("params_version"), rec.get("attempt")):
-                    picks[(task, turn)] = (file_no, start, len(line))
+    for file_no, start, line in shard_lines(paths):
+        rec = parse_line(line)
+        if rec is None or "index" not in rec:
+            torn += bool(line.strip())
+            continue
+        if is_failure(rec) or type(rec["index"]) is not int:
+            continue
+        task, turn = task_of(rec, samples), rec.get("turn", 1)
+        want = keys.get(task)
+        if not want or type(turn) is not int or not 0 < turn <= len(want) \
+                or (task, turn) in picks:
+            continue
+        if want[turn - 1] == (rec.get("params_version"), rec.get("attempt")):
+            picks[(task, turn)] = (file_no, start, len(line))
     return picks, torn
 
 

@@ -10,7 +10,7 @@ import re
 import threading
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,32 +211,36 @@ def pick_lines(paths: Sequence[Path], total: int,
     skipped."""
     picks = Picks(total)
     low, high = -(1 << 63), (1 << 63) - 1
+    for file_no, start, line in shard_lines(paths):
+        record = parse_line(line)
+        if record is None or "index" not in record:
+            picks.torn += bool(line.strip())
+            continue
+        index, sample = record["index"], record.get("sample", 0)
+        if type(index) is not int or type(sample) is not int or not 0 <= sample < samples:
+            continue
+        index = task_of(record, samples)
+        if not 0 <= index < total or not (failed if is_failure(record) else wanted)(index):
+            continue
+        version, attempt = record.get("params_version", 0), record.get("attempt", 0)
+        gen = record.get("gen", 0)
+        if any(type(v) is not int or not low <= v <= high for v in (version, attempt, gen)):
+            continue
+        picks.offer(index, version, attempt, gen, hash(line.rstrip(b"\n")),
+                    accepted(index), file_no, start, len(line))
+    return picks
+
+
+def shard_lines(paths: Sequence[Path]) -> Iterator[tuple[int, int, bytes]]:
+    """(file number, offset, line) of every line of these shards, one shard open at a time;
+    one shipped and removed since its directory was listed is skipped."""
     for file_no, path in enumerate(paths):
         try:
             f = open(path, "rb")
         except FileNotFoundError:
-            continue  # shipped and removed since the directory was listed
+            continue
         with f:
             offset = 0
             for line in f:
-                start, offset = offset, offset + len(line)
-                record = parse_line(line)
-                if record is None or "index" not in record:
-                    picks.torn += bool(line.strip())
-                    continue
-                index, sample = record["index"], record.get("sample", 0)
-                if type(index) is not int or type(sample) is not int \
-                        or not 0 <= sample < samples:
-                    continue
-                index = task_of(record, samples)
-                if not 0 <= index < total \
-                        or not (failed if is_failure(record) else wanted)(index):
-                    continue
-                version, attempt = record.get("params_version", 0), record.get("attempt", 0)
-                gen = record.get("gen", 0)
-                if any(type(v) is not int or not low <= v <= high
-                       for v in (version, attempt, gen)):
-                    continue
-                picks.offer(index, version, attempt, gen, hash(line.rstrip(b"\n")),
-                            accepted(index), file_no, start, len(line))
-    return picks
+                yield file_no, offset, line
+                offset += len(line)
