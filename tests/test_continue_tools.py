@@ -59,8 +59,8 @@ def test_parse_function_call_as_sglang_answers_it(sim_factory):
     async def main() -> None:
         server = SGLang(sim.url, request_timeout=60)
         try:
-            assert await server.tool_call_parser() == "qwen25"
-            normal, calls = await server.parse_function_call(text, TOOLS, "qwen25")
+            assert await server.tool_call_parser() == "qwen"  # SGLang 0.5.23's name for qwen25
+            normal, calls = await server.parse_function_call(text, TOOLS, "qwen")
             assert normal == "ok ok" and [{**c, "id": None} for c in calls] == [
                 {"id": None, "index": 0, "type": "function",
                  "function": {"name": "count", "arguments": '{"words": 3}'}}]
