@@ -34,6 +34,7 @@ class App:
             ("POST", "/generate"): self.generate,
             ("POST", "/detokenize"): self.detokenize,
             ("POST", "/v1/detokenize"): self.detokenize,
+            ("POST", "/parse_function_call"): self.parse_function_call,
             ("GET", "/health"): self.health,
             ("GET", "/health_generate"): self.health,
             ("GET", "/get_model_info"): self.info(info.model_info),
@@ -76,6 +77,9 @@ class App:
 
     async def detokenize(self, request: Request) -> Response:
         return _json(generation.detokenize(self.engine, request.body))
+
+    async def parse_function_call(self, request: Request) -> Response:
+        return _json(generation.parse_function_call(request.body))
 
     def info(self, endpoint: Callable[[Settings, Engine], Any]) -> Route:
         async def route(request: Request) -> Response:

@@ -94,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="put thinking in reasoning_content; without it thinking stays in content",
     )
     p.add_argument(
+        "--tool-call-parser",
+        type=lambda v: None if v == "none" else v,
+        choices=["qwen25", "qwen", None],
+        default="qwen25",
+        help="parse the <tool_call> text of answers to requests with tools into tool_calls "
+        "(none: calls stay text, as SGLang without the flag)",
+    )
+    p.add_argument(
         "--legacy-get-load",
         action="store_true",
         help="serve /get_load instead of /v1/loads, like SGLang before 0.5",

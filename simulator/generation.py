@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from genq.simulator import schema, tokens
+from genq.simulator import schema, tokens, toolcalls
 from genq.simulator.engine import ApiError, Engine
 from genq.simulator.model import (
     STOP_TOKEN_ID,
@@ -117,24 +117,44 @@ def _check_marker(engine: Engine, text: str) -> None:
                        engine.faults.retry_after)
 
 
-def _tool_call(engine: Engine, data: dict[str, Any], text: str, context: list[int]
-               ) -> dict[str, Any] | None:
-    """SGLang with --tool-call-parser: an answer to a request with tools calls the first one,
-    with probability --tool-call-rate (unless tool_choice is "none"), drawn from the prompt's
-    ids and the request's seed apart from the length's draw, so the same request decides the
-    same way every time."""
+def _tools_parsed(engine: Engine, data: dict[str, Any]) -> bool:
+    """Whether the answer's text goes through the tool-call parser (SGLang: a parser at
+    launch, tools in the request, tool_choice not "none")."""
     tools = data.get("tools")
-    if not isinstance(tools, list) or not tools or data.get("tool_choice") == "none":
-        return None
+    return (engine.settings.tool_call_parser is not None and isinstance(tools, list)
+            and bool(tools) and data.get("tool_choice") != "none")
+
+
+def _call_ids(engine: Engine, data: dict[str, Any], text: str, context: list[int]
+              ) -> tuple[int, ...]:
+    """The ids of the tool call the answer ends with, none when it calls nothing: an answer
+    to a request with tools calls the first one with probability --tool-call-rate (unless
+    tool_choice is "none"), drawn from the prompt's ids and the request's seed apart from the
+    length's draw, so the same request decides the same way every time; its arguments count
+    the prompt's words."""
+    if not _tools_parsed(engine, data):
+        return ()
+    tools = data["tools"]
     function = tools[0].get("function") if isinstance(tools[0], dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError(400, "each tool must be {type: function, function: {name, ...}}", PYDANTIC)
     key = prompt_key(tokens.split_prompt(context)[0], data.get("seed")) + "|tool"
     if unit_draw(key, engine.settings.seed) >= engine.settings.tool_call_rate:
-        return None
-    arguments = orjson.dumps({"words": len(text.split())}).decode()
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "index": 0, "type": "function",
-            "function": {"name": function["name"], "arguments": arguments}}
+        return ()
+    call = toolcalls.call_text(function["name"], {"words": len(text.split())})
+    return tuple(tokens.encode(call))
+
+
+def _called(engine: Engine, data: dict[str, Any], content: str, finish: str | None
+            ) -> tuple[str, list[dict[str, Any]] | None, str | None]:
+    """The content, calls and finish SGLang's chat gives after its tool-call parser: an answer
+    that stopped and called says `tool_calls`."""
+    if not _tools_parsed(engine, data) or toolcalls.BOT not in content:
+        return content, None, finish
+    normal, calls = toolcalls.parse(content, data.get("tools"))
+    if not calls:
+        return normal, None, finish
+    return normal, toolcalls.openai(calls), "tool_calls" if finish == "stop" else finish
 
 
 
@@ -152,14 +172,17 @@ def _input_ids(value: Any) -> list[int] | None:
     raise ApiError(400, "input_ids must be a non-empty list of token ids", PYDANTIC)
 
 
-def _answer(engine: Engine, context: list[int], max_tokens: int, seed: Any) -> Completion:
-    """The model's answer to a context of ids: the straight answer to its prompt, from where
-    the answer it already holds (after the generation prompt) leaves off."""
+def _answer(engine: Engine, context: list[int], max_tokens: int, seed: Any,
+            call: tuple[int, ...] = ()) -> Completion:
+    """The model's answer to a context of ids: the straight answer to its prompt (ending with
+    `call`'s text), from where the answer it already holds (after the generation prompt)
+    leaves off."""
     _check_context(engine, len(context), max_tokens)
     prompt, generated, thinking = tokens.split_prompt(context)
     settings = engine.settings
     natural = natural_length(prompt_key(prompt, seed), settings.seed, settings.length_dist)
-    done = complete(natural, max_tokens, thinking, resume_at(generated, natural, thinking))
+    done = complete(natural, max_tokens, thinking,
+                    resume_at(generated, natural, thinking, call), call)
     return dataclasses.replace(done, cached_tokens=engine.prefix.take(context, done.ids()))
 
 
@@ -179,7 +202,8 @@ async def chat(engine: Engine, body: bytes) -> Any:
     thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True
     context = _input_ids(data.get("input_ids")) or tokens.render(
         messages, data.get("tools"), thinking, prefix)
-    done = _answer(engine, context, max_tokens, data.get("seed"))
+    done = _answer(engine, context, max_tokens, data.get("seed"),
+                   _call_ids(engine, data, text, context))
     # The cache is there either way; the flag only says whether the answer reports its hits.
     done = dataclasses.replace(done, forced_finish=engine.faults.forced_finish(),
                                cache_report=engine.settings.enable_cache_report)
@@ -187,24 +211,26 @@ async def chat(engine: Engine, body: bytes) -> Any:
     model = data.get("model") if isinstance(data.get("model"), str) else "default"
     parser = engine.settings.reasoning_parser is not None and data.get("separate_reasoning",
                                                                            True) is not False
-    call = _tool_call(engine, data, text, context) if done.finish_reason == "stop" else None
     if data.get("stream"):  # 0.5.23 streams no ids, return_token_ids or not
         options = data.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+        raw = texts(done, parser=False)[1]
+        calls = _called(engine, data, raw, done.finish_reason)[1]
+        call = calls[0] if calls and done.finish_reason == "stop" else None
         return await stream_chat(engine, done, len(context), model, parser, usage, call)
     await engine.run(len(context), done)
     raw = texts(done, parser=False)[1]
-    answer = _chat_body(done, len(context), model,
-                        parsed(raw, thinking, prefix) if parser else (None, raw), call)
+    reasoning, content = parsed(raw, thinking, prefix) if parser else (None, raw)
+    content, calls, finish = _called(engine, data, content, done.finish_reason)
+    answer = _chat_body(done, len(context), model, (reasoning, content), calls, finish)
     if data.get("return_token_ids") and not engine.settings.no_token_ids:
         answer["choices"][0].update(prompt_token_ids=context, response_token_ids=done.ids())
     return schema.shaped(engine, data, text, answer)
 
 
 def _chat_body(done: Completion, prompt_tokens: int, model: str,
-               split: tuple[str | None, str], call: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
-    finish = "tool_calls" if call else done.finish_reason
+               split: tuple[str | None, str], calls: list[dict[str, Any]] | None,
+               finish: str | None) -> dict[str, Any]:
     reasoning, content = split
     return {
         "id": uuid.uuid4().hex,
@@ -218,7 +244,7 @@ def _chat_body(done: Completion, prompt_tokens: int, model: str,
                     "role": "assistant",
                     "content": content,
                     "reasoning_content": reasoning,
-                    "tool_calls": [call] if call else None,
+                    "tool_calls": calls,
                 },
                 "logprobs": None,
                 "finish_reason": finish,
@@ -288,3 +314,16 @@ def detokenize(engine: Engine, body: bytes) -> dict[str, Any]:
     decoded = [tokens.decode(_input_ids(each) if each else [], skip_special=skip)
                for each in (ids if batch else [ids])]
     return {"text": decoded if batch else decoded[0]}
+
+
+def parse_function_call(body: bytes) -> dict[str, Any]:
+    """SGLang's `POST /parse_function_call`: {text, tool_call_parser, tools} to the text
+    before the calls and the calls the parser finds ({tool_index, name, parameters})."""
+    data = _json_object(body)
+    text, parser = data.get("text"), data.get("tool_call_parser")
+    if not isinstance(text, str):
+        raise ApiError(400, "text must be a string", PYDANTIC)
+    if parser not in toolcalls.PARSERS:
+        raise ApiError(400, f"Unsupported tool_call_parser: {parser}")
+    normal, calls = toolcalls.parse(text, data.get("tools"))
+    return {"normal_text": normal, "calls": calls}

@@ -38,6 +38,8 @@ def server_info(s: Settings, e: Engine) -> dict[str, Any]:
         "max_queued_requests": None,
         "dp_size": 1,
         "reasoning_parser": s.reasoning_parser,
+        # 0.5.23 launched with `qwen25` says `qwen`, the name it has for that parser now.
+        "tool_call_parser": "qwen" if s.tool_call_parser == "qwen25" else s.tool_call_parser,
         "enable_metrics": True,
         "max_req_input_len": s.context_length - 6,
         "internal_states": [{"effective_max_running_requests_per_dp": s.running_limit}],

@@ -19,7 +19,7 @@ THINK_SHARE = 0.7
 STOP_TOKEN_ID = tk.IM_END
 # One token is one short word, so texts are cheap to build and easy to count.
 THINK, ANSWER = ("hmm", " hmm"), ("ok", " ok")
-OPEN, WORD_T, CLOSE, SEP, WORD_A, STOP = range(6)
+OPEN, WORD_T, CLOSE, SEP, WORD_A, STOP, CALL = range(7)
 
 
 def unit_draw(text: str, seed: int) -> float:
@@ -49,6 +49,9 @@ class Completion:
     tokens: int
     thinking: bool
     start: int = 0
+    # A tool call's text (its ids), the answer's last before its stop token; an answer too
+    # short for it grows to hold it.
+    call: tuple[int, ...] = ()
     # A fault may force another finish: "abort", or "missing" (no finish_reason at all).
     forced_finish: str = ""
     # Prompt tokens the server's prefix cache held: they cost no prefill time, and a chat
@@ -62,10 +65,18 @@ class Completion:
         return max(1, int(self.natural * THINK_SHARE) - 1) if self.thinking else -1
 
     @property
+    def length(self) -> int:
+        """The straight answer's ids, its stop token included: the natural length, or more
+        where its call would not fit after the thinking."""
+        if not self.call:
+            return self.natural
+        return max(self.natural, (self.close + 2 if self.thinking else 0) + len(self.call) + 1)
+
+    @property
     def finish_reason(self) -> str | None:
         if self.forced_finish:
             return None if self.forced_finish == "missing" else self.forced_finish
-        return "length" if self.natural > self.start + self.tokens else "stop"
+        return "length" if self.length > self.start + self.tokens else "stop"
 
     @property
     def reasoning_tokens(self) -> int:
@@ -73,8 +84,10 @@ class Completion:
         return max(0, min(self.start + self.tokens, self.close + 1) - self.start)
 
     def kind(self, i: int) -> int:
-        if i == self.natural - 1:
+        if i == self.length - 1:
             return STOP
+        if i >= self.length - 1 - len(self.call):
+            return CALL
         if not self.thinking:
             return WORD_A
         close = self.close
@@ -87,20 +100,27 @@ class Completion:
             return tk.VOCAB[THINK[i > 1]]
         if kind == WORD_A:
             return tk.VOCAB[ANSWER[i > (self.close + 2 if self.thinking else 0)]]
+        if kind == CALL:
+            return self.call[i - (self.length - 1 - len(self.call))]
         return (tk.THINK_OPEN, 0, tk.THINK_CLOSE, tk.VOCAB["\n\n"], 0, tk.IM_END)[kind]
 
     def ids(self) -> list[int]:
         return [self.token(i) for i in range(self.start, self.start + self.tokens)]
 
 
-def resume_at(generated: list[int], natural: int, thinking: bool) -> int:
+def resume_at(generated: list[int], natural: int, thinking: bool,
+              call: tuple[int, ...] = ()) -> int:
     """The straight answer's position a context's answer-so-far has reached, read from what it
     holds, as a model reads its context: the words it wrote, and whether its thinking closed.
-    Ids that are a true prefix give their own length; a text prefix missing the blank line
-    after `</think>` (a client that rebuilt it from the parsed split) still lands right."""
+    Ids that are a true prefix give their own length (a cut inside the call too); a text
+    prefix missing the blank line after `</think>` (a client that rebuilt it from the parsed
+    split) still lands right."""
     if not generated:
         return 0
-    probe = Completion(natural, natural, thinking)
+    probe = Completion(natural, natural, thinking, call=call)
+    if len(generated) <= probe.length and all(
+            token == probe.token(i) for i, token in enumerate(generated)):
+        return len(generated)
     words = sum(1 for i in generated if i in (tk.VOCAB["hmm"], tk.VOCAB[" hmm"],
                                                tk.VOCAB["ok"], tk.VOCAB[" ok"]))
     if not thinking:
@@ -112,26 +132,29 @@ def resume_at(generated: list[int], natural: int, thinking: bool) -> int:
     return min(1 + words, probe.close) if tk.THINK_OPEN in generated else words
 
 
-def complete(natural: int, max_tokens: int, thinking: bool, start: int = 0) -> Completion:
+def complete(natural: int, max_tokens: int, thinking: bool, start: int = 0,
+             call: tuple[int, ...] = ()) -> Completion:
     """The part of a straight answer a request decodes: from `start`, at most `max_tokens`."""
-    start = min(start, natural)
-    return Completion(natural=natural, tokens=max(0, min(natural - start, max_tokens)),
-                      thinking=thinking, start=start)
+    whole = Completion(natural=natural, tokens=0, thinking=thinking, call=call).length
+    start = min(start, whole)
+    return Completion(natural=natural, tokens=max(0, min(whole - start, max_tokens)),
+                      thinking=thinking, start=start, call=call)
 
 
-def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None
-          ) -> tuple[str | None, str]:
+def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None,
+          calls: bool = True) -> tuple[str | None, str]:
     """(reasoning_content, content) that new ids a..b add (default: all of them).
 
     With a reasoning parser (the streamed chunks; whole answers are `parsed`) the thinking
     words go to reasoning_content, the tags and the blank line after `</think>` to neither, as
     SGLang 0.5.23's streamed chunks carry them (tests/test_chunk_shapes.py); a completion that
     never closed its thinking has content "". Without one, reasoning_content is null and
-    content is the raw text, tags and all. The stop token is never text."""
+    content is the raw text, tags and all. The stop token is never text; a call's is left out
+    unless `calls` (a stream gives the call parsed, at its end)."""
     b = done.tokens if b is None else b
     if b <= a:
         return None, ""
-    span = range(done.start + a, done.start + b)
+    span = [i for i in range(done.start + a, done.start + b) if calls or done.kind(i) != CALL]
     if not done.thinking or not parser:
         return None, tk.decode([done.token(i) for i in span], skip_special=True)
     reasoning = tk.decode([done.token(i) for i in span if done.kind(i) == WORD_T])

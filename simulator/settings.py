@@ -69,6 +69,8 @@ class Settings:
     warmup: float = 0.0
     # None: thinking stays in `content` (SGLang without --reasoning-parser); "qwen3": split.
     reasoning_parser: str | None = None
+    # SGLang's --tool-call-parser: answers to requests with tools parsed for calls (None: off).
+    tool_call_parser: str | None = "qwen25"
     # Serve /get_load instead of /v1/loads, as SGLang before 0.5 did (0.5.x: 404).
     legacy_get_load: bool = False
     # Ignore return_token_ids (an OpenAI-only gateway in front of the server, an older build).

@@ -62,7 +62,7 @@ class _Chunks:
         fields), one chunk, or, where the thinking ends within these tokens, a reasoning chunk
         then a content chunk (SGLang never puts both in one delta). Built from the tokens added
         alone, so the deltas sum to exactly the non-streamed answer."""
-        pieces = texts(self.done, self.parser, self.at, tokens)
+        pieces = texts(self.done, self.parser, self.at, tokens, calls=False)
         self.at = tokens
         out = []
         for n, (key, text) in enumerate(zip(("reasoning_content", "content"), pieces,

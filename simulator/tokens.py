@@ -16,8 +16,10 @@ import orjson
 
 IM_START, IM_END = 151644, 151645
 THINK_OPEN, THINK_CLOSE = 151667, 151668
+# Qwen's tool-call tags: added tokens, kept in the text like the think tags.
+CALL_OPEN, CALL_CLOSE = 151657, 151658
 SPECIALS = {"<|im_start|>": IM_START, "<|im_end|>": IM_END, "<think>": THINK_OPEN,
-            "</think>": THINK_CLOSE}
+            "</think>": THINK_CLOSE, "<tool_call>": CALL_OPEN, "</tool_call>": CALL_CLOSE}
 # Qwen's own ids for the newlines; the rest of the fixed vocabulary sits below HASHED_FROM.
 VOCAB = {"\n": 198, "\n\n": 271, "hmm": 1001, " hmm": 1002, "ok": 1003, " ok": 1004,
          "assistant": 1005, "user": 1006, "system": 1007, "tool": 1008}

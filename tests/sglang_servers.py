@@ -5,6 +5,7 @@ SGLang 0.5.23 started by scripts/real-sglang.sh (the `real_sglang` tier, run by 
 - "tuned": --max-running-requests 16, --reasoning-parser qwen3, --enable-metrics
 - "plain": only the model (no --max-running-requests, no reasoning parser)
 - "cache": "tuned" and --enable-cache-report (answers say their prefix-cache hits)
+- "tools": "tuned" and --tool-call-parser qwen25 (answers to requests with tools have calls)
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ MODES = {
     "plain": {"MAX_RUNNING": "", "EXTRA_ARGS": ""},
     "cache": {"MAX_RUNNING": str(TUNED_CAPACITY),
               "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics --enable-cache-report"},
+    "tools": {"MAX_RUNNING": str(TUNED_CAPACITY),
+              "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics --tool-call-parser qwen25"},
 }
 
 

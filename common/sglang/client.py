@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from base64 import b64encode
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -82,7 +83,8 @@ class SGLang:
         # get no sign of life, so only --request-timeout ends a hung one.
         self.blind = self.said_blind = False
         self.live: dict[int, Progress] = {}  # the requests in flight, oldest first
-        self._parser: str | None = None  # --reasoning-parser, "" for none; None: not read
+        # --reasoning-parser and --tool-call-parser, "" for none; None: not read yet.
+        self._parsers: dict[str, str] | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -203,30 +205,63 @@ class SGLang:
         load = await self.recent_load()
         return bool(load and load["num_waiting_reqs"] > 0)
 
-    async def reasoning_parser(self) -> str | None:
-        """The server's --reasoning-parser (/get_server_info), read once."""
-        if self._parser is None:
+    async def _parser(self, key: str) -> str | None:
+        """One of the server's parsers named in /get_server_info, read once."""
+        if self._parsers is None:
             info = await self._get_json("/get_server_info")
-            self._parser = str((info.get("reasoning_parser") if isinstance(info, dict)
-                                else None) or "")
-        return self._parser or None
+            self._parsers = {name: str((info.get(name) if isinstance(info, dict) else None)
+                                       or "")
+                             for name in ("reasoning_parser", "tool_call_parser")}
+        return self._parsers[key] or None
 
-    async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text the server's tokenizer makes of these ids (SGLang's /detokenize)."""
-        body = orjson.dumps({"tokens": ids, "skip_special_tokens": skip_special_tokens})
+    async def reasoning_parser(self) -> str | None:
+        """The server's --reasoning-parser."""
+        return await self._parser("reasoning_parser")
+
+    async def tool_call_parser(self) -> str | None:
+        """The server's --tool-call-parser: without one its answers carry no tool_calls."""
+        return await self._parser("tool_call_parser")
+
+    async def _post_json(self, path: str, payload: dict[str, Any]) -> Any:
+        """A POST to one of the server's own endpoints; anything but a JSON object of status
+        200 is the server's trouble."""
         try:
-            async with self.session.post(self.base + "/detokenize", data=body,
+            async with self.session.post(self.base + path, data=orjson.dumps(payload),
                                          headers=self.headers, timeout=self.chat_timeout,
                                          allow_redirects=False) as resp:
                 status, content = resp.status, await resp.read()
         except TRANSPORT_ERRORS as e:
-            raise ServerUnavailable(f"{self.url}/detokenize: {type(e).__name__}: {e}") from None
+            raise ServerUnavailable(f"{self.url}{path}: {type(e).__name__}: {e}") from None
         try:
-            texts = orjson.loads(content).get("text") if status == 200 else None
-        except (orjson.JSONDecodeError, AttributeError):
-            texts = None
-        if not isinstance(texts, str):
-            raise ServerUnavailable(f"{self.url}/detokenize: HTTP {status} {content[:200]!r}")
+            answer = orjson.loads(content) if status == 200 else None
+        except orjson.JSONDecodeError:
+            answer = None
+        if not isinstance(answer, dict):
+            raise ServerUnavailable(f"{self.url}{path}: HTTP {status} {content[:200]!r}")
+        return answer
+
+    async def parse_function_call(self, text: str, tools: list[Any], parser: str
+                                  ) -> tuple[str, list[dict[str, Any]]]:
+        """The text before the calls and the calls SGLang's parser finds in an answer's text
+        (/parse_function_call), the calls in the shape a chat answer gives them: a fresh id
+        each, `index` their order, arguments a JSON string."""
+        answer = await self._post_json("/parse_function_call", {
+            "text": text, "tool_call_parser": parser, "tools": tools})
+        try:
+            normal, calls = answer["normal_text"], answer["calls"]
+            return str(normal), [
+                {"id": f"call_{uuid.uuid4().hex[:24]}", "index": n, "type": "function",
+                 "function": {"name": str(call["name"]), "arguments": str(call["parameters"])}}
+                for n, call in enumerate(calls)]
+        except (LookupError, TypeError):
+            raise _malformed(self.url, "/parse_function_call", answer) from None
+
+    async def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text the server's tokenizer makes of these ids (SGLang's /detokenize)."""
+        answer = await self._post_json("/detokenize", {"tokens": ids,
+                                                       "skip_special_tokens": skip_special_tokens})
+        if not isinstance(texts := answer.get("text"), str):
+            raise _malformed(self.url, "/detokenize", answer)
         return texts
 
     # --- one generation ------------------------------------------------------------------

@@ -234,7 +234,25 @@ async def retexted(whole: Completion, body: dict[str, Any], server: SGLang) -> C
     thinking = thinking_on(body)
     reasoning, content = (parse_reasoning(text, thinking) if await server.reasoning_parser()
                           else split_thinking(text) if thinking else (None, text))
-    return replace(whole, reasoning_content=reasoning, content=content)
+    whole = replace(whole, reasoning_content=reasoning, content=content)
+    parser = await server.tool_call_parser() if tools else None
+    return await called(whole, body, server, parser) if parser else whole
+
+
+async def called(whole: Completion, body: dict[str, Any], server: SGLang,
+                 parser: str) -> Completion:
+    """The whole answer's tool calls, parsed by the server over its whole content (the
+    continuation's own calls came from its new text alone: a call begun in the partial was
+    lost or garbled), and the content and finish SGLang's chat gives with them: the text
+    before the first call, and `tool_calls` for an answer that stopped and called."""
+    content, calls = await server.parse_function_call(whole.content, body["tools"], parser)
+    finish = whole.finish_reason
+    if calls and finish == "stop":
+        finish = "tool_calls"
+    elif not calls and finish == "tool_calls":
+        finish = "stop"
+    return replace(whole, content=content, tool_calls=calls or None, finish_reason=finish,
+                   matched_stop=None if finish == "tool_calls" else whole.matched_stop)
 
 
 async def untrimmed(whole: Completion, server: SGLang) -> list[int]:
