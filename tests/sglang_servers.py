@@ -4,6 +4,7 @@ SGLang 0.5.23 started by scripts/real-sglang.sh (the `real_sglang` tier, run by 
 
 - "tuned": --max-running-requests 16, --reasoning-parser qwen3, --enable-metrics
 - "plain": only the model (no --max-running-requests, no reasoning parser)
+- "tools" (real only): "tuned" plus --tool-call-parser qwen and --enable-cache-report
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ MODES = {
     "tuned": {"MAX_RUNNING": str(TUNED_CAPACITY),
               "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics"},
     "plain": {"MAX_RUNNING": "", "EXTRA_ARGS": ""},
+    # Real only: tool calls parsed out of the text, and the prefix cache reported per request.
+    "tools": {"MAX_RUNNING": str(TUNED_CAPACITY),
+              "EXTRA_ARGS": "--reasoning-parser qwen3 --tool-call-parser qwen "
+                            "--enable-cache-report --enable-metrics"},
 }
 
 
