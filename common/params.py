@@ -171,11 +171,14 @@ def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
 def request_body(messages: list[dict], params: dict[str, Any], model: str, *,
                  tools: list[dict] | None = None) -> dict[str, Any]:
     """The /v1/chat/completions body: the limit is always explicit, thinking on by default,
-    the row's tools beside its messages."""
+    the row's tools beside its messages (and a tool_choice only beside tools)."""
     body = {"model": model, **{k: v for k, v in params.items() if k not in NOT_SENT}}
     thinking = {"enable_thinking": bool(params.get("enable_thinking", True))}
     if tools:
         body["tools"] = tools
+    else:  # a run's --raw tool_choice chooses among a row's tools: SGLang refuses a required
+        # or named one beside none (HTTP 400), as it would this row and the token-ids probe
+        body.pop("tool_choice", None)
     return {**body, "messages": messages, "stream": False,
             "max_tokens": int(params.get("max_tokens", DEFAULTS["max_tokens"])),
             "chat_template_kwargs": {**thinking, **(body.get("chat_template_kwargs") or {})}}

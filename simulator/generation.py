@@ -117,6 +117,16 @@ def _check_marker(engine: Engine, text: str) -> None:
                        engine.faults.retry_after)
 
 
+def _check_tool_choice(data: dict[str, Any]) -> None:
+    """SGLang 0.5.x refuses a tool_choice that must call a tool ("required", or one named)
+    beside no tools, with these words."""
+    choice, tools = data.get("tool_choice"), data.get("tools")
+    if tools or choice is None or choice in ("auto", "none"):
+        return
+    which = "required" if choice == "required" else "a specific tool"
+    raise ApiError(400, f"Tools cannot be empty if tool choice is set to {which}.")
+
+
 def _tools_parsed(engine: Engine, data: dict[str, Any]) -> bool:
     """Whether the answer's text goes through the tool-call parser (SGLang: a parser at
     launch, tools in the request, tool_choice not "none")."""
@@ -197,6 +207,7 @@ async def chat(engine: Engine, body: bytes) -> Any:
     limit = data.get("max_completion_tokens", data.get("max_tokens"))
     max_tokens = DEFAULT_MAX_TOKENS if limit is None else _token_limit(limit, "max_tokens")
     _check_sampling(data)
+    _check_tool_choice(data)
     _check_marker(engine, text)
     kwargs = data.get("chat_template_kwargs") or {}
     thinking = bool(kwargs.get("enable_thinking", True)) if isinstance(kwargs, dict) else True

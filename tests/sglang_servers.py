@@ -5,7 +5,8 @@ SGLang 0.5.23 started by scripts/real-sglang.sh (the `real_sglang` tier, run by 
 - "tuned": --max-running-requests 16, --reasoning-parser qwen3, --enable-metrics
 - "plain": only the model (no --max-running-requests, no reasoning parser)
 - "cache": "tuned" and --enable-cache-report (answers say their prefix-cache hits)
-- "tools": "tuned" and --tool-call-parser qwen25 (answers to requests with tools have calls)
+- "tools": "tuned" and --tool-call-parser qwen (qwen25's name in 0.5.23: answers to requests
+  with tools have calls) and --enable-cache-report
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ MODES = {
     "cache": {"MAX_RUNNING": str(TUNED_CAPACITY),
               "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics --enable-cache-report"},
     "tools": {"MAX_RUNNING": str(TUNED_CAPACITY),
-              "EXTRA_ARGS": "--reasoning-parser qwen3 --enable-metrics --tool-call-parser qwen25"},
+              "EXTRA_ARGS": "--reasoning-parser qwen3 --tool-call-parser qwen "
+                            "--enable-cache-report --enable-metrics"},
 }
 
 

@@ -31,7 +31,8 @@ def server(request):
     started.close()
 
 
-def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | None) -> list[int]:
+def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | None, *,
+                                     thinking: bool = True) -> list[int]:
     """The prompt ids the real tier's model gives these messages: its tokenizer and the chat
     template the server runs (scripts/real-sglang/chat_template.jinja), the tools as SGLang
     hands them to the template (its own Tool model, dumped: `defer_loading: null` added)."""
@@ -43,12 +44,13 @@ def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | N
             "tools = [Tool.model_validate(x).model_dump() for x in a['tools'] or []] or None; "
             "ids = t.apply_chat_template(a['messages'], tools=tools, "
             "chat_template=open(a['template']).read(), add_generation_prompt=True, "
-            "enable_thinking=True, tokenize=True); "
+            "enable_thinking=a['thinking'], tokenize=True); "
             "print(json.dumps(list(ids if isinstance(ids, list) else ids['input_ids'])))")
     out = subprocess.run([str(base / "venv" / "bin" / "python"), "-c", code], check=True,
                          capture_output=True, text=True, timeout=120, input=json.dumps(
                              {"model": str(base / "tiny-model"), "messages": messages,
-                              "tools": tools, "template": str(template)}))
+                              "tools": tools, "template": str(template),
+                              "thinking": thinking}))
     return json.loads(out.stdout)
 
 

@@ -74,3 +74,27 @@ def test_tools_reach_the_server_and_its_tool_calls_are_kept(
     status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
     assert status["done"] == 2 and status["failed"] == 1
     assert status["finish_reasons"]["tool_calls"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_runs_tool_choice_goes_only_beside_tools(tmp_path, redis_url, run_name, sim_factory):
+    """`--raw tool_choice=required` chooses among a row's tools; a server (SGLang, and the
+    simulator as it) refuses it beside none, so neither a row without tools nor the consumer's
+    own --token-ids probe may carry it."""
+    data = tmp_path / "rows.jsonl"
+    rows = [{"id": "with-tools", "messages": CONVERSATION, "tools": TOOLS},
+            {"id": "plain", "messages": [{"role": "user", "content": "Say hi."}]}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    sim = sim_factory(time_scale=400)
+    genq("produce", str(data), "--once", "--max-tokens", "7000", "--token-ids",
+         "--raw", "tool_choice=required", redis_url=redis_url, run=run_name)
+    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst")
+    try:
+        assert consumer.wait(90) == 0, consumer.log()[-3000:]
+    finally:
+        consumer.cleanup()
+    out = tmp_path / "export.jsonl"
+    genq("export", "--out", str(out), "--include-failed", redis_url=redis_url, run=run_name)
+    by_id = {rec["id"]: rec for rec in read_jsonl(out)}
+    assert by_id["with-tools"]["finish_reason"] == "tool_calls"
+    assert by_id["plain"]["finish_reason"] == "stop"
