@@ -140,3 +140,15 @@ def test_the_rows_tool_results_follow_a_turn_that_calls_the_same_tools_else_it_s
     assert turns.after(TWO_TURNS, 1, "tool_calls", other).reason == turns.DIVERGED
     assert turns.after(TWO_TURNS, 2, "tool_calls", other) == turns.Stop(
         turns.DIVERGED, "turn 2 called read_file × 1; the row's called no tool")
+
+
+def test_a_made_call_the_server_would_not_take_back_stops_the_conversation():
+    """SGLang refuses an assistant turn whose call's arguments are no JSON object in the next
+    prompt ("function.arguments must be a JSON object"; a named tool_choice without `strict`
+    writes `""`): the conversation stops at that turn, diverged, rather than fail the row at the
+    next (docs/SGLANG.md)."""
+    for arguments in ('""', "[1]", "{not json", None):
+        made = regenerated(None, "run_shell")["tool_calls"]
+        made[0]["function"]["arguments"] = arguments
+        assert turns.after(TWO_TURNS, 1, "tool_calls", made) == turns.Stop(
+            turns.DIVERGED, "turn 1 called run_shell with arguments that are not a JSON object")
