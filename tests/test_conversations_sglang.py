@@ -124,8 +124,6 @@ def test_the_tiny_model_left_to_itself_calls_no_tool_and_its_first_turn_diverges
     assert (conv["boundary_unstable"], conv["boundary_checked"]) == (0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="genq fails the task at turn 2 (HTTP 400) rather than "
-                   "stop the conversation at the call it cannot send back (turns/splice.py)")
 def test_a_made_call_whose_arguments_are_no_object_stops_its_conversation(
         server, tmp_path, redis_url, run_name):
     """Without `strict`, SGLang's grammar writes the named call with `"arguments":""`, and

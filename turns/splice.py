@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 Message = dict[str, Any]
 # A run's --turns: LAST makes one answer a row (its final assistant turn, or the next); ALL
 # makes every assistant turn in order (turns/engine.py).
@@ -95,6 +97,11 @@ def after(messages: Sequence[Message], turn: int, finish_reason: str | None,
     conversation, since the next turn needs its end."""
     if finish_reason == "length":
         return Stop(TRUNCATED, f"turn {turn} reached max_tokens")
+    for call in tool_calls or ():
+        if not _object(call.get("function") or {}):
+            name = (call.get("function") or {}).get("name")
+            return Stop(DIVERGED, f"turn {turn} called {name} with arguments that are not a "
+                        "JSON object")
     at = assistant_turns(messages)[turn - 1]
     made, asked = _names(tool_calls), _names(messages[at].get("tool_calls"))
     if made != asked:
@@ -105,6 +112,18 @@ def after(messages: Sequence[Message], turn: int, finish_reason: str | None,
             break
         answers.append(m)
     return answers
+
+
+def _object(function: Message) -> bool:
+    """Whether a call's arguments are a JSON object: the one shape a server takes back in the
+    next turn's prompt (SGLang refuses `""`, which a named tool_choice without `strict` makes)."""
+    arguments = function.get("arguments")
+    if isinstance(arguments, dict):
+        return True
+    try:
+        return isinstance(orjson.loads(arguments or ""), dict)
+    except orjson.JSONDecodeError:
+        return False
 
 
 def _said(names: Counter[str]) -> str:
