@@ -24,3 +24,12 @@ def test_the_wheel_installs_one_top_level_name(tmp_path):
     for path in ("genq/common/queue/keys.py", "genq/common/queue/lua/claim.lua",
                  "genq/monitor/page.html", "genq/simulator/cli.py", "genq/consumer/worker.py"):
         assert path in names
+
+
+def test_the_image_copies_every_folder_genq_links():
+    """The Dockerfile copies the card's folders one by one (a small last layer): each folder
+    genq/ links in must be among them, or the image's genq cannot import it."""
+    linked = {p.name for p in (REPO / "genq").iterdir() if p.is_symlink()}
+    copied = {line.split()[1] for line in (REPO / "Dockerfile").read_text().splitlines()
+              if line.startswith("COPY ") and len(line.split()) == 3}
+    assert linked and linked <= copied, sorted(linked - copied)
