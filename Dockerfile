@@ -56,6 +56,7 @@ COPY genq genq
 COPY monitor monitor
 COPY producer producer
 COPY simulator simulator
+COPY turns turns
 RUN pip install --no-deps --no-build-isolation . && rm -rf /src/build
 
 WORKDIR /out
