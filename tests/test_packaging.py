@@ -33,3 +33,7 @@ def test_the_image_copies_every_folder_genq_links():
     copied = {line.split()[1] for line in (REPO / "Dockerfile").read_text().splitlines()
               if line.startswith("COPY ") and len(line.split()) == 3}
     assert linked and linked <= copied, sorted(linked - copied)
+    # ... and the build context holds them: .dockerignore lets in only what it names.
+    let_in = {line[1:].strip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
+              if line.startswith("!")}
+    assert linked <= let_in, sorted(linked - let_in)
