@@ -46,7 +46,7 @@ from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 from genq.consumer.structured import Structured
 from genq.turns import splice
-from genq.turns.engine import Conversations
+from genq.turns.engine import Conversations, unpromptable
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -338,9 +338,8 @@ class Consumer:
             if self.conversations is not None:
                 return await self.conversations.make(inflight, prompt, params, sample)
             messages, turn = splice.last(prompt.messages)
-            if not messages:  # a row of one assistant message: nothing to make it from
-                raise BadTask(prompt.index, f"row {prompt.index}: its only message is an "
-                              "assistant turn: there is no prompt to make it anew from")
+            if not messages:
+                raise unpromptable(prompt.index)
             body = request_body(messages, {**params, "seed": sample["seed"]} if sample
                                 else params, self.model, tools=prompt.tools)
             if inflight.abort or self.stop.is_set():

@@ -33,6 +33,12 @@ if TYPE_CHECKING:
 logger = structlog.get_logger("consumer")
 
 
+def unpromptable(index: int) -> BadTask:
+    """A row of one assistant message: its turn has nothing to be made from (either --turns)."""
+    return BadTask(index, f"row {index}: its only message is an assistant turn: there is no "
+                   "prompt to make it anew from")
+
+
 class Conversations:
     def __init__(self, consumer: Consumer) -> None:
         self.c = consumer
@@ -54,9 +60,8 @@ class Conversations:
         sent = {**params, "seed": sample["seed"]} if sample else params
         for turn in range(len(made) + 1, count + 1):
             before = splice.prompt(row, turn, messages)
-            if not before:  # a row of one assistant message: nothing to make it from
-                raise BadTask(prompt.index, f"row {prompt.index}: its only message is an "
-                              "assistant turn: there is no prompt to make it anew from")
+            if not before:
+                raise unpromptable(prompt.index)
             if inflight.abort or c.stop.is_set():  # between turns: the made ones are kept
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
