@@ -9,7 +9,7 @@ import json
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl
+from pipeline import consume_to_the_end, read_jsonl
 
 from genq.common.data.rows import _row_to_prompt
 from genq.common.errors import BadTask
@@ -52,11 +52,7 @@ def test_tools_reach_the_server_and_its_tool_calls_are_kept(
     genq("produce", str(data), "--once", "--max-tokens", "7000",
          redis_url=redis_url, run=run_name)
     flags = ["--stream"] if mode == "stream" else []
-    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst", *flags)
-    try:
-        assert consumer.wait(90) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", *flags)
     out = tmp_path / "export.jsonl"
     genq("export", "--out", str(out), "--include-failed", redis_url=redis_url, run=run_name)
     records = read_jsonl(out)
@@ -88,11 +84,7 @@ def test_a_runs_tool_choice_goes_only_beside_tools(tmp_path, redis_url, run_name
     sim = sim_factory(time_scale=400)
     genq("produce", str(data), "--once", "--max-tokens", "7000", "--token-ids",
          "--raw", "tool_choice=required", redis_url=redis_url, run=run_name)
-    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst")
-    try:
-        assert consumer.wait(90) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     out = tmp_path / "export.jsonl"
     genq("export", "--out", str(out), "--include-failed", redis_url=redis_url, run=run_name)
     by_id = {rec["id"]: rec for rec in read_jsonl(out)}

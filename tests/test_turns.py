@@ -8,7 +8,7 @@ import json
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl
+from pipeline import consume_to_the_end, read_jsonl
 
 from genq.common.errors import UsageError
 from genq.common.queue import run as runs
@@ -42,11 +42,7 @@ def test_a_trailing_assistant_answer_is_regenerated_not_answered_after(
     sim = sim_factory(time_scale=400)
     genq("produce", str(data), "--once", "--max-tokens", "300", "--token-ids",
          redis_url=redis_url, run=run_name)
-    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst")
-    try:
-        assert consumer.wait(90) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     out = tmp_path / "export.jsonl"
     genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
     by_id = {rec["id"]: rec for rec in read_jsonl(out)}
