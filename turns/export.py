@@ -40,7 +40,7 @@ def standings(r: redis.Redis, k: RunKeys) -> dict[int, Standing]:
 
 def accepted_keys(r: redis.Redis, k: RunKeys) -> tuple[dict[int, list[Key]], bytes]:
     """(task -> the key of each accepted generation, turn 1 first; the done bitmap)."""
-    accepted, is_done, done_raw = results.accepted_state(r, k)
+    accepted, _, done_raw = results.accepted_state(r, k)
     keys: dict[int, list[Key]] = {}
     for task, standing in standings(r, k).items():
         keys[task] = [(e[VERSION], e[ATTEMPT]) for e in standing.made]
