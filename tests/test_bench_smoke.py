@@ -141,9 +141,15 @@ def check_conversations(f: dict) -> None:
         got = f[arm]
         assert got["complete"] and got["generations"] >= 50 and got["consumer_cpu_s"] > 0
         assert got["redis_b_peak"] > 0 and got["export"]["wall_s"] > 0
-    # Every turn made: more generations than conversations, each conversation ended somehow.
-    assert f["all"]["generations"] > f["last"]["generations"] == 50
-    assert sum(f["all"]["stopped"].values()) == 50
+    # Every turn made: the simulators (--tool-chains) close each chain where the row does, so
+    # every conversation runs to its end, a generation for each of the rows' assistant turns.
+    sys.path.insert(0, str(REPO / "bench"))
+    import _conversations as data
+
+    turns = sum(m["role"] == "assistant" for row in data.rows(50, f["args"]["seed"])
+                for m in row["messages"])
+    assert f["last"]["generations"] == 50 and f["all"]["stopped"] == {"complete": 50}
+    assert f["all"]["generations"] == turns
 
 
 CHECKS = {
@@ -196,3 +202,13 @@ def test_conversation_rows_are_seeded_and_call_the_rows_first_tool() -> None:
                 assert messages[at + 1] == {"role": "tool", "tool_call_id": call["id"],
                                             "content": messages[at + 1]["content"]}
     assert 7 <= data.shape(rows)["assistant_turns_per_row"] <= 9.5
+    # Each request's chain is as long as the simulator's --tool-chains makes it.
+    from genq.simulator.toolcalls import chain_length
+
+    for row in rows:
+        chains: list[list[int]] = []
+        for m in row["messages"][1:]:  # after the system prompt, a user request first
+            if m["role"] == "user":
+                chains.append([chain_length(m["content"], 3), 0])
+            chains[-1][1] += bool(m.get("tool_calls"))
+        assert all(want == got for want, got in chains)
