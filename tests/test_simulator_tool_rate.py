@@ -56,3 +56,15 @@ def test_a_share_of_requests_with_tools_call_one_and_the_same_request_decides_al
 def test_rate_zero_never_calls_and_the_default_always_does(sim_factory):
     assert not any(_calls(sim_factory(**FAST, tool_call_rate=0).url))
     assert all(_calls(sim_factory(**FAST).url))
+
+
+def test_a_call_decodes_as_written_after_a_prompt_piece_with_the_same_id(sim_factory):
+    """The toy tokenizer hashes pieces it does not know into ids: " word23" and the call's
+    " 2458}}" (arguments {"words": 2458}) share one. A prompt seen first must not turn the
+    call's text into its own word (the call would no longer parse: no call, content "")."""
+    sim = sim_factory(**FAST)
+    assert chat(sim.url, "say word23").status_code == 200
+    choice = chat(sim.url, " ".join(["word"] * 2458), tools=TOOLS).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    assert orjson.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {
+        "words": 2458}
