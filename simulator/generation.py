@@ -152,7 +152,7 @@ def _call_ids(engine: Engine, data: dict[str, Any], text: str, context: list[int
     if unit_draw(key, engine.settings.seed) >= engine.settings.tool_call_rate:
         return ()
     call = toolcalls.call_text(function["name"], {"words": len(text.split())})
-    return tuple(tokens.encode(call))
+    return tuple(tokens.encode(call, answer=True))
 
 
 def _called(engine: Engine, data: dict[str, Any], content: str, finish: str | None

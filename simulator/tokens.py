@@ -31,41 +31,47 @@ REMEMBER = 200_000
 _SPECIAL = re.compile("(" + "|".join(re.escape(s) for s in SPECIALS) + ")")
 _PIECE = re.compile(r"\n+|[^\S\n]*\S+|[^\S\n]+")
 _DECODE = {i: s for s, i in {**SPECIALS, **VOCAB}.items()}
+# Hashed pieces of the simulator's own answers (a tool call's name and arguments): they decode
+# as written whatever prompt piece came first with the same id, full table or not. Few: the
+# requests' tool names and the calls' word counts.
+_ANSWER: dict[int, str] = {}
 # The prompt ends with the generation prompt; the model's answer follows it.
 GENERATION = (IM_START, VOCAB["assistant"], VOCAB["\n"])
 # Qwen3's template writes an empty thinking block there when thinking is switched off.
 NO_THINK = (THINK_OPEN, VOCAB["\n\n"], THINK_CLOSE, VOCAB["\n\n"])
 
 
-def piece_id(piece: str) -> int:
+def piece_id(piece: str, answer: bool = False) -> int:
     known = SPECIALS.get(piece) or VOCAB.get(piece)
     if known:
         return known
     digest = hashlib.sha256(piece.encode()).digest()
     token = HASHED_FROM + int.from_bytes(digest[:8], "big") % HASHED_SPAN
-    if len(_DECODE) < REMEMBER:
+    if answer:
+        _ANSWER[token] = piece  # two answer pieces of one id: the latest wins, a toy's limit
+    elif len(_DECODE) < REMEMBER:
         _DECODE.setdefault(token, piece)  # a collision keeps the first piece: a toy's limit
     return token
 
 
-def encode(text: str) -> list[int]:
+def encode(text: str, answer: bool = False) -> list[int]:
     """Text to ids. `decode(encode(text)) == text` always for the simulator's own vocabulary
-    (its answers); other text decodes back only while its pieces' hashed ids do not collide
-    (thousands of distinct words will) and the table has room: the simulator never needs to
-    decode a prompt, only its answers."""
+    and for a text encoded as an `answer` (a tool call's); other text decodes back only while
+    its pieces' hashed ids do not collide (thousands of distinct words will) and the table has
+    room: the simulator never needs to decode a prompt, only its answers."""
     ids: list[int] = []
     for n, part in enumerate(_SPECIAL.split(text)):
         if n % 2:
             ids.append(SPECIALS[part])
         else:
-            ids.extend(piece_id(p) for p in _PIECE.findall(part))
+            ids.extend(piece_id(p, answer) for p in _PIECE.findall(part))
     return ids
 
 
 def decode(ids: list[int], skip_special: bool = False) -> str:
     """Ids to text; SGLang leaves the stop token out of the text it returns."""
-    return "".join("" if (skip_special and i in (IM_START, IM_END)) else _DECODE.get(i, "")
-                   for i in ids)
+    return "".join("" if (skip_special and i in (IM_START, IM_END))
+                   else _ANSWER.get(i) or _DECODE.get(i, "") for i in ids)
 
 
 def _content(message: dict[str, Any]) -> str:
