@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         "answer in text); decided by the prompt's ids and the seeds",
     )
     p.add_argument(
+        "--tool-chains",
+        action="store_true",
+        help="instead of --tool-call-rate: call the first tool while the tool results after the "
+        "last user message are fewer than its chain length (1-20, drawn from its text and "
+        "--seed), then answer in text, as an agent ends a chain",
+    )
+    p.add_argument(
         "--bad-marker",
         default="__GENQ_BAD__",
         help="a prompt containing this text is rejected with HTTP 400",

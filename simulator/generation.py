@@ -135,21 +135,36 @@ def _tools_parsed(engine: Engine, data: dict[str, Any]) -> bool:
             and bool(tools) and data.get("tool_choice") != "none")
 
 
+def _chain_goes_on(messages: Any, seed: int) -> bool:
+    """--tool-chains: whether the tool results after the last user message are fewer than
+    that message's toolcalls.chain_length (then the answer calls; else it closes in text)."""
+    if not isinstance(messages, list):
+        return False
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    last = max((at for at, role in enumerate(roles) if role == "user"), default=-1)
+    text = _message_text(messages[last:last + 1]) if last >= 0 else ""
+    return roles[last + 1:].count("tool") < toolcalls.chain_length(text, seed)
+
+
 def _call_ids(engine: Engine, data: dict[str, Any], text: str, context: list[int]
               ) -> tuple[int, ...]:
     """The ids of the tool call the answer ends with, none when it calls nothing: an answer
     to a request with tools calls the first one with probability --tool-call-rate (unless
     tool_choice is "none"), drawn from the prompt's ids and the request's seed apart from the
-    length's draw, so the same request decides the same way every time; its arguments count
-    the prompt's words."""
+    length's draw, so the same request decides the same way every time (under --tool-chains,
+    while the request's chain goes on instead); its arguments count the prompt's words."""
     if not _tools_parsed(engine, data):
         return ()
     tools = data["tools"]
     function = tools[0].get("function") if isinstance(tools[0], dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError(400, "each tool must be {type: function, function: {name, ...}}", PYDANTIC)
-    key = prompt_key(tokens.split_prompt(context)[0], data.get("seed")) + "|tool"
-    if unit_draw(key, engine.settings.seed) >= engine.settings.tool_call_rate:
+    settings = engine.settings
+    if settings.tool_chains:
+        if not _chain_goes_on(data.get("messages"), settings.seed):
+            return ()
+    elif unit_draw(prompt_key(tokens.split_prompt(context)[0], data.get("seed")) + "|tool",
+                   settings.seed) >= settings.tool_call_rate:
         return ()
     call = toolcalls.call_text(function["name"], {"words": len(text.split())})
     return tuple(tokens.encode(call, answer=True))

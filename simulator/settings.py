@@ -95,6 +95,9 @@ class Settings:
     invalid_json_rate: float = 0.0
     # Share of requests with tools whose answer calls the first one (the rest answer in text).
     tool_call_rate: float = 1.0
+    # Instead of the rate: call while the chain after the last user message is shorter than
+    # toolcalls.chain_length of that message, then answer in text (an agent's final answer).
+    tool_chains: bool = False
     bad_marker: str = "__GENQ_BAD__"
 
     @property

@@ -6,6 +6,8 @@ content and every complete call as a call (an unfinished one is dropped)."""
 from __future__ import annotations
 
 import json
+import math
+import random
 import re
 import uuid
 from typing import Any
@@ -14,6 +16,8 @@ BOT, EOT = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(BOT) + "(.*?)" + re.escape(EOT), re.DOTALL)
 # SGLang 0.5.23 takes both names for this parser and reports it as "qwen" in /get_server_info.
 PARSERS = ("qwen", "qwen25")
+# --tool-chains: tool calls an agent makes after a user request, lognormal (median, sigma), 1-20.
+CHAIN_MEDIAN, CHAIN_SIGMA, CHAIN_MAX = 2.3, 0.8, 20
 
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:
@@ -56,3 +60,11 @@ def openai(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "index": n, "type": "function",
              "function": {"name": call["name"], "arguments": call["parameters"]}}
             for n, call in enumerate(calls)]
+
+
+def chain_length(text: str, seed: int) -> int:
+    """--tool-chains: the calls answered to the user request `text` before the final answer in
+    text; a pure draw from the text and the simulator's --seed (a data set can mirror it)."""
+    draw = random.Random(f"chain:{seed}:{text}").lognormvariate(math.log(CHAIN_MEDIAN),
+                                                                CHAIN_SIGMA)
+    return max(1, min(CHAIN_MAX, round(draw)))
