@@ -4,9 +4,11 @@ of JSON lines rows {"id", "messages", "tools"} (docs/CLI.md, "Data set").
 A row: a system prompt (one of a few, as a deployment has few), then 1-3 user requests; each
 request is worked through a tool chain of 1-20 calls and closed by a final assistant answer.
 Each tool-calling assistant turn makes exactly one call, to the row's first tool, followed by
-a `tool` message with its result: the simulator with `--tool-call-rate R` calls a request's
-first tool by name, so a regenerated call matches the row's and `--turns all` splices the
-row's result in and goes on. About 8 assistant turns a row on average.
+a `tool` message with its result. A request's chain is as long as the simulator's
+`--tool-chains` makes it (`chain_length` of the request's text and the seed, the simulators'
+`--seed`), so each regenerated turn calls the row's first tool where the row does and answers
+in text where the row does: `--turns all` splices the row's results in and runs every turn.
+About 8 assistant turns a row on average.
 
 Texts are words drawn from Python's own documentation (prose and code) with their frequencies,
 kept modest in length (tens of words a message) so a 2-core machine can regenerate every turn
@@ -26,11 +28,13 @@ from pathlib import Path
 from pydoc_data.topics import topics
 from typing import Any
 
+import _common  # noqa: F401  (this tree's genq first on sys.path)
 import orjson
+
+from genq.simulator.toolcalls import chain_length
 
 USERS = (1, 2, 3)
 USER_WEIGHTS = (0.35, 0.35, 0.30)  # 1.95 user requests a row
-CHAIN_MEDIAN, CHAIN_SIGMA, CHAIN_MAX = 2.3, 0.8, 20  # tool calls after each request
 # Words a message: lognormal (median, sigma, cap).
 SYSTEM_WORDS = (90, 0.3, 200)
 USER_WORDS = (25, 0.6, 200)
@@ -56,12 +60,6 @@ def _words(rng: random.Random, shape: tuple[float, float, int]) -> str:
     median, sigma, cap = shape
     n = max(1, min(cap, round(rng.lognormvariate(math.log(median), sigma))))
     return " ".join(rng.choices(_corpus(), k=n))
-
-
-def chain_length(rng: random.Random) -> int:
-    """Tool calls worked through after one user request: 1-20, most short, a long tail."""
-    return max(1, min(CHAIN_MAX, round(rng.lognormvariate(math.log(CHAIN_MEDIAN),
-                                                          CHAIN_SIGMA))))
 
 
 def tool(name: str) -> dict[str, Any]:
@@ -93,8 +91,9 @@ def row(seed: int, index: int) -> dict[str, Any]:
         {"role": "system", "content": system_prompt(seed, rng.randrange(SYSTEMS))}]
     calls = 0
     for _ in range(rng.choices(USERS, USER_WEIGHTS)[0]):
-        messages.append({"role": "user", "content": _words(rng, USER_WORDS)})
-        for _ in range(chain_length(rng)):
+        request = _words(rng, USER_WORDS)
+        messages.append({"role": "user", "content": request})
+        for _ in range(chain_length(request, seed)):  # 1-20 calls, most short, a long tail
             calls += 1
             call = _call(rng, names[0], calls)
             messages.append({"role": "assistant", "content": None, "tool_calls": [call]})

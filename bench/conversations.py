@@ -5,10 +5,11 @@ side on the same Redis and simulators.
 The data set comes from bench/_conversations.py (seeded): agentic-coding rows of a system
 prompt, 1-3 user requests, each worked through a chain of 1-20 tool calls (one call a turn, to
 the row's first tool) and closed by a final answer, ~8 assistant turns a row. The simulators
-answer fast (16-token answers, time scale 10000) with `--tool-call-rate R --enable-cache-report`:
-at R = 1.0 every regenerated turn calls the row's first tool, so a tool turn's results are
-spliced in and the chain goes on, and a final-answer turn, which made no call in the row,
-diverges there.
+answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
+--enable-cache-report`: each regenerated turn calls the row's first tool while the request's
+chain (drawn as the rows drew it) goes on and answers in text where the row does, so every
+conversation runs all its turns. `--tool-call-rate R` runs the simulators at that rate instead
+(at 1.0 a final-answer turn is regenerated as a call and its conversation diverges there).
 
 Each arm: the windowed producer, `genq consume --burst` per simulator, to the end or to
 --deadline (then the consumers are stopped with SIGTERM and the figures are those of the
@@ -198,13 +199,16 @@ def main() -> int:
     p.add_argument("--conversations", type=int, default=100_000)
     p.add_argument("--consumers", type=int, default=2, help="each on its own simulator")
     p.add_argument("--seed", type=int, default=0, help="the data set's")
-    p.add_argument("--tool-call-rate", type=float, default=1.0)
+    p.add_argument("--tool-call-rate", type=float, default=None,
+                   help="the simulators call at this rate instead of --tool-chains")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--deadline", type=float, default=1200,
                    help="seconds an arm's consumers run before they are stopped")
     p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
     a = p.parse_args()
-    sim = [*SIM, "--tool-call-rate", str(a.tool_call_rate)]
+    calls = (["--tool-chains", "--seed", str(a.seed)] if a.tool_call_rate is None
+             else ["--tool-call-rate", str(a.tool_call_rate)])
+    sim = [*SIM, *calls]
     figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}
     with kit.workdir() as work, kit.private_redis() as srv, \
             kit.simulators(a.consumers, *sim) as sims:
