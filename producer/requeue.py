@@ -19,7 +19,6 @@ from rich.progress import Progress
 from genq.common import params, schema
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
-from genq.common.data.records import task_of
 from genq.common.errors import UsageError
 from genq.common.queue import bitmap
 from genq.common.queue import run as runs
@@ -31,6 +30,7 @@ from genq.common.report.status_table import human_duration
 from genq.common.sglang import continuation
 from genq.common.store import export
 from genq.common.store import s3 as store
+from genq.common.task import task_of
 from genq.producer import probe
 from genq.turns import splice
 

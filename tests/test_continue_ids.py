@@ -18,6 +18,7 @@ from genq.common import params
 from genq.common.queue.keys import RunKeys
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continuable, continue_answer, retexted
+from genq.common.task import request_body
 
 NATURAL = 40  # every answer: 27 thinking ids (`<think>` first), `</think>` at 27, then content
 CLOSE = int(NATURAL * 0.7) - 1
@@ -34,7 +35,7 @@ def partial_of(c, version: int = 1) -> dict:
 @pytest.mark.parametrize("parser", ["qwen3", None])
 def test_continued_by_ids_is_the_straight_answer_wherever_cut(sim_factory, parser):
     sim = sim_factory(time_scale=1000, reasoning_parser=parser, length_dist=f"fixed:{NATURAL}")
-    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+    body = request_body([{"role": "user", "content": "Write a poem."}],
                                {**params.DEFAULTS, "return_token_ids": True}, "m")
 
     async def main() -> None:
@@ -127,7 +128,7 @@ def test_continued_answer_with_tools_is_the_straight_one(sim_factory, parser, to
     token from it; the continued answer's text, calls, ids and finish are the straight ones,
     cut inside the thinking, on `</think>`, after it."""
     sim = sim_factory(time_scale=1000, reasoning_parser=parser, length_dist=f"fixed:{NATURAL}")
-    body = params.request_body([{"role": "user", "content": "Count the words."}],
+    body = request_body([{"role": "user", "content": "Count the words."}],
                                {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
 
     async def main() -> None:
@@ -154,7 +155,7 @@ def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
     """SGLang cuts its text at the first match of a `stop` string (the ids run on past it);
     the simulator stops on its end token only, so the server's match is given here."""
     sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", length_dist=f"fixed:{NATURAL}")
-    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+    body = request_body([{"role": "user", "content": "Write a poem."}],
                                {**params.DEFAULTS, "return_token_ids": True}, "m")
 
     async def main() -> None:
@@ -174,7 +175,7 @@ def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
 def test_a_continued_answer_says_the_whole_budget_it_had(sim_factory):
     """`max_tokens` lowered to fit the context: the continued answer's `max_tokens_used` is the
     straight answer's (the partial's tokens and the continuation's room), not the room alone."""
-    body = params.request_body([{"role": "user", "content": "Write a poem."}],
+    body = request_body([{"role": "user", "content": "Write a poem."}],
                                {**params.DEFAULTS, "return_token_ids": True}, "m")
 
     async def answers(url: str, limit: int, cut: int):

@@ -17,12 +17,13 @@ from test_continue_ids import NATURAL, TOOLS, fields, partial_of
 from genq.common import params
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
+from genq.common.task import request_body
 
 CALL = '<tool_call>\n{"name": "count", "arguments": {"words": 3}}\n</tool_call>'
 
 
 def body_with_tools(tools=TOOLS) -> dict:
-    return params.request_body([{"role": "user", "content": "Count the words."}],
+    return request_body([{"role": "user", "content": "Count the words."}],
                                {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
 
 

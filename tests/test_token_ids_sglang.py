@@ -17,6 +17,7 @@ from pipeline import ConsumerProcess, read_jsonl
 from sglang_servers import KINDS, start_server
 
 from genq.common import params
+from genq.common.task import request_body
 
 pytestmark = pytest.mark.timeout(900)
 TOOLS = [{"type": "function", "function": {
@@ -83,7 +84,7 @@ def test_records_hold_the_servers_ids_and_tools_reach_the_prompt(
         assert len(with_tools["prompt_token_ids"]) > len(plain["prompt_token_ids"])
     for row in rows[:4]:
         rec = records[row["id"]]
-        body = params.request_body(
+        body = request_body(
             row["messages"], {**params.DEFAULTS, "max_tokens": 24, "temperature": 0,
                               "return_token_ids": True}, rec["model"], tools=row.get("tools"))
         choice = httpx.post(server.url + "/v1/chat/completions", json=body,

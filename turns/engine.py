@@ -20,9 +20,9 @@ import structlog
 from genq.common.data.records import build_record
 from genq.common.data.rows import Prompt
 from genq.common.errors import BadTask
-from genq.common.params import request_body
 from genq.common.queue.scripts import ScriptRunner, turn_call
 from genq.common.sglang.stream import Completion
+from genq.common.task import Task
 from genq.consumer.leases import Inflight
 from genq.turns import splice, state
 from genq.turns.state import COMPLETE, Standing
@@ -44,8 +44,7 @@ class Conversations:
         self.c = consumer
         self.scripts = ScriptRunner(consumer.redis)
 
-    async def make(self, inflight: Inflight, prompt: Prompt, params: dict[str, Any],
-                   sample: dict[str, int] | None
+    async def make(self, inflight: Inflight, prompt: Prompt, task: Task
                    ) -> tuple[dict[str, Any], Completion] | None:
         """The conversation's last turn (record, completion) for the Committer; None if it
         ended otherwise: given back at a stop (its made turns stay), or its lease lost."""
@@ -57,7 +56,6 @@ class Conversations:
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
-        sent = {**params, "seed": sample["seed"]} if sample else params
         for turn in range(len(made) + 1, count + 1):
             before = splice.prompt(row, turn, messages)
             if not before:
@@ -66,14 +64,14 @@ class Conversations:
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
                 return None
-            body = request_body(before, sent, c.model, tools=prompt.tools)
+            body = task.request(before, c.model, prompt.tools)
             asked = time.monotonic()
             completion = await c.ask(inflight, body)
             record = build_record(
-                run=c.settings.run, index=lease.index // c.samples, prompt_id=prompt.id,
+                run=c.settings.run, index=task.row, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
                 model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
-                gen=lease.gen, clock_offset=c.clock_offset, sample=sample, turn=turn)
+                gen=lease.gen, clock_offset=c.clock_offset, sample=task.sample, turn=turn)
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:

@@ -19,7 +19,7 @@ import orjson
 import redis
 
 from genq.common.data.dataset import open_dataset
-from genq.common.data.records import is_failure, parse_line, task_of
+from genq.common.data.records import is_failure, parse_line
 from genq.common.data.shards import shard_lines
 from genq.common.errors import GenqError
 from genq.common.queue import bitmap
@@ -27,6 +27,7 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.store import export as results
+from genq.common.task import task_of
 from genq.turns import splice
 from genq.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
 

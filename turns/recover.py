@@ -33,8 +33,9 @@ import orjson
 import redis
 
 from genq.common.data import recovery
-from genq.common.data.records import is_failure, parse_line, task_of
+from genq.common.data.records import is_failure, parse_line
 from genq.common.queue.keys import RunKeys, finish_code
+from genq.common.task import task_of
 from genq.turns import splice, state
 from genq.turns.state import Standing
 

@@ -11,7 +11,6 @@ import orjson
 import redis
 
 from genq.common.cli import run_keys
-from genq.common.data.records import row_fields
 from genq.common.errors import UsageError, mask_tree
 from genq.common.params import DEFAULTS, mask_raw
 from genq.common.queue import bitmap, heartbeats
@@ -19,6 +18,7 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.report import advice, runhealth, stats
+from genq.common.task import row_fields
 from genq.turns import splice as turns
 from genq.turns.export import figures as conversation_figures
 

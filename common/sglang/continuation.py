@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 import structlog
 import zstandard
 
-from genq.common.data.records import task_of
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.sglang.client import SGLang
@@ -28,6 +27,7 @@ from genq.common.sglang.stream import (
     split_thinking,
     thinking_on,
 )
+from genq.common.task import task_of
 
 logger = structlog.get_logger()
 
