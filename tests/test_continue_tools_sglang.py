@@ -35,8 +35,8 @@ def server(request):
 
 def body_of(row: int, thinking: bool = True) -> dict:
     body = request_body([{"role": "user", "content": f"Count the words of line {row}."}],
-                               {**params.DEFAULTS, "return_token_ids": True, "temperature": 0},
-                               "m", tools=TOOLS)
+                        {**params.DEFAULTS, "return_token_ids": True, "temperature": 0},
+                        "m", tools=TOOLS)
     return body if thinking else {**body, "chat_template_kwargs": {"enable_thinking": False}}
 
 

@@ -42,7 +42,7 @@ def test_records_keep_the_servers_own_ids_and_export_them_for_drafters(
     rec = records[5]
     row = orjson.loads((tmp_path / "data.jsonl").read_text().splitlines()[5])
     body = request_body(row["messages"], {**params.DEFAULTS, "max_tokens": 300,
-                                                 "return_token_ids": True}, rec["model"])
+                                          "return_token_ids": True}, rec["model"])
     choice = httpx.post(sim.url + "/v1/chat/completions", json=body, timeout=30).json()[
         "choices"][0]
     assert rec["prompt_token_ids"] == choice["prompt_token_ids"]
