@@ -12,6 +12,7 @@ written and acknowledged by the Committer like any task's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +59,8 @@ class Conversations:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
         sent = {**params, "seed": sample["seed"]} if sample else params
-        for turn in range(len(made) + 1, count + 1):
+        ask, first = functools.partial(c.ask, inflight), len(made) + 1
+        for turn in range(first, count + 1):
             before = splice.prompt(row, turn, messages)
             if not before:
                 raise unpromptable(prompt.index)
@@ -68,7 +70,11 @@ class Conversations:
                 return None
             body = request_body(before, sent, c.model, tools=prompt.tools)
             asked = time.monotonic()
-            completion = await c.ask(inflight, body)
+            # `requeue --continue`: the turn it was cut at goes on from its partial.
+            continued = await c.partials.answer(lease.index, lease.version, body, ask,
+                                                c.server, turn) if turn == first else None
+            completion = continued or await ask(body)
+            kept = (completion.continued_from or {}).get("tokens", 0)  # not decoded again
             record = build_record(
                 run=c.settings.run, index=lease.index // c.samples, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
@@ -94,8 +100,11 @@ class Conversations:
             await asyncio.to_thread(c.sink.write_many, [record])
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
-                                     unstable, checked, max(1, completion.completion_tokens)):
+                                     unstable, checked, max(1, completion.completion_tokens
+                                                            - kept)):
                 return None
+            if kept:  # used (ack.lua drops the partial of a task's last turn)
+                await c.retry(lambda: c.partials.drop(lease.index, lease.version))
         raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
 
     async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
