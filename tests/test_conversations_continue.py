@@ -84,7 +84,7 @@ def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
         # ... and the whole conversation is the one a straight run at the larger limit makes.
         assert [made(rec) for rec in chain] == [made(rec) for rec in straight[index]], index
     assert any(len(chains[i]) > rec["turn"] for i, rec in truncated.items())
-    assert RunKeys(run_name) and r.exists(RunKeys(run_name).partials) == 0  # each used once
+    assert r.exists(RunKeys(run_name).partials) == 0  # each used once
 
     # What the server was asked after the requeue: the continued turns and the turns after
     # them, nothing earlier (and the consumer's start probe). Each continued turn's prompt was
@@ -116,3 +116,6 @@ def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
     conv = status["conversations"]
     assert (conv["done"], conv["total"], conv["generations"]) == (n, n, len(redone))
     assert len(by_conversation(redone)) == n
+    # Every continued turn counts as continued, the last of its conversation or not.
+    assert status["continued"] == {"2": {"continued": len(truncated),
+                                         "decode_tokens_saved": kept}}, status["continued"]
