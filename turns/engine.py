@@ -101,20 +101,19 @@ class Conversations:
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
                                      unstable, checked, max(1, completion.completion_tokens
-                                                            - kept)):
+                                                            - kept), kept):
                 return None
-            if kept:  # used (ack.lua drops the partial of a task's last turn)
-                await c.retry(lambda: c.partials.drop(lease.index, lease.version))
         raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
 
     async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
-                     unstable: int, checked: int, tokens: int) -> bool:
+                     unstable: int, checked: int, tokens: int, continued: int = 0) -> bool:
         """turn.lua: where the conversation stands, iff its lease is ours; `tokens` of a turn
-        before its last count in the rate."""
+        before its last count in the rate, and one `continued` from a partial of that many
+        tokens counts as continued (its partial is dropped: ack.lua drops the last's)."""
         lease, c = inflight.lease, self.c
         call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
                          messages, len(standing.made), standing.ended(), unstable, checked,
-                         tokens, c.settings.server_id)
+                         tokens, c.settings.server_id, continued, lease.version)
         if await c.retry(lambda: self.scripts(call)):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "
