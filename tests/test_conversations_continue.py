@@ -119,3 +119,54 @@ def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
     # Every continued turn counts as continued, the last of its conversation or not.
     assert status["continued"] == {"2": {"continued": len(truncated),
                                          "decode_tokens_saved": kept}}, status["continued"]
+
+
+@pytest.mark.timeout(240)
+def test_without_ids_the_truncated_turn_is_continued_by_its_text(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    """A run without --token-ids continues the cut turn as one-turn runs do: its text sent back
+    as the final assistant message to continue; the turns before it are not asked again."""
+    n = 40
+    rows = [conversation(i) for i in range(n)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
+                            + "\n" for i, m in enumerate(rows)))
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
+                      reasoning_parser="qwen3")
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(SMALL),
+         redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    first = by_conversation(export(tmp_path, redis_url, run_name, "first.jsonl"))
+    truncated = {i: chain[-1] for i, chain in first.items()
+                 if chain[-1]["finish_reason"] == "length"}
+    assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values()), truncated
+
+    before = served(sim)
+    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    redone = export(tmp_path, redis_url, run_name, "redone.jsonl")
+    chains = by_conversation(redone)
+    asked = 0
+    for index, chain in chains.items():
+        if index not in truncated:
+            assert chain == first[index], index
+            continue
+        t, cut = truncated[index]["turn"], truncated[index]
+        assert [rec["turn"] for rec in chain] == list(range(1, len(chain) + 1)), index
+        assert chain[:t - 1] == first[index][:t - 1], index
+        again = chain[t - 1]
+        assert again["continued_from"] == {"version": 1, "attempt": cut["attempt"],
+                                           "tokens": cut["completion_tokens"]}, again
+        assert (again["reasoning_content"] or "").startswith(cut["reasoning_content"] or "")
+        assert again["completion_tokens"] > SMALL or again["finish_reason"] != "length"
+        asked += len(chain) - (t - 1)
+    assert any(len(chains[i]) > rec["turn"] for i, rec in truncated.items())
+    # (A run without ids asks no probe at a consumer's start.)
+    assert served(sim)["num_requests_total"] - before["num_requests_total"] == asked
+    assert r.exists(RunKeys(run_name).partials) == 0
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert (status["conversations"]["done"], status["conversations"]["generations"]) == (
+        n, len(redone))
+    assert status["continued"]["2"]["continued"] == len(truncated)
