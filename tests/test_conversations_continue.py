@@ -59,6 +59,10 @@ def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
     assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values()), truncated
 
     before = served(sims["cont"])
+    dry = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               "--dry-run", redis_url=redis_url, run=run_name).stdout
+    assert f"continue: {len(truncated)} truncated answers" in dry and "; 0 are generated" in dry
+    assert r.exists(RunKeys(run_name).partials) == 0  # a dry run keeps nothing
     out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
                redis_url=redis_url, run=run_name).stdout
     assert f"partials kept for --continue: {len(truncated)} " in out, out
