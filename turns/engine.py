@@ -12,6 +12,7 @@ written and acknowledged by the Committer like any task's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +57,8 @@ class Conversations:
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
-        for turn in range(len(made) + 1, count + 1):
+        ask, first = functools.partial(c.ask, inflight), len(made) + 1
+        for turn in range(first, count + 1):
             before = splice.prompt(row, turn, messages)
             if not before:
                 raise unpromptable(prompt.index)
@@ -66,7 +68,11 @@ class Conversations:
                 return None
             body = task.request(before, c.model, prompt.tools)
             asked = time.monotonic()
-            completion = await c.ask(inflight, body)
+            # `requeue --continue`: the turn it was cut at goes on from its partial.
+            continued = await c.partials.answer(lease.index, lease.version, body, ask,
+                                                c.server, turn) if turn == first else None
+            completion = continued or await ask(body)
+            kept = (completion.continued_from or {}).get("tokens", 0)  # not decoded again
             record = build_record(
                 run=c.settings.run, index=task.row, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
@@ -92,18 +98,20 @@ class Conversations:
             await asyncio.to_thread(c.sink.write_many, [record])
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
-                                     unstable, checked, max(1, completion.completion_tokens)):
+                                     unstable, checked, max(1, completion.completion_tokens
+                                                            - kept), kept):
                 return None
         raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
 
     async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
-                     unstable: int, checked: int, tokens: int) -> bool:
+                     unstable: int, checked: int, tokens: int, continued: int = 0) -> bool:
         """turn.lua: where the conversation stands, iff its lease is ours; `tokens` of a turn
-        before its last count in the rate."""
+        before its last count in the rate, and one `continued` from a partial of that many
+        tokens counts as continued (its partial is dropped: ack.lua drops the last's)."""
         lease, c = inflight.lease, self.c
         call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
                          messages, len(standing.made), standing.ended(), unstable, checked,
-                         tokens, c.settings.server_id)
+                         tokens, c.settings.server_id, continued, lease.version)
         if await c.retry(lambda: self.scripts(call)):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "

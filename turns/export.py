@@ -95,6 +95,20 @@ def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
             os.close(fd)
 
 
+def truncated(r: redis.Redis, k: RunKeys, dirs: list[str]) -> Iterator[dict[str, Any]]:
+    """The last generation of each done conversation that ended cut at max_tokens, read from
+    the shards as the export finds it: what `requeue --continue` continues."""
+    keys, done_raw = accepted_keys(r, k)
+    last = {task: s.last for task, s in standings(r, k).items()
+            if s.end == splice.TRUNCATED and bitmap.is_set(done_raw, task)}
+    paths = results.shard_paths(dirs, k.run)
+    picks, _ = _pick(paths, {task: keys[task] for task in last if task in keys},
+                     runs.samples_of(r, k))
+    for _task, _turn, line in _lines(paths, {at: where for at, where in picks.items()
+                                             if last[at[0]] == at[1]}):
+        yield orjson.loads(line)
+
+
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,
            conversations: bool = False, include_failed: bool = False,
            allow_ambiguous: bool = False) -> results.ExportResult:
