@@ -21,9 +21,10 @@ import structlog
 from genq.common.data.records import build_record
 from genq.common.data.rows import Prompt
 from genq.common.errors import BadTask
-from genq.common.queue.scripts import ScriptRunner, turn_call
+from genq.common.queue.scripts import Call, ScriptRunner, turn_call
 from genq.common.sglang.stream import Completion
 from genq.common.task import Task
+from genq.consumer.commit import MAX_BATCH
 from genq.consumer.leases import Inflight
 from genq.turns import splice, state
 from genq.turns.state import COMPLETE, Standing
@@ -43,7 +44,7 @@ def unpromptable(index: int) -> BadTask:
 class Conversations:
     def __init__(self, consumer: Consumer) -> None:
         self.c = consumer
-        self.scripts = ScriptRunner(consumer.redis)
+        self.turns = MadeTurns(consumer)
 
     async def make(self, inflight: Inflight, prompt: Prompt, task: Task
                    ) -> tuple[dict[str, Any], Completion] | None:
@@ -95,28 +96,75 @@ class Conversations:
                                          unstable, checked, 0):
                     return None
                 return record, completion
-            await asyncio.to_thread(c.sink.write_many, [record])
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
                                      unstable, checked, max(1, completion.completion_tokens
-                                                            - kept), kept):
+                                                            - kept), kept, record):
                 return None
         raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
 
     async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
-                     unstable: int, checked: int, tokens: int, continued: int = 0) -> bool:
-        """turn.lua: where the conversation stands, iff its lease is ours; `tokens` of a turn
-        before its last count in the rate, and one `continued` from a partial of that many
-        tokens counts as continued (its partial is dropped: ack.lua drops the last's)."""
+                     unstable: int, checked: int, tokens: int, continued: int = 0,
+                     made: dict[str, Any] | None = None) -> bool:
+        """turn.lua: where the conversation stands, iff its lease is ours, after the `made`
+        turn's record (a turn before its last) is written; `tokens` of a turn before its last
+        count in the rate, and one `continued` from a partial of that many tokens counts as
+        continued (its partial is dropped: ack.lua drops the last's)."""
         lease, c = inflight.lease, self.c
         call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
                          messages, len(standing.made), standing.ended(), unstable, checked,
                          tokens, c.settings.server_id, continued, lease.version)
-        if await c.retry(lambda: self.scripts(call)):
+        if await self.turns.commit(made, call):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "
                        "again", turn=len(standing.made) + 1)
         return False
+
+
+class MadeTurns:
+    """The made turns of every slot, written together (one write and fdatasync) and recorded
+    together (one Redis round trip), as the Committer batches tasks' last turns: a turn costs
+    a share of a disk sync and a round trip, not one of each. Each is recorded only once the
+    batch holding it is on disk; a slot waits for its own."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.c = consumer
+        self.scripts = ScriptRunner(consumer.redis)
+        self.pending: list[tuple[dict[str, Any] | None, Call, asyncio.Future[bool]]] = []
+        self.flushing: asyncio.Task[None] | None = None
+
+    async def commit(self, record: dict[str, Any] | None, call: Call) -> bool:
+        """Write `record` (if any), then run `call`: whether turn.lua found the lease ours."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.pending.append((record, call, done))
+        if self.flushing is None or self.flushing.done():
+            # Its own task: a slot cancelled while it waits leaves the others' batch whole.
+            self.flushing = asyncio.create_task(self.flush())
+        return await done
+
+    async def flush(self) -> None:
+        await asyncio.sleep(0)  # the turns that finished in this turn of the loop join
+        while self.pending:
+            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+            try:
+                records = [record for record, _, _ in batch if record is not None]
+                if records:
+                    await asyncio.to_thread(self.c.sink.write_many, records)
+                calls = [call for _, call, _ in batch]
+                outcomes = await self.c.retry(
+                    functools.partial(self.scripts.pipelined, self.c.redis, calls))
+            except asyncio.CancelledError:
+                for _, _, done in [*batch, *self.pending]:
+                    done.cancel()
+                raise
+            except Exception as e:  # each slot raises it: the disk's trouble, Redis gone
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            for (_, _, done), ok in zip(batch, outcomes, strict=True):
+                if not done.done():
+                    done.set_result(bool(ok))
 
 
 def _boundary(ids: list[int] | None, row: list[dict[str, Any]], turn: int,

@@ -226,3 +226,11 @@ class ScriptRunner:
     def __call__(self, call: Call) -> Any:
         # For redis.asyncio clients this returns an awaitable; callers await it.
         return self._scripts[call.script](keys=call.keys, args=call.args)
+
+    async def pipelined(self, client: Any, calls: list[Call]) -> list[Any]:
+        """Several Calls in one round trip on an asyncio client (a pipeline, not a
+        transaction: each script is atomic on its own)."""
+        pipe = client.pipeline(transaction=False)
+        for call in calls:
+            await self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
+        return list(await pipe.execute())
