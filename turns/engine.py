@@ -3,7 +3,8 @@ it), made turn by turn in the slot that claimed it, so each turn goes to the ser
 the turn before and finds its prefix in the server's cache.
 
 Each made turn but the last is written to the shard, then recorded in Redis (turns/state.py)
-while the task's lease is ours: a consumer killed mid-conversation costs only the turn in flight,
+while the task's lease is ours, in batches with the other slots' made turns (MadeTurns): a
+consumer killed mid-conversation costs only the turn in flight,
 and whichever consumer claims the task next goes on from the turn after the last recorded one.
 The last turn (the row's last, or the one that stopped the conversation) is the task's result,
 written and acknowledged by the Committer like any task's.
