@@ -10,7 +10,6 @@ from typing import Any
 import orjson
 import redis
 
-from genq.common.data.records import MAX_RETRIES
 from genq.common.errors import UsageError
 from genq.common.queue import scripts
 from genq.common.queue.keys import RunKeys
@@ -40,6 +39,9 @@ def _bool(value: str) -> bool:
     raise ValueError("must be true or false")
 
 
+# A request's seed keeps RETRY_BITS for a prompt's schema retries (common/task.py request_seed).
+RETRY_BITS = 15
+MAX_RETRIES = 1 << RETRY_BITS
 _NON_NEGATIVE = _checked(float, lambda f: f >= 0, "must be a number >= 0")
 KNOWN: dict[str, Callable[[str], Any]] = {
     "max_tokens": _checked(int, lambda n: n > 0, "must be a positive integer"),
@@ -53,7 +55,7 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "seed": int,
     "model": str,
     "enable_thinking": _bool,
-    # Below MAX_RETRIES: each retry's seed stays distinct (common/data/records.py request_seed).
+    # Below MAX_RETRIES: each retry's seed stays distinct (common/task.py request_seed).
     "schema_retries": _checked(int, lambda n: 0 <= n < MAX_RETRIES,
                                f"must be an integer 0-{MAX_RETRIES - 1}"),
     # `genq produce --token-ids`: the server answers with its prompt and completion token ids.
@@ -166,22 +168,6 @@ def check_fits(r: redis.Redis, k: RunKeys, max_tokens: int) -> None:
             f"max_tokens {max_tokens} cannot fit: the model's context on {server} is {context} "
             f"tokens for prompt and completion together; use a max_tokens below {context} "
             "(nothing was changed)")
-
-
-def request_body(messages: list[dict], params: dict[str, Any], model: str, *,
-                 tools: list[dict] | None = None) -> dict[str, Any]:
-    """The /v1/chat/completions body: the limit is always explicit, thinking on by default,
-    the row's tools beside its messages (and a tool_choice only beside tools)."""
-    body = {"model": model, **{k: v for k, v in params.items() if k not in NOT_SENT}}
-    thinking = {"enable_thinking": bool(params.get("enable_thinking", True))}
-    if tools:
-        body["tools"] = tools
-    else:  # a run's --raw tool_choice chooses among a row's tools: SGLang refuses a required
-        # or named one beside none (HTTP 400), as it would this row and the token-ids probe
-        body.pop("tool_choice", None)
-    return {**body, "messages": messages, "stream": False,
-            "max_tokens": int(params.get("max_tokens", DEFAULTS["max_tokens"])),
-            "chat_template_kwargs": {**thinking, **(body.get("chat_template_kwargs") or {})}}
 
 
 # What each --redo mode does: the scopes whose older results, acked later, it still redoes

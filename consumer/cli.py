@@ -49,6 +49,7 @@ from genq.common.report import runhealth
 from genq.common.sglang.client import SGLang
 from genq.common.store import s3 as store
 from genq.common.store.ship import Shipper
+from genq.common.task import request_body
 from genq.consumer import servers, shutdown
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
@@ -226,7 +227,7 @@ async def check_token_ids(server: SGLang, s: ConsumeSettings, current: dict[str,
     if s.stream:
         raise GenqError("this run keeps token ids (genq produce --token-ids), and SGLang sends "
                         "none in streamed answers: run this consumer without --stream")
-    ask = {**params.request_body([{"role": "user", "content": "Hi"}], current, model),
+    ask = {**request_body([{"role": "user", "content": "Hi"}], current, model),
            "max_tokens": 1}
     try:
         await server.chat(ask, -1)

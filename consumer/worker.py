@@ -17,7 +17,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common.data.records import build_record, failed_record, row_fields, sample_of, task_seed
+from genq.common.data.records import build_record, failed_record
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import (
@@ -29,7 +29,7 @@ from genq.common.errors import (
     classify,
     mask_secrets,
 )
-from genq.common.params import DEFAULTS, request_body
+from genq.common.params import DEFAULTS
 from genq.common.queue import feed
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.run import OK, REPLACED, finished
@@ -37,6 +37,7 @@ from genq.common.queue.scripts import ScriptRunner, iso_now
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
+from genq.common.task import Task, row_fields
 from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
@@ -333,15 +334,13 @@ class Consumer:
             if not isinstance(prompt, Prompt):
                 raise prompt or RuntimeError(
                     f"row {lease.index // self.samples} was not read with its claim")
-            params = await self.params_for(lease.version)
-            sample = sample_of(lease.index, self.samples, params)
+            task = Task(lease.index, self.samples, await self.params_for(lease.version))
             if self.conversations is not None:
-                return await self.conversations.make(inflight, prompt, params, sample)
+                return await self.conversations.make(inflight, prompt, task)
             messages, turn = splice.last(prompt.messages)
             if not messages:
                 raise unpromptable(prompt.index)
-            body = request_body(messages, {**params, "seed": sample["seed"]} if sample
-                                else params, self.model, tools=prompt.tools)
+            body = task.request(messages, self.model, prompt.tools)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.
@@ -352,12 +351,12 @@ class Consumer:
             completion = await self.partials.answer(
                 lease.index, lease.version, body, ask, self.server) or await ask(body)
             completion, seed = await self.structured.checked(
-                completion, ask, body, params, lease.index, lease.version,
-                functools.partial(task_seed, lease.index, self.samples, params))
+                completion, ask, body, task.params, lease.index, lease.version, task.seed)
+            sample = task.sample
             if seed is not None:  # a schema retry made the answer: the record names its seed
                 sample = {**(sample or {}), "seed": seed}
             record = build_record(
-                run=self.settings.run, index=lease.index // self.samples, prompt_id=prompt.id,
+                run=self.settings.run, index=task.row, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=self.settings.server_id,
                 model=body["model"], completion=completion,
                 latency_s=time.monotonic() - inflight.started, gen=lease.gen,

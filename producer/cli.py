@@ -23,7 +23,6 @@ from genq.common.cli import (
     stop_on_signals,
 )
 from genq.common.data.dataset import open_dataset
-from genq.common.data.records import MAX_SAMPLES
 from genq.common.errors import REDIS_TROUBLE, RunStateLost, UsageError
 from genq.common.queue import feed, heartbeats
 from genq.common.queue import run as runs
@@ -31,6 +30,7 @@ from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
 from genq.common.queue.scripts import ScriptRunner, reap_call
 from genq.common.report import runhealth
+from genq.common.task import MAX_SAMPLES
 from genq.turns import splice as turns
 
 logger = structlog.get_logger("producer")

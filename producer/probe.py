@@ -22,6 +22,7 @@ from genq.common.report.stats import percentiles, wilson
 from genq.common.report.status import read_status
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
+from genq.common.task import request_body
 
 POPULATIONS = {**params.REDO_PASSES, "none": ("truncated",)}
 
@@ -55,7 +56,7 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
 
     async def one(server: SGLang, model: str, gate: asyncio.Semaphore, index: int,
                   prompt: Any) -> None:
-        body = params.request_body(prompt.messages, new, model)
+        body = request_body(prompt.messages, new, model)
         async with gate:
             try:
                 partial = (partials or {}).get(index)

@@ -16,13 +16,14 @@ import redis
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.data import recovery
-from genq.common.data.records import parse_line, task_of
+from genq.common.data.records import parse_line
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
 from genq.common.report.runhealth import recover_command
 from genq.common.sglang import continuation
 from genq.common.store.export import shard_paths
+from genq.common.task import task_of
 from genq.turns import recover as conversations
 from genq.turns.splice import ALL
 

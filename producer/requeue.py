@@ -19,7 +19,6 @@ from rich.progress import Progress
 from genq.common import params, schema
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
-from genq.common.data.records import task_of
 from genq.common.errors import UsageError
 from genq.common.queue import bitmap
 from genq.common.queue import run as runs
@@ -31,7 +30,9 @@ from genq.common.report.status_table import human_duration
 from genq.common.sglang import continuation
 from genq.common.store import export
 from genq.common.store import s3 as store
+from genq.common.task import task_of
 from genq.producer import probe
+from genq.turns import export as conversations
 from genq.turns import splice
 
 
@@ -108,10 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
-    if info.turns == splice.ALL and (a.cont or a.redo == "missing" or a.schema):
-        flag = "--continue" if a.cont else "--redo missing" if a.redo == "missing" else "--schema"
-        raise UsageError(f"{flag} is not built for a --turns all run: a redo of truncated "
-                         "conversations makes their truncated turn again from its start")
+    if info.turns == splice.ALL and (a.redo == "missing" or a.schema or a.cont and a.probe):
+        flag = "--redo missing" if a.redo == "missing" else "--schema" if a.schema else \
+            "--probe with --continue"
+        raise UsageError(f"{flag} is not built for a --turns all run")
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
     plan_with = functools.partial(make_plan, r, k, changes=changes, unset=a.unset, redo=a.redo,
                                   inflight=inflight)
@@ -137,7 +138,7 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
           shards: list[str]) -> int:
     """The requeue itself, once its flags and the plan are checked: probe, dry run, or keep the
     partials, switch the version and redo."""
-    found = find_partials(r, k, info.total, shards) if a.cont else None
+    found = find_partials(r, k, info, shards) if a.cont else None
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,
@@ -186,16 +187,17 @@ def keep_partials(r: redis.Redis, k: RunKeys, found: tuple[Iterator[dict], int, 
     return kept, tokens, truncated - kept, dirs
 
 
-def find_partials(r: redis.Redis, k: RunKeys, total: int,
+def find_partials(r: redis.Redis, k: RunKeys, info: runs.RunInfo,
                   shards: list[str]) -> tuple[Iterator[dict], int, list[str]]:
-    """The continuable standing truncated results, read as they are taken; how many truncated
-    results there are; the directories read."""
+    """The continuable standing truncated results (of a conversation: its cut turn), read as
+    they are taken; how many truncated results there are; the directories read."""
     dirs = [d for d in shards or sorted(text(d) for d in r.smembers(k.outdirs))
             if os.path.isdir(d)]
     truncated = blob(r.get(k.truncated))
-    records = export.standing(r, k, total, dirs, lambda i: bitmap.is_set(truncated, i))
+    records = conversations.truncated(r, k, dirs) if info.turns == splice.ALL else \
+        export.standing(r, k, info.total, dirs, lambda i: bitmap.is_set(truncated, i))
     usable = (rec for rec in records if continuation.continuable(rec))
-    return usable, sum(1 for _ in bitmap.set_indices(truncated, below=total)), dirs
+    return usable, sum(1 for _ in bitmap.set_indices(truncated, below=info.total)), dirs
 
 
 def redo(r: redis.Redis, k: RunKeys, total: int, mode: str, below: int,

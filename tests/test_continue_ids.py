@@ -18,6 +18,7 @@ from genq.common import params
 from genq.common.queue.keys import RunKeys
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continuable, continue_answer, retexted
+from genq.common.task import request_body
 
 NATURAL = 40  # every answer: 27 thinking ids (`<think>` first), `</think>` at 27, then content
 CLOSE = int(NATURAL * 0.7) - 1
@@ -34,8 +35,8 @@ def partial_of(c, version: int = 1) -> dict:
 @pytest.mark.parametrize("parser", ["qwen3", None])
 def test_continued_by_ids_is_the_straight_answer_wherever_cut(sim_factory, parser):
     sim = sim_factory(time_scale=1000, reasoning_parser=parser, length_dist=f"fixed:{NATURAL}")
-    body = params.request_body([{"role": "user", "content": "Write a poem."}],
-                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+    body = request_body([{"role": "user", "content": "Write a poem."}],
+                        {**params.DEFAULTS, "return_token_ids": True}, "m")
 
     async def main() -> None:
         server = SGLang(sim.url, request_timeout=60)
@@ -113,6 +114,11 @@ def test_a_run_with_ids_continues_by_them(tmp_path, redis_url, r, run_name, sim_
 TOOLS = [{"type": "function", "function": {"name": "count", "parameters": {"type": "object"}}}]
 
 
+def body_with_tools(tools=TOOLS) -> dict:
+    return request_body([{"role": "user", "content": "Count the words."}],
+                        {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
+
+
 def fields(c) -> tuple:
     """What a record keeps of an answer; a tool call's id is the server's fresh one each time."""
     calls = [{**call, "id": None} for call in c.tool_calls or ()]
@@ -127,8 +133,7 @@ def test_continued_answer_with_tools_is_the_straight_one(sim_factory, parser, to
     token from it; the continued answer's text, calls, ids and finish are the straight ones,
     cut inside the thinking, on `</think>`, after it."""
     sim = sim_factory(time_scale=1000, reasoning_parser=parser, length_dist=f"fixed:{NATURAL}")
-    body = params.request_body([{"role": "user", "content": "Count the words."}],
-                               {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
+    body = body_with_tools(tools)
 
     async def main() -> None:
         server = SGLang(sim.url, request_timeout=60)
@@ -154,8 +159,8 @@ def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
     """SGLang cuts its text at the first match of a `stop` string (the ids run on past it);
     the simulator stops on its end token only, so the server's match is given here."""
     sim = sim_factory(time_scale=1000, reasoning_parser="qwen3", length_dist=f"fixed:{NATURAL}")
-    body = params.request_body([{"role": "user", "content": "Write a poem."}],
-                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+    body = request_body([{"role": "user", "content": "Write a poem."}],
+                        {**params.DEFAULTS, "return_token_ids": True}, "m")
 
     async def main() -> None:
         server = SGLang(sim.url, request_timeout=60)
@@ -174,8 +179,8 @@ def test_text_made_again_ends_where_a_stop_string_matched(sim_factory):
 def test_a_continued_answer_says_the_whole_budget_it_had(sim_factory):
     """`max_tokens` lowered to fit the context: the continued answer's `max_tokens_used` is the
     straight answer's (the partial's tokens and the continuation's room), not the room alone."""
-    body = params.request_body([{"role": "user", "content": "Write a poem."}],
-                               {**params.DEFAULTS, "return_token_ids": True}, "m")
+    body = request_body([{"role": "user", "content": "Write a poem."}],
+                        {**params.DEFAULTS, "return_token_ids": True}, "m")
 
     async def answers(url: str, limit: int, cut: int):
         server = SGLang(url, request_timeout=60)

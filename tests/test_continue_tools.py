@@ -12,18 +12,12 @@ import asyncio
 import httpx
 import orjson
 import pytest
-from test_continue_ids import NATURAL, TOOLS, fields, partial_of
+from test_continue_ids import NATURAL, TOOLS, body_with_tools, fields, partial_of
 
-from genq.common import params
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
 
 CALL = '<tool_call>\n{"name": "count", "arguments": {"words": 3}}\n</tool_call>'
-
-
-def body_with_tools(tools=TOOLS) -> dict:
-    return params.request_body([{"role": "user", "content": "Count the words."}],
-                               {**params.DEFAULTS, "return_token_ids": True}, "m", tools=tools)
 
 
 def test_the_simulators_answer_holds_its_call_as_text(sim_factory):

@@ -19,6 +19,7 @@ from test_continue_tools import CALL
 from genq.common import params
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
+from genq.common.task import request_body
 
 pytestmark = pytest.mark.timeout(900)
 LIMIT = 200
@@ -33,9 +34,9 @@ def server(request):
 
 
 def body_of(row: int, thinking: bool = True) -> dict:
-    body = params.request_body([{"role": "user", "content": f"Count the words of line {row}."}],
-                               {**params.DEFAULTS, "return_token_ids": True, "temperature": 0},
-                               "m", tools=TOOLS)
+    body = request_body([{"role": "user", "content": f"Count the words of line {row}."}],
+                        {**params.DEFAULTS, "return_token_ids": True, "temperature": 0},
+                        "m", tools=TOOLS)
     return body if thinking else {**body, "chat_template_kwargs": {"enable_thinking": False}}
 
 

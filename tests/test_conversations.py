@@ -251,10 +251,10 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
               if rec["index"] == 0]
     assert sorted((rec["sample"], rec["turn"]) for rec in failed) == [(0, 1), (1, 1)]
     # What is not built for conversations is refused in one line, before anything changes.
-    refused = genq("requeue", "--redo", "truncated", "--continue", redis_url=redis_url,
-                   run=run_name, check=False)
-    assert refused.returncode == 2 and "--continue is not built for a --turns all run" in \
-        refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
+    refused = genq("requeue", "--set", "max_tokens=200", "--redo", "truncated", "--continue",
+                   "--probe", "1", redis_url=redis_url, run=run_name, check=False)
+    assert refused.returncode == 2 and "--probe with --continue is not built for a --turns " \
+        "all run" in refused.stderr and refused.stderr.count("\n") == 1, refused.stderr
     genq("requeue", "--redo", "failed", redis_url=redis_url, run=run_name)
     consume_to_the_end(redis_url, run_name, sim_factory(time_scale=200, length_dist="fixed:20").url,
                        tmp_path / "out")

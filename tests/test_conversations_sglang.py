@@ -17,7 +17,7 @@ import json
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl
+from pipeline import consume_to_the_end, read_jsonl
 from sglang_servers import RealServer
 from test_token_ids_sglang import rendered_by_the_models_tokenizer
 
@@ -70,12 +70,8 @@ def made_on_the_server(server, tmp_path, redis_url, run, *flags: str,
                             .decode() + "\n" for i in range(ROWS)))
     genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--temperature", "0",
          "--max-tokens", "300", *flags, redis_url=redis_url, run=run)
-    consumer = ConsumerProcess(redis_url, run, server.url, tmp_path / "out", "--burst",
-                               "--concurrency", "1", "--server-wait", "300")
-    try:
-        assert consumer.wait(600) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
+    consume_to_the_end(redis_url, run, server.url, tmp_path / "out", "--concurrency", "1",
+                       "--server-wait", "300", timeout=600)
     out = tmp_path / "all.jsonl"
     genq("export", "--out", str(out), redis_url=redis_url, run=run)
     return read_jsonl(out)

@@ -11,9 +11,9 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 
 from genq.common.data import manifest as manifests
-from genq.common.data.records import request_seed, task_of
 from genq.common.queue import bitmap
 from genq.common.queue.keys import RunKeys
+from genq.common.task import request_seed, task_of
 
 ROWS, K = 200, 4
 
@@ -132,7 +132,7 @@ def test_full_groups_counts_runs_of_set_bits(size):
 
 
 def test_the_runs_seed_changes_every_samples_seed_and_one_sample_sends_none():
-    from genq.common.data.records import sample_of
+    from genq.common.task import sample_of
     default = [sample_of(t, K, {}) for t in range(8)]
     assert default == [sample_of(t, K, {"seed": 0}) for t in range(8)]
     assert [s["sample"] for s in default] == [0, 1, 2, 3, 0, 1, 2, 3]

@@ -18,9 +18,9 @@ from pipeline import ConsumerProcess, read_jsonl, write_dataset
 from sglang_servers import start_server
 
 from genq.common.errors import BadTask, SchemaUnusable, UsageError, classify
-from genq.common.params import request_body
 from genq.common.queue.keys import RunKeys
 from genq.common.schema import checker, response_format, violation
+from genq.common.task import request_body
 
 SCHEMA = {
     "type": "object",

@@ -11,10 +11,10 @@ import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 
-from genq.common.data.records import MAX_RETRIES, MAX_SAMPLES, request_seed
 from genq.common.errors import UsageError
-from genq.common.params import parse_sets, request_body
+from genq.common.params import MAX_RETRIES, parse_sets
 from genq.common.queue.keys import RunKeys
+from genq.common.task import MAX_SAMPLES, request_body, request_seed
 
 SCHEMA = {"type": "object", "required": ["grade"],
           "properties": {"grade": {"enum": ["A", "B", "C"]}, "note": {"type": "string"}}}

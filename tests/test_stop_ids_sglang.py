@@ -15,6 +15,7 @@ from test_continue_ids import TOOLS, fields, partial_of
 from genq.common import params
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer, retexted
+from genq.common.task import request_body
 
 pytestmark = pytest.mark.timeout(900)
 LIMIT = 300  # room to stop: the tier's tiny model writes its end token within it on some rows
@@ -37,7 +38,7 @@ def test_a_stop_finish_keeps_its_end_token_in_the_ids_only(server, tools):
 
             stopped = []
             for row in range(12):
-                body = params.request_body(
+                body = request_body(
                     [{"role": "user", "content": f"Write program number {row}."}],
                     {**params.DEFAULTS, "return_token_ids": True, "temperature": 0}, "m",
                     tools=tools)

@@ -12,6 +12,7 @@ from conftest import genq
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 
 from genq.common import params
+from genq.common.task import request_body
 
 
 def run_to_the_end(tmp_path, redis_url, run, sim, *produce_flags: str) -> None:
@@ -40,8 +41,8 @@ def test_records_keep_the_servers_own_ids_and_export_them_for_drafters(
     # The ids are the server's: the same request asked again gives the same ids.
     rec = records[5]
     row = orjson.loads((tmp_path / "data.jsonl").read_text().splitlines()[5])
-    body = params.request_body(row["messages"], {**params.DEFAULTS, "max_tokens": 300,
-                                                 "return_token_ids": True}, rec["model"])
+    body = request_body(row["messages"], {**params.DEFAULTS, "max_tokens": 300,
+                                          "return_token_ids": True}, rec["model"])
     choice = httpx.post(sim.url + "/v1/chat/completions", json=body, timeout=30).json()[
         "choices"][0]
     assert rec["prompt_token_ids"] == choice["prompt_token_ids"]

@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl
+from pipeline import consume_to_the_end, read_jsonl
 from sglang_servers import KINDS, start_server
 
 from genq.common import params
+from genq.common.task import request_body
 
 pytestmark = pytest.mark.timeout(900)
 TOOLS = [{"type": "function", "function": {
@@ -67,12 +68,8 @@ def test_records_hold_the_servers_ids_and_tools_reach_the_prompt(
          "--temperature", "0", redis_url=redis_url, run=run_name)
     # One request at a time, as the direct requests below are sent: a greedy answer is then
     # the same answer, not one a different batch could nudge.
-    consumer = ConsumerProcess(redis_url, run_name, server.url, tmp_path / "out", "--burst",
-                               "--concurrency", "1", "--server-wait", "300")
-    try:
-        assert consumer.wait(600) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
+    consume_to_the_end(redis_url, run_name, server.url, tmp_path / "out", "--concurrency", "1",
+                       "--server-wait", "300", timeout=600)
     out = tmp_path / "all.jsonl"
     genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
     records = {rec["id"]: rec for rec in read_jsonl(out)}
@@ -83,7 +80,7 @@ def test_records_hold_the_servers_ids_and_tools_reach_the_prompt(
         assert len(with_tools["prompt_token_ids"]) > len(plain["prompt_token_ids"])
     for row in rows[:4]:
         rec = records[row["id"]]
-        body = params.request_body(
+        body = request_body(
             row["messages"], {**params.DEFAULTS, "max_tokens": 24, "temperature": 0,
                               "return_token_ids": True}, rec["model"], tools=row.get("tools"))
         choice = httpx.post(server.url + "/v1/chat/completions", json=body,

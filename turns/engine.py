@@ -3,7 +3,8 @@ it), made turn by turn in the slot that claimed it, so each turn goes to the ser
 the turn before and finds its prefix in the server's cache.
 
 Each made turn but the last is written to the shard, then recorded in Redis (turns/state.py)
-while the task's lease is ours: a consumer killed mid-conversation costs only the turn in flight,
+while the task's lease is ours, in batches with the other slots' made turns (MadeTurns): a
+consumer killed mid-conversation costs only the turn in flight,
 and whichever consumer claims the task next goes on from the turn after the last recorded one.
 The last turn (the row's last, or the one that stopped the conversation) is the task's result,
 written and acknowledged by the Committer like any task's.
@@ -12,6 +13,7 @@ written and acknowledged by the Committer like any task's.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +22,10 @@ import structlog
 from genq.common.data.records import build_record
 from genq.common.data.rows import Prompt
 from genq.common.errors import BadTask
-from genq.common.params import request_body
-from genq.common.queue.scripts import ScriptRunner, turn_call
+from genq.common.queue.scripts import Call, ScriptRunner, turn_call
 from genq.common.sglang.stream import Completion
+from genq.common.task import Task
+from genq.consumer.commit import MAX_BATCH
 from genq.consumer.leases import Inflight
 from genq.turns import splice, state
 from genq.turns.state import COMPLETE, Standing
@@ -42,10 +45,9 @@ def unpromptable(index: int) -> BadTask:
 class Conversations:
     def __init__(self, consumer: Consumer) -> None:
         self.c = consumer
-        self.scripts = ScriptRunner(consumer.redis)
+        self.turns = MadeTurns(consumer)
 
-    async def make(self, inflight: Inflight, prompt: Prompt, params: dict[str, Any],
-                   sample: dict[str, int] | None
+    async def make(self, inflight: Inflight, prompt: Prompt, task: Task
                    ) -> tuple[dict[str, Any], Completion] | None:
         """The conversation's last turn (record, completion) for the Committer; None if it
         ended otherwise: given back at a stop (its made turns stay), or its lease lost."""
@@ -57,8 +59,8 @@ class Conversations:
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
-        sent = {**params, "seed": sample["seed"]} if sample else params
-        for turn in range(len(made) + 1, count + 1):
+        ask, first = functools.partial(c.ask, inflight), len(made) + 1
+        for turn in range(first, count + 1):
             before = splice.prompt(row, turn, messages)
             if not before:
                 raise unpromptable(prompt.index)
@@ -66,14 +68,18 @@ class Conversations:
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
                 return None
-            body = request_body(before, sent, c.model, tools=prompt.tools)
+            body = task.request(before, c.model, prompt.tools)
             asked = time.monotonic()
-            completion = await c.ask(inflight, body)
+            # `requeue --continue`: the turn it was cut at goes on from its partial.
+            continued = await c.partials.answer(lease.index, lease.version, body, ask,
+                                                c.server, turn) if turn == first else None
+            completion = continued or await ask(body)
+            kept = (completion.continued_from or {}).get("tokens", 0)  # not decoded again
             record = build_record(
-                run=c.settings.run, index=lease.index // c.samples, prompt_id=prompt.id,
+                run=c.settings.run, index=task.row, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
                 model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
-                gen=lease.gen, clock_offset=c.clock_offset, sample=sample, turn=turn)
+                gen=lease.gen, clock_offset=c.clock_offset, sample=task.sample, turn=turn)
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:
@@ -91,26 +97,75 @@ class Conversations:
                                          unstable, checked, 0):
                     return None
                 return record, completion
-            await asyncio.to_thread(c.sink.write_many, [record])
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
-                                     unstable, checked, max(1, completion.completion_tokens)):
+                                     unstable, checked, max(1, completion.completion_tokens
+                                                            - kept), kept, record):
                 return None
         raise AssertionError("unreachable: the last turn returns")  # pragma: no cover
 
     async def record(self, inflight: Inflight, standing: Standing, messages: bytes,
-                     unstable: int, checked: int, tokens: int) -> bool:
-        """turn.lua: where the conversation stands, iff its lease is ours; `tokens` of a turn
-        before its last count in the rate."""
+                     unstable: int, checked: int, tokens: int, continued: int = 0,
+                     made: dict[str, Any] | None = None) -> bool:
+        """turn.lua: where the conversation stands, iff its lease is ours, after the `made`
+        turn's record (a turn before its last) is written; `tokens` of a turn before its last
+        count in the rate, and one `continued` from a partial of that many tokens counts as
+        continued (its partial is dropped: ack.lua drops the last's)."""
         lease, c = inflight.lease, self.c
         call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
                          messages, len(standing.made), standing.ended(), unstable, checked,
-                         tokens, c.settings.server_id)
-        if await c.retry(lambda: self.scripts(call)):
+                         tokens, c.settings.server_id, continued, lease.version)
+        if await self.turns.commit(made, call):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "
                        "again", turn=len(standing.made) + 1)
         return False
+
+
+class MadeTurns:
+    """The made turns of every slot, written together (one write and fdatasync) and recorded
+    together (one Redis round trip), as the Committer batches tasks' last turns: a turn costs
+    a share of a disk sync and a round trip, not one of each. Each is recorded only once the
+    batch holding it is on disk; a slot waits for its own."""
+
+    def __init__(self, consumer: Consumer) -> None:
+        self.c = consumer
+        self.scripts = ScriptRunner(consumer.redis)
+        self.pending: list[tuple[dict[str, Any] | None, Call, asyncio.Future[bool]]] = []
+        self.flushing: asyncio.Task[None] | None = None
+
+    async def commit(self, record: dict[str, Any] | None, call: Call) -> bool:
+        """Write `record` (if any), then run `call`: whether turn.lua found the lease ours."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self.pending.append((record, call, done))
+        if self.flushing is None or self.flushing.done():
+            # Its own task: a slot cancelled while it waits leaves the others' batch whole.
+            self.flushing = asyncio.create_task(self.flush())
+        return await done
+
+    async def flush(self) -> None:
+        await asyncio.sleep(0)  # the turns that finished in this turn of the loop join
+        while self.pending:
+            batch, self.pending = self.pending[:MAX_BATCH], self.pending[MAX_BATCH:]
+            try:
+                records = [record for record, _, _ in batch if record is not None]
+                if records:
+                    await asyncio.to_thread(self.c.sink.write_many, records)
+                calls = [call for _, call, _ in batch]
+                outcomes = await self.c.retry(
+                    functools.partial(self.scripts.pipelined, self.c.redis, calls))
+            except asyncio.CancelledError:
+                for _, _, done in [*batch, *self.pending]:
+                    done.cancel()
+                raise
+            except Exception as e:  # each slot raises it: the disk's trouble, Redis gone
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_exception(e)
+                continue
+            for (_, _, done), ok in zip(batch, outcomes, strict=True):
+                if not done.done():
+                    done.set_result(bool(ok))
 
 
 def _boundary(ids: list[int] | None, row: list[dict[str, Any]], turn: int,

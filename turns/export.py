@@ -19,7 +19,7 @@ import orjson
 import redis
 
 from genq.common.data.dataset import open_dataset
-from genq.common.data.records import is_failure, parse_line, task_of
+from genq.common.data.records import is_failure, parse_line
 from genq.common.data.shards import shard_lines
 from genq.common.errors import GenqError
 from genq.common.queue import bitmap
@@ -27,6 +27,7 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.store import export as results
+from genq.common.task import task_of
 from genq.turns import splice
 from genq.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
 
@@ -92,6 +93,20 @@ def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+def truncated(r: redis.Redis, k: RunKeys, dirs: list[str]) -> Iterator[dict[str, Any]]:
+    """The last generation of each done conversation that ended cut at max_tokens, read from
+    the shards as the export finds it: what `requeue --continue` continues."""
+    keys, done_raw = accepted_keys(r, k)
+    last = {task: s.last for task, s in standings(r, k).items()
+            if s.end == splice.TRUNCATED and bitmap.is_set(done_raw, task)}
+    paths = results.shard_paths(dirs, k.run)
+    picks, _ = _pick(paths, {task: keys[task] for task in last if task in keys},
+                     runs.samples_of(r, k))
+    for _task, _turn, line in _lines(paths, {at: where for at, where in picks.items()
+                                             if last[at[0]] == at[1]}):
+        yield orjson.loads(line)
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,

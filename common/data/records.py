@@ -4,7 +4,6 @@ where a run's shard files are, and how one line of them reads back."""
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -49,54 +48,6 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
     except orjson.JSONDecodeError:
         return None
     return record if isinstance(record, dict) else None
-
-
-DEFAULT_SEED = 0  # the run's seed when its parameters set none
-# A request's seed is its row's start plus sample * 2**RETRY_BITS + retry (mod 2**31): distinct
-# within a row for every sample below MAX_SAMPLES and retry below MAX_RETRIES, by construction.
-RETRY_BITS = 15
-MAX_RETRIES = 1 << RETRY_BITS
-MAX_SAMPLES = 1 << (31 - RETRY_BITS)
-_SEED_MASK = 0x7FFFFFFF
-
-
-def request_seed(base: int, index: int, sample: int, retry: int = 0) -> int:
-    """The seed of a request for row `index`, its `sample`, asked again for the `retry`-th time
-    (a schema retry): stable across processes and versions, a function of these alone, below
-    2**31 so any server's int seed holds it, and never the same twice within a row."""
-    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
-    start = int.from_bytes(digest, "big") & _SEED_MASK
-    return (start + (sample << RETRY_BITS) + retry) & _SEED_MASK
-
-
-def task_seed(task: int, samples: int, params: dict[str, Any], retry: int = 0) -> int:
-    """request_seed of a task (row index times samples, plus its sample) under `params`' seed,
-    else DEFAULT_SEED."""
-    index, sample = divmod(task, samples)
-    return request_seed(int(params.get("seed", DEFAULT_SEED)), index, sample, retry)
-
-
-def sample_of(task: int, samples: int, params: dict[str, Any]) -> dict[str, int] | None:
-    """The record's {"sample", "seed"} of a task in a run of several samples a prompt; None in a
-    run of one, which sends its parameters as they are."""
-    if samples == 1:
-        return None
-    return {"sample": task % samples, "seed": task_seed(task, samples, params)}
-
-
-def row_fields(task: int, samples: int) -> dict[str, int]:
-    """A task as users and records name it: its row (``index``) and, in a run of several
-    samples a prompt, its ``sample`` (task_of's inverse)."""
-    if samples == 1:
-        return {"index": task}
-    row, sample = divmod(task, samples)
-    return {"index": row, "sample": sample}
-
-
-def task_of(record: dict[str, Any], samples: int) -> int:
-    """The task a record answers: row ``index`` times the run's samples, plus its ``sample``
-    (absent: 0, as in a run of one sample a prompt)."""
-    return record["index"] * samples + record.get("sample", 0)
 
 
 def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,

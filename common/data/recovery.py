@@ -20,11 +20,12 @@ from typing import Any, TypeVar, cast
 import orjson
 import redis
 
-from genq.common.data.records import is_failure, parse_line, task_of
+from genq.common.data.records import is_failure, parse_line
 from genq.common.params import REDO_SCOPES
 from genq.common.queue import bitmap
 from genq.common.queue.keys import FINISH_NAMES, PER_INDEX_BITS, RUNS, RunKeys, finish_code
 from genq.common.queue.run import preallocate
+from genq.common.task import task_of
 
 # (params_version, attempt, finish code, completion_tokens, prompt_tokens, cached prompt tokens)
 Result = tuple[int, int, int, int, int, int]

@@ -16,9 +16,10 @@ from typing import Any
 
 import orjson
 
-from genq.common.data.records import is_failure, parse_line, task_of, unheld_shards
+from genq.common.data.records import is_failure, parse_line, unheld_shards
 from genq.common.errors import OutputUnavailable
 from genq.common.files import fsync_dir
+from genq.common.task import task_of
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 

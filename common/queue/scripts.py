@@ -142,15 +142,16 @@ def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: b
 
 def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes,
               messages: bytes, made: int, ended: int, unstable: int = 0, checked: int = 0,
-              tokens: int = 0, server: str = "") -> Call:
+              tokens: int = 0, server: str = "", continued: int = 0, version: int = 0) -> Call:
     """A conversation's made turn, written to its shard: where it stands (turns/state.py),
     its made turns' count and how it ended (0: not yet) for status; a turn before its last
-    counts its `tokens` in the rate (ack.lua counts the last's)."""
+    counts its `tokens` in the rate, and if it was `continued` from a partial of that many
+    tokens, in the params `version`'s continued figures (ack.lua counts the last's)."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.counters, k.conv_made,
-            k.conv_end]
+            k.conv_end, k.partials]
     return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked,
                                made, ended, tokens, server, k.rate_prefix, RATE_BUCKET_S,
-                               RATE_BUCKET_TTL_S])
+                               RATE_BUCKET_TTL_S, continued, version])
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
@@ -225,3 +226,11 @@ class ScriptRunner:
     def __call__(self, call: Call) -> Any:
         # For redis.asyncio clients this returns an awaitable; callers await it.
         return self._scripts[call.script](keys=call.keys, args=call.args)
+
+    async def pipelined(self, client: Any, calls: list[Call]) -> list[Any]:
+        """Several Calls in one round trip on an asyncio client (a pipeline, not a
+        transaction: each script is atomic on its own)."""
+        pipe = client.pipeline(transaction=False)
+        for call in calls:
+            await self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
+        return list(await pipe.execute())

@@ -11,7 +11,6 @@ import orjson
 import redis
 
 from genq.common.cli import run_keys
-from genq.common.data.records import row_fields
 from genq.common.errors import UsageError, mask_tree
 from genq.common.params import DEFAULTS, mask_raw
 from genq.common.queue import bitmap, heartbeats
@@ -19,6 +18,7 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.report import advice, runhealth, stats
+from genq.common.task import row_fields
 from genq.turns import splice as turns
 from genq.turns.export import figures as conversation_figures
 
@@ -138,13 +138,13 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     now = raw["time"][0] + raw["time"][1] / 1e6
     buckets = _read_buckets(r, k, int(now // RATE_BUCKET_S))
     beats = heartbeats.read(r, k, [text(name) for name, _ in raw["consumers"]])
-    status = _assemble(run, raw, buckets, beats, now, truncation_threshold)
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
+    since = stats.activity_start(buckets, _number(meta.get("created_at")))
+    status = _assemble(run, raw, buckets, beats, now, since, truncation_threshold)
     status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
     status["turns"] = meta.get("turns") or turns.LAST  # a run setting, as samples is
     if status["turns"] == turns.ALL:  # what export writes, per conversation and generation
         status["conversations"] = conv = conversation_figures(r, k, status["total"])
-        since = stats.activity_start(buckets, _number(meta.get("created_at")))
         made = stats.window_rate(buckets, "gen", now, WINDOWS["5m"], since)  # turns before last
         conv["generations_per_s"] = round(made + status["rate"]["req_per_s"], 4)
     # Read just after the MULTI: a run of several samples pays one GET of its done bitmap.
@@ -212,13 +212,12 @@ def _schema_counts(counters: dict[str, int]) -> dict[str, dict[str, int]]:
 
 
 def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
-              threshold: float) -> dict:
+              since: float | None, threshold: float) -> dict:
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
     total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]
     remaining = max(0, total - done - failed)
     counters = {text(f): int(_num(v)) for f, v in raw["counters"].items()}
     hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
-    since = stats.activity_start(buckets, _number(meta.get("created_at")))
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
     # The parameters a consumer would run with right now (common.params.current's fallback).
     version = int(_num(raw["version"], 1)) or 1

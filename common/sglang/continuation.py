@@ -17,7 +17,6 @@ import redis.asyncio as aioredis
 import structlog
 import zstandard
 
-from genq.common.data.records import task_of
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.sglang.client import SGLang
@@ -28,13 +27,15 @@ from genq.common.sglang.stream import (
     split_thinking,
     thinking_on,
 )
+from genq.common.task import task_of
 
 logger = structlog.get_logger()
 
-# What a partial carries: the answer so far (its ids in a --token-ids run) and which result it
-# was (and `for_version`).
+# What a partial carries: the answer so far (its ids in a --token-ids run), which result it
+# was, the conversation turn it is (a --turns all run continues that turn only), and
+# `for_version`.
 FIELDS = ("reasoning_content", "content", "completion_tokens", "prompt_tokens", "params_version",
-          "attempt", "prompt_token_ids", "completion_token_ids")
+          "attempt", "prompt_token_ids", "completion_token_ids", "turn")
 
 
 def tagged(record: dict[str, Any]) -> bool:
@@ -136,13 +137,16 @@ class Partials:
 
     async def answer(self, index: int, version: int, body: dict[str, Any],
                      ask: Callable[[dict[str, Any]], Awaitable[Completion]],
-                     server: SGLang | None = None) -> Completion | None:
+                     server: SGLang | None = None, turn: int | None = None
+                     ) -> Completion | None:
         """The whole answer continued from this task's partial, or None (none, or refused:
-        generate it from the start)."""
+        generate it from the start). Given the conversation `turn` being made, a partial of
+        another turn is refused."""
         partial = await self.get(index, version)
         if partial is None:
             return None
-        whole = await continue_answer(ask, body, partial, server)
+        whole = None if turn is not None and partial.get("turn") != turn \
+            else await continue_answer(ask, body, partial, server)
         if whole is None:
             await self.drop(index, version)
         return whole

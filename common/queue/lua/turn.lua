@@ -2,13 +2,15 @@
 -- turn: a conversation's made turn is written; say where the conversation stands now, iff the
 -- task's lease is still ours (turns/state.py). Its last turn is acknowledged by ack.lua.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 conv, 5 conv_msgs, 6 counters, 7 conv_made,
---       8 conv_end
+--       8 conv_end, 9 partials
 -- ARGV: 1 job id, 2 exec id, 3 task index, 4 where it stands (JSON), 5 the made assistant
 --       messages before its last (zstd JSON; '' leaves them as they are), 6 turns whose
 --       prompt did not begin with the turn before's ids (boundary unstable), 7 turns checked,
 --       8 its made turns' count, 9 how it ended and at which turn (state.ended; 0: not yet),
 --       10 a turn before the last: its completion tokens, for the rate (0: the last, which
---       ack.lua counts), 11 server, 12 rate key prefix, 13 rate bucket seconds, 14 its ttl
+--       ack.lua counts), 11 server, 12 rate key prefix, 13 rate bucket seconds, 14 its ttl,
+--       15 a turn before the last continued by `requeue --continue`: its partial's tokens (0:
+--       not continued), 16 its params version
 -- Returns 1 if written, 0 if the lease was no longer ours.
 if not owns(redis.call('HGET', KEYS[2], ARGV[1]), ARGV[2]) then return 0 end
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
@@ -24,5 +26,10 @@ if ARGV[10] ~= '0' then  -- the rate's buckets, as ack.lua keeps them: tokens an
   redis.call('HINCRBY', key, 'tok|' .. ARGV[11], ARGV[10])
   redis.call('HINCRBY', key, 'gen', 1)
   redis.call('EXPIRE', key, ARGV[14])
+end
+if ARGV[15] ~= '0' then  -- as ack.lua counts a continued answer, and drops its partial
+  redis.call('HINCRBY', KEYS[6], 'continued|' .. ARGV[16], 1)
+  redis.call('HINCRBY', KEYS[6], 'saved|' .. ARGV[16], ARGV[15])
+  redis.call('HDEL', KEYS[9], ARGV[3])
 end
 return 1

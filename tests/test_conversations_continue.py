@@ -1,0 +1,176 @@
+"""`genq requeue --redo truncated --continue` in a `--turns all` run: each truncated
+conversation's cut turn is continued from its partial by ids (the prompt's and the partial's
+as `input_ids`), then the turns after it are made; the turns before it are never asked again.
+The simulator is deterministic, so every conversation ends as a straight run at the larger
+limit makes it."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+import orjson
+import pytest
+from conftest import genq
+from pipeline import consume_to_the_end
+from test_conversations import PROBE, TOOLS, by_conversation, check_chains, conversation, export
+
+from genq.common.queue.keys import RunKeys
+
+SMALL, LARGE = 50, 2000
+
+
+def served(sim) -> dict[str, int]:
+    """The simulator's counters: requests, prompt (prefill) tokens and generated tokens."""
+    text = httpx.get(sim.url + "/metrics", timeout=5).text
+    return {name: int(float(re.search(rf"^sglang:{name}\S* (\S+)$", text, re.M).group(1)))
+            for name in ("num_requests_total", "prompt_tokens_total", "generation_tokens_total")}
+
+
+def made(rec: dict) -> tuple:
+    """What a generation made; a tool call's id is the server's fresh one each time."""
+    calls = [{**call, "id": None} for call in rec.get("tool_calls") or ()]
+    return (rec["turn"], rec["prompt_token_ids"], rec["completion_token_ids"],
+            rec.get("reasoning_content"), rec["content"], calls, rec["finish_reason"],
+            rec.get("stopped"), rec.get("ended"))
+
+
+@pytest.mark.timeout(240)
+def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 40
+    rows = [conversation(i) for i in range(n)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
+                            + "\n" for i, m in enumerate(rows)))
+    sim_kwargs = dict(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
+    sims = {"cont": sim_factory(**sim_kwargs), "straight": sim_factory(**sim_kwargs)}
+    runs = {"cont": (run_name, SMALL), "straight": (run_name + "-straight", LARGE)}
+    for name, (run, limit) in runs.items():
+        genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(limit),
+             "--token-ids", redis_url=redis_url, run=run)
+        consume_to_the_end(redis_url, run, sims[name].url, tmp_path / name)
+    first = check_chains(rows, export(tmp_path, redis_url, run_name, "first.jsonl"))
+    straight_records = export(tmp_path, redis_url, runs["straight"][0], "straight.jsonl")
+    straight = check_chains(rows, straight_records)
+    truncated = {i: chain[-1] for i, chain in first.items()
+                 if chain[-1]["finish_reason"] == "length"}
+    # Cut at a later turn too, so that there are earlier turns not to ask again.
+    assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values()), truncated
+
+    before = served(sims["cont"])
+    dry = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               "--dry-run", redis_url=redis_url, run=run_name).stdout
+    assert f"continue: {len(truncated)} truncated answers" in dry and "; 0 are generated" in dry
+    assert r.exists(RunKeys(run_name).partials) == 0  # a dry run keeps nothing
+    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    consume_to_the_end(redis_url, run_name, sims["cont"].url, tmp_path / "cont")
+    after = served(sims["cont"])
+    redone = export(tmp_path, redis_url, run_name, "redone.jsonl")
+    chains = check_chains(rows, redone)
+
+    asked: list[dict] = []
+    for index, chain in chains.items():
+        old = first[index]
+        if index not in truncated:
+            assert chain == old, index  # untouched
+            continue
+        t, cut = truncated[index]["turn"], truncated[index]
+        assert chain[:t - 1] == old[:t - 1], index  # the same lines: kept, not made again
+        again = chain[t - 1]
+        assert again["params_version"] == 2 and again["continued_from"] == {
+            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, again
+        assert again["completion_token_ids"][:SMALL] == cut["completion_token_ids"], index
+        assert all("continued_from" not in rec for rec in chain[t:]), index
+        asked += chain[t - 1:]
+        # ... and the whole conversation is the one a straight run at the larger limit makes.
+        assert [made(rec) for rec in chain] == [made(rec) for rec in straight[index]], index
+    assert any(len(chains[i]) > rec["turn"] for i, rec in truncated.items())
+    assert r.exists(RunKeys(run_name).partials) == 0  # each used once
+
+    # What the server was asked after the requeue: the continued turns and the turns after
+    # them, nothing earlier (and the consumer's start probe). Each continued turn's prompt was
+    # its partial's prompt and completion ids; only the rest was decoded. The probe's own
+    # tokens are what the straight run's server counted beyond its records'.
+    probe = {"prompt_tokens_total": served(sims["straight"])["prompt_tokens_total"]
+             - sum(rec["prompt_tokens"] for rec in straight_records),
+             "generation_tokens_total": served(sims["straight"])["generation_tokens_total"]
+             - sum(rec["completion_tokens"] for rec in straight_records)}
+    kept = sum(rec["completion_tokens"] for rec in truncated.values())
+    assert after["num_requests_total"] - before["num_requests_total"] == PROBE + len(asked)
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == \
+        probe["prompt_tokens_total"] + sum(rec["prompt_tokens"] for rec in asked) + kept
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == \
+        probe["generation_tokens_total"] + sum(rec["completion_tokens"] for rec in asked) - kept
+
+    # Export as conversations holds each whole, as the straight run's; status says what export
+    # writes.
+    shaped = export(tmp_path, redis_url, run_name, "conv.jsonl", "--format", "conversations")
+    want = export(tmp_path, redis_url, runs["straight"][0], "want.jsonl", "--format",
+                  "conversations")
+
+    def strip(rows_out: list[dict]) -> list[dict]:
+        return [orjson.loads(re.sub(rb'"id":"call_[^"]*"', b'"id":null', orjson.dumps(row)))
+                for row in rows_out]
+
+    assert strip(shaped) == strip(want) and len(shaped) == n
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    conv = status["conversations"]
+    assert (conv["done"], conv["total"], conv["generations"]) == (n, n, len(redone))
+    assert len(by_conversation(redone)) == n
+    # Every continued turn counts as continued, the last of its conversation or not.
+    assert status["continued"] == {"2": {"continued": len(truncated),
+                                         "decode_tokens_saved": kept}}, status["continued"]
+
+
+@pytest.mark.timeout(240)
+def test_without_ids_the_truncated_turn_is_continued_by_its_text(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    """A run without --token-ids continues the cut turn as one-turn runs do: its text sent back
+    as the final assistant message to continue; the turns before it are not asked again."""
+    n = 40
+    rows = [conversation(i) for i in range(n)]
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
+                            + "\n" for i, m in enumerate(rows)))
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
+                      reasoning_parser="qwen3")
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(SMALL),
+         redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    first = by_conversation(export(tmp_path, redis_url, run_name, "first.jsonl"))
+    truncated = {i: chain[-1] for i, chain in first.items()
+                 if chain[-1]["finish_reason"] == "length"}
+    assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values()), truncated
+
+    before = served(sim)
+    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    redone = export(tmp_path, redis_url, run_name, "redone.jsonl")
+    chains = by_conversation(redone)
+    asked = 0
+    for index, chain in chains.items():
+        if index not in truncated:
+            assert chain == first[index], index
+            continue
+        t, cut = truncated[index]["turn"], truncated[index]
+        assert [rec["turn"] for rec in chain] == list(range(1, len(chain) + 1)), index
+        assert chain[:t - 1] == first[index][:t - 1], index
+        again = chain[t - 1]
+        assert again["continued_from"] == {"version": 1, "attempt": cut["attempt"],
+                                           "tokens": cut["completion_tokens"]}, again
+        assert (again["reasoning_content"] or "").startswith(cut["reasoning_content"] or "")
+        assert again["completion_tokens"] > SMALL or again["finish_reason"] != "length"
+        asked += len(chain) - (t - 1)
+    assert any(len(chains[i]) > rec["turn"] for i, rec in truncated.items())
+    # (A run without ids asks no probe at a consumer's start.)
+    assert served(sim)["num_requests_total"] - before["num_requests_total"] == asked
+    assert r.exists(RunKeys(run_name).partials) == 0
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert (status["conversations"]["done"], status["conversations"]["generations"]) == (
+        n, len(redone))
+    assert status["continued"]["2"]["continued"] == len(truncated)
