@@ -202,8 +202,9 @@ def main() -> int:
     p.add_argument("--tool-call-rate", type=float, default=None,
                    help="the simulators call at this rate instead of --tool-chains")
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--deadline", type=float, default=1200,
-                   help="seconds an arm's consumers run before they are stopped")
+    p.add_argument("--deadline", type=float, default=2400,
+                   help="seconds an arm's consumers run before they are stopped (all 8 turns "
+                   "of 100,000 took ~1,000 s on 2 cores)")
     p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
     a = p.parse_args()
     calls = (["--tool-chains", "--seed", str(a.seed)] if a.tool_call_rate is None
