@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import httpx
 import orjson
@@ -31,6 +32,13 @@ PROBE = 1  # the request a consumer of a --token-ids run sends at its start (doe
 def call(n: int) -> dict:
     return {"id": f"call_{n}", "type": "function",
             "function": {"name": "read_file", "arguments": json.dumps({"path": f"f{n}.py"})}}
+
+
+def write_rows(path: Path, rows: list[list[dict]]) -> Path:
+    """The conversations as a data set: a line {id, messages, tools} each."""
+    path.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
+                            + "\n" for i, m in enumerate(rows)))
+    return path
 
 
 def conversation(i: int) -> list[dict]:
@@ -118,9 +126,7 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
         tmp_path, redis_url, r, run_name, sim_factory):
     n = 40
     rows = [conversation(i) for i in range(n)]
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
-                            + "\n" for i, m in enumerate(rows)))
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
     sim_kwargs = dict(time_scale=60, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
                       max_running_requests=4)
     # The doomed consumer's server is the slower: its conversations are midway longer.
@@ -235,9 +241,7 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
            {"role": "tool", "tool_call_id": "call_1", "content": "REFUSE_ME"},
            {"role": "assistant", "content": "Done."}]
     rows = [bad, conversation(1)]
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
-                            + "\n" for i, m in enumerate(rows)))
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
     sim = sim_factory(time_scale=200, length_dist="fixed:20", bad_marker="REFUSE_ME")
     genq("produce", str(data), "--once", "--turns", "all", "--samples", "2", "--max-tokens",
          "100", redis_url=redis_url, run=run_name)
@@ -304,9 +308,7 @@ def test_export_of_conversations_reads_more_shards_than_it_may_open_files(
             resource.RLIMIT_NOFILE)[1]))
 
     rows = [conversation(i) for i in range(60)]
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
-                            + "\n" for i, m in enumerate(rows)))
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
     sim = sim_factory(time_scale=200, tool_call_rate=1.0, length_dist="fixed:20")
     genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url, run=run_name)
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", "--shard-records", "1")

@@ -13,7 +13,14 @@ import orjson
 import pytest
 from conftest import genq
 from pipeline import consume_to_the_end
-from test_conversations import PROBE, TOOLS, by_conversation, check_chains, conversation, export
+from test_conversations import (
+    PROBE,
+    by_conversation,
+    check_chains,
+    conversation,
+    export,
+    write_rows,
+)
 
 from genq.common.queue.keys import RunKeys
 
@@ -40,9 +47,7 @@ def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
         tmp_path, redis_url, r, run_name, sim_factory):
     n = 40
     rows = [conversation(i) for i in range(n)]
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
-                            + "\n" for i, m in enumerate(rows)))
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
     sim_kwargs = dict(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
     sims = {"cont": sim_factory(**sim_kwargs), "straight": sim_factory(**sim_kwargs)}
     runs = {"cont": (run_name, SMALL), "straight": (run_name + "-straight", LARGE)}
@@ -132,9 +137,7 @@ def test_without_ids_the_truncated_turn_is_continued_by_its_text(
     as the final assistant message to continue; the turns before it are not asked again."""
     n = 40
     rows = [conversation(i) for i in range(n)]
-    data = tmp_path / "conversations.jsonl"
-    data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
-                            + "\n" for i, m in enumerate(rows)))
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
     sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
                       reasoning_parser="qwen3")
     genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(SMALL),

@@ -14,20 +14,13 @@ import pytest
 from conftest import genq
 from faultkit import private_redis
 from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
-from test_conversations import TOOLS, by_conversation, conversation, requests_served
+from test_conversations import by_conversation, conversation, requests_served, write_rows
 
 from genq.common.queue.keys import RunKeys
 
 N = 30
 SIM = dict(time_scale=60, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
            max_running_requests=4)
-
-
-def write_rows(path: Path, n: int) -> list[list[dict]]:
-    rows = [conversation(i) for i in range(n)]
-    path.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": m, "tools": TOOLS}).decode()
-                            + "\n" for i, m in enumerate(rows)))
-    return rows
 
 
 def exported(tmp_path: Path, url: str, run: str, name: str) -> dict[int, list[dict]]:
@@ -63,8 +56,7 @@ def consume(url: str, run: str, server: str, out: Path) -> None:
 @pytest.mark.timeout(300)
 def test_recover_rebuilds_conversations_done_and_midway_and_they_go_on(
         tmp_path, run_name, sim_factory):
-    data = tmp_path / "conversations.jsonl"
-    write_rows(data, N)
+    data = write_rows(tmp_path / "conversations.jsonl", [conversation(i) for i in range(N)])
     # The doomed consumer's server is slower, so conversations stay midway a while.
     sim, slow, fresh = sim_factory(**SIM), sim_factory(**{**SIM, "time_scale": 10}), \
         sim_factory(**SIM)
