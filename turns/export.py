@@ -39,11 +39,13 @@ def standings(r: redis.Redis, k: RunKeys) -> dict[int, Standing]:
     return {int(task): Standing.decode(raw) for task, raw in r.hscan_iter(k.conv, count=1000)}
 
 
-def accepted_keys(r: redis.Redis, k: RunKeys) -> tuple[dict[int, list[Key]], bytes]:
-    """(task -> the key of each accepted generation, turn 1 first; the done bitmap)."""
+def accepted_keys(r: redis.Redis, k: RunKeys, begun: dict[int, Standing] | None = None
+                  ) -> tuple[dict[int, list[Key]], bytes]:
+    """(task -> the key of each accepted generation, turn 1 first; the done bitmap); `begun`:
+    the standings, if the caller has read them already."""
     accepted, _, done_raw = results.accepted_state(r, k)
     keys: dict[int, list[Key]] = {}
-    for task, standing in standings(r, k).items():
+    for task, standing in (standings(r, k) if begun is None else begun).items():
         keys[task] = [(e[VERSION], e[ATTEMPT]) for e in standing.made]
     for task in bitmap.set_indices(done_raw):
         if (last := accepted(task)) is not None:
@@ -98,8 +100,9 @@ def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
 def truncated(r: redis.Redis, k: RunKeys, dirs: list[str]) -> Iterator[dict[str, Any]]:
     """The last generation of each done conversation that ended cut at max_tokens, read from
     the shards as the export finds it: what `requeue --continue` continues."""
-    keys, done_raw = accepted_keys(r, k)
-    last = {task: s.last for task, s in standings(r, k).items()
+    begun = standings(r, k)
+    keys, done_raw = accepted_keys(r, k, begun)
+    last = {task: s.last for task, s in begun.items()
             if s.end == splice.TRUNCATED and bitmap.is_set(done_raw, task)}
     paths = results.shard_paths(dirs, k.run)
     picks, _ = _pick(paths, {task: keys[task] for task in last if task in keys},
