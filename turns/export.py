@@ -12,6 +12,7 @@ import sys
 from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -31,34 +32,87 @@ from genq.common.task import task_of
 from genq.turns import splice
 from genq.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
 
-Key = tuple[int, int]  # (params_version, attempt) a generation's line carries
+NOT_FOUND, NOT_WANTED = -1, -2  # Accepted.file_no of a generation whose line is not read
 
 
-def standings(r: redis.Redis, k: RunKeys) -> dict[int, Standing]:
-    """Task -> where its conversation stands, for every conversation begun."""
-    return {int(task): Standing.decode(raw) for task, raw in r.hscan_iter(k.conv, count=1000)}
+class Accepted:
+    """Every accepted generation's key and, once `_pick` found it, where its line is: in flat
+    arrays, one slot a generation, by task then turn (a task's slots begin at start[task] and
+    end at start[task + 1]), so that a run of millions of generations holds 36 bytes each and
+    8 a task, not a tuple each."""
+
+    def __init__(self, start: array, versions: array, attempts: array) -> None:
+        self.start, self.versions, self.attempts = start, versions, attempts
+        self.file_no = array("i", [NOT_FOUND]) * len(versions)
+        self.offset = array("q", bytes(8 * len(versions)))
+        self.length = array("q", bytes(8 * len(versions)))
+
+    def tasks(self) -> Iterator[tuple[int, int, int]]:
+        """(task, its first slot, its end) of each task with a generation, in order."""
+        start = self.start
+        for task in range(len(start) - 1):
+            if start[task] < start[task + 1]:
+                yield task, start[task], start[task + 1]
+
+    def missing(self) -> list[int]:
+        """The tasks with a generation whose line was not found, in order."""
+        file_no = self.file_no
+        return [task for task, first, end in self.tasks()
+                if NOT_FOUND in file_no[first:end]]
 
 
-def accepted_keys(r: redis.Redis, k: RunKeys, begun: dict[int, Standing] | None = None
-                  ) -> tuple[dict[int, list[Key]], bytes]:
-    """(task -> the key of each accepted generation, turn 1 first; the done bitmap); `begun`:
-    the standings, if the caller has read them already."""
+def accepted_keys(r: redis.Redis, k: RunKeys, *, cut: bool = False) -> tuple[Accepted, bytes]:
+    """(the key of each accepted generation: the made turns' entries of every conversation
+    begun, then a done one's acc_version and acc_attempt; the done bitmap). `cut`: only the
+    done conversations that ended truncated, and of them only the last turn is wanted."""
     accepted, _, done_raw = results.accepted_state(r, k)
-    keys: dict[int, list[Key]] = {}
-    for task, standing in (standings(r, k) if begun is None else begun).items():
-        keys[task] = [(e[VERSION], e[ATTEMPT]) for e in standing.made]
-    for task in bitmap.set_indices(done_raw):
-        if (last := accepted(task)) is not None:
-            keys.setdefault(task, []).append(last)
-    return keys, done_raw
+    # The conversations as HSCAN returns them, flat: their tasks, counts, keys, cut turns.
+    tasks, counts, versions, attempts, lasts = (array("q") for _ in range(5))
+    for field, raw in r.hscan_iter(k.conv, count=1000):
+        task, standing = int(field), Standing.decode(raw)
+        if cut and not (standing.end == splice.TRUNCATED and bitmap.is_set(done_raw, task)):
+            continue
+        tasks.append(task)
+        counts.append(len(standing.made))
+        versions.extend(e[VERSION] for e in standing.made)
+        attempts.extend(e[ATTEMPT] for e in standing.made)
+        lasts.append(standing.last)
+    size = max(max(tasks, default=-1) + 1, 0 if cut else 8 * len(done_raw))
+    start, seen, twice = array("q", bytes(8 * (size + 1))), bytearray(size), bytearray(len(tasks))
+    for i, task in enumerate(tasks):  # counts first: start[task + 1] = how many task has
+        if seen[task]:
+            twice[i] = 1  # HSCAN may return a field twice
+        seen[task], start[task + 1] = 1, counts[i]
+    done = [(task, last) for task in bitmap.set_indices(done_raw, below=size)
+            if (not cut or seen[task]) and (last := accepted(task)) is not None]
+    for task, _ in done:
+        start[task + 1] += 1
+    start = array("q", accumulate(start))
+    out = Accepted(start, array("q", bytes(8 * start[-1])), array("q", bytes(8 * start[-1])))
+    at = 0
+    for i, task in enumerate(tasks):
+        n, first = counts[i], start[task]
+        if not twice[i]:
+            out.versions[first:first + n] = versions[at:at + n]
+            out.attempts[first:first + n] = attempts[at:at + n]
+        at += n
+    for task, (version, attempt) in done:
+        out.versions[start[task + 1] - 1], out.attempts[start[task + 1] - 1] = version, attempt
+    if cut:
+        out.file_no = array("i", [NOT_WANTED]) * len(out.file_no)
+        for task, last in zip(tasks, lasts, strict=True):
+            if 0 < last <= start[task + 1] - start[task]:
+                out.file_no[start[task] + last - 1] = NOT_FOUND
+    return out, done_raw
 
 
-def _pick(paths: list[Path], keys: dict[int, list[Key]], samples: int
-          ) -> tuple[dict[tuple[int, int], tuple[int, int, int]], int]:
-    """(task, turn) -> (file number, offset, length) of its accepted line; torn lines."""
-    picks: dict[tuple[int, int], tuple[int, int, int]] = {}
+def _pick(paths: list[Path], keys: Accepted, samples: int) -> int:
+    """Where each wanted generation's accepted line is (its first in the shards), into `keys`;
+    how many lines were torn."""
+    start, versions, attempts, file_no = keys.start, keys.versions, keys.attempts, keys.file_no
+    size = len(start) - 1
     torn = 0
-    for file_no, start, line in shard_lines(paths):
+    for no, offset, line in shard_lines(paths):
         rec = parse_line(line)
         if rec is None or "index" not in rec:
             torn += bool(line.strip())
@@ -66,32 +120,38 @@ def _pick(paths: list[Path], keys: dict[int, list[Key]], samples: int
         if is_failure(rec) or type(rec["index"]) is not int:
             continue
         task, turn = task_of(rec, samples), rec.get("turn", 1)
-        want = keys.get(task)
-        if not want or type(turn) is not int or not 0 < turn <= len(want) \
-                or (task, turn) in picks:
+        if type(task) is not int:  # a float sample: the task it equals, as a dict finds it
+            task = int(task) if float(task).is_integer() else -1
+        if type(turn) is not int or not 0 <= task < size or turn <= 0:
             continue
-        if want[turn - 1] == (rec.get("params_version"), rec.get("attempt")):
-            picks[(task, turn)] = (file_no, start, len(line))
-    return picks, torn
+        at = start[task] + turn - 1
+        if at >= start[task + 1] or file_no[at] != NOT_FOUND:
+            continue
+        if versions[at] == rec.get("params_version") and attempts[at] == rec.get("attempt"):
+            file_no[at], keys.offset[at], keys.length[at] = no, offset, len(line)
+    return torn
 
 
 OPEN_AT_ONCE = 16  # shards held open while lines are copied in task order: a run has thousands
 
 
-def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
-           ) -> Iterator[tuple[int, int, bytes]]:
-    """(task, turn, line) of each pick, by task then turn, with at most OPEN_AT_ONCE shards
-    open (the least recently read is closed first)."""
+def _lines(paths: list[Path], keys: Accepted) -> Iterator[tuple[int, int, bytes]]:
+    """(task, turn, line) of each line found, by task then turn, with at most OPEN_AT_ONCE
+    shards open (the least recently read is closed first)."""
     fds: OrderedDict[int, int] = OrderedDict()
     try:
-        for (task, turn), (file_no, offset, length) in sorted(picks.items()):
-            if file_no in fds:
-                fds.move_to_end(file_no)
-            else:
-                if len(fds) >= OPEN_AT_ONCE:
-                    os.close(fds.popitem(last=False)[1])
-                fds[file_no] = os.open(paths[file_no], os.O_RDONLY)
-            yield task, turn, os.pread(fds[file_no], length, offset)
+        for task, first, end in keys.tasks():
+            for at in range(first, end):
+                if (file_no := keys.file_no[at]) < 0:
+                    continue
+                if file_no in fds:
+                    fds.move_to_end(file_no)
+                else:
+                    if len(fds) >= OPEN_AT_ONCE:
+                        os.close(fds.popitem(last=False)[1])
+                    fds[file_no] = os.open(paths[file_no], os.O_RDONLY)
+                yield task, at - first + 1, os.pread(fds[file_no], keys.length[at],
+                                                     keys.offset[at])
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -100,15 +160,10 @@ def _lines(paths: list[Path], picks: dict[tuple[int, int], tuple[int, int, int]]
 def truncated(r: redis.Redis, k: RunKeys, dirs: list[str]) -> Iterator[dict[str, Any]]:
     """The last generation of each done conversation that ended cut at max_tokens, read from
     the shards as the export finds it: what `requeue --continue` continues."""
-    begun = standings(r, k)
-    keys, done_raw = accepted_keys(r, k, begun)
-    last = {task: s.last for task, s in begun.items()
-            if s.end == splice.TRUNCATED and bitmap.is_set(done_raw, task)}
+    keys, _ = accepted_keys(r, k, cut=True)
     paths = results.shard_paths(dirs, k.run)
-    picks, _ = _pick(paths, {task: keys[task] for task in last if task in keys},
-                     runs.samples_of(r, k))
-    for _task, _turn, line in _lines(paths, {at: where for at, where in picks.items()
-                                             if last[at[0]] == at[1]}):
+    _pick(paths, keys, runs.samples_of(r, k))
+    for _task, _turn, line in _lines(paths, keys):
         yield orjson.loads(line)
 
 
@@ -124,18 +179,17 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,
     info = runs.load(r, k)
     keys, done_raw = accepted_keys(r, k)
     paths = results.shard_paths(dirs, k.run)
-    picks, torn = _pick(paths, keys, info.samples)
-    missing = sorted({task for task, want in keys.items()
-                      for turn in range(1, len(want) + 1) if (task, turn) not in picks})
+    torn = _pick(paths, keys, info.samples)
+    missing = keys.missing()
     done = int(r.bitcount(k.done))
     tmp = f"{out}.tmp-{os.getpid()}"
     written = 0
     try:
         with open(tmp, "wb") as w:
             if conversations:
-                written = _conversations(w, _lines(paths, picks), info, done_raw, set(missing))
+                written = _conversations(w, _lines(paths, keys), info, done_raw, set(missing))
             else:
-                for _task, _turn, line in _lines(paths, picks):
+                for _task, _turn, line in _lines(paths, keys):
                     w.write(line)
                     written += 1
             w.flush()
