@@ -26,8 +26,10 @@ lines: 4.5 s).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from array import array
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 import orjson
@@ -76,22 +78,95 @@ def _read(raw: bytes, samples: int, total: int) -> tuple[int, int, Line, float] 
                   int(rec.get("cached_tokens") or 0))
         sample, turn = int(rec.get("sample") or 0), int(rec.get("turn") or 1)
         task = task_of({"index": int(rec["index"]), "sample": sample}, samples)
+        gen = int(rec.get("gen") or 0)
         if not (0 <= sample < samples and 0 <= task < total and turn > 0) \
-                or max(map(abs, result)) >= 1 << 63:
+                or max(map(abs, (*result, gen))) >= 1 << 63:
             return None
-        line = Line((version, int(rec.get("gen") or 0), attempt), result,
-                    str(rec.get("ended") or ""))
-        return task, turn, line, float(rec.get("created_at") or 0)
+        return task, turn, Line((version, gen, attempt), result, str(rec.get("ended") or "")), \
+            float(rec.get("created_at") or 0)
     except (KeyError, TypeError, ValueError):
         return None
 
 
+class Newest:
+    """Every readable, unrefused line's figures, one slot a line in flat arrays (about 90
+    bytes a line, not a dict entry and three tuples), and once `settle` ran, the newest line of
+    each (task, turn): task's turn t is at win[start[task] + t - 1], -1 where it has none."""
+
+    FIELDS = ("task", "turn", "version", "gen", "attempt", "finish", "completion", "prompt",
+              "cached")
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.cols = {name: array("q") for name in self.FIELDS}
+        self.ended = array("i")  # into labels; 0: ""
+        self.labels, self.names = [""], {"": 0}
+        self.start, self.win = array("q"), array("q")
+
+    def add(self, task: int, turn: int, line: Line) -> None:
+        values = (task, turn, *line.key, *line.result[2:])
+        for column, value in zip(self.cols.values(), values, strict=True):
+            column.append(value)
+        if line.ended not in self.names:
+            self.names[line.ended] = len(self.labels)
+            self.labels.append(line.ended)
+        self.ended.append(self.names[line.ended])
+
+    def key(self, i: int) -> Key:
+        cols = self.cols
+        return cols["version"][i], cols["gen"][i], cols["attempt"][i]
+
+    def line(self, i: int) -> Line:
+        cols = self.cols
+        version, attempt = cols["version"][i], cols["attempt"][i]
+        result = (version, attempt, cols["finish"][i], cols["completion"][i],
+                  cols["prompt"][i], cols["cached"][i])
+        return Line((version, cols["gen"][i], attempt), result, self.labels[self.ended[i]])
+
+    def settle(self) -> None:
+        """Each (task, turn)'s newest line; a task has a slot for each of its lines, and a
+        turn past them is in no chain (turns 1 to t need t lines)."""
+        tasks, turns, key = self.cols["task"], self.cols["turn"], self.key
+        counts = array("q", bytes(8 * (self.total + 1)))
+        for task in tasks:
+            counts[task + 1] += 1
+        self.start = start = array("q", accumulate(counts))
+        self.win = win = array("q", [-1]) * len(tasks)
+        for i, task in enumerate(tasks):
+            if turns[i] <= start[task + 1] - start[task]:
+                at = start[task] + turns[i] - 1
+                if win[at] < 0 or key(i) > key(win[at]):  # on a tie, the first seen
+                    win[at] = i
+
+    def slot(self, task: int, turn: int) -> int:
+        """Where (task, turn)'s newest line is in win; -1 past the task's slots."""
+        first = self.start[task]
+        return first + turn - 1 if turn <= self.start[task + 1] - first else -1
+
+    def chains(self) -> Iterator[tuple[int, list[int]]]:
+        """(task, its accepted generations' lines, turn 1 first) of each task with a turn 1,
+        in order (the module docstring's rule)."""
+        start, win, ended, key = self.start, self.win, self.ended, self.key
+        for task in range(self.total):
+            first, end = start[task], start[task + 1]
+            if first == end or win[first] < 0:
+                continue
+            chain: list[int] = []
+            for at in range(first, end):
+                if (i := win[at]) < 0 or (chain and key(i) < key(chain[-1])):
+                    break
+                chain.append(i)
+                if ended[i]:
+                    break
+            yield task, chain
+
+
 def _newest(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]],
-            out: recovery.Recovered) -> dict[tuple[int, int], Line]:
-    """(task, turn) -> its newest line; counts lines, claims and generations into `out`."""
+            out: recovery.Recovered) -> Newest:
+    """Each (task, turn)'s newest line; counts lines, claims and generations into `out`."""
     rules = recovery.Rules(manifest)
     samples, total = int(manifest.get("samples") or 1), int(manifest["total"])
-    newest: dict[tuple[int, int], Line] = {}
+    newest = Newest(total)
     for stream in streams:
         for raw in stream:
             out.lines += 1
@@ -105,24 +180,10 @@ def _newest(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]],
             if rules.refused(line.key[0], created_at):
                 out.refused += 1
                 continue
-            known = newest.get((task, turn))
-            if known is None or line.key > known.key:  # on a tie, the first seen
-                newest[(task, turn)] = line
+            if turn < 1 << 62:  # past it, in no chain (and no 64-bit slot)
+                newest.add(task, turn, line)
+    newest.settle()
     return newest
-
-
-def chains(newest: dict[tuple[int, int], Line]) -> dict[int, list[Line]]:
-    """Task -> its accepted generations, turn 1 first (the module docstring's rule)."""
-    out: dict[int, list[Line]] = {}
-    for task in sorted({task for task, turn in newest if turn == 1}):
-        chain: list[Line] = []
-        while (line := newest.get((task, len(chain) + 1))) is not None \
-                and (not chain or line.key >= chain[-1].key):
-            chain.append(line)
-            if line.ended:
-                break
-        out[task] = chain
-    return out
 
 
 def _entry(line: Line) -> state.Entry:
@@ -137,37 +198,39 @@ def rebuild(manifest: dict[str, Any],
     rules = recovery.Rules(manifest)
     out = Rebuilt(recovery.Recovered(int(manifest["total"])))
     rec = out.rec
-    wanted: dict[tuple[int, int], Key] = {}  # (task, turn) -> the key of a message needed
-    for task, chain in chains(_newest(manifest, streams(), rec)).items():
+    newest = _newest(manifest, streams(), rec)
+    wanted = bytearray(len(newest.win))  # 1 at the slot of each turn whose message is needed
+    for task, lines in newest.chains():
+        chain, first = [newest.line(i) for i in lines], newest.start[task]
         last = chain[-1]
         if not last.ended:
             out.conv[task] = Standing([_entry(line) for line in chain]).encode()
-            wanted.update({(task, t): line.key for t, line in enumerate(chain, 1)})
+            wanted[first:first + len(chain)] = b"\1" * len(chain)
             continue
         rec.stand(task, last.result, last.key[1],
                   kept=rules.covered(last.result[0], last.result[2]))
         made = [_entry(line) for line in chain[:-1]]
         out.conv[task] = Standing(made, end=last.ended, last=len(chain)).encode()
         if last.result[2] == recovery.LENGTH:
-            wanted.update({(task, t): line.key for t, line in enumerate(chain[:-1], 1)})
-    out.msgs = _messages(manifest, streams(), wanted)
+            wanted[first:first + len(made)] = b"\1" * len(made)
+    out.msgs = _messages(manifest, streams(), newest, wanted)
     return out
 
 
-def _messages(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]],
-              wanted: dict[tuple[int, int], Key]) -> dict[int, bytes]:
+def _messages(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]], newest: Newest,
+              wanted: bytearray) -> dict[int, bytes]:
     """Task -> pack() of the wanted turns' assistant messages, turn 1 first."""
     samples, total = int(manifest.get("samples") or 1), int(manifest["total"])
-    found: dict[tuple[int, int], dict[str, Any]] = {}
+    found: dict[int, tuple[int, dict[str, Any]]] = {}  # slot -> (task, message)
     for stream in streams:
         for raw in stream:
             read = _read(raw, samples, total)
-            if read is None or (place := read[:2]) in found \
-                    or wanted.get(place) != read[2].key:
+            if read is None or (at := newest.slot(*read[:2])) < 0 or not wanted[at] \
+                    or at in found or newest.key(newest.win[at]) != read[2].key:
                 continue
-            found[place] = splice.message_of(orjson.loads(raw))
+            found[at] = read[0], splice.message_of(orjson.loads(raw))
     by_task: dict[int, list[dict[str, Any]]] = {}
-    for (task, _turn), message in sorted(found.items()):
+    for _at, (task, message) in sorted(found.items()):
         by_task.setdefault(task, []).append(message)
     return {task: state.pack(messages) for task, messages in by_task.items()}
 
