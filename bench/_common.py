@@ -93,13 +93,16 @@ def simulators(n: int, *flags: str) -> Iterator[list[SimProcess]]:
             sim.cleanup()
 
 
-def timed(args: list[str], env: dict, nofile: int | None = None) -> dict:
-    """A genq command to its end: wall s and peak RSS (MB), optionally under `ulimit -n`."""
+def timed(args: list[str], env: dict, nofile: int | None = None, tree: Path = REPO) -> dict:
+    """A genq command to its end: wall s and peak RSS (MB), optionally under `ulimit -n`;
+    `tree`: the checkout whose genq runs (a baseline's)."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "genq", *args], cwd=REPO, env=env,
+    if tree != REPO:
+        env = {**env, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen([sys.executable, "-m", "genq", *args], cwd=tree, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             preexec_fn=limit if nofile else None)
     _, status, ru = os.wait4(proc.pid, 0)

@@ -16,14 +16,17 @@ Each arm: the windowed producer, `genq consume --burst` per simulator, to the en
 prefix done, said in `complete`). Measured: Redis `used_memory` above the arm's start (mid-run
 and at the end, and peak), per conversation; consumers' CPU per generation (wait4); `genq
 status` wall mid-run; `genq export` and, after FLUSHALL, `genq recover` walls (peak RSS),
-checked against each other. Ratios are all/last.
+checked against each other. Ratios are all/last. `--baseline TREE` also times export and
+recover from that checkout on the same shards, beside this tree's (the exports byte-compared).
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
+    python bench/conversations.py --arms all --baseline /tmp/base    # export, recover: both
 """
 
 from __future__ import annotations
 
+import filecmp
 import os
 import signal
 import statistics
@@ -104,31 +107,42 @@ class Arm:
                             redis_b_peak=peak)
         self.outs = outs
 
-    def timed(self, *args: str) -> dict:
+    def timed(self, *args: str, tree: Path = kit.REPO) -> dict:
         """A genq command under `ulimit -n 256` as scale.py times it; where that fails (one
         that opens every shard at once), the failure is kept and it runs unlimited."""
         try:
-            return kit.timed(list(args), self.env, nofile=256)
+            return kit.timed(list(args), self.env, nofile=256, tree=tree)
         except SystemExit as failed:
             print(f"[{self.turns}] under ulimit -n 256: {str(failed)[-300:]}", file=sys.stderr)
-            return {**kit.timed(list(args), self.env), "failed_at_256_files": str(failed)[-200:]}
+            return {**kit.timed(list(args), self.env, tree=tree),
+                    "failed_at_256_files": str(failed)[-200:]}
 
     def finish(self) -> None:
-        """Export, FLUSHALL, recover: walls, and the counts checked against each other."""
+        """Export, FLUSHALL, recover: walls, and the counts checked against each other; with
+        --baseline, the baseline's first each time, and its export byte-compared with ours."""
         f = self.figures
         f["redis_b_end"] = self.used() - self.base
         f["status_end"] = before = self.status()
         # Where the conversations ended (--turns all's status: "diverged", "truncated", ...).
         f["stopped"] = (before.get("conversations") or {}).get("stopped", "-")
-        f["export"] = self.timed("export", "--out", str(self.work / "all.jsonl"), "--overwrite")
+        trees = {**({"baseline_": Path(self.a.baseline).resolve()} if self.a.baseline else {}),
+                 "": kit.REPO}
+        for name, tree in trees.items():
+            f[f"{name}export"] = self.timed("export", "--out", str(self.work / f"{name}all.jsonl"),
+                                            "--overwrite", tree=tree)
         f["generations"] = sum(1 for _ in open(self.work / "all.jsonl", "rb"))
-        self.r.flushall()  # what a restart without persistence leaves
-        f["recover"] = self.timed("recover", "--shards", *map(str, self.outs))
-        after = self.status()
-        for key in ("total", "done", "failed"):
-            if before.get(key) != after.get(key):
-                raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
-                                 f"{after.get(key)} recovered")
+        if self.a.baseline and not filecmp.cmp(self.work / "all.jsonl",
+                                               self.work / "baseline_all.jsonl", shallow=False):
+            raise SystemExit(f"[{self.turns}] the export differs from the baseline's")
+        for name, tree in trees.items():
+            self.r.flushall()  # what a restart without persistence leaves
+            f[f"{name}recover"] = self.timed("recover", "--shards", *map(str, self.outs),
+                                             tree=tree)
+            after = self.status()
+            for key in ("total", "done", "failed"):
+                if before.get(key) != after.get(key):
+                    raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
+                                     f"{after.get(key)} recovered by {name or 'this tree'}")
         self.r.flushall()
 
     def registered(self, producer: Background) -> bool:
@@ -177,19 +191,31 @@ def report(arms: dict[str, dict]) -> str:
         return f"{a / b:.2f}" if ok and b else "-"
 
     def cell(f: dict, key: str) -> object:
-        return f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if key in ("export", "recover") \
-            else f[key]
+        return f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if "export" in key \
+            or "recover" in key else f[key]
+
+    def against(f: dict, key: str) -> str:  # this tree / the baseline: wall (peak RSS)
+        ours, base = f[key], f[f"baseline_{key}"]
+        return f"{ratio(ours['wall_s'], base['wall_s'])} ({ratio(ours['rss_mb'], base['rss_mb'])})"
 
     both = set(ARMS) <= set(arms)
     rows = []
-    for name, key in (*ROWS, ("genq export s (peak RSS MB)", "export"),
-                      ("genq recover s (peak RSS MB)", "recover")):
+    timings = [("genq export s (peak RSS MB)", "export"), ("genq recover s (peak RSS MB)",
+                                                           "recover")]
+    if any("baseline_export" in f for f in arms.values()):
+        timings += [("baseline's genq export s (peak RSS MB)", "baseline_export"),
+                    ("baseline's genq recover s (peak RSS MB)", "baseline_recover")]
+    for name, key in (*ROWS, *timings):
         row = [name, *(cell(f, key) for f in arms.values())]
         if both:
-            timed = key in ("export", "recover")
+            timed = "export" in key or "recover" in key
             every, last = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ARMS[::-1])
             row.append(ratio(every, last))
         rows.append(tuple(row))
+    if any("baseline_export" in f for f in arms.values()):
+        rows += [(f"{what}: this tree / baseline, wall (peak RSS)",
+                  *(against(f, what) for f in arms.values()), *(("",) if both else ()))
+                 for what in ("export", "recover")]
     heads = ("figure", *(f"--turns {t}" for t in arms), *(("all/last",) if both else ()))
     return kit.table(rows, heads)
 
@@ -206,6 +232,8 @@ def main() -> int:
                    help="seconds an arm's consumers run before they are stopped (all 8 turns "
                    "of 100,000 took ~1,000 s on 2 cores)")
     p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
+    p.add_argument("--baseline", default=None,
+                   help="a checkout whose export and recover run beside this tree's")
     a = p.parse_args()
     calls = (["--tool-chains", "--seed", str(a.seed)] if a.tool_call_rate is None
              else ["--tool-call-rate", str(a.tool_call_rate)])
