@@ -21,6 +21,7 @@ from test_conversations import (
     export,
     write_rows,
 )
+from test_s3 import URI, bucket_records, s3  # noqa: F401  (s3: the moto fixture)
 
 from genq.common.queue.keys import RunKeys
 
@@ -249,3 +250,47 @@ def test_each_sample_continues_its_own_partial(tmp_path, redis_url, r, run_name,
     assert status["conversations"]["done"] == n * samples
     assert status["continued"] == {"2": {"continued": len(truncated),
                                          "decode_tokens_saved": kept}}, status["continued"]
+
+
+@pytest.mark.timeout(240)
+def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, sim_factory,
+                                              s3):  # noqa: F811
+    """The consumers' disks are gone: `requeue --continue --from-s3` finds every cut turn in
+    the bucket, and each conversation goes on from it; no earlier turn is asked again."""
+    import shutil
+
+    n = 30
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(SMALL),
+         "--token-ids", redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", "--s3-uri", URI,
+                       "--shard-records", "20")
+    first = check_chains(rows, export(tmp_path, redis_url, run_name, "first.jsonl"))
+    truncated = {i: chain[-1] for i, chain in first.items()
+                 if chain[-1]["finish_reason"] == "length"}
+    assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values())
+    assert len(bucket_records(s3[0], run_name)) == sum(map(len, first.values()))
+    shutil.rmtree(tmp_path / "out")
+
+    before = served(sim)
+    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               "--from-s3", URI, redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out2", "--s3-uri", URI)
+    chains = check_chains(rows, export(tmp_path, redis_url, run_name, "redone.jsonl",
+                                       "--from-s3", URI))
+    asked = 0
+    for index, chain in chains.items():
+        if index not in truncated:
+            assert chain == first[index], index
+            continue
+        t, cut = truncated[index]["turn"], truncated[index]
+        assert chain[:t - 1] == first[index][:t - 1], index
+        assert chain[t - 1]["continued_from"] == {
+            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, index
+        assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
+        asked += len(chain) - (t - 1)
+    assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
+    assert r.exists(RunKeys(run_name).partials) == 0
