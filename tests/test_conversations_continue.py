@@ -294,3 +294,55 @@ def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, 
         asked += len(chain) - (t - 1)
     assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
     assert r.exists(RunKeys(run_name).partials) == 0
+
+
+@pytest.mark.timeout(240)
+def test_recover_keeps_the_partials_and_the_cut_turns_are_still_continued(
+        tmp_path, run_name, sim_factory):
+    """Redis loses everything after `requeue --continue`, before any continuation ran: `genq
+    recover` keeps each cut turn's partial (of its own sample), as it does a one-turn run's,
+    so every conversation still goes on from it and no earlier turn is asked again."""
+    from faultkit import private_redis
+
+    n, samples = 20, 2
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
+    with private_redis() as redis_srv:
+        url, r, k = redis_srv.url, redis_srv.client(), RunKeys(run_name)
+        genq("produce", str(data), "--once", "--turns", "all", "--samples", str(samples),
+             "--max-tokens", str(SMALL), "--token-ids", redis_url=url, run=run_name)
+        consume_to_the_end(url, run_name, sim.url, tmp_path / "out")
+        first = by_sample(rows, export(tmp_path, url, run_name, "first.jsonl"), samples)
+        truncated = {key: chain[-1] for key, chain in first.items()
+                     if chain[-1]["finish_reason"] == "length"}
+        assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values())
+        genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+             redis_url=url, run=run_name)
+        kept = dict(r.hgetall(k.partials))
+        assert len(kept) == len(truncated)
+
+        r.flushall()
+        out = genq("recover", "--shards", str(tmp_path / "out"), redis_url=url, run=run_name)
+        assert "recovered run" in out.stdout, out.stdout
+        assert dict(r.hgetall(k.partials)) == kept  # the very partials, each its task's
+
+        before = served(sim)
+        consume_to_the_end(url, run_name, sim.url, tmp_path / "out")
+        chains = by_sample(rows, export(tmp_path, url, run_name, "redone.jsonl"), samples)
+        asked = 0
+        for key, chain in chains.items():
+            if key not in truncated:
+                assert chain == first[key], key
+                continue
+            t, cut = truncated[key]["turn"], truncated[key]
+            assert chain[:t - 1] == first[key][:t - 1], key
+            assert chain[t - 1]["continued_from"] == {
+                "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, key
+            assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
+            asked += len(chain) - (t - 1)
+        assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
+        assert not r.exists(k.partials)
+        status = orjson.loads(genq("status", "--json", redis_url=url, run=run_name).stdout)
+        assert status["continued"]["2"]["continued"] == len(truncated), status["continued"]
+        r.close()
