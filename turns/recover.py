@@ -16,11 +16,12 @@ line that says how the conversation `ended`.
 The recover rules of common/data/recovery.py apply to the lines and the last: a line refused by
 an ``--inflight abort`` switch is no line; a `--redo` that covers the last keeps it aside and
 the task runs again (from the made turns, or from turn 1 after a redo of all: state.resume).
-Not covered: the boundary_unstable/boundary_checked counters (no line says them) and
-`requeue --continue` partials (producer/recover.py drops them: a truncated turn is then made
-again from its start). Unlike `rebuild`,
-this holds each (task, turn)'s newest line in a dict and reads the shards twice: 350,000
-generations of 100,000 conversations took 16 s and 0.55 GiB at peak (`rebuild` of the same
+A `requeue --continue` still pending keeps its partials as a one-turn run's does
+(producer/recover.py): a kept conversation's last line, cut at max_tokens, is its partial, so
+its cut turn still goes on from it. Not covered: the boundary_unstable/boundary_checked
+counters (no line says them). Unlike `rebuild`, this holds each (task, turn)'s newest line in a
+dict and reads the shards twice (a third time for pending partials): 350,000 generations of
+100,000 conversations took 16 s and 0.55 GiB at peak (`rebuild` of the same
 lines: 4.5 s).
 """
 
