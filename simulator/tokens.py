@@ -9,6 +9,7 @@ Qwen3's ids, so the ids look like a Qwen3 model's to a client."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Any
 
@@ -96,7 +97,8 @@ def _last_query(messages: list[dict[str, Any]]) -> int:
 def _assistant(message: dict[str, Any], keep_thinking: bool) -> str:
     """An assistant turn of the history as Qwen3's template renders it: its reasoning (sent as
     reasoning_content, or inside <think> in content) kept only after the last user query,
-    inside the tool chain the model is still working through, and dropped before it."""
+    inside the tool chain the model is still working through, and dropped before it; then its
+    calls, each on a line of its own after any content."""
     content, reasoning = _content(message), message.get("reasoning_content")
     if not isinstance(reasoning, str):
         reasoning = ""
@@ -104,10 +106,20 @@ def _assistant(message: dict[str, Any], keep_thinking: bool) -> str:
             parts = content.split("</think>")
             reasoning = parts[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
             content = parts[-1].lstrip("\n")
+    text = content
     if keep_thinking and reasoning:
         thought, answer = reasoning.strip("\n"), content.lstrip("\n")
-        return f"<think>\n{thought}\n</think>\n\n{answer}"
-    return content
+        text = f"<think>\n{thought}\n</think>\n\n{answer}"
+    calls = message.get("tool_calls")
+    for n, call in enumerate(calls if isinstance(calls, list) else ()):
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = function.get("arguments", {}) if isinstance(function, dict) else {}
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)  # the template's tojson
+        name = function.get("name", "") if isinstance(function, dict) else ""
+        text += ("\n" if n or content else "") + (
+            f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>')
+    return text
 
 
 def _tools_block(tools: list[Any]) -> str:
