@@ -74,3 +74,18 @@ def test_a_made_turn_with_a_call_renders_as_its_own_ids(parser):
                 "tool_calls": toolcalls.openai(calls)}
         after = render([*head, made, {"role": "tool", "content": "x"}], tools, thinking=True)
         assert after[:len(prompt) + done.tokens] == prompt + done.ids(), natural
+
+
+def test_tool_answers_render_as_qwen3s_user_turn_of_tool_responses(sim_factory):
+    """Qwen3's template writes a tool message as a <tool_response> inside a user turn, the tool
+    messages in a row sharing one turn: what the regenerated turn after a call is asked with."""
+    sim = sim_factory(**FAST)
+    two = [{"role": "user", "content": "Read both."},
+           {"role": "assistant", "content": "", "tool_calls": CALL + CALL},
+           {"role": "tool", "tool_call_id": "call_1", "content": "A"},
+           {"role": "tool", "tool_call_id": "call_1", "content": "B"}]
+    ids = _prompt_ids(sim.url, two)
+    assert _holds(ids, encode("</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nA\n"
+                              "</tool_response>\n<tool_response>\nB\n</tool_response><|im_end|>"
+                              "\n<|im_start|>assistant\n"))
+    assert not _holds(ids, encode("<|im_start|>tool"))
