@@ -131,7 +131,8 @@ def _tools_block(tools: list[Any]) -> str:
 
 def render(messages: list[dict[str, Any]], tools: Any, thinking: bool,
            prefix: str | None = None) -> list[int]:
-    """The prompt ids of a chat request: each message as `<|im_start|>role\\ncontent<|im_end|>`,
+    """The prompt ids of a chat request: each message as `<|im_start|>role\\ncontent<|im_end|>`
+    (tool answers in a row as one user turn of <tool_response>s, as Qwen3's template writes them),
     the tools block in the system message, then the generation prompt (with the empty thinking
     block when thinking is off) and, when continuing, the answer's start."""
     last_query = _last_query(messages)
@@ -143,8 +144,16 @@ def render(messages: list[dict[str, Any]], tools: Any, thinking: bool,
         else:
             turns.insert(0, ("system", _tools_block(tools)))
     ids: list[int] = []
-    for role, content in turns:
-        ids += [IM_START, *encode(f"{role}\n{content}"), IM_END, VOCAB["\n"]]
+    for at, (role, content) in enumerate(turns):
+        if role != "tool":
+            ids += [IM_START, *encode(f"{role}\n{content}"), IM_END, VOCAB["\n"]]
+            continue
+        # Qwen3's: tool answers in a row share one user turn, each in a <tool_response>.
+        first, last = at == 0 or turns[at - 1][0] != "tool", \
+            at + 1 == len(turns) or turns[at + 1][0] != "tool"
+        ids += ([IM_START] if first else []) + encode(
+            ("user" if first else "") + f"\n<tool_response>\n{content}\n</tool_response>")
+        ids += [IM_END, VOCAB["\n"]] if last else []
     ids += GENERATION
     if not thinking:
         ids += NO_THINK
