@@ -107,7 +107,9 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
     # Partials and conversations go first, in batches, and the run's state after them in one
     # MULTI: a consumer that sees the run back finds them. A replaced run's go with them.
     conversations.put(r, k, rebuilt)
-    wanted = recovery.pending_continuations(manifest, rec) if rebuilt is None else {}
+    # A conversation's pending continuation is its cut last turn, the one line of its claim
+    # (version, attempt, gen) that ended at max_tokens: found as a one-turn run's answer is.
+    wanted = recovery.pending_continuations(manifest, rec)
     if wanted:
         lines = (line for stream in streams() for line in stream)
         samples = int(manifest.get("samples") or 1)

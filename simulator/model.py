@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from genq.simulator import tokens as tk
 from genq.simulator.settings import LengthDist
@@ -19,7 +20,8 @@ THINK_SHARE = 0.7
 STOP_TOKEN_ID = tk.IM_END
 # One token is one short word, so texts are cheap to build and easy to count.
 THINK, ANSWER = ("hmm", " hmm"), ("ok", " ok")
-OPEN, WORD_T, CLOSE, SEP, WORD_A, STOP, CALL = range(7)
+OPEN, WORD_T, CLOSE, SEP, WORD_A, STOP, CALL, NL_T = range(8)
+NL = tk.VOCAB["\n"]
 
 
 def unit_draw(text: str, seed: int) -> float:
@@ -38,6 +40,20 @@ def prompt_key(prompt_ids: list[int], request_seed: object = None) -> str:
     """What seeds a prompt's answer: its ids, and the request's `seed` when it gives one."""
     key = ",".join(map(str, prompt_ids))
     return key if request_seed is None else f"{key}|seed={request_seed}"
+
+
+class Shape(NamedTuple):
+    """A straight answer's layout: its length, where `</think>` and the answer's words start,
+    the call's ids as written (`tail`, from `tail_at`), and whether its thinking has
+    Qwen3's `<think>\\n` ... `\\n</think>` (room for a word between: a toy's limit, a shorter
+    one thinks without the newlines)."""
+
+    length: int
+    close: int
+    answer_at: int
+    tail: tuple[int, ...]
+    tail_at: int
+    lines: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +83,21 @@ class Completion:
     @property
     def length(self) -> int:
         """The straight answer's ids, its stop token included: the natural length, or more
-        where its call would not fit after the thinking."""
-        if not self.call:
-            return self.natural
-        return max(self.natural, (self.close + 2 if self.thinking else 0) + len(self.call) + 1)
+        where its call (and the newline before it after words) would not fit after the
+        thinking."""
+        return self.shape().length
+
+    def shape(self) -> Shape:
+        """Where the straight answer's parts stand, worked out once for a run of positions."""
+        close = self.close
+        answer_at = close + 2 if self.thinking else 0
+        # The answer's words before a call: none, or at least one and the newline after them.
+        room = self.natural - 1 - len(self.call) - answer_at
+        words = 0 if room <= 0 or not self.call else max(1, room - 1)
+        # A call after words follows a newline, as Qwen3's template writes it after content.
+        tail = (NL, *self.call) if words else self.call
+        length = answer_at + words + len(tail) + 1 if self.call else self.natural
+        return Shape(length, close, answer_at, tail, length - 1 - len(tail), close >= 4)
 
     @property
     def finish_reason(self) -> str | None:
@@ -83,29 +110,34 @@ class Completion:
         """New ids up to and including `</think>`."""
         return max(0, min(self.start + self.tokens, self.close + 1) - self.start)
 
-    def kind(self, i: int) -> int:
-        if i == self.length - 1:
+    def kind(self, i: int, shape: Shape | None = None) -> int:
+        at = shape or self.shape()
+        if i == at.length - 1:
             return STOP
-        if i >= self.length - 1 - len(self.call):
+        if i >= at.tail_at:
             return CALL
         if not self.thinking:
             return WORD_A
-        close = self.close
+        close = at.close
+        if at.lines and (i == 1 or i == close - 1):
+            return NL_T
         return (OPEN if i == 0 else WORD_T if i < close else CLOSE if i == close
                 else SEP if i == close + 1 else WORD_A)
 
-    def token(self, i: int) -> int:
-        kind = self.kind(i)
+    def token(self, i: int, shape: Shape | None = None) -> int:
+        at = shape or self.shape()
+        kind = self.kind(i, at)
         if kind == WORD_T:
-            return tk.VOCAB[THINK[i > 1]]
+            return tk.VOCAB[THINK[i > (2 if at.lines else 1)]]
         if kind == WORD_A:
-            return tk.VOCAB[ANSWER[i > (self.close + 2 if self.thinking else 0)]]
+            return tk.VOCAB[ANSWER[i > at.answer_at]]
         if kind == CALL:
-            return self.call[i - (self.length - 1 - len(self.call))]
-        return (tk.THINK_OPEN, 0, tk.THINK_CLOSE, tk.VOCAB["\n\n"], 0, tk.IM_END)[kind]
+            return at.tail[i - at.tail_at]
+        return (tk.THINK_OPEN, 0, tk.THINK_CLOSE, tk.VOCAB["\n\n"], 0, tk.IM_END, 0, NL)[kind]
 
     def ids(self) -> list[int]:
-        return [self.token(i) for i in range(self.start, self.start + self.tokens)]
+        shape = self.shape()
+        return [self.token(i, shape) for i in range(self.start, self.start + self.tokens)]
 
 
 def resume_at(generated: list[int], natural: int, thinking: bool,
@@ -118,8 +150,9 @@ def resume_at(generated: list[int], natural: int, thinking: bool,
     if not generated:
         return 0
     probe = Completion(natural, natural, thinking, call=call)
-    if len(generated) <= probe.length and all(
-            token == probe.token(i) for i, token in enumerate(generated)):
+    shape = probe.shape()
+    if len(generated) <= shape.length and all(
+            token == probe.token(i, shape) for i, token in enumerate(generated)):
         return len(generated)
     words = sum(1 for i in generated if i in (tk.VOCAB["hmm"], tk.VOCAB[" hmm"],
                                                tk.VOCAB["ok"], tk.VOCAB[" ok"]))
@@ -129,7 +162,8 @@ def resume_at(generated: list[int], natural: int, thinking: bool,
         after = generated[generated.index(tk.THINK_CLOSE) + 1:]
         answer = sum(1 for i in after if i in (tk.VOCAB["ok"], tk.VOCAB[" ok"]))
         return probe.close + 1 + (1 + answer if answer or tk.VOCAB["\n\n"] in after else 0)
-    return min(1 + words, probe.close) if tk.THINK_OPEN in generated else words
+    lines = generated.count(NL) if shape.lines else 0  # `<think>\n`, and `\n` before its close
+    return min(1 + lines + words, probe.close) if tk.THINK_OPEN in generated else words
 
 
 def complete(natural: int, max_tokens: int, thinking: bool, start: int = 0,
@@ -154,11 +188,13 @@ def texts(done: Completion, parser: bool, a: int = 0, b: int | None = None,
     b = done.tokens if b is None else b
     if b <= a:
         return None, ""
-    span = [i for i in range(done.start + a, done.start + b) if calls or done.kind(i) != CALL]
+    shape = done.shape()
+    kinds = {i: done.kind(i, shape) for i in range(done.start + a, done.start + b)}
+    span = [i for i, kind in kinds.items() if calls or kind != CALL]
     if not done.thinking or not parser:
-        return None, tk.decode([done.token(i) for i in span], skip_special=True)
-    reasoning = tk.decode([done.token(i) for i in span if done.kind(i) == WORD_T])
-    return reasoning, tk.decode([done.token(i) for i in span if done.kind(i) == WORD_A])
+        return None, tk.decode([done.token(i, shape) for i in span], skip_special=True)
+    reasoning = tk.decode([done.token(i, shape) for i in span if kinds[i] in (WORD_T, NL_T)])
+    return reasoning, tk.decode([done.token(i, shape) for i in span if kinds[i] == WORD_A])
 
 
 def parsed(raw: str, forced: bool, previous: str = "") -> tuple[str | None, str]:

@@ -9,6 +9,7 @@ Qwen3's ids, so the ids look like a Qwen3 model's to a client."""
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from typing import Any
 
@@ -96,7 +97,8 @@ def _last_query(messages: list[dict[str, Any]]) -> int:
 def _assistant(message: dict[str, Any], keep_thinking: bool) -> str:
     """An assistant turn of the history as Qwen3's template renders it: its reasoning (sent as
     reasoning_content, or inside <think> in content) kept only after the last user query,
-    inside the tool chain the model is still working through, and dropped before it."""
+    inside the tool chain the model is still working through, and dropped before it; then its
+    calls, each on a line of its own after any content."""
     content, reasoning = _content(message), message.get("reasoning_content")
     if not isinstance(reasoning, str):
         reasoning = ""
@@ -104,10 +106,20 @@ def _assistant(message: dict[str, Any], keep_thinking: bool) -> str:
             parts = content.split("</think>")
             reasoning = parts[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
             content = parts[-1].lstrip("\n")
+    text = content
     if keep_thinking and reasoning:
         thought, answer = reasoning.strip("\n"), content.lstrip("\n")
-        return f"<think>\n{thought}\n</think>\n\n{answer}"
-    return content
+        text = f"<think>\n{thought}\n</think>\n\n{answer}"
+    calls = message.get("tool_calls")
+    for n, call in enumerate(calls if isinstance(calls, list) else ()):
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        arguments = function.get("arguments", {}) if isinstance(function, dict) else {}
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)  # the template's tojson
+        name = function.get("name", "") if isinstance(function, dict) else ""
+        text += ("\n" if n or content else "") + (
+            f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>')
+    return text
 
 
 def _tools_block(tools: list[Any]) -> str:
@@ -119,7 +131,8 @@ def _tools_block(tools: list[Any]) -> str:
 
 def render(messages: list[dict[str, Any]], tools: Any, thinking: bool,
            prefix: str | None = None) -> list[int]:
-    """The prompt ids of a chat request: each message as `<|im_start|>role\\ncontent<|im_end|>`,
+    """The prompt ids of a chat request: each message as `<|im_start|>role\\ncontent<|im_end|>`
+    (tool answers in a row as one user turn of <tool_response>s, as Qwen3's template writes them),
     the tools block in the system message, then the generation prompt (with the empty thinking
     block when thinking is off) and, when continuing, the answer's start."""
     last_query = _last_query(messages)
@@ -131,8 +144,16 @@ def render(messages: list[dict[str, Any]], tools: Any, thinking: bool,
         else:
             turns.insert(0, ("system", _tools_block(tools)))
     ids: list[int] = []
-    for role, content in turns:
-        ids += [IM_START, *encode(f"{role}\n{content}"), IM_END, VOCAB["\n"]]
+    for at, (role, content) in enumerate(turns):
+        if role != "tool":
+            ids += [IM_START, *encode(f"{role}\n{content}"), IM_END, VOCAB["\n"]]
+            continue
+        # Qwen3's: tool answers in a row share one user turn, each in a <tool_response>.
+        first, last = at == 0 or turns[at - 1][0] != "tool", \
+            at + 1 == len(turns) or turns[at + 1][0] != "tool"
+        ids += ([IM_START] if first else []) + encode(
+            ("user" if first else "") + f"\n<tool_response>\n{content}\n</tool_response>")
+        ids += [IM_END, VOCAB["\n"]] if last else []
     ids += GENERATION
     if not thinking:
         ids += NO_THINK

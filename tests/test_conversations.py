@@ -321,3 +321,36 @@ def test_export_of_conversations_reads_more_shards_than_it_may_open_files(
                     run=run_name, check=False, preexec_fn=few_files)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert read_jsonl(out) == whole and whole
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("parser", "thinking"), [("qwen3", True), (None, True), ("qwen3", False)])
+def test_a_tool_chains_made_turns_are_the_next_prompts_start_unless_the_template_drops_them(
+        tmp_path, redis_url, run_name, sim_factory, parser, thinking):
+    """Inside a tool chain the simulator's template renders a made turn (thinking on) as the
+    turn's own ids, call and all, as Qwen3's does: every boundary holds. With thinking off the
+    generation prompt's empty think block is not in the history: every one is unstable."""
+    rows = [conversation(i) for i in (2, 5, 8)]  # 2 calls, then the answer: 2 boundaries each
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    # Room for words before each call: the "\n" the template writes between them is made too.
+    sim = sim_factory(time_scale=200, tool_call_rate=1.0, length_dist="fixed:40",
+                      reasoning_parser=parser)
+    genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--max-tokens", "200",
+         "--set", f"enable_thinking={str(thinking).lower()}", redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    unstable = checked = 0
+    for recs in by_conversation(export(tmp_path, redis_url, run_name, "all.jsonl")).values():
+        for before, rec in zip(recs, recs[1:], strict=False):
+            ids = before["prompt_token_ids"] + before["completion_token_ids"]
+            checked += 1
+            unstable += rec["prompt_token_ids"][:len(ids)] != ids
+            if thinking:
+                assert before["content"] and before["tool_calls"], before
+                assert rec["prompt_token_ids"][:len(ids)] == ids, (
+                    tokens.decode(ids[-60:]), tokens.decode(rec["prompt_token_ids"][:len(ids)]
+                                                            [-60:]))
+    assert checked == 2 * len(rows)
+    conv = orjson.loads(genq("status", "--json", redis_url=redis_url,
+                             run=run_name).stdout)["conversations"]
+    assert (conv["boundary_unstable"], conv["boundary_checked"]) == (
+        (0, checked) if thinking else (checked, checked))

@@ -21,6 +21,7 @@ from test_conversations import (
     export,
     write_rows,
 )
+from test_s3 import URI, bucket_records, s3  # noqa: F401  (s3: the moto fixture)
 
 from genq.common.queue.keys import RunKeys
 
@@ -177,3 +178,171 @@ def test_without_ids_the_truncated_turn_is_continued_by_its_text(
     assert (status["conversations"]["done"], status["conversations"]["generations"]) == (
         n, len(redone))
     assert status["continued"]["2"]["continued"] == len(truncated)
+
+
+def by_sample(rows: list[list[dict]], records: list[dict], samples: int
+              ) -> dict[tuple[int, int], list[dict]]:
+    """(index, sample) -> its conversation's generations, turn 1 first, each sample's chains
+    checked as check_chains checks a run of one."""
+    return {(index, s): chain for s in range(samples) for index, chain in
+            check_chains(rows, [rec for rec in records if rec.get("sample", 0) == s]).items()}
+
+
+@pytest.mark.timeout(240)
+def test_each_sample_continues_its_own_partial(tmp_path, redis_url, r, run_name, sim_factory):
+    """--samples 2: each (index, sample) conversation is its own task with its own seed, cut
+    at its own turn; its partial is its task's, so every one ends as the straight run's same
+    sample, and only the cut turns and those after them are asked."""
+    n, samples = 24, 2
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    sim_kwargs = dict(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
+    sims = {"cont": sim_factory(**sim_kwargs), "straight": sim_factory(**sim_kwargs)}
+    runs = {"cont": (run_name, SMALL), "straight": (run_name + "-straight", LARGE)}
+    for name, (run, limit) in runs.items():
+        genq("produce", str(data), "--once", "--turns", "all", "--samples", str(samples),
+             "--max-tokens", str(limit), "--token-ids", redis_url=redis_url, run=run)
+        consume_to_the_end(redis_url, run, sims[name].url, tmp_path / name)
+    first = by_sample(rows, export(tmp_path, redis_url, run_name, "first.jsonl"), samples)
+    straight_records = export(tmp_path, redis_url, runs["straight"][0], "straight.jsonl")
+    straight = by_sample(rows, straight_records, samples)
+    truncated = {key: chain[-1] for key, chain in first.items()
+                 if chain[-1]["finish_reason"] == "length"}
+    # Both samples of some row cut, at different turns or with different partials.
+    both = [i for i in range(n) if (i, 0) in truncated and (i, 1) in truncated]
+    assert both and any(truncated[(i, 0)]["completion_token_ids"]
+                        != truncated[(i, 1)]["completion_token_ids"] for i in both), both
+    assert {s for _, s in truncated} == {0, 1}
+
+    before = served(sims["cont"])
+    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    assert r.hlen(RunKeys(run_name).partials) == len(truncated)
+    consume_to_the_end(redis_url, run_name, sims["cont"].url, tmp_path / "cont")
+    after = served(sims["cont"])
+    chains = by_sample(rows, export(tmp_path, redis_url, run_name, "redone.jsonl"), samples)
+    asked: list[dict] = []
+    for key, chain in chains.items():
+        if key not in truncated:
+            assert chain == first[key], key
+            continue
+        t, cut = truncated[key]["turn"], truncated[key]
+        assert chain[:t - 1] == first[key][:t - 1], key
+        assert chain[t - 1]["continued_from"] == {
+            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, key
+        assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
+        asked += chain[t - 1:]
+        assert [made(rec) for rec in chain] == [made(rec) for rec in straight[key]], key
+    assert r.exists(RunKeys(run_name).partials) == 0
+    kept = sum(rec["completion_tokens"] for rec in truncated.values())
+    assert after["num_requests_total"] - before["num_requests_total"] == PROBE + len(asked)
+    # The probe's tokens (the straight run's server counted them beyond its records') aside,
+    # each continued turn's prompt was its partial's ids, and only the rest was decoded.
+    probe = {key: served(sims["straight"])[f"{key}_tokens_total"]
+             - sum(rec[f"{field}_tokens"] for rec in straight_records)
+             for key, field in (("prompt", "prompt"), ("generation", "completion"))}
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == \
+        probe["prompt"] + sum(rec["prompt_tokens"] for rec in asked) + kept
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == \
+        probe["generation"] + sum(rec["completion_tokens"] for rec in asked) - kept
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert status["conversations"]["done"] == n * samples
+    assert status["continued"] == {"2": {"continued": len(truncated),
+                                         "decode_tokens_saved": kept}}, status["continued"]
+
+
+@pytest.mark.timeout(240)
+def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, sim_factory,
+                                              s3):  # noqa: F811
+    """The consumers' disks are gone: `requeue --continue --from-s3` finds every cut turn in
+    the bucket, and each conversation goes on from it; no earlier turn is asked again."""
+    import shutil
+
+    n = 30
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(SMALL),
+         "--token-ids", redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", "--s3-uri", URI,
+                       "--shard-records", "20")
+    first = check_chains(rows, export(tmp_path, redis_url, run_name, "first.jsonl"))
+    truncated = {i: chain[-1] for i, chain in first.items()
+                 if chain[-1]["finish_reason"] == "length"}
+    assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values())
+    assert len(bucket_records(s3[0], run_name)) == sum(map(len, first.values()))
+    shutil.rmtree(tmp_path / "out")
+
+    before = served(sim)
+    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+               "--from-s3", URI, redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out2", "--s3-uri", URI)
+    chains = check_chains(rows, export(tmp_path, redis_url, run_name, "redone.jsonl",
+                                       "--from-s3", URI))
+    asked = 0
+    for index, chain in chains.items():
+        if index not in truncated:
+            assert chain == first[index], index
+            continue
+        t, cut = truncated[index]["turn"], truncated[index]
+        assert chain[:t - 1] == first[index][:t - 1], index
+        assert chain[t - 1]["continued_from"] == {
+            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, index
+        assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
+        asked += len(chain) - (t - 1)
+    assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
+    assert r.exists(RunKeys(run_name).partials) == 0
+
+
+@pytest.mark.timeout(240)
+def test_recover_keeps_the_partials_and_the_cut_turns_are_still_continued(
+        tmp_path, run_name, sim_factory):
+    """Redis loses everything after `requeue --continue`, before any continuation ran: `genq
+    recover` keeps each cut turn's partial (of its own sample), as it does a one-turn run's,
+    so every conversation still goes on from it and no earlier turn is asked again."""
+    from faultkit import private_redis
+
+    n, samples = 20, 2
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "conversations.jsonl", rows)
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
+    with private_redis() as redis_srv:
+        url, r, k = redis_srv.url, redis_srv.client(), RunKeys(run_name)
+        genq("produce", str(data), "--once", "--turns", "all", "--samples", str(samples),
+             "--max-tokens", str(SMALL), "--token-ids", redis_url=url, run=run_name)
+        consume_to_the_end(url, run_name, sim.url, tmp_path / "out")
+        first = by_sample(rows, export(tmp_path, url, run_name, "first.jsonl"), samples)
+        truncated = {key: chain[-1] for key, chain in first.items()
+                     if chain[-1]["finish_reason"] == "length"}
+        assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values())
+        genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
+             redis_url=url, run=run_name)
+        kept = dict(r.hgetall(k.partials))
+        assert len(kept) == len(truncated)
+
+        r.flushall()
+        out = genq("recover", "--shards", str(tmp_path / "out"), redis_url=url, run=run_name)
+        assert "recovered run" in out.stdout, out.stdout
+        assert dict(r.hgetall(k.partials)) == kept  # the very partials, each its task's
+
+        before = served(sim)
+        consume_to_the_end(url, run_name, sim.url, tmp_path / "out")
+        chains = by_sample(rows, export(tmp_path, url, run_name, "redone.jsonl"), samples)
+        asked = 0
+        for key, chain in chains.items():
+            if key not in truncated:
+                assert chain == first[key], key
+                continue
+            t, cut = truncated[key]["turn"], truncated[key]
+            assert chain[:t - 1] == first[key][:t - 1], key
+            assert chain[t - 1]["continued_from"] == {
+                "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, key
+            assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
+            asked += len(chain) - (t - 1)
+        assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
+        assert not r.exists(k.partials)
+        status = orjson.loads(genq("status", "--json", redis_url=url, run=run_name).stdout)
+        assert status["continued"]["2"]["continued"] == len(truncated), status["continued"]
+        r.close()

@@ -116,9 +116,9 @@ def test_streamed_chunks_carry_no_ids_as_in_0_5_23(sim):
 
 
 @pytest.mark.parametrize(("prefix", "held"), [
-    ("<think>hmm hmm hmm", 4),  # inside the thinking
+    ("<think>\nhmm hmm hmm", 5),  # inside the thinking
     # genq's prefix from the parsed split (the blank line after </think> is content): 143 held
-    ("<think>" + " ".join(["hmm"] * 138) + "</think>\n\nok ok", 143),
+    ("<think>\n" + " ".join(["hmm"] * 136) + "\n</think>\n\nok ok", 143),
 ])
 def test_a_text_continuation_joins_to_the_straight_answer(sim, prefix, held):
     whole = straight(sim)["message"]

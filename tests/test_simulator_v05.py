@@ -87,13 +87,13 @@ def test_thinking_stays_in_content_without_a_reasoning_parser(sim_factory):
     plain = sim_factory(**FAST)
     whole = chat(plain.url, "q", max_tokens=500).json()["choices"][0]["message"]
     assert whole["reasoning_content"] is None
-    assert whole["content"] == "<think>" + " ".join(["hmm"] * 68) + "</think>\n\n" + \
+    assert whole["content"] == "<think>\n" + " ".join(["hmm"] * 66) + "\n</think>\n\n" + \
         " ".join(["ok"] * 28)  # <|im_end|> ends the ids but is no text
     cut = chat(plain.url, "q", max_tokens=20).json()["choices"][0]["message"]
-    assert cut["content"] == "<think>" + " ".join(["hmm"] * 19)
+    assert cut["content"] == "<think>\n" + " ".join(["hmm"] * 18)
     parsed = sim_factory(reasoning_parser="qwen3", **FAST)
     cut = chat(parsed.url, "q", max_tokens=20).json()["choices"][0]["message"]
-    assert cut["content"] == "" and cut["reasoning_content"] == " ".join(["hmm"] * 19)
+    assert cut["content"] == "" and cut["reasoning_content"] == "\n" + " ".join(["hmm"] * 18)
 
 
 @pytest.mark.parametrize("parser", [None, "qwen3"])
@@ -136,7 +136,8 @@ def test_a_chunk_per_token_as_sglang_sends_them(sim_factory, parser):
     assert all(sum(v is not None for v in d.values()) == 1 for d in texts)
     if parser:
         thinking = [d["reasoning_content"] for d in texts if d.get("reasoning_content")]
-        assert len(thinking) == 40 and thinking[:2] == ["hmm", " hmm"]  # 70 % of 60, less tags
+        # 70 % of 60, less tags: the newline after <think> (and before </think>) is thinking
+        assert len(thinking) == 40 and thinking[:3] == ["\n", "hmm", " hmm"]
     whole = plain["content"].removeprefix("\n\n") if parser else plain["content"]
     assert (joined(events, "content") or "") == whole  # the whole answer keeps the blank line
     assert joined(events, "reasoning_content") == (plain["reasoning_content"] or None)

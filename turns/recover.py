@@ -16,12 +16,13 @@ line that says how the conversation `ended`.
 The recover rules of common/data/recovery.py apply to the lines and the last: a line refused by
 an ``--inflight abort`` switch is no line; a `--redo` that covers the last keeps it aside and
 the task runs again (from the made turns, or from turn 1 after a redo of all: state.resume).
-Not covered: the boundary_unstable/boundary_checked counters (no line says them) and
-`requeue --continue` partials (producer/recover.py drops them: a truncated turn is then made
-again from its start). Unlike `rebuild`, this reads the shards twice and holds every line's
-figures in flat arrays (`Newest`, about 90 B a line) and each conversation's entry: 818,306
-generations of 100,000 conversations took 13.7 s at 149 MB peak RSS (a dict of tuples a line
-took 14.8 s at 772 MB; bench/README.md).
+A `requeue --continue` still pending keeps its partials as a one-turn run's does
+(producer/recover.py): a kept conversation's last line, cut at max_tokens, is its partial, so
+its cut turn still goes on from it. Not covered: the boundary_unstable/boundary_checked
+counters (no line says them). Unlike `rebuild`, this reads the shards twice (a third time for
+pending partials) and holds every line's figures in flat arrays (`Newest`, about 90 B a line)
+and each conversation's entry: 818,306 generations of 100,000 conversations took 13.7 s at
+149 MB peak RSS (a dict of tuples a line took 14.8 s at 772 MB; bench/README.md).
 """
 
 from __future__ import annotations
