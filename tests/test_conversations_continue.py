@@ -179,6 +179,15 @@ def test_without_ids_the_truncated_turn_is_continued_by_its_text(
         n, len(redone))
     assert status["continued"]["2"]["continued"] == len(truncated)
 
+    # A redo of all sets every conversation aside: its continued turns, its last or not, no
+    # longer count as continued once it is made again from its first turn.
+    genq("requeue", "--set", f"max_tokens={LARGE + 1}", "--redo", "all",
+         redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert status["conversations"]["done"] == n
+    assert status["continued"] == {}, status["continued"]
+
 
 def by_sample(rows: list[list[dict]], records: list[dict], samples: int
               ) -> dict[tuple[int, int], list[dict]]:
