@@ -84,7 +84,9 @@ class Conversations:
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:
                 ids = [*completion.prompt_token_ids, *completion.completion_token_ids]
-            entry = [lease.version, lease.attempt]
+            # A continued turn's entry keeps its partial's tokens: turn.lua takes its count
+            # back if a redo of all sets it aside.
+            entry = [lease.version, lease.attempt, *([kept] if kept else [])]
             follow = splice.after(row, turn, completion.finish_reason, completion.tool_calls) \
                 if turn < count else None
             if follow is None or isinstance(follow, splice.Stop):

@@ -22,7 +22,8 @@ from genq.common.queue.keys import RunKeys
 from genq.turns import splice
 
 # One accepted generation: [params version, attempt], the key its line is found by (a
-# recover's generation is not needed: attempts rise across recovers).
+# recover's generation is not needed: attempts rise across recovers), then for a turn
+# continued by `requeue --continue` its partial's tokens (turn.lua uncounts it if set aside).
 Entry = list[int]
 VERSION, ATTEMPT = 0, 1
 COMPLETE = "complete"  # a conversation that reached its last turn (else splice.DIVERGED, ...)

@@ -11,8 +11,23 @@
 --       ack.lua counts), 11 server, 12 rate key prefix, 13 rate bucket seconds, 14 its ttl,
 --       15 a turn before the last continued by `requeue --continue`: its partial's tokens (0:
 --       not continued), 16 its params version
+-- A conversation begun again (ARGV 8 <= 1) no longer counts the continued turns it set aside
+-- (an entry's third number: the partial's tokens).
 -- Returns 1 if written, 0 if the lease was no longer ours.
 if not owns(redis.call('HGET', KEYS[2], ARGV[1]), ARGV[2]) then return 0 end
+if tonumber(ARGV[8]) <= 1 then  -- begun (again): made turns of before set aside are no
+  local old = redis.call('HGET', KEYS[4], ARGV[3])  -- longer continued ones (as redo.lua's)
+  if old then
+    local now = cjson.decode(ARGV[4]).made
+    for i, e in ipairs(cjson.decode(old).made) do
+      local n = now[i]
+      if e[3] and (not n or n[1] ~= e[1] or n[2] ~= e[2]) then
+        redis.call('HINCRBY', KEYS[6], 'continued|' .. e[1], -1)
+        redis.call('HINCRBY', KEYS[6], 'saved|' .. e[1], 0 - e[3])
+      end
+    end
+  end
+end
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[5], ARGV[3], ARGV[5]) end
 redis.call('BITFIELD', KEYS[7], 'SET', 'u16', '#' .. ARGV[3], ARGV[8])
