@@ -43,19 +43,49 @@ def made(rec: dict) -> tuple:
             rec.get("stopped"), rec.get("ended"))
 
 
-@pytest.mark.timeout(240)
-def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
-        tmp_path, redis_url, r, run_name, sim_factory):
-    n = 40
+def went_on(first: dict, chains: dict, truncated: dict, straight: dict | None = None
+            ) -> list[dict]:
+    """Each conversation against the first run's: as it was if it was not cut, else its turns
+    before the cut kept, the cut turn continued from its partial by ids (and the whole as the
+    `straight` run's, if given). Returns the generations asked after the requeue."""
+    asked: list[dict] = []
+    for key, chain in chains.items():
+        if key not in truncated:
+            assert chain == first[key], key
+            continue
+        t, cut = truncated[key]["turn"], truncated[key]
+        assert chain[:t - 1] == first[key][:t - 1], key
+        assert chain[t - 1]["continued_from"] == {
+            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, key
+        assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
+        assert straight is None or [made(rec) for rec in chain] == [
+            made(rec) for rec in straight[key]], key
+        asked += chain[t - 1:]
+    return asked
+
+
+def cut_and_straight(tmp_path, redis_url: str, run_name: str, sim_factory, n: int,
+                     *extra: str) -> tuple[list, dict, dict]:
+    """(rows, sims, runs): n conversations made twice with --token-ids and `extra`, each run on
+    its own simulator: cut at SMALL tokens (runs["cont"], the run under test) and straight at
+    LARGE (runs["straight"]), what every continued conversation must end as."""
     rows = [conversation(i) for i in range(n)]
     data = write_rows(tmp_path / "conversations.jsonl", rows)
     sim_kwargs = dict(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
     sims = {"cont": sim_factory(**sim_kwargs), "straight": sim_factory(**sim_kwargs)}
     runs = {"cont": (run_name, SMALL), "straight": (run_name + "-straight", LARGE)}
     for name, (run, limit) in runs.items():
-        genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", str(limit),
-             "--token-ids", redis_url=redis_url, run=run)
+        genq("produce", str(data), "--once", "--turns", "all", *extra, "--max-tokens",
+             str(limit), "--token-ids", redis_url=redis_url, run=run)
         consume_to_the_end(redis_url, run, sims[name].url, tmp_path / name)
+    return rows, sims, runs
+
+
+@pytest.mark.timeout(240)
+def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    n = 40
+    rows, sims, runs = cut_and_straight(tmp_path, redis_url, run_name, sim_factory, n)
     first = check_chains(rows, export(tmp_path, redis_url, run_name, "first.jsonl"))
     straight_records = export(tmp_path, redis_url, runs["straight"][0], "straight.jsonl")
     straight = check_chains(rows, straight_records)
@@ -203,15 +233,8 @@ def test_each_sample_continues_its_own_partial(tmp_path, redis_url, r, run_name,
     at its own turn; its partial is its task's, so every one ends as the straight run's same
     sample, and only the cut turns and those after them are asked."""
     n, samples = 24, 2
-    rows = [conversation(i) for i in range(n)]
-    data = write_rows(tmp_path / "conversations.jsonl", rows)
-    sim_kwargs = dict(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5")
-    sims = {"cont": sim_factory(**sim_kwargs), "straight": sim_factory(**sim_kwargs)}
-    runs = {"cont": (run_name, SMALL), "straight": (run_name + "-straight", LARGE)}
-    for name, (run, limit) in runs.items():
-        genq("produce", str(data), "--once", "--turns", "all", "--samples", str(samples),
-             "--max-tokens", str(limit), "--token-ids", redis_url=redis_url, run=run)
-        consume_to_the_end(redis_url, run, sims[name].url, tmp_path / name)
+    rows, sims, runs = cut_and_straight(tmp_path, redis_url, run_name, sim_factory, n,
+                                        "--samples", str(samples))
     first = by_sample(rows, export(tmp_path, redis_url, run_name, "first.jsonl"), samples)
     straight_records = export(tmp_path, redis_url, runs["straight"][0], "straight.jsonl")
     straight = by_sample(rows, straight_records, samples)
@@ -231,18 +254,7 @@ def test_each_sample_continues_its_own_partial(tmp_path, redis_url, r, run_name,
     consume_to_the_end(redis_url, run_name, sims["cont"].url, tmp_path / "cont")
     after = served(sims["cont"])
     chains = by_sample(rows, export(tmp_path, redis_url, run_name, "redone.jsonl"), samples)
-    asked: list[dict] = []
-    for key, chain in chains.items():
-        if key not in truncated:
-            assert chain == first[key], key
-            continue
-        t, cut = truncated[key]["turn"], truncated[key]
-        assert chain[:t - 1] == first[key][:t - 1], key
-        assert chain[t - 1]["continued_from"] == {
-            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, key
-        assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
-        asked += chain[t - 1:]
-        assert [made(rec) for rec in chain] == [made(rec) for rec in straight[key]], key
+    asked = went_on(first, chains, truncated, straight)
     assert r.exists(RunKeys(run_name).partials) == 0
     kept = sum(rec["completion_tokens"] for rec in truncated.values())
     assert after["num_requests_total"] - before["num_requests_total"] == PROBE + len(asked)
@@ -290,17 +302,7 @@ def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, 
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out2", "--s3-uri", URI)
     chains = check_chains(rows, export(tmp_path, redis_url, run_name, "redone.jsonl",
                                        "--from-s3", URI))
-    asked = 0
-    for index, chain in chains.items():
-        if index not in truncated:
-            assert chain == first[index], index
-            continue
-        t, cut = truncated[index]["turn"], truncated[index]
-        assert chain[:t - 1] == first[index][:t - 1], index
-        assert chain[t - 1]["continued_from"] == {
-            "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, index
-        assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
-        asked += len(chain) - (t - 1)
+    asked = len(went_on(first, chains, truncated))
     assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
     assert r.exists(RunKeys(run_name).partials) == 0
 
@@ -339,17 +341,7 @@ def test_recover_keeps_the_partials_and_the_cut_turns_are_still_continued(
         before = served(sim)
         consume_to_the_end(url, run_name, sim.url, tmp_path / "out")
         chains = by_sample(rows, export(tmp_path, url, run_name, "redone.jsonl"), samples)
-        asked = 0
-        for key, chain in chains.items():
-            if key not in truncated:
-                assert chain == first[key], key
-                continue
-            t, cut = truncated[key]["turn"], truncated[key]
-            assert chain[:t - 1] == first[key][:t - 1], key
-            assert chain[t - 1]["continued_from"] == {
-                "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, key
-            assert chain[t - 1]["completion_token_ids"][:SMALL] == cut["completion_token_ids"]
-            asked += len(chain) - (t - 1)
+        asked = len(went_on(first, chains, truncated))
         assert served(sim)["num_requests_total"] - before["num_requests_total"] == PROBE + asked
         assert not r.exists(k.partials)
         status = orjson.loads(genq("status", "--json", redis_url=url, run=run_name).stdout)
