@@ -13,14 +13,19 @@ call, so the chain goes on to its end."""
 from __future__ import annotations
 
 import json
+import re
 
+import httpx
 import orjson
 import pytest
+import redis
 from conftest import genq
 from pipeline import consume_to_the_end, read_jsonl
 from sglang_servers import RealServer
+from test_conversations import PROBE
 from test_token_ids_sglang import rendered_by_the_models_tokenizer
 
+from genq.common.queue.keys import RunKeys
 from genq.turns import splice
 
 pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
@@ -61,13 +66,13 @@ def server():
 
 
 def made_on_the_server(server, tmp_path, redis_url, run, *flags: str,
-                       tools: list[dict] = TOOLS) -> list[dict]:
+                       tools: list[dict] = TOOLS, rows: int = ROWS) -> list[dict]:
     """The rows made with --turns all --token-ids, greedy and 300 tokens unless `flags` say
     otherwise (argparse keeps the last), one request at a time (each turn meets the cache the
     turn before left); the exported records."""
     data = tmp_path / "chains.jsonl"
     data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": chain(i), "tools": tools})
-                            .decode() + "\n" for i in range(ROWS)))
+                            .decode() + "\n" for i in range(rows)))
     genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--temperature", "0",
          "--max-tokens", "300", *flags, redis_url=redis_url, run=run)
     consume_to_the_end(redis_url, run, server.url, tmp_path / "out", "--concurrency", "1",
@@ -171,3 +176,58 @@ def test_a_named_strict_tool_makes_the_whole_chain_each_turn_on_the_cache(
     assert sum(conv["stopped"].values()) == ROWS
     assert (conv["boundary_unstable"], conv["boundary_checked"]) == (unstable, checked)
     assert unstable == checked  # the template re-renders a made call otherwise (docs/SGLANG.md)
+
+
+def requests_served(server) -> int:
+    """The server's own count of the generation requests it was asked (/metrics)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return int(sum(float(m.group(1)) for m in re.finditer(
+        r"^sglang:num_requests_total(?:{[^}]*})? (\S+)$", text, re.M)))
+
+
+def test_a_cut_forced_call_is_made_again_and_the_chain_goes_on(
+        server, tmp_path, redis_url, run_name):
+    """`requeue --redo truncated --continue` on chains whose every turn is a forced call: the
+    server's tool-call grammar starts at the answer's first token, and a continuation by
+    `input_ids` starts it again after the partial (tried on the tier: the whole answer held a
+    second `<tool_call>` opened inside the cut one). So each cut turn is made again from its
+    start (no `continued_from`), and the chain goes on from it; no earlier turn is asked again."""
+    rows, small, large = 12, 600, 2000  # sampled calls end anywhere in ~50..1500 tokens
+    first = by_row(made_on_the_server(server, tmp_path, redis_url, run_name, *FORCED,
+                                      "--temperature", "1", "--max-tokens", str(small),
+                                      tools=STRICT, rows=rows))
+    cut = {i: recs[-1] for i, recs in first.items() if recs[-1]["finish_reason"] == "length"}
+    print("cut turns (row: turn):", {i: rec["turn"] for i, rec in cut.items()})
+    assert cut, "no turn was cut"
+
+    before = requests_served(server)
+    out = genq("requeue", "--set", f"max_tokens={large}", "--redo", "truncated", "--continue",
+               redis_url=redis_url, run=run_name).stdout
+    assert f"partials kept for --continue: {len(cut)} " in out, out
+    consume_to_the_end(redis_url, run_name, server.url, tmp_path / "out", "--concurrency",
+                       "1", "--server-wait", "300", timeout=600)
+    asked = requests_served(server) - before
+    genq("export", "--out", str(tmp_path / "again.jsonl"), redis_url=redis_url, run=run_name)
+    chains = by_row(read_jsonl(tmp_path / "again.jsonl"))
+
+    made = 0
+    for index, recs in chains.items():
+        old = first[index]
+        if index not in cut:
+            assert recs == old, index  # untouched
+            continue
+        t, partial = cut[index]["turn"], cut[index]
+        assert recs[:t - 1] == old[:t - 1], index  # the same lines: not asked again
+        again = recs[t - 1]
+        assert "continued_from" not in again, (index, again.get("content"))
+        assert again["params_version"] == 2
+        assert again["prompt_token_ids"] == partial["prompt_token_ids"], index
+        assert all(rec["params_version"] == 2 for rec in recs[t - 1:]), index
+        made += len(recs) - (t - 1)
+    # The consumer's start probe, then the cut turns and the turns after them, nothing earlier.
+    assert asked == PROBE + made, (asked, made)
+    assert any(len(chains[i]) > rec["turn"] for i, rec in cut.items()), "no chain went on"
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert status["conversations"]["done"] == rows
+    assert not status["continued"], status["continued"]
+    assert not redis.Redis.from_url(redis_url).exists(RunKeys(run_name).partials)
