@@ -203,3 +203,39 @@ def test_a_continued_answer_says_the_whole_budget_it_had(sim_factory):
     assert want.max_tokens == NATURAL + 3 and whole is not None
     assert (whole.max_tokens, whole.completion_token_ids) == (want.max_tokens,
                                                               want.completion_token_ids)
+
+
+NAMED = {"type": "function", "function": {"name": "count"}}
+
+
+@pytest.mark.parametrize("grammar", [
+    {"tool_choice": NAMED}, {"tool_choice": "required"},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
+    {"regex": "[a-z]+"}])
+def test_an_answer_under_a_grammar_is_not_continued_by_ids(sim_factory, grammar):
+    """A forced call, a response_format or a raw grammar holds the answer from its first token:
+    sent `input_ids`, SGLang starts the grammar again after the partial (a second `<tool_call>`
+    inside a cut one, on the real tier: test_conversations_sglang.py), so such an answer is
+    generated again (None), and nothing is asked; a tool_choice that forces nothing continues."""
+    sim = sim_factory(time_scale=1000, length_dist=f"fixed:{NATURAL}")
+    body = body_with_tools()
+    asked: list[dict] = []
+
+    async def main() -> None:
+        server = SGLang(sim.url, request_timeout=60)
+        try:
+            async def ask(b):
+                asked.append(b)
+                return await server.chat(b, 0)
+
+            part = partial_of(await ask({**body, "max_tokens": 10}))
+            asked.clear()
+            whole = {**body, "max_tokens": NATURAL + 10}
+            assert await continue_answer(ask, {**whole, **grammar}, part, server) is None
+            assert not asked
+            got = await continue_answer(ask, {**whole, "tool_choice": "auto"}, part, server)
+            assert got is not None and len(asked) == 1
+        finally:
+            await server.close()
+
+    asyncio.run(main())
