@@ -195,6 +195,21 @@ def joined(partial: dict[str, Any], new: Completion) -> Completion:
                                    "tokens": int(partial["completion_tokens"])})
 
 
+# Request fields by which SGLang holds an answer to a grammar of its own.
+GRAMMARS = ("regex", "ebnf", "json_schema", "structural_tag")
+
+
+def grammar_from_start(body: dict[str, Any]) -> bool:
+    """Whether the server holds the answer to a grammar from its first token: a forced call
+    (tool_choice required or named, beside tools), a response_format, or a raw grammar field.
+    Sent `input_ids`, SGLang 0.5.23 starts that grammar again after the partial (a cut forced
+    call came back with a second `<tool_call>` opened inside the first), so such an answer
+    cannot be continued by ids."""
+    forced = bool(body.get("tools")) and body.get("tool_choice") not in (None, "auto", "none")
+    answer_format = (body.get("response_format") or {}).get("type", "text") != "text"
+    return forced or answer_format or any(body.get(key) for key in GRAMMARS)
+
+
 async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
                           body: dict[str, Any], partial: dict[str, Any],
                           server: SGLang | None = None) -> Completion | None:
@@ -210,6 +225,9 @@ async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]]
                                           reasoning_content=None, prompt_tokens=prompt_tokens,
                                           completion_tokens=0,
                                           completion_token_ids=[] if by_ids else None))
+    if by_ids and grammar_from_start(body):
+        logger.warning("continuation_constrained", consequence="the answer is generated again")
+        return None
     try:
         new = await ask(ids_body(body, partial) if by_ids else continue_body(body, partial))
     except InputTooLong:  # the prompt and its partial outgrew the context: start again
