@@ -224,9 +224,12 @@ def test_a_cut_forced_call_is_made_again_and_the_chain_goes_on(
         assert again["prompt_token_ids"] == partial["prompt_token_ids"], index
         assert all(rec["params_version"] == 2 for rec in recs[t - 1:]), index
         made += len(recs) - (t - 1)
+    went_on = sum(len(chains[i]) > rec["turn"] for i, rec in cut.items())
+    print(f"rows {rows}, cut {len(cut)}, made again {len(cut)} cut turns + "
+          f"{made - len(cut)} after them, requests {asked}, chains past their cut {went_on}")
     # The consumer's start probe, then the cut turns and the turns after them, nothing earlier.
     assert asked == PROBE + made, (asked, made)
-    assert any(len(chains[i]) > rec["turn"] for i, rec in cut.items()), "no chain went on"
+    assert went_on, "no chain went on past its cut turn"
     status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
     assert status["conversations"]["done"] == rows
     assert not status["continued"], status["continued"]
