@@ -1,0 +1,107 @@
+"""`--turns all` on messy rows, as people's logs hold them: a row genq cannot make a prompt of
+fails alone at its first claim, naming its fault (message and field), before it costs a request;
+it never crashes or stalls a consumer, nor touches the conversations beside it. A call the row
+has no result for stops the conversation there; one whose last made turn calls says so."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import orjson
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, read_jsonl
+from test_conversations import TOOLS, by_conversation, call, check_chains, conversation, export
+
+from genq.common.queue.keys import RunKeys
+from genq.common.queue.run import failure_reasons
+
+HEAD = [{"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Read f1.py and fix it."}]
+RESULT = {"role": "tool", "tool_call_id": "call_1", "content": "def parse_1(text): ..."}
+CALLS = {"role": "assistant", "content": None, "tool_calls": [call(1)]}
+DONE = {"role": "assistant", "content": "Fixed."}
+BAD_ARGS = {**call(1), "function": {"name": "read_file", "arguments": "{path: f1.py"}}
+
+# Each broken row, with the words its failure must hold (the message index, the field).
+BROKEN = {
+    "calls-object": ([*HEAD, {**CALLS, "tool_calls": call(1)}, RESULT, DONE],
+                     "message 2: 'tool_calls' is an object, not a list"),
+    "orphan-result": ([*HEAD, RESULT, DONE],
+                      "message 2: a tool result with no call before it to answer"),
+    "unknown-role": ([*HEAD, {"role": "observation", "content": "ls: a.py"}, DONE],
+                     "message 2: unknown role 'observation'"),
+    "args-not-json": ([*HEAD, {**CALLS, "tool_calls": [BAD_ARGS]}, RESULT, DONE],
+                      "message 2: tool_calls[0].function.arguments is not a JSON object"),
+    "no-tools": ([*HEAD, CALLS, RESULT, DONE], "message 2 calls tools but the row has no 'tools'"),
+}
+# A call the row never answered, then more turns: the conversation stops at that call.
+UNANSWERED = [*HEAD, CALLS, {"role": "user", "content": "Go on."}, DONE]
+
+
+def write(path: Path, good: int) -> tuple[Path, dict[int, tuple[str, str]], list[list[dict]]]:
+    """The good conversations with a broken row after every other one, and the unanswered row
+    last: (data set, broken rows by index -> (name, words), every row's messages)."""
+    lines, broken, rows = [], {}, []
+    names = iter(BROKEN)
+    for i in range(good):
+        lines.append({"id": f"c{i}", "messages": conversation(i), "tools": TOOLS})
+        if i % 2 and (name := next(names, None)):
+            messages, words = BROKEN[name]
+            broken[len(lines)] = (name, words)
+            lines.append({"id": name, "messages": messages,
+                          **({} if name == "no-tools" else {"tools": TOOLS})})
+    lines.append({"id": "unanswered", "messages": UNANSWERED, "tools": TOOLS})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path, broken, [line["messages"] for line in lines]
+
+
+@pytest.mark.timeout(180)
+def test_each_broken_row_fails_alone_naming_its_fault_beside_good_conversations(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    data, broken, rows = write(tmp_path / "messy.jsonl", good=12)
+    assert len(broken) == len(BROKEN)
+    sim = sim_factory(time_scale=100, length_dist="fixed:20")
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "100", "--token-ids",
+         redis_url=redis_url, run=run_name)
+    consumers = [ConsumerProcess(redis_url, run_name, sim.url, tmp_path / name, "--burst",
+                                 "--visibility-timeout", "5") for name in ("a", "b")]
+    try:
+        for consumer in consumers:
+            assert consumer.wait(120) == 0, consumer.log()[-3000:]
+        logs = [consumer.log() for consumer in consumers]
+    finally:
+        for consumer in consumers:
+            consumer.cleanup()
+    assert not any("Traceback" in log for log in logs), [log[-3000:] for log in logs]
+
+    k = RunKeys(run_name)
+    status = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert (status["done"], status["failed"]) == (len(rows) - len(broken), len(broken))
+    # Each broken row failed once, at its first claim, with its own reason; never a request.
+    failed = [rec for name in ("a", "b") for path in (tmp_path / name).glob("*.jsonl")
+              for rec in read_jsonl(path) if rec.get("status") == "failed"]
+    assert sorted(rec["index"] for rec in failed) == sorted(broken)
+    for rec in failed:
+        name, words = broken[rec["index"]]
+        assert rec["id"] == name and words in rec["error"], rec
+        assert rec["attempt"] == 1, rec
+    for index, reason in zip(broken, failure_reasons(r, k, list(broken)), strict=True):
+        assert reason.startswith("row N: message N"), (broken[index], reason)
+    # Every good conversation whole: turns 1..m once, each made from the turns before it.
+    records = export(tmp_path, redis_url, run_name, "all.jsonl")
+    good = [i for i in range(len(rows)) if i not in broken]
+    chains = by_conversation(records)
+    assert sorted(chains) == good
+    check_chains(rows, records, only=good)
+    # The unanswered call: its turn is made (the model called read_file as the row did), then
+    # the conversation stops there, as a divergence does.
+    (last,) = chains[len(rows) - 1]
+    assert (last["turn"], last["ended"], last["stopped"]) == (1, "unanswered", "unanswered")
+    assert last["stopped_detail"] == "turn 1 called read_file; the row has no result for it"
+    # The simulator calls whenever it may: every good conversation that reached its row's last
+    # turn ended on a call no one answers, and says so.
+    ends = {chain[-1].get("ended") for i, chain in chains.items() if i != len(rows) - 1}
+    assert "complete" not in ends and "unanswered" in ends, ends
+    assert status["conversations"]["stopped"].get("unanswered", 0) >= 2
