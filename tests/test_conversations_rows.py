@@ -105,3 +105,20 @@ def test_each_broken_row_fails_alone_naming_its_fault_beside_good_conversations(
     ends = {chain[-1].get("ended") for i, chain in chains.items() if i != len(rows) - 1}
     assert "complete" not in ends and "unanswered" in ends, ends
     assert status["conversations"]["stopped"].get("unanswered", 0) >= 2
+
+
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_produce_refuses_tools_not_in_the_openai_function_shape_in_one_line(
+        tmp_path, redis_url, r, run_name, turns):
+    """A benchmark's raw function docs as `tools` ({name, description, parameters}, no
+    {type: function, function: ...}): the server would refuse every row, mid-run."""
+    raw = [{"name": "get_weather", "description": "The weather in a city.",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    data = tmp_path / "bench.jsonl"
+    data.write_text("".join(json.dumps({"id": f"q{i}", "tools": raw, "messages": [
+        {"role": "user", "content": f"The weather in city {i}?"}]}) + "\n" for i in range(5)))
+    refused = genq("produce", str(data), "--once", "--turns", turns, redis_url=redis_url,
+                   run=run_name, check=False)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "row 0: 'tools'[0] is not an OpenAI function tool" in refused.stderr, refused.stderr
+    assert not r.exists(RunKeys(run_name).meta)  # nothing registered
