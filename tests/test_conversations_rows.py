@@ -11,11 +11,12 @@ from pathlib import Path
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl
+from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl
 from test_conversations import TOOLS, by_conversation, call, check_chains, conversation, export
 
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.run import failure_reasons
+from genq.simulator import tokens
 
 HEAD = [{"role": "system", "content": "You are a coding agent."},
         {"role": "user", "content": "Read f1.py and fix it."}]
@@ -122,3 +123,38 @@ def test_produce_refuses_tools_not_in_the_openai_function_shape_in_one_line(
     assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
     assert "row 0: 'tools'[0] is not an OpenAI function tool" in refused.stderr, refused.stderr
     assert not r.exists(RunKeys(run_name).meta)  # nothing registered
+
+
+def test_parallel_calls_made_in_another_order_get_their_own_results_and_ids(
+        tmp_path, redis_url, run_name, sim_factory):
+    """The row calls read_file then write_file at once; the model calls write_file first. Each
+    made call gets the result of the row's call of its name, with the made call's id."""
+    read = {"id": "row_r", "type": "function",
+            "function": {"name": "read_file", "arguments": '{"path": "f1.py"}'}}
+    wrote = {"id": "row_w", "type": "function",
+             "function": {"name": "write_file", "arguments": '{"path": "f2.py"}'}}
+    messages = [*HEAD, {"role": "assistant", "content": None, "tool_calls": [read, wrote]},
+                {"role": "tool", "tool_call_id": "row_r", "content": "the text of f1.py"},
+                {"role": "tool", "tool_call_id": "row_w", "content": "wrote f2.py"},
+                DONE]
+    data = tmp_path / "parallel.jsonl"
+    data.write_text(json.dumps({"id": "p", "messages": messages, "tools": TOOLS}) + "\n")
+    sim = sim_factory(time_scale=200, length_dist="fixed:20", parallel_calls=True)
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "100", "--token-ids",
+         redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    first, second = by_conversation(export(tmp_path, redis_url, run_name, "all.jsonl"))[0]
+    made = first["tool_calls"]
+    assert [c["function"]["name"] for c in made] == ["write_file", "read_file"]
+    spliced = [{"role": "tool", "tool_call_id": made[0]["id"], "name": "write_file",
+                "content": "wrote f2.py"},
+               {"role": "tool", "tool_call_id": made[1]["id"], "name": "read_file",
+                "content": "the text of f1.py"}]
+    # The server was asked turn 2 with each result after its own call...
+    turn1 = {"role": "assistant", "content": first["content"],
+             "reasoning_content": first["reasoning_content"], "tool_calls": made}
+    assert second["prompt_token_ids"] == tokens.render([*HEAD, turn1, *spliced], TOOLS,
+                                                       thinking=True)
+    # ... and the conversation export holds them with the model's ids and the tools' names.
+    (row,) = export(tmp_path, redis_url, run_name, "conv.jsonl", "--format", "conversations")
+    assert row["messages"][3:5] == spliced
