@@ -148,3 +148,29 @@ def test_a_made_call_the_server_would_not_take_back_stops_the_conversation():
         made[0]["function"]["arguments"] = arguments
         assert turns.after(TWO_TURNS, 1, "tool_calls", made) == turns.Stop(
             turns.DIVERGED, "turn 1 called run_shell with arguments that are not a JSON object")
+
+
+def test_calls_of_one_name_get_the_result_of_the_row_call_with_their_arguments() -> None:
+    """Among calls of one name: the same arguments where they match, else in order; a result
+    names the call it answers by id, whatever order the row lists the results in."""
+    def read(path: str, id_: str) -> dict:
+        return {"id": id_, "type": "function",
+                "function": {"name": "run_shell", "arguments": json.dumps({"cmd": path})}}
+
+    row = [{"role": "user", "content": "Look."},
+           {"role": "assistant", "content": None,
+            "tool_calls": [read("ls", "r1"), read("pwd", "r2"), read("date", "r3")]},
+           {"role": "tool", "tool_call_id": "r2", "content": "/home"},
+           {"role": "tool", "tool_call_id": "r1", "content": "a.py"},
+           {"role": "tool", "tool_call_id": "r3", "content": "Sunday"},
+           {"role": "assistant", "content": "Done."}]
+    made = [read("pwd", "m1"), read("cat x", "m2"), read("ls", "m3")]
+    spliced = turns.after(row, 1, "tool_calls", made)
+    assert [(m["tool_call_id"], m["name"], m["content"]) for m in spliced] == [
+        ("m1", "run_shell", "/home"), ("m2", "run_shell", "Sunday"), ("m3", "run_shell", "a.py")]
+    made_turn = {"role": "assistant", "content": None, "tool_calls": made}
+    assert turns.prompt(row, 2, [made_turn]) == [row[0], made_turn, *spliced]
+    # Three calls, one result: a made call whose row call has no result stops there.
+    stop = turns.after(row[:3] + row[5:], 1, "tool_calls", made)
+    assert stop == turns.Stop("unanswered", "turn 1 called run_shell; the row has no result "
+                                            "for it")
