@@ -42,9 +42,11 @@ UNANSWERED = [*HEAD, CALLS, {"role": "user", "content": "Go on."}, DONE]
 
 
 def write(path: Path, good: int) -> tuple[Path, dict[int, tuple[str, str]], list[list[dict]]]:
-    """The good conversations with a broken row after every other one, and the unanswered row
-    last: (data set, broken rows by index -> (name, words), every row's messages)."""
-    lines, broken, rows = [], {}, []
+    """The good conversations with a broken row after every other one, then a row whose last
+    turn the model makes as a call (it always calls), and the unanswered row last: (data set,
+    broken rows by index -> (name, words), every row's messages)."""
+    lines: list[dict] = []
+    broken: dict[int, tuple[str, str]] = {}
     names = iter(BROKEN)
     for i in range(good):
         lines.append({"id": f"c{i}", "messages": conversation(i), "tools": TOOLS})
@@ -53,6 +55,7 @@ def write(path: Path, good: int) -> tuple[Path, dict[int, tuple[str, str]], list
             broken[len(lines)] = (name, words)
             lines.append({"id": name, "messages": messages,
                           **({} if name == "no-tools" else {"tools": TOOLS})})
+    lines.append({"id": "ends-on-call", "messages": [*HEAD, CALLS, RESULT, DONE], "tools": TOOLS})
     lines.append({"id": "unanswered", "messages": UNANSWERED, "tools": TOOLS})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path, broken, [line["messages"] for line in lines]
@@ -101,11 +104,14 @@ def test_each_broken_row_fails_alone_naming_its_fault_beside_good_conversations(
     (last,) = chains[len(rows) - 1]
     assert (last["turn"], last["ended"], last["stopped"]) == (1, "unanswered", "unanswered")
     assert last["stopped_detail"] == "turn 1 called read_file; the row has no result for it"
-    # The simulator calls whenever it may: every good conversation that reached its row's last
-    # turn ended on a call no one answers, and says so.
-    ends = {chain[-1].get("ended") for i, chain in chains.items() if i != len(rows) - 1}
-    assert "complete" not in ends and "unanswered" in ends, ends
-    assert status["conversations"]["stopped"].get("unanswered", 0) >= 2
+    # The simulator calls whenever it may: a conversation that reached its row's last turn
+    # ended on a call no one answers, and says so; status counts both.
+    first, last = chains[len(rows) - 2]
+    assert "tool_calls" in first and (last["turn"], last["ended"]) == (2, "unanswered")
+    assert "stopped" not in last and last["tool_calls"]
+    ends = [chain[-1]["ended"] for chain in chains.values()]
+    assert "complete" not in ends and ends.count("unanswered") >= 2, ends
+    assert status["conversations"]["stopped"]["unanswered"] == ends.count("unanswered")
 
 
 @pytest.mark.parametrize("turns", ["all", "last"])

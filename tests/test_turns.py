@@ -100,14 +100,18 @@ def regenerated(content: str | None, *calls: str) -> dict:
                            for n, name in enumerate(calls)] or None}
 
 
+# The row's result for the call, as it follows the regenerated call: with that call's id and name.
+ANSWERED = {**TWO_TURNS[3], "tool_call_id": "call_0", "name": "run_shell"}
+
+
 def test_turns_are_the_assistant_messages_and_each_prompt_is_what_comes_before():
     assert turns.assistant_turns(TWO_TURNS) == [2, 4]
     assert turns.prompt(TWO_TURNS, 1, []) == TWO_TURNS[:2]
     made = regenerated(None, "run_shell")
     # Turn 2 is given the regenerated turn 1, with the row's tool result after it.
-    assert turns.prompt(TWO_TURNS, 2, [made]) == [*TWO_TURNS[:2], made, TWO_TURNS[3]]
+    assert turns.prompt(TWO_TURNS, 2, [made]) == [*TWO_TURNS[:2], made, ANSWERED]
     assert turns.prompt(TWO_TURNS, 3, [made, TWO_TURNS[4]]) == [
-        *TWO_TURNS[:2], made, *TWO_TURNS[3:]]
+        *TWO_TURNS[:2], made, ANSWERED, TWO_TURNS[4]]
     with pytest.raises(ValueError, match="turn 2 needs the 1 turns before it, not 0"):
         turns.prompt(TWO_TURNS, 2, [])
 
@@ -123,7 +127,7 @@ def test_last_drops_a_trailing_assistant_turn_and_answers_anything_else_whole():
 
 def test_the_rows_tool_results_follow_a_turn_that_calls_the_same_tools_else_it_stops():
     assert turns.after(TWO_TURNS, 1, "tool_calls", regenerated(None, "run_shell")["tool_calls"]
-                       ) == [TWO_TURNS[3]]
+                       ) == [ANSWERED]
     assert turns.after(TWO_TURNS, 2, "stop", None) == []  # the last turn: nothing follows
     assert turns.after(TWO_TURNS, 1, "length", None) == turns.Stop(
         turns.TRUNCATED, "turn 1 reached max_tokens")
