@@ -178,3 +178,16 @@ def test_calls_of_one_name_get_the_result_of_the_row_call_with_their_arguments()
     stop = turns.after(row[:3] + row[5:], 1, "tool_calls", made)
     assert stop == turns.Stop("unanswered", "turn 1 called run_shell; the row has no result "
                                             "for it")
+
+
+def test_how_a_conversation_ended_reads_the_same_in_a_bitfield_an_older_genq_wrote() -> None:
+    """conv_end had 2 bits for complete/diverged/truncated above a 14-bit turn; `unanswered`
+    took a third bit, and the old values keep their meaning."""
+    from genq.turns.state import END_NAMES, TURN_BITS, Standing
+
+    for code, end in ((1, "complete"), (2, "diverged"), (3, "truncated")):
+        old = code << 14 | 7
+        assert Standing(end=end, last=7).ended() == old
+        assert (END_NAMES[old >> TURN_BITS], old & ((1 << TURN_BITS) - 1)) == (end, 7)
+    ended = Standing(end="unanswered", last=7).ended()
+    assert END_NAMES[ended >> TURN_BITS] == "unanswered" and ended & 0x1FFF == 7
