@@ -110,5 +110,5 @@ def first_rows(ds: Dataset, conversations: bool) -> None:
             return
         first = first or (index, found)
     if first is not None:
-        raise DatasetError(f"data set {ds.path}: none of its first rows can be made a prompt "
-                           f"of; row {first[0]}: {first[1]}")
+        raise DatasetError(f"data set {ds.path}: none of its first rows can be sent as a "
+                           f"prompt; row {first[0]}: {first[1]}")
