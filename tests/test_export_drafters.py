@@ -24,7 +24,7 @@ def odd_rows() -> list[list[dict]]:
     (OpenAI allows it), a user message the same, and one whose tool answer the server refuses
     (its second turn fails for good)."""
     rows = [conversation(i) for i in range(N)]
-    rows[1][3]["content"] = [{"type": "text", "text": "def parse_1(text):"},
+    rows[5][3]["content"] = [{"type": "text", "text": "def parse_1(text):"},
                              {"type": "text", "text": "..."}]  # the tool answer of call_1
     rows[2][1]["content"] = [{"type": "text", "text": "Fix bug number 2 in the parser."}]
     # Conversation 4 (no tools: its first turn calls none, as the row's) fails at its second
@@ -50,7 +50,7 @@ def made_run(tmp_path, redis_url, run_name, sim_factory) -> tuple[list[list[dict
     data = write_data(tmp_path / "conversations.jsonl", rows)
     sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
                       reasoning_parser="qwen3", bad_marker="REFUSE_ME")
-    genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--max-tokens", "60",
+    genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--max-tokens", "200",
          redis_url=redis_url, run=run_name)
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     return rows, export(tmp_path, redis_url, run_name, "all.jsonl")
@@ -102,33 +102,35 @@ def test_conversations_are_rows_drafter_pipelines_read_whole_or_one_a_turn(
         index = row["meta"]["index"]
         chain = done[index]
         assert set(row) == {"id", "conversations", "tools", "meta"}
-        assert row["id"] == f"c{index}" and row["tools"] == TOOLS if index != 4 else None
+        assert row["id"] == f"c{index}" and row["tools"] == TOOLS
         assert row["conversations"] == cut_after(rows[index], chain, len(chain)), index
         assert all(isinstance(m["content"], str) for m in row["conversations"])
         assert (row["meta"]["ended"], row["meta"].get("stopped")) == ended(chain)
         assert row["meta"]["turns"] == len(chain)
     # The list of parts is the text a loader reads, and pyarrow's JSON reader (datasets) loads
     # every row as it is.
-    assert any("def parse_1(text): ..." == m["content"] for m in shaped[1]["conversations"])
+    (five,) = [row for row in shaped if row["meta"]["index"] == 5]
+    assert any(m["content"] == "def parse_1(text): ..." for m in five["conversations"])
     ds = load(tmp_path / "conv.jsonl", "json")
     assert len(ds) == len(shaped) and {"id", "conversations", "tools", "meta"} <= set(
         ds.column_names)
 
-    # --per-turn: one row a generation, its conversation cut after that turn, every turn's own
-    # thinking the last assistant message of its row.
+    # --per-turn: one row a generation (those of a conversation not done too, as --format
+    # tokens), its conversation cut after that turn, every turn's own thinking the last
+    # assistant message of its row.
     per_turn = export(tmp_path, redis_url, run_name, "turns.jsonl", "--format",
                       "conversations", "--per-turn")
-    want = [(i, t) for i, chain in done.items() for t in range(1, len(chain) + 1)]
+    want = [(i, t) for i, chain in chains.items() for t in range(1, len(chain) + 1)]
     assert [(row["meta"]["index"], row["meta"]["turn"]) for row in per_turn] == want
     for row in per_turn:
         index, turn = row["meta"]["index"], row["meta"]["turn"]
-        chain = done[index]
+        chain = chains[index]
         assert row["conversations"] == cut_after(rows[index], chain, turn), (index, turn)
         last = row["conversations"][-1]
         assert last["role"] == "assistant"
         assert last.get("reasoning_content") == chain[turn - 1].get("reasoning_content")
         is_last = turn == len(chain)
-        assert row["meta"].get("ended") == (chain[-1]["ended"] if is_last else None)
+        assert row["meta"].get("ended") == (chain[-1].get("ended") if is_last else None)
     assert len(load(tmp_path / "turns.jsonl", "json")) == len(want)
 
 
