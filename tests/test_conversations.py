@@ -16,7 +16,7 @@ from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
 
 from genq.common.queue.keys import RunKeys
 from genq.simulator import tokens
-from genq.turns import splice
+from genq.turns import conversations, splice
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
@@ -186,8 +186,8 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
 
     # --format conversations: one row a conversation, its made turns in place, cut where it
     # stopped.
-    shaped = {row["index"]: row for row in export(tmp_path, redis_url, run_name, "conv.jsonl",
-                                                  "--format", "conversations")}
+    shaped = {row["meta"]["index"]: row for row in export(
+        tmp_path, redis_url, run_name, "conv.jsonl", "--format", "conversations")}
     assert sorted(shaped) == list(range(n))
     for index, chain in chains.items():
         row = shaped[index]
@@ -199,7 +199,7 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
                             last.get("tool_calls"))
         if "stopped" not in last and isinstance(tail, list):
             expected += tail  # the tool results answering its last call, if it made one
-        assert row["messages"] == expected, index
+        assert row["conversations"] == conversations.as_strings(expected), index
 
     # The 8k pivot per turn: a truncated conversation is made again from its truncated turn
     # with a larger budget; its earlier turns are kept, never asked again.
