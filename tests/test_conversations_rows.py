@@ -163,4 +163,4 @@ def test_parallel_calls_made_in_another_order_get_their_own_results_and_ids(
                                                        thinking=True)
     # ... and the conversation export holds them with the model's ids and the tools' names.
     (row,) = export(tmp_path, redis_url, run_name, "conv.jsonl", "--format", "conversations")
-    assert row["messages"][3:5] == spliced
+    assert row["conversations"][3:5] == spliced
