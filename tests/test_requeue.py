@@ -209,7 +209,6 @@ def test_inflight_abort_requeues_without_spending_attempts(tmp_path, redis_url, 
     (["--raw", "input_ids=[1,2,3]"], "--raw input_ids=[1,2,3]: input_ids replaces"),
     (["--raw", "continue_final_message=true"], "continue_final_message"),
     (["--raw", "separate_reasoning=false"], "separate_reasoning"),
-    (["--raw", "skip_special_tokens=false"], "skip_special_tokens"),
 ])
 def test_bad_requeue_changes_nothing(tmp_path, redis_url, r, run_name, args, message):
     genq("produce", str(write_dataset(tmp_path / "d.jsonl", 3)), "--once",
