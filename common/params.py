@@ -52,7 +52,8 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "repetition_penalty": _NON_NEGATIVE,
-    "seed": int,
+    # Sent as it is in a run of one sample (common/task.py): a server's int seed must hold it.
+    "seed": _checked(int, lambda n: 0 <= n < 1 << 31, f"must be an integer 0-{(1 << 31) - 1}"),
     "model": str,
     "enable_thinking": _bool,
     # Below MAX_RETRIES: each retry's seed stays distinct (common/task.py request_seed).
