@@ -70,7 +70,7 @@ class Conversations:
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
                 return None
-            body = task.request(before, c.model, prompt.tools)
+            body = task.request(before, c.model, prompt.tools, turn=turn)
             asked = time.monotonic()
             # `requeue --continue`: the turn it was cut at goes on from its partial.
             continued = await c.partials.answer(lease.index, lease.version, body, ask,
@@ -81,7 +81,8 @@ class Conversations:
                 run=c.settings.run, index=task.row, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
                 model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
-                gen=lease.gen, clock_offset=c.clock_offset, sample=task.sample, turn=turn)
+                gen=lease.gen, clock_offset=c.clock_offset, sample=task.turn_sample(turn),
+                turn=turn)
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:
