@@ -3,6 +3,8 @@ reasons and rates; each conversation by where it stands; each turn sent its own 
 
 from __future__ import annotations
 
+from collections import Counter
+
 import httpx
 import orjson
 import pytest
@@ -57,3 +59,107 @@ def test_each_turn_of_each_sample_is_sent_its_own_seed_and_its_record_names_it(
     genq("export", "--out", str(out), redis_url=redis_url, run=one)
     for chain in by_conversation(read_jsonl(out)).values():
         assert len({rec["seed"] for rec in chain}) == len(chain)
+
+
+def status_of(redis_url: str, run: str) -> dict:
+    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
+
+
+def negatives(value, at: str = "") -> list[str]:
+    """Where a figure in the status is below 0 (none may be: counts, totals, rates)."""
+    if isinstance(value, dict):
+        return [n for key, v in value.items() for n in negatives(v, f"{at}.{key}")]
+    if isinstance(value, list):
+        return [n for i, v in enumerate(value) for n in negatives(v, f"{at}[{i}]")]
+    return [f"{at}={value}"] if isinstance(value, int | float) and value < 0 else []
+
+
+def check_counts_every_generation(status: dict, records: list[dict]) -> None:
+    """Status's token totals, finish reasons and cache-hit share are the export's sums over
+    every generation; no figure is negative."""
+    assert not negatives(status)
+    prompt = sum(rec["prompt_tokens"] for rec in records)
+    cached = sum(rec.get("cached_tokens") or 0 for rec in records)
+    assert (status["prompt_tokens_total"], status["output_tokens_total"],
+            status["cached_prompt_tokens_total"]) == (
+        prompt, sum(rec["completion_tokens"] for rec in records), cached)
+    assert status["finish_reasons"] == dict(Counter(rec["finish_reason"] for rec in records))
+    assert status["cache_hit_share"] == round(cached / prompt, 4)
+    assert status["conversations"]["generations"] == len(records)
+
+
+@pytest.mark.timeout(240)
+def test_status_counts_every_generation_and_each_conversation_where_it_stands(
+        tmp_path, redis_url, r, run_name, sim_factory):
+    """Tokens, finish reasons, cache hits and requests a second count every turn, as the export
+    holds them, before, during and after a redo of the truncated and of all; each conversation
+    is counted by where it stands: done (and how it ended), being redone, failed."""
+    n = 16
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "c.jsonl", rows)
+    sim = sim_factory(time_scale=200, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
+                      enable_cache_report=True)
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "60",
+         redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    records = export(tmp_path, redis_url, run_name, "all.jsonl")
+    status = status_of(redis_url, run_name)
+    check_counts_every_generation(status, records)
+    assert status["cached_prompt_tokens_total"] > 0  # later turns find their prefix cached
+    # Requests a second are generations a second; the ETA's pace is conversations a second.
+    conv, rate = status["conversations"], status["rate"]
+    assert rate["req_per_s"] == conv["generations_per_s"] == status["servers"][0]["req_per_s"]
+    assert rate["req_per_s"] / rate["conversations_per_s"] == pytest.approx(
+        len(records) / n, rel=0.01)
+    chains = by_conversation(records)
+    ends = Counter(chain[-1]["ended"] for chain in chains.values())
+    truncated = ends["truncated"]
+    assert truncated and (conv["done"], conv["redoing"], conv["failed"]) == (n, 0, 0)
+    assert conv["stopped"] == dict(ends)
+
+    # A redo of the truncated: those conversations are being redone, not just "not done".
+    genq("requeue", "--set", "max_tokens=2000", "--redo", "truncated", redis_url=redis_url,
+         run=run_name)
+    status = status_of(redis_url, run_name)
+    conv = status["conversations"]
+    assert (conv["done"], conv["redoing"], conv["failed"]) == (n - truncated, truncated, 0)
+    assert conv["stopped"] == {why: c for why, c in ends.items() if why != "truncated"}
+    check_counts_every_generation(status, export(tmp_path, redis_url, run_name, "mid.jsonl"))
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    status = status_of(redis_url, run_name)
+    check_counts_every_generation(status, export(tmp_path, redis_url, run_name, "redone.jsonl"))
+    assert (status["conversations"]["done"], status["conversations"]["redoing"]) == (n, 0)
+
+    # A redo of all begins every conversation again: its earlier turns are set aside, and
+    # count no more once the turn that replaces them is made.
+    genq("requeue", "--set", "max_tokens=80", "--redo", "all", redis_url=redis_url,
+         run=run_name)
+    conv = status_of(redis_url, run_name)["conversations"]
+    assert (conv["done"], conv["redoing"]) == (0, n)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
+    status = status_of(redis_url, run_name)
+    again = export(tmp_path, redis_url, run_name, "again.jsonl")
+    assert {rec["params_version"] for rec in again} == {3}
+    check_counts_every_generation(status, again)
+    assert (status["conversations"]["done"], status["conversations"]["redoing"]) == (n, 0)
+
+
+@pytest.mark.timeout(120)
+def test_export_says_how_many_conversations_lack_a_record(tmp_path, redis_url, r, run_name,
+                                                          sim_factory):
+    """A shard not given to export: the warning counts the conversations with a generation in
+    no shard read (a positive number), not done prompts less the generations written."""
+    rows = [conversation(i) for i in range(12)]
+    data = write_rows(tmp_path / "c.jsonl", rows)
+    sim = sim_factory(time_scale=400, tool_call_rate=0.6, length_dist="fixed:20")
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "60",
+         redis_url=redis_url, run=run_name)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", "--shard-records", "8")
+    shard = sorted((tmp_path / "out").glob(f"{run_name}.*.jsonl"))[0]
+    lost = {rec["index"] for rec in read_jsonl(shard)}
+    shard.rename(tmp_path / shard.name)
+    proc = genq("export", "--out", str(tmp_path / "e.jsonl"), redis_url=redis_url,
+                run=run_name, check=False)
+    assert proc.returncode == 1
+    assert f"genq: warning: {len(lost)} conversations have a generation with no record" in \
+        proc.stderr, proc.stderr
