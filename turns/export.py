@@ -201,7 +201,8 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,
     return results.ExportResult(written=write.written, done=int(r.bitcount(k.done)),
                                 missing=missing[:20], torn_lines=torn, shards=len(paths),
                                 not_accepted=[], not_accepted_count=0,
-                                failed_written=write.failed_written)
+                                failed_written=write.failed_written,
+                                conversations_missing=len(missing))
 
 
 def _failed(r: redis.Redis, k: RunKeys, total: int, samples: int) -> dict[int, dict[str, Any]]:
