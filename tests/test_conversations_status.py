@@ -163,3 +163,36 @@ def test_export_says_how_many_conversations_lack_a_record(tmp_path, redis_url, r
     assert proc.returncode == 1
     assert f"genq: warning: {len(lost)} conversations have a generation with no record" in \
         proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_recover_rebuilds_the_counts_of_every_generation(tmp_path, run_name, sim_factory):
+    """After a Redis loss, `genq recover` rebuilds what status counts of every generation and
+    of each conversation, a redo of the truncated under way included."""
+    from faultkit import private_redis
+
+    rows = [conversation(i) for i in range(12)]
+    data = write_rows(tmp_path / "c.jsonl", rows)
+    sim = sim_factory(time_scale=400, tool_call_rate=0.6, length_dist="lognormal:40:0.5",
+                      enable_cache_report=True)
+    with private_redis() as redis_srv:
+        url, r = redis_srv.url, redis_srv.client()
+        genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "60",
+             redis_url=url, run=run_name)
+        consume_to_the_end(url, run_name, sim.url, tmp_path / "out")
+        genq("requeue", "--set", "max_tokens=2000", "--redo", "truncated", redis_url=url,
+             run=run_name)
+
+        def counts() -> dict:
+            status = status_of(url, run_name)
+            conv = status["conversations"]
+            conv.pop("generations_per_s")  # a live rate: recover rebuilds no rate buckets
+            return {"conversations": conv, **{key: status[key] for key in (
+                "prompt_tokens_total", "output_tokens_total", "cached_prompt_tokens_total",
+                "finish_reasons")}}
+
+        before = counts()
+        assert before["conversations"]["redoing"] > 0
+        r.flushall()
+        genq("recover", "--shards", str(tmp_path / "out"), redis_url=url, run=run_name)
+        assert counts() == before
