@@ -3,6 +3,7 @@ reasons and rates; each conversation by where it stands; each turn sent its own 
 
 from __future__ import annotations
 
+import subprocess
 from collections import Counter
 
 import httpx
@@ -14,6 +15,7 @@ from test_conversations import TOOLS, by_conversation, conversation, export, wri
 
 from genq.common.queue.keys import RunKeys
 from genq.common.task import request_body
+from genq.monitor import metrics
 from genq.turns import splice
 
 
@@ -124,6 +126,16 @@ def test_status_counts_every_generation_and_each_conversation_where_it_stands(
     conv = status["conversations"]
     assert (conv["done"], conv["redoing"], conv["failed"]) == (n - truncated, truncated, 0)
     assert conv["stopped"] == {why: c for why, c in ends.items() if why != "truncated"}
+    assert f"{truncated} being redone" in genq("status", redis_url=redis_url,
+                                               run=run_name).stdout
+    body = metrics.render(status)  # what the monitor's /metrics serves
+    for state, count in (("done", n - truncated), ("redoing", truncated), ("failed", 0)):
+        assert f'genq_conversations{{run="{run_name}",state="{state}"}} {count}.0' in body
+    for why, count in conv["stopped"].items():
+        assert f'genq_conversations_ended{{ended="{why}",run="{run_name}"}} {count}.0' in body
+    check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
+                           text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
     check_counts_every_generation(status, export(tmp_path, redis_url, run_name, "mid.jsonl"))
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     status = status_of(redis_url, run_name)

@@ -58,6 +58,7 @@ class Conversations:
         standing = await c.retry(lambda: state.resume(c.redis, c.keys, lease.index,
                                                       lease.version))
         made, messages = standing.made[:count - 1], standing.messages[:count - 1]
+        fig = standing.fig  # the made turns' sums, for status (turn.lua)
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
@@ -99,12 +100,14 @@ class Conversations:
                     follow.reason if follow else
                     splice.UNANSWERED if completion.tool_calls else COMPLETE)
                 record["ended"] = end  # the conversation's last generation: recover finds it
-                if not await self.record(inflight, Standing(made, end=end, last=turn), b"",
-                                         unstable, checked, 0):
+                if not await self.record(inflight, Standing(made, end=end, last=turn, fig=fig),
+                                         b"", unstable, checked, 0):
                     return None
                 return record, completion
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
-            if not await self.record(inflight, Standing(made), state.pack(messages),
+            fig = state.counted(fig, completion.prompt_tokens, completion.completion_tokens,
+                                completion.cached_tokens or 0, completion.finish_reason)
+            if not await self.record(inflight, Standing(made, fig=fig), state.pack(messages),
                                      unstable, checked, max(1, completion.completion_tokens
                                                             - kept), kept, record):
                 return None
