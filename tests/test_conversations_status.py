@@ -76,6 +76,28 @@ def negatives(value, at: str = "") -> list[str]:
     return [f"{at}={value}"] if isinstance(value, int | float) and value < 0 else []
 
 
+def page_standing(tmp_path, redis_url: str, run: str) -> tuple[int, str]:
+    """The monitor's /api/status count of conversations being redone, and what its page says
+    of where they stand."""
+    from playwright.sync_api import sync_playwright
+    from test_monitor import Monitor
+
+    monitor = Monitor(redis_url, run, tmp_path)
+    try:
+        redoing = monitor.status()["conversations"]["redoing"]
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(monitor.url + "/")
+            page.wait_for_function("!document.getElementById('conversations').hidden")
+            shown = page.text_content("#conv-standing") or ""
+            browser.close()
+    finally:
+        monitor.stop()
+    return redoing, shown
+
+
 def check_counts_every_generation(status: dict, records: list[dict]) -> None:
     """Status's token totals, finish reasons and cache-hit share are the export's sums over
     every generation; no figure is negative."""
@@ -136,6 +158,8 @@ def test_status_counts_every_generation_and_each_conversation_where_it_stands(
     check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True,
                            text=True, timeout=30)
     assert check.returncode == 0, check.stderr
+    assert page_standing(tmp_path, redis_url, run_name) == (
+        truncated, f"{truncated} being redone")
     check_counts_every_generation(status, export(tmp_path, redis_url, run_name, "mid.jsonl"))
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     status = status_of(redis_url, run_name)
