@@ -52,7 +52,8 @@ KNOWN: dict[str, Callable[[str], Any]] = {
     "presence_penalty": float,
     "frequency_penalty": float,
     "repetition_penalty": _NON_NEGATIVE,
-    "seed": int,
+    # Sent as it is in a run of one sample (common/task.py): a server's int seed must hold it.
+    "seed": _checked(int, lambda n: 0 <= n < 1 << 31, f"must be an integer 0-{(1 << 31) - 1}"),
     "model": str,
     "enable_thinking": _bool,
     # Below MAX_RETRIES: each retry's seed stays distinct (common/task.py request_seed).
@@ -91,6 +92,31 @@ def mask_raw(values: dict[str, Any], *, pairs: bool = False) -> dict[str, Any]:
     return {key: value if key in KNOWN else hide(value) for key, value in values.items()}
 
 
+# --raw keys that change what a request is or how many answers it makes: genq builds the prompt
+# (its messages or ids), keeps one answer a request and reads its text and thinking apart, so
+# each would make records that are not what they say. Refused, with why.
+NOT_RAW = {
+    "n": "makes the server decode {value} answers a request, of which genq keeps one "
+         "(use --samples K for K answers a prompt)",
+    "best_of": "makes the server decode several answers a request, of which genq keeps one "
+               "(use --samples K)",
+    "input_ids": "replaces every prompt genq builds from its row",
+    "messages": "replaces every prompt genq builds from its row",
+    "continue_final_message": "makes the prompt's last message the answer's beginning, not "
+                              "a turn to answer",
+    "separate_reasoning": "changes where the answer's thinking goes (genq keeps it apart in "
+                          "reasoning_content)",
+    "stream": "genq reads whole answers",
+}
+
+
+def _raw_key(key: str, value: Any, pair: str) -> None:
+    """Refuse, in one line, a --raw key of NOT_RAW (n=1 asks for one answer: as if unset)."""
+    if key in NOT_RAW and not (key in ("n", "best_of") and value == 1):
+        why = NOT_RAW[key].format(value=value)
+        raise UsageError(f"--raw {pair}: {key} {why}; it is refused (nothing was changed)")
+
+
 def _split(pair: str, flag: str) -> tuple[str, str]:
     key, sep, raw = pair.partition("=")
     key = key.strip()
@@ -123,6 +149,7 @@ def parse_sets(pairs: Iterable[str], raws: Iterable[str] = ()) -> dict[str, Any]
             changes[key] = orjson.loads(raw)
         except orjson.JSONDecodeError:
             changes[key] = raw
+        _raw_key(key, changes[key], pair)
     return changes
 
 

@@ -27,21 +27,24 @@ MAX_SAMPLES = 1 << (31 - RETRY_BITS)
 _SEED_MASK = 0x7FFFFFFF
 
 
-def request_seed(base: int, index: int, sample: int, retry: int = 0) -> int:
+def request_seed(base: int, index: int, sample: int, retry: int = 0, turn: int = 1) -> int:
     """The seed of a request for row `index`, its `sample`, asked again for the `retry`-th time
-    (a schema retry): stable across processes and versions, a function of these alone, below
-    2**31 so any server's int seed holds it, and never the same twice within a row: the row's
-    start plus sample * 2**RETRY_BITS + retry, distinct for every sample below MAX_SAMPLES and
-    retry below MAX_RETRIES by construction."""
-    digest = hashlib.blake2b(f"{base}:{index}".encode(), digest_size=8).digest()
+    (a schema retry), of its `turn` in a `--turns all` run: stable across processes and
+    versions, a function of these alone, below 2**31 so any server's int seed holds it, and
+    never the same twice within a row's turn: the turn's start (a hash of row and turn; turn 1's
+    is the row's of a one-turn run) plus sample * 2**RETRY_BITS + retry, distinct for every
+    sample below MAX_SAMPLES and retry below MAX_RETRIES by construction."""
+    key = f"{base}:{index}" if turn == 1 else f"{base}:{index}:{turn}"
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     start = int.from_bytes(digest, "big") & _SEED_MASK
     return (start + (sample << RETRY_BITS) + retry) & _SEED_MASK
 
 
-def task_seed(task: int, samples: int, params: dict[str, Any], retry: int = 0) -> int:
+def task_seed(task: int, samples: int, params: dict[str, Any], retry: int = 0,
+              turn: int = 1) -> int:
     """request_seed of a task under `params`' seed, else DEFAULT_SEED."""
     index, sample = divmod(task, samples)
-    return request_seed(int(params.get("seed", DEFAULT_SEED)), index, sample, retry)
+    return request_seed(int(params.get("seed", DEFAULT_SEED)), index, sample, retry, turn)
 
 
 def sample_of(task: int, samples: int, params: dict[str, Any]) -> dict[str, int] | None:
@@ -102,9 +105,17 @@ class Task:
     def seed(self, retry: int = 0) -> int:
         return task_seed(self.number, self.samples, self.params, retry)
 
-    def request(self, messages: list[dict], model: str,
-                tools: list[dict] | None = None) -> dict[str, Any]:
-        """The body asking for the answer after `messages`, with the sample's seed."""
-        sample = self.sample
+    def turn_sample(self, turn: int) -> dict[str, int]:
+        """{"sample" (in a run of several), "seed"} of a `--turns all` conversation's `turn`:
+        each turn its own seed, also in a run of one sample (one seed would make a chain's
+        turns sample alike)."""
+        seed = task_seed(self.number, self.samples, self.params, turn=turn)
+        return {**(self.sample or {}), "seed": seed}
+
+    def request(self, messages: list[dict], model: str, tools: list[dict] | None = None,
+                turn: int | None = None) -> dict[str, Any]:
+        """The body asking for the answer after `messages`, with the sample's seed (with a
+        `turn`: that turn's, turn_sample)."""
+        sample = self.sample if turn is None else self.turn_sample(turn)
         params = {**self.params, "seed": sample["seed"]} if sample else self.params
         return request_body(messages, params, model, tools=tools)

@@ -107,7 +107,9 @@ def export_main(argv: list[str] | None = None) -> int:
               f"read: their records lack `answer`; are all shard directories given?",
               file=sys.stderr)
     if result.missing:
-        print(f"genq: warning: {result.done - result.written} done prompts have no record in "
-              f"{dirs} (first: {result.missing[:5]}); are all shard directories given?",
-              file=sys.stderr)
+        lacking = f"{result.done - result.written} done prompts have no record" \
+            if result.conversations_missing is None else \
+            f"{result.conversations_missing} conversations have a generation with no record"
+        print(f"genq: warning: {lacking} in {dirs} (first: {result.missing[:5]}); are all "
+              "shard directories given?", file=sys.stderr)
     return 1 if result.missing or result.not_accepted_count else 0

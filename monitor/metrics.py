@@ -31,9 +31,11 @@ RUN_METRICS = [
      lambda s: s["done"]),
     ("genq_failed_total", "counter", "Prompts that ran out of attempts or are bad tasks.",
      lambda s: s["failed"]),
-    ("genq_output_tokens_total", "counter", "Completion tokens over done results.",
+    ("genq_output_tokens_total", "counter", "Completion tokens over done results "
+     "(every accepted generation of a --turns all run).",
      lambda s: s.get("output_tokens_total", 0)),
-    ("genq_prompt_tokens_total", "counter", "Prompt tokens over done results.",
+    ("genq_prompt_tokens_total", "counter", "Prompt tokens over done results "
+     "(every accepted generation of a --turns all run).",
      lambda s: s.get("prompt_tokens_total", 0)),
     ("genq_cached_prompt_tokens_total", "counter",
      "Prompt tokens over done results the servers found in their prefix cache.",
@@ -52,7 +54,8 @@ RUN_METRICS = [
     ("genq_remaining", "gauge", "Prompts neither done nor failed.", lambda s: s["remaining"]),
     ("genq_queued", "gauge", "Jobs waiting in the RQ queue.", lambda s: s["queued"]),
     ("genq_inflight", "gauge", "Jobs leased by consumers.", lambda s: s["inflight"]),
-    ("genq_requests_per_second", "gauge", "Completions per second over 5 minutes.",
+    ("genq_requests_per_second", "gauge", "Completions (generations) per second over 5 "
+     "minutes.",
      lambda s: s["rate"]["req_per_s"]),
     ("genq_output_tokens_per_second", "gauge", "Output tokens per second over 5 minutes.",
      lambda s: s["rate"]["tok_per_s"]),
@@ -144,10 +147,24 @@ def render(status: dict) -> str:
                 "Exact output-length percentiles of done results.", ["run", "percentile"],
                 [([run, q], status["output_tokens"][key])
                  for key, q in (("p50", "50"), ("p90", "90"), ("p99", "99"), ("max", "100"))])]
+    families += _conversations(run, status.get("conversations"))
     families += [_family(name, "gauge", help_text, ["run", "server"],
                          [([run, row["server"]], get(row)) for row in status["servers"]])
                  for name, help_text, get in SERVER_METRICS]
     return _text(families)
+
+
+def _conversations(run: str, c: dict | None) -> list[Metric]:
+    """A --turns all run's conversations by where they stand, and the done ones by how they
+    ended (each `ended` value the run records)."""
+    if not c:
+        return []
+    return [
+        _family("genq_conversations", "gauge", "Conversations (--turns all) by state: done, "
+                "being redone (a redo set their result aside), failed.", ["run", "state"],
+                [([run, state], c.get(state, 0)) for state in ("done", "redoing", "failed")]),
+        _family("genq_conversations_ended", "gauge", "Done conversations by how they ended.",
+                ["run", "ended"], [([run, why], n) for why, n in sorted(c["stopped"].items())])]
 
 
 def render_down(run: str, error: str) -> str:

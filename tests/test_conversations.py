@@ -171,7 +171,8 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
     conv = status["conversations"]
     assert (conv["done"], conv["total"], conv["generations"]) == (n, n, len(records))
     # Every generation counts in the rate, not only each conversation's last.
-    assert conv["generations_per_s"] > status["rate"]["req_per_s"] > 0
+    assert conv["generations_per_s"] == status["rate"]["req_per_s"] > \
+        status["rate"]["conversations_per_s"] > 0
     # How each ended: cut at max_tokens (at its last turn too), diverged, or complete.
     ends = ["truncated" if chain[-1]["finish_reason"] == "length" else
             chain[-1].get("stopped", ended(chain[-1])) for chain in chains.values()]

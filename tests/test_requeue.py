@@ -204,6 +204,14 @@ def test_inflight_abort_requeues_without_spending_attempts(tmp_path, redis_url, 
     (["--set", "return_token_ids=false"], "return_token_ids is read by consumers at start"),
     (["--set", "return_token_ids=true"], "return_token_ids is read by consumers at start"),
     (["--unset", "return_token_ids"], "return_token_ids is read by consumers at start"),
+    # A run of one sample sends its seed as it is: past 2**31 no server's int seed holds it.
+    (["--set", "seed=3000000000"], "seed must be an integer 0-2147483647"),
+    (["--set", "seed=-1"], "seed must be an integer 0-2147483647"),
+    # --raw keys that change what a request is, or how many answers it makes (one is kept).
+    (["--raw", "n=4"], "--raw n=4: n makes the server decode 4 answers"),
+    (["--raw", "input_ids=[1,2,3]"], "--raw input_ids=[1,2,3]: input_ids replaces"),
+    (["--raw", "continue_final_message=true"], "continue_final_message"),
+    (["--raw", "separate_reasoning=false"], "separate_reasoning"),
 ])
 def test_bad_requeue_changes_nothing(tmp_path, redis_url, r, run_name, args, message):
     genq("produce", str(write_dataset(tmp_path / "d.jsonl", 3)), "--once",

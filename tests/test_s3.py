@@ -539,3 +539,25 @@ def test_recover_from_s3_alone_keeps_what_pending_continuations_need(
     r.delete(k.meta)  # the run is gone from Redis before any continuation ran
     genq("recover", "--from-s3", URI, redis_url=redis_url, run=run_name)
     assert r.hlen(k.partials) == pending
+
+
+@pytest.mark.timeout(120)
+def test_a_consumer_that_shipped_everything_and_exited_leaves_nothing_unshipped(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):
+    """`unshipped` (what docs/SLURM.md tells operators to read before they let a node go) is
+    0 for a consumer whose every shard reached S3, not the figure it last reported while its
+    last shard was still open."""
+    client, _ = s3
+    n = 30
+    start_run(tmp_path, redis_url, run_name, n)
+    sim = sim_factory(time_scale=400, max_running_requests=8)
+    c = consumer(redis_url, run_name, sim, tmp_path / "out", "--burst", "--shard-records", "7")
+    try:
+        assert c.wait(90) == 0, c.log()[-3000:]
+    finally:
+        c.cleanup()
+    assert Counter(rec["index"] for rec in bucket_records(client, run_name)) == Counter(range(n))
+    ship = orjson.loads(genq("status", "--json", redis_url=redis_url,
+                             run=run_name).stdout)["shipping"]
+    assert ship["records_shipped"] == n and ship["shards_pending"] == 0
+    assert ship["unshipped"] == 0 and set(ship["unshipped_by_consumer"].values()) == {0}

@@ -58,6 +58,7 @@ class Conversations:
         standing = await c.retry(lambda: state.resume(c.redis, c.keys, lease.index,
                                                       lease.version))
         made, messages = standing.made[:count - 1], standing.messages[:count - 1]
+        fig = standing.fig  # the made turns' sums, for status (turn.lua)
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
@@ -70,7 +71,7 @@ class Conversations:
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
                 return None
-            body = task.request(before, c.model, prompt.tools)
+            body = task.request(before, c.model, prompt.tools, turn=turn)
             asked = time.monotonic()
             # `requeue --continue`: the turn it was cut at goes on from its partial.
             continued = await c.partials.answer(lease.index, lease.version, body, ask,
@@ -81,7 +82,8 @@ class Conversations:
                 run=c.settings.run, index=task.row, prompt_id=prompt.id,
                 version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
                 model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
-                gen=lease.gen, clock_offset=c.clock_offset, sample=task.sample, turn=turn)
+                gen=lease.gen, clock_offset=c.clock_offset, sample=task.turn_sample(turn),
+                turn=turn)
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:
@@ -98,12 +100,14 @@ class Conversations:
                     follow.reason if follow else
                     splice.UNANSWERED if completion.tool_calls else COMPLETE)
                 record["ended"] = end  # the conversation's last generation: recover finds it
-                if not await self.record(inflight, Standing(made, end=end, last=turn), b"",
-                                         unstable, checked, 0):
+                if not await self.record(inflight, Standing(made, end=end, last=turn, fig=fig),
+                                         b"", unstable, checked, 0):
                     return None
                 return record, completion
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
-            if not await self.record(inflight, Standing(made), state.pack(messages),
+            fig = state.counted(fig, completion.prompt_tokens, completion.completion_tokens,
+                                completion.cached_tokens or 0, completion.finish_reason)
+            if not await self.record(inflight, Standing(made, fig=fig), state.pack(messages),
                                      unstable, checked, max(1, completion.completion_tokens
                                                             - kept), kept, record):
                 return None

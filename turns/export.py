@@ -201,7 +201,8 @@ def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,
     return results.ExportResult(written=write.written, done=int(r.bitcount(k.done)),
                                 missing=missing[:20], torn_lines=torn, shards=len(paths),
                                 not_accepted=[], not_accepted_count=0,
-                                failed_written=write.failed_written)
+                                failed_written=write.failed_written,
+                                conversations_missing=len(missing))
 
 
 def _failed(r: redis.Redis, k: RunKeys, total: int, samples: int) -> dict[int, dict[str, Any]]:
@@ -274,21 +275,22 @@ class _Writer:
 
 
 def figures(r: redis.Redis, k: RunKeys, total: int) -> dict[str, Any]:
-    """What status shows of a `--turns all` run: conversations done of total, generations
-    accepted (what export writes), turns per done conversation, how they ended, at which turn
-    the truncated ones were cut, and the turns whose prompt ids did not extend the turn
-    before's (boundary unstable) of those checked. Read from per-index bitfields turn.lua keeps,
-    in a few GETs: no conversation's JSON is read."""
+    """What status shows of a `--turns all` run: conversations done of total, being redone
+    (a redo set their result aside and they have not settled again) and failed; generations accepted
+    (what export writes), turns per done conversation, how the done ones ended (each `ended`
+    value conv_end records), at which turn the truncated ones were cut, and the turns whose
+    prompt ids did not extend the turn before's (boundary unstable) of those checked. Read from
+    per-index bitfields turn.lua keeps, in a few GETs: no conversation's JSON is read."""
     pipe = r.pipeline(transaction=True)
-    for key in (k.done, k.conv_made, k.conv_end):
+    for key in (k.done, k.conv_made, k.conv_end, k.failed, k.kept):
         pipe.get(key)
     pipe.hmget(k.counters, ["boundary_unstable", "boundary_checked"])
-    done_raw, made_raw, end_raw, counters = pipe.execute()
-    made, ends = _u16(made_raw), _u16(end_raw)
+    done_raw, made_raw, end_raw, failed_raw, kept_raw, counters = pipe.execute()
+    made, ends, done_raw = _u16(made_raw), _u16(end_raw), blob(done_raw)
     ended: Counter[str] = Counter()
     cut: Counter[int] = Counter()
     done = turns = 0
-    for task in bitmap.set_indices(blob(done_raw), below=total):
+    for task in bitmap.set_indices(done_raw, below=total):
         code = ends[task] if task < len(ends) else 0
         end, last = END_NAMES.get(code >> TURN_BITS, "complete"), code & ((1 << TURN_BITS) - 1)
         done += 1
@@ -296,11 +298,21 @@ def figures(r: redis.Redis, k: RunKeys, total: int) -> dict[str, Any]:
         ended[end] += 1
         if end == splice.TRUNCATED:
             cut[last] += 1
-    return {"done": done, "total": total, "generations": sum(made) + done,
+    failed, redoing = _redoing(done_raw, blob(failed_raw), blob(kept_raw))
+    return {"done": done, "redoing": redoing, "failed": failed, "total": total,
+            "generations": sum(made) + done,
             "turns_per_conversation": round(turns / done, 2) if done else None,
             "stopped": dict(ended),
             "truncated_by_turn": {str(t): n for t, n in sorted(cut.items())},
             "boundary_unstable": int(counters[0] or 0), "boundary_checked": int(counters[1] or 0)}
+
+
+def _redoing(done: bytes, failed: bytes, kept: bytes) -> tuple[int, int]:
+    """(failed, being redone): a redo set its result aside (kept, redo.lua) and its new attempt
+    has not settled, neither done nor failed. As whole numbers, so a million bits cost little."""
+    size = max(len(done), len(failed), len(kept))
+    d, f, k = (int.from_bytes(raw.ljust(size, b"\0"), "big") for raw in (done, failed, kept))
+    return f.bit_count(), (k & ~(d | f)).bit_count()
 
 
 def _u16(raw: bytes | None) -> array:

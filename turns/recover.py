@@ -38,7 +38,7 @@ import redis
 
 from genq.common.data import recovery
 from genq.common.data.records import is_failure, parse_line
-from genq.common.queue.keys import RunKeys, finish_code
+from genq.common.queue.keys import FINISH_NAMES, RunKeys, finish_code
 from genq.common.task import task_of
 from genq.turns import splice, state
 from genq.turns.state import Standing
@@ -187,6 +187,19 @@ def _newest(manifest: dict[str, Any], streams: Iterable[Iterable[bytes]],
     return newest
 
 
+def _made(rec: recovery.Recovered, lines: list[Line]) -> dict[str, Any]:
+    """The made turns' sums (Standing.fig), counted into the run's made:* counters as turn.lua
+    counts them."""
+    fig: dict[str, Any] = {}
+    for line in lines:
+        _, _, code, completion, prompt, cached = line.result
+        fig = state.counted(fig, prompt, completion, cached, FINISH_NAMES.get(code))
+    rec.more.update({"made:ptok_sum": fig.get("p", 0), "made:ctok_sum": fig.get("c", 0),
+                     "made:cached_sum": fig.get("k", 0)})
+    rec.more.update({f"made:finish:{name}": n for name, n in fig.get("f", {}).items()})
+    return fig
+
+
 def _entry(line: Line) -> state.Entry:
     version, attempt, *_ = line.result
     return [version, attempt]
@@ -205,13 +218,15 @@ def rebuild(manifest: dict[str, Any],
         chain, first = [newest.line(i) for i in lines], newest.start[task]
         last = chain[-1]
         if not last.ended:
-            out.conv[task] = Standing([_entry(line) for line in chain]).encode()
+            out.conv[task] = Standing([_entry(line) for line in chain],
+                                      fig=_made(rec, chain)).encode()
             wanted[first:first + len(chain)] = b"\1" * len(chain)
             continue
         rec.stand(task, last.result, last.key[1],
                   kept=rules.covered(last.result[0], last.result[2]))
         made = [_entry(line) for line in chain[:-1]]
-        out.conv[task] = Standing(made, end=last.ended, last=len(chain)).encode()
+        out.conv[task] = Standing(made, end=last.ended, last=len(chain),
+                                  fig=_made(rec, chain[:-1])).encode()
         if last.result[2] == recovery.LENGTH:
             wanted[first:first + len(made)] = b"\1" * len(made)
     out.msgs = _messages(manifest, streams(), newest, wanted)

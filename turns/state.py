@@ -18,7 +18,7 @@ import orjson
 import redis.asyncio as aioredis
 import zstandard
 
-from genq.common.queue.keys import RunKeys
+from genq.common.queue.keys import FINISH_NAMES, RunKeys, finish_code
 from genq.turns import splice
 
 # One accepted generation: [params version, attempt], the key its line is found by (a
@@ -35,6 +35,10 @@ END_CODES = {COMPLETE: 2, splice.DIVERGED: 4, splice.TRUNCATED: 6, splice.UNANSW
 END_NAMES = {code: name for name, code in END_CODES.items()}
 TURN_BITS = 13
 
+# Standing.fig: the made turns' sums, {"p", "c", "k": prompt, completion, cached tokens; "f":
+# finish name -> count}. turn.lua adds its change to the run's made:* counters, so turns a
+# conversation begun again sets aside are taken back (the last turn is ack.lua's to count).
+
 _compress = zstandard.ZstdCompressor(level=3)
 _decompress = zstandard.ZstdDecompressor()
 
@@ -45,6 +49,7 @@ class Standing:
     messages: list[dict[str, Any]] = field(default_factory=list)  # their assistant messages
     end: str = ""  # once its last turn is made: an END_CODES name
     last: int = 0  # that turn's number
+    fig: dict[str, Any] = field(default_factory=dict)  # the made turns' sums (above)
 
     def ended(self) -> int:
         """conv_end's value: how it ended and at which turn; 0 while it runs."""
@@ -54,6 +59,8 @@ class Standing:
 
     def encode(self) -> bytes:
         out: dict[str, Any] = {"made": self.made}
+        if self.fig:
+            out["fig"] = self.fig
         if self.end:
             out.update(end=self.end, last=self.last)
         return exact(orjson.dumps(out))
@@ -63,7 +70,19 @@ class Standing:
         if not raw:
             return cls()
         got = orjson.loads(raw)
-        return cls(made=got.get("made", []), end=got.get("end", ""), last=got.get("last", 0))
+        return cls(made=got.get("made", []), end=got.get("end", ""), last=got.get("last", 0),
+                   fig=got.get("fig") or {})
+
+
+def counted(fig: dict[str, Any], prompt: int, completion: int, cached: int,
+            finish: str | None) -> dict[str, Any]:
+    """`fig` with one made turn's tokens and finish reason added, as ack.lua counts a result's
+    (the whole answer's tokens; its finish as FINISH_NAMES names it)."""
+    name = FINISH_NAMES[finish_code(finish)]
+    names = dict(fig.get("f") or {})
+    names[name] = names.get(name, 0) + 1
+    return {"p": fig.get("p", 0) + prompt, "c": fig.get("c", 0) + completion,
+            "k": fig.get("k", 0) + cached, "f": names}
 
 
 def pack(messages: list[dict[str, Any]]) -> bytes:
@@ -95,4 +114,4 @@ async def resume(r: aioredis.Redis, k: RunKeys, task: int, version: int) -> Stan
     if len(messages) < len(made) or (
             made and redo_all and made[0][VERSION] < int(redo_all) <= version):
         return Standing()
-    return Standing(made=made, messages=messages[:len(made)])
+    return Standing(made=made, messages=messages[:len(made)], fig=standing.fig)

@@ -79,6 +79,9 @@ class Recovered:
         self.lines = 0
         self.skipped = 0  # torn, unparsable, or outside the data set
         self.refused = 0  # written after an abort switch under older parameters
+        # Counters beside the results' own: a --turns all run's made turns (turn.lua's made:*,
+        # turns/recover.py adds them).
+        self.more: Counter[str] = Counter()
 
     def stand(self, index: int, result: Result, gen: int, *, kept: bool = False) -> None:
         """Set the result of ``index`` from outside ``rebuild`` (a conversation's last
@@ -224,6 +227,8 @@ def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
             version = rec.columns[0][i]
             counters[f"continued|{version}"] = counters.get(f"continued|{version}", 0) + 1
             counters[f"saved|{version}"] = counters.get(f"saved|{version}", 0) + rec.cont[i]
+    for field, n in rec.more.items():
+        counters[field] = counters.get(field, 0) + n
     return counters, Counter(ctoks[i] for i in rec.standing)
 
 

@@ -130,7 +130,7 @@ class ShardWriter:
 
     def _close_current(self) -> None:
         fd, path, count = self._fd, self.path, self._count
-        self._fd, self.path = -1, None
+        self._fd, self.path, self._count = -1, None, 0  # a closed shard is not open_records
         if fd < 0 or path is None:
             return
         if count == 0:

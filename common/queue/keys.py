@@ -122,7 +122,10 @@ class RunKeys:
                     "params version continued|<v>, saved|<v> (answers continued, tokens kept), "
                     "invalid|<v>, schema_failed|<v>, schema_cut|<v>, schema_unkept|<v> (answers "
                     "not matching the schema, prompts failed on it, answers cut at max_tokens, "
-                    "failed prompts whose answer `invalid` has no room for).")
+                    "failed prompts whose answer `invalid` has no room for); in a `--turns all` "
+                    "run made:ptok_sum, made:ctok_sum, made:cached_sum, made:finish:<name> over "
+                    "the conversations' made turns before their last (turn.lua; status adds "
+                    "them).")
     length_hist = _Own("Hash: completion_tokens value -> number of done results with it.")
     errors = _Own("Hash: index -> last error of a task not settled yet (gone once it settles).")
     fail_kind = _Own("BITFIELD u8 per index: the number of the reason a failed index failed for "
@@ -169,7 +172,8 @@ class RunKeys:
     @property
     def rate_prefix(self) -> str:
         """Hash per RATE_BUCKET_S bucket: req, tok, req|<server>, tok|<server>, fin|<name>,
-        vreq|<params version>, vlen|<params version> (results, and those truncated)."""
+        vreq|<params version>, vlen|<params version> (results, and those truncated); gen,
+        gen|<server> (`--turns all`: the turns made before a conversation's last)."""
         return self.prefix + "rate:"
 
     def rate_bucket(self, bucket: int) -> str:

@@ -68,6 +68,22 @@ def rates(buckets: Buckets, now: float, window_s: float, since: float | None = N
             "tok_per_s": round(window_rate(buckets, "tok" + suffix, now, window_s, since), 2)}
 
 
+def every_generation(buckets: Buckets) -> dict[int, dict[str, float]]:
+    """A `--turns all` run's buckets with every generation a request: ack.lua's `req` (the
+    conversations' last turns, kept as `conv`, the ETA's pace) plus turn.lua's `gen` (the turns
+    before them), the run's and each server's (`gen|<server>`)."""
+    out: dict[int, dict[str, float]] = {}
+    for bucket, fields in buckets.items():
+        row = dict(fields)
+        row["conv"] = fields.get("req", 0)
+        for field, n in fields.items():
+            if field == "gen" or field.startswith("gen|"):
+                key = "req" + field[3:]
+                row[key] = row.get(key, 0) + n
+        out[bucket] = row
+    return out
+
+
 def eta_seconds(remaining: int, req_per_s: float) -> float | None:
     """Seconds until ``remaining`` prompts are done at ``req_per_s``; None without a rate."""
     if remaining <= 0:

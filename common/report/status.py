@@ -139,14 +139,16 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     buckets = _read_buckets(r, k, int(now // RATE_BUCKET_S))
     beats = heartbeats.read(r, k, [text(name) for name, _ in raw["consumers"]])
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
+    every = (meta.get("turns") or turns.LAST) == turns.ALL
+    if every:  # a request is a generation: the turns before each conversation's last count
+        buckets = stats.every_generation(buckets)
     since = stats.activity_start(buckets, _number(meta.get("created_at")))
-    status = _assemble(run, raw, buckets, beats, now, since, truncation_threshold)
+    status = _assemble(run, raw, buckets, beats, now, since, truncation_threshold, every)
     status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
     status["turns"] = meta.get("turns") or turns.LAST  # a run setting, as samples is
-    if status["turns"] == turns.ALL:  # what export writes, per conversation and generation
+    if every:  # what export writes, per conversation and generation
         status["conversations"] = conv = conversation_figures(r, k, status["total"])
-        made = stats.window_rate(buckets, "gen", now, WINDOWS["5m"], since)  # turns before last
-        conv["generations_per_s"] = round(made + status["rate"]["req_per_s"], 4)
+        conv["generations_per_s"] = status["rate"]["req_per_s"]
     # Read just after the MULTI: a run of several samples pays one GET of its done bitmap.
     status["prompts_done"] = raw["done"] if samples == 1 else bitmap.full_groups(
         blob(r.get(k.done)), status["total"] // samples, samples)
@@ -211,14 +213,29 @@ def _schema_counts(counters: dict[str, int]) -> dict[str, dict[str, int]]:
     return dict(sorted(found.items(), key=lambda item: int(item[0])))
 
 
+def _every_turn(counters: dict[str, int]) -> dict[str, int]:
+    """The counters with a `--turns all` run's made turns (turn.lua's made:*) added to its last
+    turns' (ack.lua's): tokens and finish reasons of every generation, as export writes them."""
+    out = dict(counters)
+    for field, n in counters.items():
+        if field.startswith("made:"):
+            out[field[5:]] = out.get(field[5:], 0) + n
+    return out
+
+
 def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
-              since: float | None, threshold: float) -> dict:
+              since: float | None, threshold: float, every: bool = False) -> dict:
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
     total, done, failed = int(_num(meta.get("total"))), raw["done"], raw["failed"]
     remaining = max(0, total - done - failed)
-    counters = {text(f): int(_num(v)) for f, v in raw["counters"].items()}
+    counters = _every_turn({text(f): int(_num(v)) for f, v in raw["counters"].items()})
     hist = {int(_num(v)): int(_num(c)) for v, c in raw["hist"].items()}
     rates = {name: stats.rates(buckets, now, w, since) for name, w in WINDOWS.items()}
+    if every:  # the ETA's pace: conversations done a second, not requests
+        for name, w in WINDOWS.items():
+            rates[name]["conversations_per_s"] = round(
+                stats.window_rate(buckets, "conv", now, w, since), 4)
+    pace = rates["5m"]["conversations_per_s" if every else "req_per_s"]
     # The parameters a consumer would run with right now (common.params.current's fallback).
     version = int(_num(raw["version"], 1)) or 1
     params = {text(v): _json(j) for v, j in raw["params"].items()}.get(str(version))
@@ -245,7 +262,7 @@ def _assemble(run: str, raw: dict, buckets: dict, beats: dict, now: float,
         "running": sum(s["running"] or 0 for s in servers),
         "claimed_ahead": sum(s["claimed_ahead"] or 0 for s in servers),
         "finished": total > 0 and remaining == 0 and not raw["queued"] and not raw["inflight"],
-        "rate": rates["5m"], "eta_s": stats.eta_seconds(remaining, rates["5m"]["req_per_s"]),
+        "rate": rates["5m"], "eta_s": stats.eta_seconds(remaining, pace),
         "finish_reasons": {n: c for n, c in finish.items() if c},
         "truncation_rate": stats.truncation_rate(finish["length"], done),
         "output_tokens": stats.percentiles(hist), "servers": servers, "remaining": remaining,

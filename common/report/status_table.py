@@ -146,12 +146,16 @@ def render_table(status: dict) -> Any:
 
 
 def conversation_line(c: dict[str, Any]) -> str:
-    """A --turns all run: its conversations, their generations and how they ended."""
+    """A --turns all run: its conversations (done, being redone, failed), their generations
+    and how they ended."""
     each = f" ({c['turns_per_conversation']} turns each)" if c["turns_per_conversation"] else ""
     ended = "  ".join(f"{why} {n:,}" for why, n in sorted(c["stopped"].items())) or "—"
     cut = ", ".join(f"{t}: {n:,}" for t, n in c["truncated_by_turn"].items())
     rate = f" ({c['generations_per_s']:.2f}/s)" if c.get("generations_per_s") else ""
-    return (f"conversations {c['done']:,} / {c['total']:,} done  generations "
+    others = "".join(f"  {c[key]:,} {name}" for key, name in (("redoing", "being redone"),
+                                                               ("failed", "failed"))
+                     if c.get(key))
+    return (f"conversations {c['done']:,} / {c['total']:,} done{others}  generations "
             f"{c['generations']:,}{rate}{each}  ended {ended}"
             + (f"  truncated at turn {cut}" if cut else "")
             + (f"  boundary unstable {c['boundary_unstable']:,} of {c['boundary_checked']:,}"

@@ -38,6 +38,9 @@ class ExportResult:
     # Failed on the schema, written from Redis without a shard line, and Redis kept no copy of
     # the answer (past its bound, consumer/structured.py): their records lack `answer`.
     answers_unkept: int = 0
+    # A --turns all run: the conversations with a generation in no shard read (`missing` lists
+    # the first; done - written counts nothing there, a conversation writing several lines).
+    conversations_missing: int | None = None
 
 
 def accepted_state(r: redis.Redis, k: RunKeys):

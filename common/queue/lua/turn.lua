@@ -12,14 +12,16 @@
 --       15 a turn before the last continued by `requeue --continue`: its partial's tokens (0:
 --       not continued), 16 its params version
 -- A conversation begun again (ARGV 8 <= 1) no longer counts the continued turns it set aside
--- (an entry's third number: the partial's tokens).
+-- (an entry's third number: the partial's tokens). The made turns' sums (ARGV 4's fig,
+-- turns/state.py) change the made:* counters by as much: status adds them to ack.lua's.
 -- Returns 1 if written, 0 if the lease was no longer ours.
 if not owns(redis.call('HGET', KEYS[2], ARGV[1]), ARGV[2]) then return 0 end
+local old, standing = redis.call('HGET', KEYS[4], ARGV[3]), cjson.decode(ARGV[4])
+old = old and cjson.decode(old) or {}
 if tonumber(ARGV[8]) <= 1 then  -- begun (again): made turns of before set aside are no
-  local old = redis.call('HGET', KEYS[4], ARGV[3])  -- longer continued ones (as redo.lua's)
-  if old then
-    local now = cjson.decode(ARGV[4]).made
-    for i, e in ipairs(cjson.decode(old).made) do
+  if old.made then  -- longer continued ones (as redo.lua's)
+    local now = standing.made
+    for i, e in ipairs(old.made) do
       local n = now[i]
       if e[3] and (not n or n[1] ~= e[1] or n[2] ~= e[2]) then
         redis.call('HINCRBY', KEYS[6], 'continued|' .. e[1], -1)
@@ -28,18 +30,32 @@ if tonumber(ARGV[8]) <= 1 then  -- begun (again): made turns of before set aside
     end
   end
 end
+local sums, before = standing.fig or {}, old.fig or {}
+local function change(field, by)
+  if by ~= 0 then redis.call('HINCRBY', KEYS[6], field, by) end
+end
+change('made:ptok_sum', (sums.p or 0) - (before.p or 0))
+change('made:ctok_sum', (sums.c or 0) - (before.c or 0))
+change('made:cached_sum', (sums.k or 0) - (before.k or 0))
+local names, finish, finish_before = {}, sums.f or {}, before.f or {}
+for name in pairs(finish) do names[name] = true end
+for name in pairs(finish_before) do names[name] = true end
+for name in pairs(names) do
+  change('made:finish:' .. name, (finish[name] or 0) - (finish_before[name] or 0))
+end
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[5], ARGV[3], ARGV[5]) end
 redis.call('BITFIELD', KEYS[7], 'SET', 'u16', '#' .. ARGV[3], ARGV[8])
 if ARGV[9] ~= '0' then redis.call('BITFIELD', KEYS[8], 'SET', 'u16', '#' .. ARGV[3], ARGV[9]) end
 if ARGV[6] ~= '0' then redis.call('HINCRBY', KEYS[6], 'boundary_unstable', ARGV[6]) end
 if ARGV[7] ~= '0' then redis.call('HINCRBY', KEYS[6], 'boundary_checked', ARGV[7]) end
-if ARGV[10] ~= '0' then  -- the rate's buckets, as ack.lua keeps them: tokens and generations
+if ARGV[10] ~= '0' then  -- the rate's buckets, as ack.lua keeps them: tokens, generations
   local t = redis.call('TIME')
   local key = ARGV[12] .. math.floor(tonumber(t[1]) / tonumber(ARGV[13]))
   redis.call('HINCRBY', key, 'tok', ARGV[10])
   redis.call('HINCRBY', key, 'tok|' .. ARGV[11], ARGV[10])
   redis.call('HINCRBY', key, 'gen', 1)
+  redis.call('HINCRBY', key, 'gen|' .. ARGV[11], 1)
   redis.call('EXPIRE', key, ARGV[14])
 end
 if ARGV[15] ~= '0' then  -- as ack.lua counts a continued answer, and drops its partial
