@@ -7,7 +7,8 @@ while the task's lease is ours, in batches with the other slots' made turns (Mad
 consumer killed mid-conversation costs only the turn in flight,
 and whichever consumer claims the task next goes on from the turn after the last recorded one.
 The last turn (the row's last, or the one that stopped the conversation) is the task's result,
-written and acknowledged by the Committer like any task's.
+written by the Committer like any task's, then recorded (its turn.lua call, `Inflight.then`)
+and acknowledged.
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ class Conversations:
                 end = splice.TRUNCATED if completion.finish_reason == "length" else (
                     follow.reason if follow else COMPLETE)
                 record["ended"] = end  # the conversation's last generation: recover finds it
-                if not await self.record(inflight, Standing(made, end=end, last=turn), b"",
-                                         unstable, checked, 0):
-                    return None
+                # Recorded by the Committer once written, just before its ack (consumer/commit.py).
+                inflight.then = self.call(inflight, Standing(made, end=end, last=turn), b"",
+                                          unstable, checked, 0)
                 return record, completion
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             if not await self.record(inflight, Standing(made), state.pack(messages),
@@ -113,15 +114,19 @@ class Conversations:
         turn's record (a turn before its last) is written; `tokens` of a turn before its last
         count in the rate, and one `continued` from a partial of that many tokens counts as
         continued (its partial is dropped: ack.lua drops the last's)."""
-        lease, c = inflight.lease, self.c
-        call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
-                         messages, len(standing.made), standing.ended(), unstable, checked,
-                         tokens, c.settings.server_id, continued, lease.version)
+        call = self.call(inflight, standing, messages, unstable, checked, tokens, continued)
         if await self.turns.commit(made, call):
             return True
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "
                        "again", turn=len(standing.made) + 1)
         return False
+
+    def call(self, inflight: Inflight, standing: Standing, messages: bytes, unstable: int,
+             checked: int, tokens: int, continued: int = 0) -> Call:
+        lease, c = inflight.lease, self.c
+        return turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
+                         messages, len(standing.made), standing.ended(), unstable, checked,
+                         tokens, c.settings.server_id, continued, lease.version)
 
 
 class MadeTurns:
@@ -144,6 +149,11 @@ class MadeTurns:
             # Its own task: a slot cancelled while it waits leaves the others' batch whole.
             self.flushing = asyncio.create_task(self.flush())
         return await done
+
+    async def run(self, calls: list[Call]) -> list[int]:
+        """Recorded calls of turns already written (the Committer's last turns), in one round
+        trip."""
+        return await self.c.retry(functools.partial(self.scripts.pipelined, self.c.redis, calls))
 
     async def flush(self) -> None:
         await asyncio.sleep(0)  # the turns that finished in this turn of the loop join
