@@ -79,6 +79,9 @@ class Recovered:
         self.lines = 0
         self.skipped = 0  # torn, unparsable, or outside the data set
         self.refused = 0  # written after an abort switch under older parameters
+        # Counters beyond the standing results' (a conversation's continued turns before its
+        # last: turns/recover.py)
+        self.counted: Counter[str] = Counter()
 
     def stand(self, index: int, result: Result, gen: int, *, kept: bool = False) -> None:
         """Set the result of ``index`` from outside ``rebuild`` (a conversation's last
@@ -102,6 +105,8 @@ class Rules:
                              if h.get("inflight") == "abort" and int(h["version"]) > 1)
 
     def refused(self, version: int, created_at: float) -> bool:
+        """The rule turn.lua and ack.lua apply (common/queue/lua/prelude.lua's `superseded`):
+        a result of an older version written at or after an `--inflight abort` switch."""
         return any(v > version and created_at >= at for v, at in self.aborts)
 
     def covered(self, version: int, code: int) -> bool:
@@ -224,6 +229,8 @@ def _counters(rec: Recovered) -> tuple[dict[str, int], Counter]:
             version = rec.columns[0][i]
             counters[f"continued|{version}"] = counters.get(f"continued|{version}", 0) + 1
             counters[f"saved|{version}"] = counters.get(f"saved|{version}", 0) + rec.cont[i]
+    for name, n in rec.counted.items():
+        counters[name] = counters.get(name, 0) + n
     return counters, Counter(ctoks[i] for i in rec.standing)
 
 

@@ -1,4 +1,4 @@
--- prelude: the lease checks the lease scripts share (scripts.LEASE_SCRIPTS), put after each
+-- prelude: the lease checks and the switch rule the lease scripts share (scripts.LEASE_SCRIPTS), put after each
 -- one's `#!lua` line when common/queue/scripts.py loads it, so none words them on its own.
 -- Those scripts' KEYS start with 1 leases, 2 lease_owner, 3 wip.
 
@@ -27,3 +27,28 @@ local function drop_leases(jids, execs, exec_prefix, executions_prefix)
   redis.call('DEL', unpack(dels))
 end
 
+
+-- What a parameter switch refuses, the one rule (common/data/recovery.py's Rules.refused says
+-- it of a shard line, so `genq recover` keeps what turn.lua and ack.lua kept): a result of an
+-- older version written (its created_at, Redis's clock) at or after a switch to a newer
+-- version made with `--inflight abort`. abort_switches reads those switches once per call:
+-- {version, at} each; none while params_floor (KEYS `floor`) is unset.
+local function abort_switches(floor, history)
+  local aborts = {}
+  if tonumber(redis.call('GET', floor) or '0') == 0 then return aborts end
+  for _, raw in ipairs(redis.call('LRANGE', history, 0, -1)) do
+    local h = cjson.decode(raw)
+    if h.inflight == 'abort' and tonumber(h.version) > 1 then
+      aborts[#aborts + 1] = {tonumber(h.version), tonumber(h.at) or 0}
+    end
+  end
+  return aborts
+end
+
+local function superseded(aborts, version, at)
+  local written = type(at) == 'number' and at or math.huge  -- no time given: as if written now
+  for _, switch in ipairs(aborts) do
+    if switch[1] > version and written >= switch[2] then return true end
+  end
+  return false
+end
