@@ -29,14 +29,14 @@ end
 
 
 -- What a parameter switch refuses, the one rule (common/data/recovery.py's Rules.refused says
--- it of a shard line, so `genq recover` keeps what turn.lua and ack.lua kept): a result of an
--- older version written (its created_at, Redis's clock) at or after a switch to a newer
--- version made with `--inflight abort`. abort_switches reads those switches once per call:
--- {version, at} each; none while params_floor (KEYS `floor`) is unset.
-local function abort_switches(floor, history)
-  local aborts = {}
-  if tonumber(redis.call('GET', floor) or '0') == 0 then return aborts end
-  for _, raw in ipairs(redis.call('LRANGE', history, 0, -1)) do
+-- it of a shard line, so `genq recover` keeps what turn.lua and ack.lua kept): a result of a
+-- version below params_floor written (its created_at, Redis's clock; none given: now) at or
+-- after a switch to a newer version made with `--inflight abort`. abort_switches reads the
+-- floor and those switches ({version, at} each) once per call.
+local function abort_switches(floor_key, history_key)
+  local aborts = {floor = tonumber(redis.call('GET', floor_key) or '0')}
+  if aborts.floor == 0 then return aborts end
+  for _, raw in ipairs(redis.call('LRANGE', history_key, 0, -1)) do
     local h = cjson.decode(raw)
     if h.inflight == 'abort' and tonumber(h.version) > 1 then
       aborts[#aborts + 1] = {tonumber(h.version), tonumber(h.at) or 0}
@@ -46,9 +46,10 @@ local function abort_switches(floor, history)
 end
 
 local function superseded(aborts, version, at)
-  local written = type(at) == 'number' and at or math.huge  -- no time given: as if written now
+  if version >= aborts.floor then return false end
+  if type(at) ~= 'number' then return true end
   for _, switch in ipairs(aborts) do
-    if switch[1] > version and written >= switch[2] then return true end
+    if switch[1] > version and at >= switch[2] then return true end
   end
   return false
 end
