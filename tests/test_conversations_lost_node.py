@@ -1,0 +1,89 @@
+"""A lost node in a `--turns all` run, repaired by the one command docs/SLURM.md gives:
+`genq requeue --redo missing --from-s3 URI` makes each conversation again from its earliest
+turn whose accepted line is in no shipped shard, with the turns after it; the turns before it
+are kept and never asked again. Until then, no export holds a turn without the turns before it."""
+
+from __future__ import annotations
+
+import shutil
+from collections import Counter
+
+import orjson
+import pytest
+from conftest import genq
+from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
+from test_conversations import PROBE, by_conversation, check_chains, conversation, midway, \
+    requests_served, write_rows
+from test_s3 import URI, bucket_records, s3  # noqa: F401  (s3: the moto fixture)
+
+from genq.common.queue.keys import RunKeys
+
+
+def export_s3(tmp_path, redis_url: str, run: str, name: str) -> tuple[int, list[dict]]:
+    out = tmp_path / name
+    done = genq("export", "--from-s3", URI, "--out", str(out), redis_url=redis_url, run=run,
+                check=False)
+    return done.returncode, read_jsonl(out) if out.exists() else []
+
+
+def no_gaps(records: list[dict]) -> None:
+    for index, chain in by_conversation(records).items():
+        assert [rec["turn"] for rec in chain] == list(range(1, len(chain) + 1)), index
+
+
+@pytest.mark.timeout(240)
+def test_a_lost_node_is_repaired_by_redo_missing_from_s3_and_the_export_is_whole(
+        tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
+    n = 24
+    rows = [conversation(i) for i in range(n)]
+    data = write_rows(tmp_path / "rows.jsonl", rows)
+    kwargs = dict(time_scale=40, tool_call_rate=0.6, length_dist="lognormal:30:0.4",
+                  max_running_requests=4)
+    lost_sim, kept_sim, new_sim = (sim_factory(**kwargs) for _ in range(3))
+    genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "300",
+         "--token-ids", redis_url=redis_url, run=run_name)
+    k = RunKeys(run_name)
+    # The lost node ships nothing before it dies (its shard never fills): all it made is lost,
+    # and the conversations it had midway go on elsewhere from the turns Redis recorded.
+    lost = ConsumerProcess(redis_url, run_name, lost_sim.url, tmp_path / "a", "--s3-uri", URI,
+                           "--visibility-timeout", "3", "--shard-records", "1000",
+                           "--name", "node-a")
+    try:
+        wait_for(lambda: r.bitcount(k.done) >= 3 and len(midway(r, k, lost_sim.url)) >= 2,
+                 timeout=60, interval=0.01, what="conversations done and midway on node-a")
+        lost.kill()
+    finally:
+        lost.cleanup()
+    shutil.rmtree(tmp_path / "a")
+    consume_to_the_end(redis_url, run_name, kept_sim.url, tmp_path / "b", "--s3-uri", URI,
+                       "--visibility-timeout", "3", "--shard-records", "5", "--name", "node-b")
+    assert r.bitcount(k.done) == n
+    code, records = export_s3(tmp_path, redis_url, run_name, "before.jsonl")
+    assert code == 1  # it says what it lacks, and holds no turn without the turns before it
+    no_gaps(records)
+    shipped = {(rec["index"], rec["turn"], rec["params_version"], rec["attempt"])
+               for rec in bucket_records(s3[0], run_name)}
+
+    put_back = genq("requeue", "--redo", "missing", "--from-s3", URI, redis_url=redis_url,
+                    run=run_name)
+    assert "conversations made again from their earliest missing turn" in put_back.stdout, \
+        put_back.stdout
+    served = requests_served(new_sim)
+    consume_to_the_end(redis_url, run_name, new_sim.url, tmp_path / "c", "--s3-uri", URI,
+                       "--name", "node-c")
+    code, records = export_s3(tmp_path, redis_url, run_name, "after.jsonl")
+    assert code == 0
+    chains = check_chains(rows, records)  # every conversation's turns 1..m once, in order
+    assert Counter((rec["index"], rec["turn"]) for rec in records).most_common(1)[0][1] == 1
+    again = [rec for rec in records if rec["params_version"] == 2]
+    assert again, "nothing was made again"
+    # Turns before a conversation's earliest missing one are the shipped lines, not made again.
+    for chain in chains.values():
+        versions = [rec["params_version"] for rec in chain]
+        assert versions == sorted(versions), chain
+        for rec in chain:
+            if rec["params_version"] == 1:
+                assert (rec["index"], rec["turn"], 1, rec["attempt"]) in shipped
+    assert requests_served(new_sim) - served == PROBE + len(again)
+    st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
+    assert st["done"] == n and st["conversations"]["generations"] == len(records)
