@@ -46,8 +46,10 @@ class Finished:
 
 class Committer:
     """write(records) makes them durable; ack(results) acknowledges them (retried through
-    outages), after record(calls) ran the batch's `Inflight.then` calls (written, then recorded); on_error(task, error) settles a task whose write failed; on_done(tasks, accepted)
-    is told of each settled batch; slots() and busy(): how many, and whether any is running."""
+    outages), after record(calls) ran the batch's `Inflight.then` calls (a conversation's last
+    turn: written, then recorded); on_error(task, error) settles a task whose write failed;
+    on_done(tasks, accepted) is told of each settled batch; slots() and busy(): how many, and
+    whether any is running."""
 
     def __init__(self, write: Callable[[list[dict[str, Any]]], None],
                  ack: Callable[[list[Result]], Awaitable[list[int]]], *,

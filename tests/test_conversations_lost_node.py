@@ -12,8 +12,15 @@ import orjson
 import pytest
 from conftest import genq
 from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
-from test_conversations import PROBE, by_conversation, check_chains, conversation, midway, \
-    requests_served, write_rows
+from test_conversations import (
+    PROBE,
+    by_conversation,
+    check_chains,
+    conversation,
+    midway,
+    requests_served,
+    write_rows,
+)
 from test_s3 import URI, bucket_records, s3  # noqa: F401  (s3: the moto fixture)
 
 from genq.common.queue.keys import RunKeys

@@ -18,12 +18,14 @@ an ``--inflight abort`` switch is no line; a `--redo` that covers the last keeps
 the task runs again (from the made turns, or from turn 1 after a redo of all: state.resume).
 A `requeue --continue` still pending keeps its partials as a one-turn run's does
 (producer/recover.py): a kept conversation's last line, cut at max_tokens, is its partial, so
-its cut turn still goes on from it. Continued turns count as turn.lua and ack.lua counted them
-(a made turn's entry keeps its partial's tokens). Not covered: the boundary_unstable/boundary_checked
-counters (no line says them). Unlike `rebuild`, this reads the shards twice (a third time for
-pending partials) and holds every line's figures in flat arrays (`Newest`, about 90 B a line)
-and each conversation's entry: 818,306 generations of 100,000 conversations took 13.7 s at
-149 MB peak RSS (a dict of tuples a line took 14.8 s at 772 MB; bench/README.md).
+its cut turn still goes on from it. Continued turns count as turn.lua and ack.lua counted
+them (a made turn's entry keeps its partial's tokens). Not covered: the boundary_unstable/
+boundary_checked counters (no line says them). Unlike `rebuild`, this reads the shards
+twice (a third time for pending partials) and holds every line's figures in flat arrays
+(`Newest`, about 98 B a line) and each conversation's entry: measured before the continued
+column (8 B a line more), 818,306 generations of 100,000
+conversations took 13.7 s at 149 MB peak RSS (a dict of tuples a line took 14.8 s at 772 MB;
+bench/README.md).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def _read(raw: bytes, samples: int, total: int) -> tuple[int, int, Line, float] 
 
 
 class Newest:
-    """Every readable, unrefused line's figures, one slot a line in flat arrays (about 90
+    """Every readable, unrefused line's figures, one slot a line in flat arrays (about 98
     bytes a line, not a dict entry and three tuples), and once `settle` ran, the newest line of
     each (task, turn): task's turn t is at win[start[task] + t - 1], -1 where it has none."""
 

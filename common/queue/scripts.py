@@ -22,11 +22,11 @@ from genq.common.queue.keys import (
 )
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
-         "server_renew", "server_release", "server_take", "bump", "invalid", "turn")
+         "server_renew", "server_release", "server_take", "bump", "invalid", "turn", "rewind")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
-LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn")
+LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn", "rewind")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
@@ -156,6 +156,17 @@ def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes
                                made, ended, tokens, server, k.rate_prefix, RATE_BUCKET_S,
                                RATE_BUCKET_TTL_S, continued, version,
                                "" if created_at is None else created_at])
+
+
+def rewind_call(k: RunKeys, rewinds: list[tuple[int, bytes, bytes]]) -> Call:
+    """Conversations (task, where it stands now, its kept turns' messages) back to their kept
+    turns (lua/rewind.lua)."""
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.conv_made, k.conv_end,
+            k.counters, k.rq_queue, k.spent]
+    args: list[Any] = list(_prefixes(k))
+    for task, standing, messages in rewinds:
+        args += [task, k.job_id(task), standing, messages]
+    return Call("rewind", keys, args)
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
