@@ -6,15 +6,14 @@ sequence, recover rebuilds the run that was live: the same status, the same expo
 
 from __future__ import annotations
 
+import functools
 import signal
-import time
 
-import httpx
 import orjson
 import pytest
 from conftest import genq
 from faultkit import Consumer, private_redis
-from pipeline import consume_to_the_end, wait_for
+from pipeline import consume_to_the_end, read_jsonl, wait_for
 from test_conversations import conversation, write_rows
 from test_conversations_recover import exported, going_on
 
@@ -66,47 +65,70 @@ def status(url: str, run: str) -> dict:
     return {"conversations": conv, **{key: st.get(key) for key in STATUS}}
 
 
+def recorded(r, k: RunKeys) -> int:
+    """Turns recorded before conversations' last ones."""
+    return sum(len(orjson.loads(raw)["made"]) for raw in r.hvals(k.conv))
+
+
+def going_on_past(r, k: RunKeys, made: int) -> bool:
+    return going_on(r, k) >= 1 and recorded(r, k) >= made
+
+
+def chat(i: int, turns: int = 5) -> list[dict]:
+    """A conversation of `turns` requests and answers, no tool in it: none diverges, so most
+    turns are turns before a last."""
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"Step {t} of task {i}."},
+                     {"role": "assistant", "content": f"Done with step {t}."}]
+    return messages
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_frozen_consumer_across_an_aborting_requeue_then_redis_lost_recovers_the_live_run(
         tmp_path, run_name, sim_factory):
-    n = 24
-    data = write_rows(tmp_path / "rows.jsonl", [conversation(i) for i in range(n)])
-    sim = sim_factory(time_scale=30, tool_call_rate=0.6, length_dist="lognormal:30:0.4",
-                      max_running_requests=8)
+    """Turns finish under old parameters in the moment after each switch, before a running
+    consumer polls it (every 0.5 s); a frozen one meets the switch only when it thaws."""
+    n = 40
+    data = write_rows(tmp_path / "rows.jsonl", [chat(i) for i in range(n)])
+    sim = sim_factory(time_scale=10, tool_call_rate=0, length_dist="lognormal:30:0.4",
+                      max_running_requests=16)
     out = tmp_path / "out"
     with private_redis() as redis_srv:
         url, r = redis_srv.url, redis_srv.client()
+        k = RunKeys(run_name)
         genq("produce", str(data), "--once", "--turns", "all", "--max-tokens", "60",
              redis_url=url, run=run_name)
-        frozen = Consumer(url, run_name, sim.url, out, vt=20, concurrency=8)
+        frozen = Consumer(url, run_name, sim.url, out / "a", vt=20, concurrency=4)
+        running = Consumer(url, run_name, sim.url, out / "b", vt=20, concurrency=8)
         try:
-            for round_ in range(3):  # each round: answers finish while it is frozen
-                wait_for(lambda: going_on(r, RunKeys(run_name)) >= 2, timeout=60,
-                         what="conversations midway")
+            for version in (2, 3, 4):  # each once a few more turns are made, while some go on
+                wait_for(functools.partial(going_on_past, r, k, recorded(r, k) + 8),
+                         timeout=60, what="more turns made, conversations midway")
                 frozen.signal(signal.SIGSTOP)
-                wait_for(lambda: running(sim) == 0, timeout=30, what="answers made")
-                genq("requeue", "--set", f"temperature=0.{round_ + 1}", "--inflight", "abort",
+                genq("requeue", "--set", f"temperature=0.{version}", "--inflight", "abort",
                      redis_url=url, run=run_name)
-                time.sleep(0.2)  # Redis's clock past the switch
                 frozen.signal(signal.SIGCONT)
+            assert running.wait(120) == 0 and frozen.wait(60) == 0
         finally:
-            frozen.signal(signal.SIGCONT)
-            frozen.cleanup()
-        consume_to_the_end(url, run_name, sim.url, out, "--visibility-timeout", "3")
+            for c in (frozen, running):
+                c.signal(signal.SIGCONT)
+                c.cleanup()
+        consume_to_the_end(url, run_name, sim.url, out / "a", "--visibility-timeout", "3")
+        # The window was met: some line of an older version was written after its switch.
+        switches = [orjson.loads(h) for h in r.lrange(k.params_history, 0, -1)]
+        assert any(h["inflight"] == "abort" and h["version"] > rec["params_version"]
+                   and rec["created_at"] >= h["at"] for h in switches
+                   for shard in out.glob("*/*.jsonl") for rec in read_jsonl(shard))
         live, lines = status(url, run_name), exported(tmp_path, url, run_name, "live.jsonl")
         assert live["done"] == n
         r.flushall()
-        genq("recover", "--shards", str(out), redis_url=url, run=run_name)
+        genq("recover", "--shards", str(out / "a"), "--shards", str(out / "b"),
+             redis_url=url, run=run_name)
         assert status(url, run_name) == live
         assert exported(tmp_path, url, run_name, "recovered.jsonl") == lines
         r.close()
-
-
-def running(sim) -> int:
-    text = httpx.get(sim.url + "/metrics", timeout=5).text
-    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
-               if line.startswith("sglang:num_running_reqs"))
 
 
 @pytest.mark.timeout(240)
