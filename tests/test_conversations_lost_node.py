@@ -26,10 +26,10 @@ from test_s3 import URI, bucket_records, s3  # noqa: F401  (s3: the moto fixture
 from genq.common.queue.keys import RunKeys
 
 
-def export_s3(tmp_path, redis_url: str, run: str, name: str) -> tuple[int, list[dict]]:
+def export(tmp_path, redis_url: str, run: str, name: str, *where: str
+           ) -> tuple[int, list[dict]]:
     out = tmp_path / name
-    done = genq("export", "--from-s3", URI, "--out", str(out), redis_url=redis_url, run=run,
-                check=False)
+    done = genq("export", *where, "--out", str(out), redis_url=redis_url, run=run, check=False)
     return done.returncode, read_jsonl(out) if out.exists() else []
 
 
@@ -39,8 +39,13 @@ def no_gaps(records: list[dict]) -> None:
 
 
 @pytest.mark.timeout(240)
-def test_a_lost_node_is_repaired_by_redo_missing_from_s3_and_the_export_is_whole(
-        tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
+@pytest.mark.parametrize("where", ["s3", "shards"])
+def test_a_lost_node_is_repaired_by_redo_missing_and_the_export_is_whole(
+        tmp_path, redis_url, r, run_name, sim_factory, s3, where):  # noqa: F811
+    """--from-s3 URI: what the nodes shipped; --shards DIR: the surviving node's output (the
+    export then reads the consumers' directories)."""
+    output = ("--from-s3", URI) if where == "s3" else ("--shards", str(tmp_path / "b"))
+    read = ("--from-s3", URI) if where == "s3" else ()
     n = 24
     rows = [conversation(i) for i in range(n)]
     data = write_rows(tmp_path / "rows.jsonl", rows)
@@ -65,20 +70,20 @@ def test_a_lost_node_is_repaired_by_redo_missing_from_s3_and_the_export_is_whole
     consume_to_the_end(redis_url, run_name, kept_sim.url, tmp_path / "b", "--s3-uri", URI,
                        "--visibility-timeout", "3", "--shard-records", "5", "--name", "node-b")
     assert r.bitcount(k.done) == n
-    code, records = export_s3(tmp_path, redis_url, run_name, "before.jsonl")
+    code, records = export(tmp_path, redis_url, run_name, "before.jsonl", *read)
     assert code == 1  # it says what it lacks, and holds no turn without the turns before it
     no_gaps(records)
     shipped = {(rec["index"], rec["turn"], rec["params_version"], rec["attempt"])
                for rec in bucket_records(s3[0], run_name)}
 
-    put_back = genq("requeue", "--redo", "missing", "--from-s3", URI, redis_url=redis_url,
+    put_back = genq("requeue", "--redo", "missing", *output, redis_url=redis_url,
                     run=run_name)
     assert "conversations made again from their earliest missing turn" in put_back.stdout, \
         put_back.stdout
     served = requests_served(new_sim)
     consume_to_the_end(redis_url, run_name, new_sim.url, tmp_path / "c", "--s3-uri", URI,
                        "--name", "node-c")
-    code, records = export_s3(tmp_path, redis_url, run_name, "after.jsonl")
+    code, records = export(tmp_path, redis_url, run_name, "after.jsonl", *read)
     assert code == 0
     chains = check_chains(rows, records)  # every conversation's turns 1..m once, in order
     assert Counter((rec["index"], rec["turn"]) for rec in records).most_common(1)[0][1] == 1
