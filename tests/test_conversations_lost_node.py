@@ -99,3 +99,38 @@ def test_a_lost_node_is_repaired_by_redo_missing_and_the_export_is_whole(
     assert requests_served(new_sim) - served == PROBE + len(again)
     st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
     assert st["done"] == n and st["conversations"]["generations"] == len(records)
+
+
+def test_a_conversation_on_a_consumer_goes_back_and_its_consumer_is_refused(
+        tmp_path, redis_url, r, run_name):
+    """rewind.lua on the real scripts: a conversation leased when the repair runs loses its
+    lease (queued again, its consumer's next turn refused); one whose kept turns changed since
+    they were read is left as it is."""
+    from genq.common.queue import scripts
+    from genq.turns import state
+
+    data = write_rows(tmp_path / "rows.jsonl", [conversation(i) for i in range(2)])
+    genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url, run=run_name)
+    k, runner = RunKeys(run_name), scripts.ScriptRunner(r)
+    _, *rows = runner(scripts.claim_call(k, 2, 60.0, "http://s", "w", "held"))
+    claims = {int(row[1]): (row[0].decode(), row[2].decode()) for row in rows}
+    # Task 0's turn 2 was continued from a 7-token partial; task 1's was not.
+    made = {0: [[1, 1], [1, 1, 7]], 1: [[1, 1], [1, 1]]}
+    for task, (job, exe) in claims.items():
+        assert runner(scripts.turn_call(k, job, task, exe, state.Standing(made[task]).encode(),
+                                        state.pack([{"role": "assistant", "content": "a"}] * 2),
+                                        2, 0, continued=7 if task == 0 else 0, version=1)) == 1
+    assert r.hget(k.counters, "continued|1") == b"1"
+    kept = state.Standing([[1, 1]]).encode(), state.Standing([[1, 2]]).encode()
+    one = state.pack([{"role": "assistant", "content": "a"}])
+    assert runner(scripts.rewind_call(k, [(0, kept[0], one), (1, kept[1], one)])) == 1
+    job, exe = claims[0]
+    assert state.Standing.decode(r.hget(k.conv, "0")).made == [[1, 1]]
+    assert r.execute_command("BITFIELD", k.conv_made, "GET", "u16", "#0") == [1]
+    assert r.hget(k.lease_owner, job) is None and r.lrange(k.rq_queue, 0, -1) == [job.encode()]
+    assert runner(scripts.turn_call(k, job, 0, exe, state.Standing(made[0]).encode(), b"", 2,
+                                    0, version=1)) == 0  # its consumer's next turn: refused
+    assert state.Standing.decode(r.hget(k.conv, "1")).made == made[1]  # read as [1, 2]: left
+    assert r.hget(k.lease_owner, claims[1][0]) is not None
+    # Task 0's continued turn 2, set aside, no longer counts as continued.
+    assert (r.hget(k.counters, "continued|1"), r.hget(k.counters, "saved|1")) == (b"0", b"0")
