@@ -11,6 +11,7 @@ from collections import Counter
 import orjson
 import pytest
 from conftest import genq
+from faultkit import private_redis
 from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
 from test_conversations import (
     PROBE,
@@ -21,6 +22,7 @@ from test_conversations import (
     requests_served,
     write_rows,
 )
+from test_conversations_switch import status
 from test_s3 import URI, bucket_records, s3  # noqa: F401  (s3: the moto fixture)
 
 from genq.common.queue.keys import RunKeys
@@ -41,11 +43,19 @@ def no_gaps(records: list[dict]) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("where", ["s3", "shards"])
 def test_a_lost_node_is_repaired_by_redo_missing_and_the_export_is_whole(
-        tmp_path, redis_url, r, run_name, sim_factory, s3, where):  # noqa: F811
+        tmp_path, run_name, sim_factory, s3, where):  # noqa: F811
     """--from-s3 URI: what the nodes shipped; --shards DIR: the surviving node's output (the
-    export then reads the consumers' directories)."""
+    export then reads the consumers' directories). Redis lost after it, `genq recover` from
+    the same outputs rebuilds the run as it was."""
     output = ("--from-s3", URI) if where == "s3" else ("--shards", str(tmp_path / "b"))
     read = ("--from-s3", URI) if where == "s3" else ()
+    with private_redis() as redis_srv:
+        redis_url, r = redis_srv.url, redis_srv.client()
+        _lose_and_repair(tmp_path, redis_url, r, run_name, sim_factory, s3, output, read)
+
+
+def _lose_and_repair(tmp_path, redis_url: str, r, run_name: str, sim_factory, s3,  # noqa: F811
+                     output: tuple[str, ...], read: tuple[str, ...]) -> None:
     n = 24
     rows = [conversation(i) for i in range(n)]
     data = write_rows(tmp_path / "rows.jsonl", rows)
@@ -99,6 +109,13 @@ def test_a_lost_node_is_repaired_by_redo_missing_and_the_export_is_whole(
     assert requests_served(new_sim) - served == PROBE + len(again)
     st = orjson.loads(genq("status", "--json", redis_url=redis_url, run=run_name).stdout)
     assert st["done"] == n and st["conversations"]["generations"] == len(records)
+    live = status(redis_url, run_name)
+    r.flushall()
+    again_from = ("--from-s3", URI) if read else (
+        "--shards", str(tmp_path / "b"), "--shards", str(tmp_path / "c"), "--partial")
+    genq("recover", *again_from, redis_url=redis_url, run=run_name)
+    assert status(redis_url, run_name) == live
+    assert export(tmp_path, redis_url, run_name, "recovered.jsonl", *read) == (0, records)
 
 
 def test_a_conversation_on_a_consumer_goes_back_and_its_consumer_is_refused(
