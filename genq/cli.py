@@ -63,15 +63,22 @@ def export_main(argv: list[str] | None = None) -> int:
                    help="read the shards from s3://bucket/prefix instead of local directories")
     p.add_argument("--format", choices=export_formats.FORMATS,
                    help="jsonl, parquet (typed columns, bounded row groups) or tokens (a "
-                        "--token-ids run's {id, index, input_ids, loss_mask, finish_reason} "
-                        "lines for drafter training) or conversations (a --turns all run's "
-                        "{id, index, tools, messages} rows, made turns in place); default: "
-                        "parquet for an --out ending .parquet or .pq, else jsonl")
+                        "--token-ids run's {id, index, turn, input_ids, loss_mask, "
+                        "finish_reason, is_tool_call, ended, stopped} rows for drafter "
+                        "training; Parquet for an --out ending .parquet) or conversations (a "
+                        "--turns all run's {id, conversations, tools, meta} rows, made turns "
+                        "in place); default: parquet for an --out ending .parquet or .pq, "
+                        "else jsonl")
+    p.add_argument("--per-turn", action="store_true",
+                   help="with --format conversations: one row per generation, its "
+                        "conversation cut after it (train_only_last_turn)")
     add_common(p)
     a = p.parse_args(argv)
     fmt = export_formats.choose_format(a.out, a.format)  # before Redis: the flags' errors first
     if fmt == "tokens" and a.include_failed:
         p.error("--format tokens writes answers only: drop --include-failed")
+    if a.per_turn and fmt != "conversations":
+        p.error("--per-turn shapes --format conversations: add it, or drop --per-turn")
     if a.from_s3:
         s3.parse_uri(a.from_s3)
     k = run_keys(a.run)
@@ -82,7 +89,8 @@ def export_main(argv: list[str] | None = None) -> int:
     result, kept = export_formats.run_export(r, k, info.total, dirs, a.out, from_s3=a.from_s3,
                                        fmt=fmt, overwrite=a.overwrite,
                                        include_failed=a.include_failed,
-                                       allow_ambiguous=a.allow_ambiguous)
+                                       allow_ambiguous=a.allow_ambiguous,
+                                       per_turn=a.per_turn)
     failed = f" and {result.failed_written} failed" if a.include_failed else ""
     print(f"exported {result.written} records{failed} ({result.done} done of {info.total}) "
           f"from {result.shards} shards to {a.out}")

@@ -31,6 +31,7 @@ from genq.common.queue.replies import text
 from genq.common.queue.scripts import ScriptRunner, reap_call
 from genq.common.report import runhealth
 from genq.common.task import MAX_SAMPLES
+from genq.turns import check
 from genq.turns import splice as turns
 
 logger = structlog.get_logger("producer")
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     k = run_keys(s.run)
     ds = open_dataset(s.dataset)
     ds.check_prompts()  # before Redis: nothing registered for a data set that cannot run
+    # Nor for one whose first rows show it of a shape no server takes.
+    check.first_rows(ds, s.turns == turns.ALL)
     # --once stays interruptible as any command; the windowed producer stops cleanly.
     stop = threading.Event() if s.once else stop_on_signals()
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,

@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seed), then answer in text, as an agent ends a chain",
     )
     p.add_argument(
+        "--parallel-calls",
+        action="store_true",
+        help="an answer that calls, calls every tool of the request at once, the last first "
+        "(a model making a row's parallel calls in its own order)",
+    )
+    p.add_argument(
         "--bad-marker",
         default="__GENQ_BAD__",
         help="a prompt containing this text is rejected with HTTP 400",

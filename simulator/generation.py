@@ -152,7 +152,8 @@ def _call_ids(engine: Engine, data: dict[str, Any], text: str, context: list[int
     to a request with tools calls the first one with probability --tool-call-rate (unless
     tool_choice is "none"), drawn from the prompt's ids and the request's seed apart from the
     length's draw, so the same request decides the same way every time (under --tool-chains,
-    while the request's chain goes on instead); its arguments count the prompt's words."""
+    while the request's chain goes on instead; every tool, the last first, under
+    --parallel-calls); its arguments count the prompt's words."""
     if not _tools_parsed(engine, data):
         return ()
     tools = data["tools"]
@@ -166,8 +167,12 @@ def _call_ids(engine: Engine, data: dict[str, Any], text: str, context: list[int
     elif unit_draw(prompt_key(tokens.split_prompt(context)[0], data.get("seed")) + "|tool",
                    settings.seed) >= settings.tool_call_rate:
         return ()
-    call = toolcalls.call_text(function["name"], {"words": len(text.split())})
-    return tuple(tokens.encode(call, answer=True))
+    names = [function["name"]]
+    if settings.parallel_calls:
+        names = [t["function"]["name"] for t in reversed(tools)
+                 if isinstance(t, dict) and isinstance(t.get("function"), dict)]
+    calls = "\n".join(toolcalls.call_text(name, {"words": len(text.split())}) for name in names)
+    return tuple(tokens.encode(calls, answer=True))
 
 
 def _called(engine: Engine, data: dict[str, Any], content: str, finish: str | None

@@ -98,6 +98,8 @@ class Settings:
     # Instead of the rate: call while the chain after the last user message is shorter than
     # toolcalls.chain_length of that message, then answer in text (an agent's final answer).
     tool_chains: bool = False
+    # An answer that calls, calls every tool of the request at once, in reverse order.
+    parallel_calls: bool = False
     bad_marker: str = "__GENQ_BAD__"
 
     @property

@@ -16,7 +16,7 @@ from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
 
 from genq.common.queue.keys import RunKeys
 from genq.simulator import tokens
-from genq.turns import splice
+from genq.turns import conversations, splice
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
@@ -87,17 +87,24 @@ def by_conversation(records: list[dict]) -> dict[int, list[dict]]:
     return {i: sorted(recs, key=lambda rec: rec["turn"]) for i, recs in out.items()}
 
 
+def ended(last: dict) -> str:
+    """How a conversation that reached its row's last turn ended: on a call, or in text."""
+    return "unanswered" if last.get("tool_calls") else "complete"
+
+
 def export(tmp_path, redis_url, run_name, name: str, *flags: str) -> list[dict]:
     out = tmp_path / name
     genq("export", "--out", str(out), *flags, redis_url=redis_url, run=run_name)
     return read_jsonl(out)
 
 
-def check_chains(rows: list[list[dict]], records: list[dict]) -> dict[int, list[dict]]:
-    """Every conversation has turns 1..m once, m at most its assistant turns, each turn's prompt
-    the row's messages with the turns made before it; only the last may say why it stopped."""
+def check_chains(rows: list[list[dict]], records: list[dict],
+                 only: list[int] | None = None) -> dict[int, list[dict]]:
+    """Every conversation (of `only`, else all) has turns 1..m once, m at most its assistant
+    turns, each turn's prompt the row's messages with the turns made before it; only the last
+    may say why it stopped, and one ending on a call no one answers says so."""
     chains = by_conversation(records)
-    assert sorted(chains) == list(range(len(rows)))
+    assert sorted(chains) == (list(range(len(rows))) if only is None else only)
     for index, chain in chains.items():
         messages = rows[index]
         assert [rec["turn"] for rec in chain] == list(range(1, len(chain) + 1)), index
@@ -111,9 +118,9 @@ def check_chains(rows: list[list[dict]], records: list[dict]) -> dict[int, list[
         *before, last = chain
         assert all("stopped" not in rec and "ended" not in rec for rec in before)
         assert last["ended"] == ("truncated" if last["finish_reason"] == "length" else
-                                 last.get("stopped", "complete"))
+                                 last.get("stopped", ended(last)))
         if len(chain) < len(splice.assistant_turns(messages)):
-            assert last["stopped"] in ("diverged", "truncated"), last
+            assert last["stopped"] in ("diverged", "truncated", "unanswered"), last
             assert (last["stopped"] == "truncated") == (last["finish_reason"] == "length")
             assert last["stopped_detail"].startswith(f"turn {last['turn']} ")
         else:
@@ -167,7 +174,7 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
     assert conv["generations_per_s"] > status["rate"]["req_per_s"] > 0
     # How each ended: cut at max_tokens (at its last turn too), diverged, or complete.
     ends = ["truncated" if chain[-1]["finish_reason"] == "length" else
-            chain[-1].get("stopped", "complete") for chain in chains.values()]
+            chain[-1].get("stopped", ended(chain[-1])) for chain in chains.values()]
     assert conv["stopped"] == {why: ends.count(why) for why in set(ends)}
     truncated = {i: chain[-1] for i, chain in chains.items()
                  if chain[-1]["finish_reason"] == "length"}
@@ -179,8 +186,8 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
 
     # --format conversations: one row a conversation, its made turns in place, cut where it
     # stopped.
-    shaped = {row["index"]: row for row in export(tmp_path, redis_url, run_name, "conv.jsonl",
-                                                  "--format", "conversations")}
+    shaped = {row["meta"]["index"]: row for row in export(
+        tmp_path, redis_url, run_name, "conv.jsonl", "--format", "conversations")}
     assert sorted(shaped) == list(range(n))
     for index, chain in chains.items():
         row = shaped[index]
@@ -192,7 +199,7 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
                             last.get("tool_calls"))
         if "stopped" not in last and isinstance(tail, list):
             expected += tail  # the tool results answering its last call, if it made one
-        assert row["messages"] == expected, index
+        assert row["conversations"] == conversations.as_strings(expected), index
 
     # The 8k pivot per turn: a truncated conversation is made again from its truncated turn
     # with a larger budget; its earlier turns are kept, never asked again.

@@ -61,3 +61,12 @@ def test_calls_until_the_chain_length_then_answers_in_text(sim_factory) -> None:
         first = chain_length(REQUESTS[0], 5)
         assert answer(sim.url, again)["finish_reason"] == "tool_calls"
         assert answer(sim.url, again + results(first))["finish_reason"] == "stop"
+
+
+def test_parallel_calls_call_every_tool_the_last_first(sim_factory) -> None:
+    sim = sim_factory(**FAST, parallel_calls=True)
+    choice = answer(sim.url, [{"role": "user", "content": REQUESTS[0]}])
+    calls = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in calls] == ["write_file", "read_file"]
+    assert len({c["id"] for c in calls}) == 2

@@ -54,8 +54,8 @@ def test_records_keep_the_servers_own_ids_and_export_them_for_drafters(
     tokens = tmp_path / "tokens.jsonl"
     genq("export", "--out", str(tokens), "--format", "tokens", redis_url=redis_url, run=run_name)
     ds = datasets.load_dataset("json", data_files=str(tokens), split="train")
-    assert sorted(ds.column_names) == ["finish_reason", "id", "index", "input_ids", "loss_mask",
-                                       "turn"]
+    assert sorted(ds.column_names) == ["ended", "finish_reason", "id", "index", "input_ids",
+                                       "is_tool_call", "loss_mask", "stopped", "turn"]
     assert len(ds) == 12
     for sample in ds:
         rec = records[sample["index"]]

@@ -100,14 +100,18 @@ def regenerated(content: str | None, *calls: str) -> dict:
                            for n, name in enumerate(calls)] or None}
 
 
+# The row's result for the call, as it follows the regenerated call: with that call's id and name.
+ANSWERED = {**TWO_TURNS[3], "tool_call_id": "call_0", "name": "run_shell"}
+
+
 def test_turns_are_the_assistant_messages_and_each_prompt_is_what_comes_before():
     assert turns.assistant_turns(TWO_TURNS) == [2, 4]
     assert turns.prompt(TWO_TURNS, 1, []) == TWO_TURNS[:2]
     made = regenerated(None, "run_shell")
     # Turn 2 is given the regenerated turn 1, with the row's tool result after it.
-    assert turns.prompt(TWO_TURNS, 2, [made]) == [*TWO_TURNS[:2], made, TWO_TURNS[3]]
+    assert turns.prompt(TWO_TURNS, 2, [made]) == [*TWO_TURNS[:2], made, ANSWERED]
     assert turns.prompt(TWO_TURNS, 3, [made, TWO_TURNS[4]]) == [
-        *TWO_TURNS[:2], made, *TWO_TURNS[3:]]
+        *TWO_TURNS[:2], made, ANSWERED, TWO_TURNS[4]]
     with pytest.raises(ValueError, match="turn 2 needs the 1 turns before it, not 0"):
         turns.prompt(TWO_TURNS, 2, [])
 
@@ -123,7 +127,7 @@ def test_last_drops_a_trailing_assistant_turn_and_answers_anything_else_whole():
 
 def test_the_rows_tool_results_follow_a_turn_that_calls_the_same_tools_else_it_stops():
     assert turns.after(TWO_TURNS, 1, "tool_calls", regenerated(None, "run_shell")["tool_calls"]
-                       ) == [TWO_TURNS[3]]
+                       ) == [ANSWERED]
     assert turns.after(TWO_TURNS, 2, "stop", None) == []  # the last turn: nothing follows
     assert turns.after(TWO_TURNS, 1, "length", None) == turns.Stop(
         turns.TRUNCATED, "turn 1 reached max_tokens")
@@ -148,3 +152,42 @@ def test_a_made_call_the_server_would_not_take_back_stops_the_conversation():
         made[0]["function"]["arguments"] = arguments
         assert turns.after(TWO_TURNS, 1, "tool_calls", made) == turns.Stop(
             turns.DIVERGED, "turn 1 called run_shell with arguments that are not a JSON object")
+
+
+def test_calls_of_one_name_get_the_result_of_the_row_call_with_their_arguments() -> None:
+    """Among calls of one name: the same arguments where they match, else in order; a result
+    names the call it answers by id, whatever order the row lists the results in."""
+    def read(path: str, id_: str) -> dict:
+        return {"id": id_, "type": "function",
+                "function": {"name": "run_shell", "arguments": json.dumps({"cmd": path})}}
+
+    row = [{"role": "user", "content": "Look."},
+           {"role": "assistant", "content": None,
+            "tool_calls": [read("ls", "r1"), read("pwd", "r2"), read("date", "r3")]},
+           {"role": "tool", "tool_call_id": "r2", "content": "/home"},
+           {"role": "tool", "tool_call_id": "r1", "content": "a.py"},
+           {"role": "tool", "tool_call_id": "r3", "content": "Sunday"},
+           {"role": "assistant", "content": "Done."}]
+    made = [read("pwd", "m1"), read("cat x", "m2"), read("ls", "m3")]
+    spliced = turns.after(row, 1, "tool_calls", made)
+    assert [(m["tool_call_id"], m["name"], m["content"]) for m in spliced] == [
+        ("m1", "run_shell", "/home"), ("m2", "run_shell", "Sunday"), ("m3", "run_shell", "a.py")]
+    made_turn = {"role": "assistant", "content": None, "tool_calls": made}
+    assert turns.prompt(row, 2, [made_turn]) == [row[0], made_turn, *spliced]
+    # Three calls, one result: a made call whose row call has no result stops there.
+    stop = turns.after(row[:3] + row[5:], 1, "tool_calls", made)
+    assert stop == turns.Stop("unanswered", "turn 1 called run_shell; the row has no result "
+                                            "for it")
+
+
+def test_how_a_conversation_ended_reads_the_same_in_a_bitfield_an_older_genq_wrote() -> None:
+    """conv_end had 2 bits for complete/diverged/truncated above a 14-bit turn; `unanswered`
+    took a third bit, and the old values keep their meaning."""
+    from genq.turns.state import END_NAMES, TURN_BITS, Standing
+
+    for code, end in ((1, "complete"), (2, "diverged"), (3, "truncated")):
+        old = code << 14 | 7
+        assert Standing(end=end, last=7).ended() == old
+        assert (END_NAMES[old >> TURN_BITS], old & ((1 << TURN_BITS) - 1)) == (end, 7)
+    ended = Standing(end="unanswered", last=7).ended()
+    assert END_NAMES[ended >> TURN_BITS] == "unanswered" and ended & 0x1FFF == 7

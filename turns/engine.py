@@ -28,7 +28,7 @@ from genq.common.sglang.stream import Completion
 from genq.common.task import Task
 from genq.consumer.commit import MAX_BATCH
 from genq.consumer.leases import ACCEPTED, SUPERSEDED, Inflight
-from genq.turns import splice, state
+from genq.turns import check, splice, state
 from genq.turns.state import COMPLETE, Standing
 
 if TYPE_CHECKING:
@@ -53,6 +53,8 @@ class Conversations:
         """The conversation's last turn (record, completion) for the Committer; None if it
         ended otherwise: given back at a stop (its made turns stay), or its lease lost."""
         c, lease, row = self.c, inflight.lease, prompt.messages
+        if (fault := check.fault(row, prompt.tools)) is not None:  # before it costs a request
+            raise BadTask(prompt.index, f"row {prompt.index}: {fault}")
         count = splice.count(row)
         standing = await c.retry(lambda: state.resume(c.redis, c.keys, lease.index,
                                                       lease.version))
@@ -94,7 +96,8 @@ class Conversations:
                 if isinstance(follow, splice.Stop):
                     record.update(stopped=follow.reason, stopped_detail=follow.detail)
                 end = splice.TRUNCATED if completion.finish_reason == "length" else (
-                    follow.reason if follow else COMPLETE)
+                    follow.reason if follow else
+                    splice.UNANSWERED if completion.tool_calls else COMPLETE)
                 record["ended"] = end  # the conversation's last generation: recover finds it
                 # Recorded by the Committer once written, just before its ack (consumer/commit.py).
                 inflight.then = self.call(inflight, Standing(made, end=end, last=turn), b"",

@@ -20,15 +20,15 @@ import orjson
 import redis
 
 from genq.common.data.dataset import open_dataset
-from genq.common.data.records import is_failure, parse_line
+from genq.common.data.records import failed_record, is_failure, parse_line
 from genq.common.data.shards import shard_lines
-from genq.common.errors import GenqError
 from genq.common.queue import bitmap
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.store import export as results
 from genq.common.task import task_of
+from genq.turns import conversations as shape
 from genq.turns import splice
 from genq.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
 
@@ -176,67 +176,104 @@ def truncated(r: redis.Redis, k: RunKeys, dirs: list[str]) -> Iterator[dict[str,
 
 
 def export(r: redis.Redis, k: RunKeys, total: int, dirs: list[str], out: str, *,
-           conversations: bool = False, include_failed: bool = False,
+           conversations: bool = False, per_turn: bool = False, include_failed: bool = False,
            allow_ambiguous: bool = False) -> results.ExportResult:
     """One line per accepted generation (by task, then turn), or with `conversations` one row
-    per done conversation: {id, index, [sample,] tools, messages}, its made turns in place of
-    the row's and cut where it stopped. Written beside `out`, then renamed into place."""
-    if include_failed:
-        raise GenqError("--include-failed in a --turns all run: a failed conversation's "
-                        "accepted turns are written as any; its reason is in `genq status`")
+    per done conversation (turns/conversations.py), or with `per_turn` too one per generation;
+    with `include_failed`, each failed conversation after its made turns: its reason and how
+    many turns it made. Written beside `out`, then renamed into place."""
     info = runs.load(r, k)
     keys, done_raw = accepted_keys(r, k)
     paths = results.shard_paths(dirs, k.run)
     torn = _pick(paths, keys, info.samples)
     missing = keys.missing()
-    done = int(r.bitcount(k.done))
+    failed = _failed(r, k, total, info.samples) if include_failed else {}
+    write = _Writer(info, done_raw, set(missing), failed,
+                    "jsonl" if not conversations else "per_turn" if per_turn else "whole")
     tmp = f"{out}.tmp-{os.getpid()}"
-    written = 0
     try:
         with open(tmp, "wb") as w:
-            if conversations:
-                written = _conversations(w, _lines(paths, keys), info, done_raw, set(missing))
-            else:
-                for _task, _turn, line in _lines(paths, keys):
-                    w.write(line)
-                    written += 1
+            for task, lines in _by_task(_lines(paths, keys), failed):
+                w.write(write(task, lines))
             w.flush()
             os.fsync(w.fileno())
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return results.ExportResult(written=written, done=done, missing=missing[:20],
-                                torn_lines=torn, shards=len(paths), not_accepted=[],
-                                not_accepted_count=0, failed_written=0)
+    return results.ExportResult(written=write.written, done=int(r.bitcount(k.done)),
+                                missing=missing[:20], torn_lines=torn, shards=len(paths),
+                                not_accepted=[], not_accepted_count=0,
+                                failed_written=write.failed_written)
 
 
-def _conversations(w: Any, lines: Iterator[tuple[int, int, bytes]], info: runs.RunInfo,
-                   done_raw: bytes, missing: set[int]) -> int:
-    """Write one row per done conversation whose every line was found; how many."""
-    dataset = open_dataset(info.dataset, info.dataset_version)
-    written, task = 0, -1
-    made: list[dict[str, Any]] = []
+def _failed(r: redis.Redis, k: RunKeys, total: int, samples: int) -> dict[int, dict[str, Any]]:
+    """Each failed task's record (records.failed_record): its reason's kind, as Redis keeps
+    it."""
+    tasks = list(bitmap.set_indices(blob(r.get(k.failed)), below=total))
+    return {task: failed_record(run=k.run, task=task, samples=samples, error=reason)
+            for task, reason in zip(tasks, runs.failure_reasons(r, k, tasks), strict=True)}
 
-    def flush() -> int:
-        if task < 0 or task in missing or not bitmap.is_set(done_raw, task):
-            return 0
-        row = dataset.prompt(task // info.samples)
-        messages = splice.prompt(row.messages, len(made), made[:-1]) + made[-1:]
-        out: dict[str, Any] = {"id": row.id if row.id is not None else row.index,
-                               "index": row.index}
-        if info.samples > 1:
-            out["sample"] = task % info.samples
-        out.update(tools=row.tools, messages=messages)
-        w.write(orjson.dumps(out) + b"\n")
-        return 1
 
+def _by_task(lines: Iterator[tuple[int, int, bytes]], failed: dict[int, Any]
+             ) -> Iterator[tuple[int, list[bytes]]]:
+    """(task, its lines in turn order) of each task with a line or a failure, in order."""
+    pending = iter(sorted(failed))
+    nxt = next(pending, None)
+    task, group = -1, list[bytes]()
     for now, _turn, line in lines:
         if now != task:
-            written += flush()
-            task, made = now, []
-        made.append(splice.message_of(orjson.loads(line)))
-    return written + flush()
+            if task >= 0:
+                yield task, group
+            while nxt is not None and nxt < now:
+                if nxt != task:
+                    yield nxt, []
+                nxt = next(pending, None)
+            task, group = now, list[bytes]()
+        group.append(line)
+    if task >= 0:
+        yield task, group
+    while nxt is not None:
+        if nxt != task:
+            yield nxt, []
+        nxt = next(pending, None)
+
+
+class _Writer:
+    """What the export writes of one task's lines, in its `shape`: "jsonl" (the lines, as
+    they are), "whole" or "per_turn" (turns/conversations.py); a failed task's reason after
+    them. Counts the rows and failed tasks written."""
+
+    def __init__(self, info: runs.RunInfo, done_raw: bytes, missing: set[int],
+                 failed: dict[int, dict[str, Any]], shape: str) -> None:
+        self.info, self.done_raw, self.missing, self.failed = info, done_raw, missing, failed
+        self.shape = shape
+        self.dataset = open_dataset(info.dataset, info.dataset_version) \
+            if shape != "jsonl" else None
+        self.written = self.failed_written = 0
+
+    def __call__(self, task: int, lines: list[bytes]) -> bytes:
+        reason = self.failed.get(task)
+        self.failed_written += reason is not None
+        if self.shape == "jsonl":
+            self.written += len(lines)
+            tail = [orjson.dumps({**reason, "turns": len(lines)}) + b"\n"] if reason else []
+            return b"".join(lines + tail)
+        if task in self.missing:  # a generation's line was not found: no row can be whole
+            return b""
+        prompt = self.dataset.prompt(task // self.info.samples)  # type: ignore[union-attr]
+        records = [orjson.loads(line) for line in lines]
+        samples, done = self.info.samples, bitmap.is_set(self.done_raw, task)
+        rows = []
+        if self.shape == "per_turn":
+            rows = shape.per_turn(prompt, task, samples, records, done)
+        elif done and records:
+            rows = [shape.whole(prompt, task, samples, records)]
+        self.written += len(rows)
+        if reason:
+            fields = {key: reason[key] for key in ("status", "error", "error_kind")}
+            rows.append(shape.failed(prompt, task, samples, records, fields))
+        return b"".join(orjson.dumps(row) + b"\n" for row in rows)
 
 
 def figures(r: redis.Redis, k: RunKeys, total: int) -> dict[str, Any]:

@@ -12,18 +12,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+from genq.turns import check
 
 Message = dict[str, Any]
 # A run's --turns: LAST makes one answer a row (its final assistant turn, or the next); ALL
 # makes every assistant turn in order (turns/engine.py).
 LAST, ALL = "last", "all"
-DIVERGED, TRUNCATED = "diverged", "truncated"  # why a conversation stopped before its end
+# Why a conversation stopped before its end: a made turn unlike the row's, one cut at
+# max_tokens, or a made call the row has no result for.
+DIVERGED, TRUNCATED, UNANSWERED = "diverged", "truncated", "unanswered"
 
 
 @dataclass(frozen=True)
 class Stop:
-    """A conversation ends at this turn: `reason` DIVERGED or TRUNCATED, `detail` says more."""
+    """A conversation ends at this turn: `reason` DIVERGED, TRUNCATED or UNANSWERED, `detail`
+    says more."""
 
     reason: str
     detail: str = ""
@@ -66,64 +69,122 @@ def prompt(messages: Sequence[Message], turn: int,
            before: Sequence[Message]) -> list[Message]:
     """Turn `turn`'s prompt messages: the row's system, user and tool messages before it, with
     `before[i]` in place of assistant turn i + 1 (the regenerated turns: content,
-    reasoning_content, tool_calls). A turn past the row's last assistant turn is the answer to
-    all of it. The row's `tools` go beside these, unchanged."""
+    reasoning_content, tool_calls), each made call followed by the row's result for it
+    (`after`). A turn past the row's last assistant turn is the answer to all of it. The row's
+    `tools` go beside these, unchanged."""
     at = assistant_turns(messages)
     if len(before) != turn - 1:
         raise ValueError(f"turn {turn} needs the {turn - 1} turns before it, not {len(before)}")
     end = at[turn - 1] if turn <= len(at) else len(messages)
-    given = iter(before)
-    return [next(given) if m.get("role") == "assistant" else m for m in messages[:end]]
+    out = list(messages[:at[0] if at else end])
+    for n, made in enumerate(before):
+        rest = messages[at[n] + 1:at[n + 1] if n + 1 < len(at) else len(messages)]
+        results = _results(messages, at[n])
+        spliced = _spliced(messages, at[n], n + 1, made.get("tool_calls"))
+        # A made turn `after` let through always matches; else the row's own results stay.
+        out += [made, *(spliced if isinstance(spliced, list) else results),
+                *rest[len(results):]]
+    return out
 
 
 def last(messages: Sequence[Message]) -> tuple[list[Message], int]:
-    """`--turns last`: (the prompt, the turn it makes). A row ending with an assistant turn has
-    that turn made anew, so genq never answers after an answer; one ending with a user or tool
-    message is answered whole, as its next turn."""
+    """`--turns last`: (the prompt, the turn it makes): the row as it is, up to that turn. A
+    row ending with an assistant turn has that turn made anew, so genq never answers after an
+    answer; one ending with a user or tool message is answered whole, as its next turn."""
     at = assistant_turns(messages)
     turn = count(messages)
-    return prompt(messages, turn, [messages[i] for i in at[:turn - 1]]), turn
-
-
-def _names(calls: Sequence[Message] | None) -> Counter[str]:
-    return Counter(str((c.get("function") or {}).get("name")) for c in calls or ())
+    return list(messages[:at[turn - 1] if turn <= len(at) else len(messages)]), turn
 
 
 def after(messages: Sequence[Message], turn: int, finish_reason: str | None,
           tool_calls: Sequence[Message] | None) -> list[Message] | Stop:
-    """What follows regenerated turn `turn`: the row's tool messages that answered the original
-    turn (spliced in unchanged, since tools are not run), when the regenerated calls name the
-    same tools in the same number; otherwise a Stop. A turn cut at max_tokens stops the
-    conversation, since the next turn needs its end."""
+    """What follows regenerated turn `turn`: the row's results for its calls (tools are not
+    run), when they call the same tools as the row's turn, as many times; otherwise a Stop. A
+    turn cut at max_tokens stops the conversation, since the next turn needs its end; so does
+    a call the row has no result for."""
     if finish_reason == "length":
         return Stop(TRUNCATED, f"turn {turn} reached max_tokens")
     for call in tool_calls or ():
-        if not _object(call.get("function") or {}):
+        if check.arguments(call.get("function") or {}) is None:
             name = (call.get("function") or {}).get("name")
             return Stop(DIVERGED, f"turn {turn} called {name} with arguments that are not a "
                         "JSON object")
-    at = assistant_turns(messages)[turn - 1]
-    made, asked = _names(tool_calls), _names(messages[at].get("tool_calls"))
-    if made != asked:
-        return Stop(DIVERGED, f"turn {turn} called {_said(made)}; the row's called {_said(asked)}")
-    answers = []
+    return _spliced(messages, assistant_turns(messages)[turn - 1], turn, tool_calls)
+
+
+def _spliced(messages: Sequence[Message], at: int, turn: int,
+             calls: Sequence[Message] | None) -> list[Message] | Stop:
+    """The row's results (tool messages after assistant message `at`, the row's turn `turn`)
+    for the made `calls`, in their order, each carrying its call's id and name: a made call
+    gets the result of the row's call of its name (among calls of one name, the one with the
+    same arguments where they match, else the next in order)."""
+    asked = messages[at].get("tool_calls") or []
+    made, names = _names(calls), _names(asked)
+    if made != names:
+        return Stop(DIVERGED, f"turn {turn} called {_said(made)}; the row's called {_said(names)}")
+    results, out = _answered(asked, _results(messages, at)), []
+    for call, row_call in zip(calls or (), _match(calls or (), asked), strict=True):
+        result = results[row_call]
+        if result is None:
+            return Stop(UNANSWERED, f"turn {turn} called {_name(call)}; the row has no result "
+                        "for it")
+        out.append({**result, **({"tool_call_id": call["id"]} if call.get("id") else {}),
+                    "name": _name(call)})
+    return out
+
+
+def _results(messages: Sequence[Message], at: int) -> list[Message]:
+    """The tool messages right after message `at`."""
+    out = []
     for m in messages[at + 1:]:
         if m.get("role") != "tool":
             break
-        answers.append(m)
-    return answers
+        out.append(m)
+    return out
 
 
-def _object(function: Message) -> bool:
-    """Whether a call's arguments are a JSON object: the one shape a server takes back in the
-    next turn's prompt (SGLang refuses `""`, which a named tool_choice without `strict` makes)."""
-    arguments = function.get("arguments")
-    if isinstance(arguments, dict):
-        return True
-    try:
-        return isinstance(orjson.loads(arguments or ""), dict)
-    except orjson.JSONDecodeError:
-        return False
+def _answered(calls: Sequence[Message], results: Sequence[Message]) -> list[Message | None]:
+    """Each of the row's calls' result: the one naming its id, else the next unclaimed in
+    order; None where the row has none."""
+    ids = [call.get("id") for call in calls]
+    out: list[Message | None] = [None] * len(calls)
+    unnamed = []
+    for result in results:
+        named = [n for n, i in enumerate(ids) if i is not None and i == result.get("tool_call_id")
+                 and out[n] is None]
+        if named:
+            out[named[0]] = result
+        else:
+            unnamed.append(result)
+    rest = iter(unnamed)
+    return [result if result is not None else next(rest, None) for result in out]
+
+
+def _match(made: Sequence[Message], asked: Sequence[Message]) -> list[int]:
+    """For each made call, which of the row's calls (of as many of each name) it is: the same
+    name and arguments first, then the same name, in order."""
+    free, out = list(range(len(asked))), [-1] * len(made)
+    for same_arguments in (True, False):
+        for n, call in enumerate(made):
+            for row_call in free if out[n] < 0 else ():
+                if _name(asked[row_call]) == _name(call) and (not same_arguments or _arguments(
+                        asked[row_call]) == _arguments(call)):
+                    out[n] = row_call
+                    free.remove(row_call)
+                    break
+    return out
+
+
+def _name(call: Message) -> str:
+    return str((call.get("function") or {}).get("name"))
+
+
+def _arguments(call: Message) -> dict[str, Any] | None:
+    return check.arguments(call.get("function") or {})
+
+
+def _names(calls: Sequence[Message] | None) -> Counter[str]:
+    return Counter(map(_name, calls or ()))
 
 
 def _said(names: Counter[str]) -> str:

@@ -27,10 +27,13 @@ from genq.turns import splice
 Entry = list[int]
 VERSION, ATTEMPT = 0, 1
 COMPLETE = "complete"  # a conversation that reached its last turn (else splice.DIVERGED, ...)
-# How a conversation ended, as conv_end keeps it (top 2 bits of 16; the turn below them).
-END_CODES = {COMPLETE: 1, splice.DIVERGED: 2, splice.TRUNCATED: 3}
+# How a conversation ended, as conv_end keeps it (top 3 bits of 16; the turn below them).
+# splice.UNANSWERED: its last made turn called tools no result answers (at the row's end, or
+# stopped where the row has none). The even codes are the 2-bit ones of before, so a run's
+# bitfield written by an older genq reads the same.
+END_CODES = {COMPLETE: 2, splice.DIVERGED: 4, splice.TRUNCATED: 6, splice.UNANSWERED: 1}
 END_NAMES = {code: name for name, code in END_CODES.items()}
-TURN_BITS = 14
+TURN_BITS = 13
 
 _compress = zstandard.ZstdCompressor(level=3)
 _decompress = zstandard.ZstdDecompressor()
@@ -40,7 +43,7 @@ _decompress = zstandard.ZstdDecompressor()
 class Standing:
     made: list[Entry] = field(default_factory=list)  # turns 1..n, before the last
     messages: list[dict[str, Any]] = field(default_factory=list)  # their assistant messages
-    end: str = ""  # once its last turn is made: COMPLETE, DIVERGED or TRUNCATED
+    end: str = ""  # once its last turn is made: an END_CODES name
     last: int = 0  # that turn's number
 
     def ended(self) -> int:

@@ -141,7 +141,7 @@ class RunKeys:
     conv_made = _Own("BITFIELD u16 per index, in a `--turns all` run: its conversation's "
                      "accepted generations before its last (status sums them).")
     conv_end = _Own("BITFIELD u16 per index, in a `--turns all` run: how its conversation ended "
-                    "(turns/state.py END_CODES, top 2 bits) and at which turn (14 bits); 0 "
+                    "(turns/state.py END_CODES, top 3 bits) and at which turn (13 bits); 0 "
                     "while it runs.")
     params = _Own("Hash: version -> JSON parameters.")
     params_version = _Own("String: the current parameter version.")

@@ -31,6 +31,8 @@ _FIELDS = {  # field -> pyarrow type name; everything else goes into the ``extra
     "attempt": "int32", "finish_reason": "string", "prompt_tokens": "int64",
     "completion_tokens": "int64", "reasoning_content": "string", "content": "string",
     "server": "string", "model": "string", "latency_s": "float64", "created_at": "float64",
+    # A --turns all conversation's last generation: how it ended, why it stopped early.
+    "ended": "string", "stopped": "string",
 }
 # A --token-ids run's ids, as lists of int32 (a vocabulary fits; half the bytes of int64).
 _ID_FIELDS = ("prompt_token_ids", "completion_token_ids")
@@ -70,25 +72,58 @@ SUFFIX_FORMATS = {".jsonl": "jsonl", ".parquet": "parquet", ".pq": "parquet"}
 FORMATS = ("jsonl", "parquet", "tokens", "conversations")
 
 
-def to_tokens(src: str, out: str) -> None:
-    """Copy ``src`` (export's JSONL) into lines {id, index, turn, input_ids, loss_mask,
-    finish_reason}, one per generation:
-    input_ids the prompt's ids then the completion's, loss_mask 0 on the prompt and 1 on the
-    completion, as vLLM's speculators and SpecForge read pre-tokenized samples."""
-    with open(src, "rb") as f, open(out, "wb") as w:
-        for line in f:
-            rec = orjson.loads(line)
-            prompt, completion = rec.get("prompt_token_ids"), rec.get("completion_token_ids")
-            if prompt is None or completion is None:
-                raise GenqError(f"index {rec['index']} has no token ids: --format tokens needs a "
-                                "run made with `genq produce --token-ids`")
-            where = {"sample": rec["sample"]} if "sample" in rec else {}  # --samples K
-            turn = {"turn": rec["turn"]} if "turn" in rec else {}  # records before turns: none
-            w.write(orjson.dumps({
-                "id": rec.get("id", rec["index"]), "index": rec["index"], **where, **turn,
-                "input_ids": prompt + completion,
-                "loss_mask": [0] * len(prompt) + [1] * len(completion),
-                "finish_reason": rec["finish_reason"]}) + b"\n")
+# --format tokens: one row a generation, as Parquet columns (JSON lines write the same keys).
+_TOKEN_FIELDS = {"id": "string", "index": "int64", "sample": "int32", "turn": "int32",
+                 "finish_reason": "string", "is_tool_call": "bool_", "ended": "string",
+                 "stopped": "string"}
+
+
+def token_row(rec: dict[str, Any], samples: bool) -> dict[str, Any]:
+    """A generation's pre-tokenized row: input_ids the prompt's ids then the completion's,
+    loss_mask 0 on the prompt and 1 on the completion (as vLLM's speculators and SpecForge
+    read them); its turn, whether it called tools, and on a conversation's last generation
+    how it ended, to filter on."""
+    prompt, completion = rec.get("prompt_token_ids"), rec.get("completion_token_ids")
+    if prompt is None or completion is None:
+        raise GenqError(f"index {rec['index']} has no token ids: --format tokens needs a "
+                        "run made with `genq produce --token-ids`")
+    return {"id": rec.get("id", rec["index"]), "index": rec["index"],
+            **({"sample": rec.get("sample", 0)} if samples else {}),
+            "turn": rec.get("turn", 1),  # records made before turns: the one answer
+            "input_ids": prompt + completion,
+            "loss_mask": [0] * len(prompt) + [1] * len(completion),
+            "finish_reason": rec["finish_reason"], "is_tool_call": bool(rec.get("tool_calls")),
+            "ended": rec.get("ended"), "stopped": rec.get("stopped")}
+
+
+def to_tokens(src: str, out: str, samples: bool, parquet: bool = False) -> None:
+    """Copy ``src`` (export's JSONL) into token rows (``token_row``), one per generation, as
+    JSON lines or, with ``parquet``, in bounded row groups (ids as int32 lists)."""
+    with open(src, "rb") as f:
+        rows = (token_row(orjson.loads(line), samples) for line in f)
+        if not parquet:
+            with open(out, "wb") as w:
+                for row in rows:
+                    w.write(orjson.dumps(row) + b"\n")
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        fields = [pa.field(name, getattr(pa, kind)()) for name, kind in _TOKEN_FIELDS.items()
+                  if samples or name != "sample"]
+        arrow_schema = pa.schema([*fields, pa.field("input_ids", pa.list_(pa.int32())),
+                                  pa.field("loss_mask", pa.list_(pa.int8()))])
+        with pq.ParquetWriter(out, arrow_schema, compression="zstd") as w:
+            batch: list[dict[str, Any]] = []
+            for row in rows:
+                if not isinstance(row["id"], str):
+                    row["id"] = orjson.dumps(row["id"]).decode()  # one type: a string
+                batch.append(row)
+                if len(batch) >= ROW_GROUP_ROWS:
+                    w.write_table(pa.Table.from_pylist(batch, schema=arrow_schema))
+                    batch = []
+            if batch:
+                w.write_table(pa.Table.from_pylist(batch, schema=arrow_schema))
 
 
 def choose_format(out: str, fmt: str | None) -> str:
@@ -96,7 +131,8 @@ def choose_format(out: str, fmt: str | None) -> str:
     contradicts is a usage error (the file's name would lie about its content)."""
     named = SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower())
     lines = named == "jsonl" and fmt in ("tokens", "conversations")  # JSON lines too
-    if fmt and named and fmt != named and not lines:
+    tokens_parquet = (fmt, named) == ("tokens", "parquet")  # token rows as Parquet
+    if fmt and named and fmt != named and not lines and not tokens_parquet:
         raise UsageError(f"--format {fmt} contradicts --out {out}, a {named} name: drop "
                          "--format or change the name")
     return fmt or named or "jsonl"
@@ -169,8 +205,10 @@ def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
             dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="genq-s3-"))]
             store.fetch_run(store.parse_uri(from_s3), k.run, dirs[0])
         write = export.export
+        per_turn = options.pop("per_turn", False)
         if runs.load(r, k).turns == splice.ALL:  # one line per generation, or conversations
-            write = functools.partial(turns_export.export, conversations=fmt == "conversations")
+            write = functools.partial(turns_export.export, conversations=fmt == "conversations",
+                                      per_turn=per_turn)
         elif fmt == "conversations":
             raise UsageError("--format conversations needs a run made with `genq produce "
                              "--turns all`; this one makes one answer a row")
@@ -181,6 +219,10 @@ def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
             prefix="genq-export-", dir=os.path.dirname(os.path.abspath(out))))
         jsonl, final = os.path.join(tmp, "export.jsonl"), os.path.join(tmp, "export.final")
         result = write(r, k, total, dirs, jsonl, **options)
-        (jsonl_to_parquet if fmt == "parquet" else to_tokens)(jsonl, final)
+        if fmt == "parquet":
+            jsonl_to_parquet(jsonl, final)
+        else:  # tokens: Parquet by --out's name, as for records
+            to_tokens(jsonl, final, runs.samples_of(r, k) > 1,
+                      parquet=SUFFIX_FORMATS.get(os.path.splitext(out)[1].lower()) == "parquet")
         os.replace(final, out)
         return result
