@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from genq.common.queue.scripts import Result
+from genq.common.queue.scripts import Call, Result
 from genq.common.sglang.stream import Completion
 from genq.consumer.backoff import ShuttingDown
 from genq.consumer.leases import ACCEPTED, SET_ASIDE, SUPERSEDED, Inflight
@@ -46,15 +46,19 @@ class Finished:
 
 class Committer:
     """write(records) makes them durable; ack(results) acknowledges them (retried through
-    outages); on_error(task, error) settles a task whose write failed; on_done(tasks, accepted)
-    is told of each settled batch; slots() and busy(): how many, and whether any is running."""
+    outages), after record(calls) ran the batch's `Inflight.then` calls (a conversation's last
+    turn: written, then recorded); on_error(task, error) settles a task whose write failed;
+    on_done(tasks, accepted) is told of each settled batch; slots() and busy(): how many, and
+    whether any is running."""
 
     def __init__(self, write: Callable[[list[dict[str, Any]]], None],
                  ack: Callable[[list[Result]], Awaitable[list[int]]], *,
+                 record: Callable[[list[Call]], Awaitable[list[int]]] | None = None,
                  on_error: Callable[[Inflight, Exception], Awaitable[None]],
                  on_done: Callable[[list[Inflight], int], None],
                  slots: Callable[[], int], busy: Callable[[], bool]) -> None:
         self.write, self.ack, self.on_error, self.on_done = write, ack, on_error, on_done
+        self.record = record  # runs the conversations' last turns' turn.lua calls
         self.slots, self.busy = slots, busy
         self.pending: list[Finished] = []
         self.room = asyncio.Event()  # cleared while a capacity of answers waits (a slow disk)
@@ -115,6 +119,9 @@ class Committer:
                 await self.on_error(done.inflight, e)
             return 0
         try:
+            calls = [done.inflight.then for done in batch if done.inflight.then is not None]
+            if calls and self.record is not None:  # how each conversation ended (turn.lua)
+                await self.record(calls)
             outcomes = await self.ack([done.result() for done in batch])
         except ShuttingDown as e:
             logger.warning("stopped_without_redis", error=str(e), unacked=len(batch),

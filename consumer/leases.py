@@ -44,6 +44,8 @@ class Inflight:
     abort: str = ""  # why it was aborted, once it was
     prompt: Prompt | Exception | None = None  # its data set row, read with its claim
     started: float = field(default_factory=time.monotonic)
+    # A conversation's last turn: its turn.lua call, run once it is written, before its ack.
+    then: scripts.Call | None = None
 
     def sent(self, request: asyncio.Task) -> None:
         """SGLang.chat's on_request: an abort that came before the request existed ends it."""

@@ -81,6 +81,7 @@ class Consumer:
         self.committer = Committer(
             lambda records: self.sink.write_many(records),
             lambda results: self.retry(lambda: self.queue.ack(results)),
+            record=self.conversations.turns.run if self.conversations else None,
             on_error=self.settle_error,
             on_done=self.committed, slots=lambda: self.capacity,
             busy=lambda: any(i.at_server for i in self.held.values()))

@@ -33,7 +33,7 @@ from genq.common.store import s3 as store
 from genq.common.task import task_of
 from genq.producer import probe
 from genq.turns import export as conversations
-from genq.turns import splice
+from genq.turns import rewind, splice
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -60,7 +60,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "export does)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR",
                    help="with --continue: shard directory to read (default: those the "
-                        "consumers registered)")
+                        "consumers registered); with --redo missing: an output to check")
     p.add_argument("--from-s3", metavar="URI",
                    help="with --continue: read the shards from s3://bucket/prefix instead; with "
                         "--redo missing: the shipped output to check")
@@ -100,18 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         raise UsageError("nothing to change: give --set/--raw/--unset KEY and/or --redo")
     if a.cont and a.redo != "truncated":
         raise UsageError("--continue continues truncated answers: give --redo truncated")
-    if a.redo == "missing" and (not a.from_s3 or a.probe):
-        raise UsageError("--redo missing runs again what --from-s3 URI lacks: give --from-s3, "
-                         "and no --probe")
+    if a.redo == "missing" and (not (a.from_s3 or a.shards) or a.probe):
+        raise UsageError("--redo missing runs again what the outputs lack: give --from-s3 URI "
+                         "and/or --shards DIR..., and no --probe")
     if a.from_s3 and not a.cont and a.redo != "missing":
         raise UsageError("--from-s3 reads the partials of --continue or what --redo missing "
                          "checks: give one of them")
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
-    if info.turns == splice.ALL and (a.redo == "missing" or a.schema or a.cont and a.probe):
-        flag = "--redo missing" if a.redo == "missing" else "--schema" if a.schema else \
-            "--probe with --continue"
+    if info.turns == splice.ALL and (a.schema or a.cont and a.probe):
+        flag = "--schema" if a.schema else "--probe with --continue"
         raise UsageError(f"{flag} is not built for a --turns all run")
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
     plan_with = functools.partial(make_plan, r, k, changes=changes, unset=a.unset, redo=a.redo,
@@ -127,15 +126,24 @@ def main(argv: list[str] | None = None) -> int:
         if a.cont and a.from_s3:  # the shards from S3 alone, read as the partials are kept
             store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
             shards = [fetched]
-        if a.redo == "missing":  # the done results none of the shipped shards holds
-            store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
-            plan = plan_with(missing=tuple(export.not_held(r, k, info.total, [fetched])))
-        return apply(a, r, k, info, changes, inflight, plan_with, plan, shards)
+        rewinds = None
+        if a.redo == "missing":  # the done results none of the outputs holds
+            outputs = [*a.shards]
+            if a.from_s3:
+                store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
+                outputs.append(fetched)
+            if info.turns == splice.ALL:  # conversations: from their earliest turn missing
+                rewinds = rewind.find(r, k, outputs, info.samples)
+                missing = tuple(sorted(rewinds.turn))
+            else:
+                missing = tuple(export.not_held(r, k, info.total, outputs))
+            plan = plan_with(missing=missing)
+        return apply(a, r, k, info, changes, inflight, plan_with, plan, shards, rewinds)
 
 
 def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
           changes: dict[str, Any], inflight: str, plan_with: Callable[..., Plan], plan: Plan,
-          shards: list[str]) -> int:
+          shards: list[str], rewinds: rewind.Rewinds | None = None) -> int:
     """The requeue itself, once its flags and the plan are checked: probe, dry run, or keep the
     partials, switch the version and redo."""
     found = find_partials(r, k, info, shards) if a.cont else None
@@ -149,8 +157,10 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     if found:  # read once, and kept as read unless this is a dry run
         plan = plan_with(partials=keep_partials(r, k, found, plan.new_version, a.dry_run,
                                                         info.samples))
+    lines = render(plan) if rewinds is None else [*render(plan)[:1], rewinds.describe(),
+                                                     *render(plan)[2:]]
     if a.dry_run:
-        print("\n".join(["dry run, nothing changed:", *render(plan)]))
+        print("\n".join(["dry run, nothing changed:", *lines]))
         return 0
     if not found:  # partials are for the version their requeue made only
         continuation.drop_all(r, k)
@@ -159,13 +169,15 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     version, _ = params.bump(r, k, changes, redo=a.redo, inflight=inflight, unset=a.unset)
     if version != plan.new_version:  # another requeue made one meanwhile: not theirs either
         continuation.drop_all(r, k)
+    if rewinds is not None:  # back to their kept turns first; redo.lua undoes the done ones
+        rewind.apply(r, k, rewinds)
     results, failed = (redo(r, k, info.total, a.redo, version, plan.missing)
                        if a.redo != "none" else (0, 0))
     # The manifest beside the shards must know this version before Redis could lose it.
     manifests.upkeep(r, k, sorted(text(d) for d in r.smembers(k.outdirs)), info.epoch)
     if a.from_s3 and (manifest := manifests.snapshot(r, k)):  # where the disks may be gone
         store.put_manifest(a.from_s3, k.run, manifest)
-    print("\n".join(render(plan)))
+    print("\n".join(lines))
     if a.redo != "none":
         print(f"queued again: {results} finished results ({a.redo}), {failed} failed prompts")
     return 0

@@ -7,7 +7,8 @@ while the task's lease is ours, in batches with the other slots' made turns (Mad
 consumer killed mid-conversation costs only the turn in flight,
 and whichever consumer claims the task next goes on from the turn after the last recorded one.
 The last turn (the row's last, or the one that stopped the conversation) is the task's result,
-written and acknowledged by the Committer like any task's.
+written by the Committer like any task's, then recorded (its turn.lua call, `Inflight.then`)
+and acknowledged.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from genq.common.queue.scripts import Call, ScriptRunner, turn_call
 from genq.common.sglang.stream import Completion
 from genq.common.task import Task
 from genq.consumer.commit import MAX_BATCH
-from genq.consumer.leases import Inflight
+from genq.consumer.leases import ACCEPTED, SUPERSEDED, Inflight
 from genq.turns import check, splice, state
 from genq.turns.state import COMPLETE, Standing
 
@@ -100,9 +101,9 @@ class Conversations:
                     follow.reason if follow else
                     splice.UNANSWERED if completion.tool_calls else COMPLETE)
                 record["ended"] = end  # the conversation's last generation: recover finds it
-                if not await self.record(inflight, Standing(made, end=end, last=turn, fig=fig),
-                                         b"", unstable, checked, 0):
-                    return None
+                # Recorded by the Committer once written, just before its ack (consumer/commit.py).
+                inflight.then = self.call(inflight, Standing(made, end=end, last=turn, fig=fig),
+                                          b"", unstable, checked, 0, record=record)
                 return record, completion
             made, messages = [*made, entry], [*messages, splice.message_of(record)]
             fig = state.counted(fig, completion.prompt_tokens, completion.completion_tokens,
@@ -120,15 +121,28 @@ class Conversations:
         turn's record (a turn before its last) is written; `tokens` of a turn before its last
         count in the rate, and one `continued` from a partial of that many tokens counts as
         continued (its partial is dropped: ack.lua drops the last's)."""
-        lease, c = inflight.lease, self.c
-        call = turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
-                         messages, len(standing.made), standing.ended(), unstable, checked,
-                         tokens, c.settings.server_id, continued, lease.version)
-        if await self.turns.commit(made, call):
+        call = self.call(inflight, standing, messages, unstable, checked, tokens, continued,
+                         record=made)
+        outcome = await self.turns.commit(made, call)
+        if outcome == ACCEPTED:
             return True
+        if outcome == SUPERSEDED:  # finished under old parameters after an aborting switch
+            inflight.abort = inflight.abort or "parameters changed"
+            await self.c.after_abort(inflight)
+            return False
         logger.warning("lease_lost", reason="lease expired; the conversation was handed out "
                        "again", turn=len(standing.made) + 1)
         return False
+
+    def call(self, inflight: Inflight, standing: Standing, messages: bytes, unstable: int,
+             checked: int, tokens: int, continued: int = 0, *,
+             record: dict[str, Any] | None) -> Call:
+        """turn.lua's call for the made turn `record`."""
+        lease, c = inflight.lease, self.c
+        return turn_call(c.keys, lease.job_id, lease.index, lease.exec_id, standing.encode(),
+                         messages, len(standing.made), standing.ended(), unstable, checked,
+                         tokens, c.settings.server_id, continued, lease.version,
+                         record["created_at"] if record else None)
 
 
 class MadeTurns:
@@ -140,17 +154,23 @@ class MadeTurns:
     def __init__(self, consumer: Consumer) -> None:
         self.c = consumer
         self.scripts = ScriptRunner(consumer.redis)
-        self.pending: list[tuple[dict[str, Any] | None, Call, asyncio.Future[bool]]] = []
+        self.pending: list[tuple[dict[str, Any] | None, Call, asyncio.Future[int]]] = []
         self.flushing: asyncio.Task[None] | None = None
 
-    async def commit(self, record: dict[str, Any] | None, call: Call) -> bool:
-        """Write `record` (if any), then run `call`: whether turn.lua found the lease ours."""
-        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    async def commit(self, record: dict[str, Any] | None, call: Call) -> int:
+        """Write `record` (if any), then run `call`: turn.lua's outcome (leases.ACCEPTED,
+        SUPERSEDED, or REFUSED: the lease was lost)."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self.pending.append((record, call, done))
         if self.flushing is None or self.flushing.done():
             # Its own task: a slot cancelled while it waits leaves the others' batch whole.
             self.flushing = asyncio.create_task(self.flush())
         return await done
+
+    async def run(self, calls: list[Call]) -> list[int]:
+        """Recorded calls of turns already written (the Committer's last turns), in one round
+        trip."""
+        return await self.c.retry(functools.partial(self.scripts.pipelined, self.c.redis, calls))
 
     async def flush(self) -> None:
         await asyncio.sleep(0)  # the turns that finished in this turn of the loop join
@@ -174,7 +194,7 @@ class MadeTurns:
                 continue
             for (_, _, done), ok in zip(batch, outcomes, strict=True):
                 if not done.done():
-                    done.set_result(bool(ok))
+                    done.set_result(int(ok))
 
 
 def _boundary(ids: list[int] | None, row: list[dict[str, Any]], turn: int,

@@ -142,12 +142,15 @@ OPEN_AT_ONCE = 16  # shards held open while lines are copied in task order: a ru
 
 def _lines(paths: list[Path], keys: Accepted) -> Iterator[tuple[int, int, bytes]]:
     """(task, turn, line) of each line found, by task then turn, with at most OPEN_AT_ONCE
-    shards open (the least recently read is closed first)."""
+    shards open (the least recently read is closed first). A task's lines stop at its first
+    wanted turn not found: no turn goes out without the turns before it."""
     fds: OrderedDict[int, int] = OrderedDict()
     try:
         for task, first, end in keys.tasks():
             for at in range(first, end):
-                if (file_no := keys.file_no[at]) < 0:
+                if (file_no := keys.file_no[at]) == NOT_FOUND:
+                    break
+                if file_no < 0:
                     continue
                 if file_no in fds:
                     fds.move_to_end(file_no)

@@ -18,16 +18,20 @@ an ``--inflight abort`` switch is no line; a `--redo` that covers the last keeps
 the task runs again (from the made turns, or from turn 1 after a redo of all: state.resume).
 A `requeue --continue` still pending keeps its partials as a one-turn run's does
 (producer/recover.py): a kept conversation's last line, cut at max_tokens, is its partial, so
-its cut turn still goes on from it. Not covered: the boundary_unstable/boundary_checked
-counters (no line says them). Unlike `rebuild`, this reads the shards twice (a third time for
-pending partials) and holds every line's figures in flat arrays (`Newest`, about 90 B a line)
-and each conversation's entry: 818,306 generations of 100,000 conversations took 13.7 s at
-149 MB peak RSS (a dict of tuples a line took 14.8 s at 772 MB; bench/README.md).
+its cut turn still goes on from it. Continued turns count as turn.lua and ack.lua counted
+them (a made turn's entry keeps its partial's tokens). Not covered: the boundary_unstable/
+boundary_checked counters (no line says them). Unlike `rebuild`, this reads the shards
+twice (a third time for pending partials) and holds every line's figures in flat arrays
+(`Newest`, about 98 B a line) and each conversation's entry: measured before the continued
+column (8 B a line more), 818,306 generations of 100,000
+conversations took 13.7 s at 149 MB peak RSS (a dict of tuples a line took 14.8 s at 772 MB;
+bench/README.md).
 """
 
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -54,6 +58,7 @@ class Line:
     key: Key
     result: recovery.Result
     ended: str
+    cont: int = 0  # tokens of the partial a `requeue --continue` continued it from
 
 
 @dataclass
@@ -83,19 +88,20 @@ def _read(raw: bytes, samples: int, total: int) -> tuple[int, int, Line, float] 
         if not (0 <= sample < samples and 0 <= task < total and turn > 0) \
                 or max(map(abs, (*result, gen))) >= 1 << 63:
             return None
-        return task, turn, Line((version, gen, attempt), result, str(rec.get("ended") or "")), \
-            float(rec.get("created_at") or 0)
+        cont = int((rec.get("continued_from") or {}).get("tokens") or 0)
+        return task, turn, Line((version, gen, attempt), result, str(rec.get("ended") or ""),
+                                cont), float(rec.get("created_at") or 0)
     except (KeyError, TypeError, ValueError):
         return None
 
 
 class Newest:
-    """Every readable, unrefused line's figures, one slot a line in flat arrays (about 90
+    """Every readable, unrefused line's figures, one slot a line in flat arrays (about 98
     bytes a line, not a dict entry and three tuples), and once `settle` ran, the newest line of
     each (task, turn): task's turn t is at win[start[task] + t - 1], -1 where it has none."""
 
     FIELDS = ("task", "turn", "version", "gen", "attempt", "finish", "completion", "prompt",
-              "cached")
+              "cached", "cont")
 
     def __init__(self, total: int) -> None:
         self.total = total
@@ -105,7 +111,7 @@ class Newest:
         self.start, self.win = array("q"), array("q")
 
     def add(self, task: int, turn: int, line: Line) -> None:
-        values = (task, turn, *line.key, *line.result[2:])
+        values = (task, turn, *line.key, *line.result[2:], line.cont)
         for column, value in zip(self.cols.values(), values, strict=True):
             column.append(value)
         if line.ended not in self.names:
@@ -122,7 +128,8 @@ class Newest:
         version, attempt = cols["version"][i], cols["attempt"][i]
         result = (version, attempt, cols["finish"][i], cols["completion"][i],
                   cols["prompt"][i], cols["cached"][i])
-        return Line((version, cols["gen"][i], attempt), result, self.labels[self.ended[i]])
+        return Line((version, cols["gen"][i], attempt), result, self.labels[self.ended[i]],
+                    cols["cont"][i])
 
     def settle(self) -> None:
         """Each (task, turn)'s newest line; a task has a slot for each of its lines, and a
@@ -200,9 +207,15 @@ def _made(rec: recovery.Recovered, lines: list[Line]) -> dict[str, Any]:
     return fig
 
 
-def _entry(line: Line) -> state.Entry:
+def _entry(line: Line, counted: Counter[str]) -> state.Entry:
+    """A made turn's entry, as the consumer wrote it; a continued one counts in `counted` as
+    turn.lua counted it."""
     version, attempt, *_ = line.result
-    return [version, attempt]
+    if not line.cont:
+        return [version, attempt]
+    counted[f"continued|{version}"] += 1
+    counted[f"saved|{version}"] += line.cont
+    return [version, attempt, line.cont]
 
 
 def rebuild(manifest: dict[str, Any],
@@ -218,13 +231,14 @@ def rebuild(manifest: dict[str, Any],
         chain, first = [newest.line(i) for i in lines], newest.start[task]
         last = chain[-1]
         if not last.ended:
-            out.conv[task] = Standing([_entry(line) for line in chain],
+            out.conv[task] = Standing([_entry(line, rec.more) for line in chain],
                                       fig=_made(rec, chain)).encode()
             wanted[first:first + len(chain)] = b"\1" * len(chain)
             continue
         rec.stand(task, last.result, last.key[1],
                   kept=rules.covered(last.result[0], last.result[2]))
-        made = [_entry(line) for line in chain[:-1]]
+        rec.cont[task] = last.cont  # counted as ack.lua counts it, once it stands
+        made = [_entry(line, rec.more) for line in chain[:-1]]
         out.conv[task] = Standing(made, end=last.ended, last=len(chain),
                                   fig=_made(rec, chain[:-1])).encode()
         if last.result[2] == recovery.LENGTH:

@@ -79,8 +79,8 @@ class Recovered:
         self.lines = 0
         self.skipped = 0  # torn, unparsable, or outside the data set
         self.refused = 0  # written after an abort switch under older parameters
-        # Counters beside the results' own: a --turns all run's made turns (turn.lua's made:*,
-        # turns/recover.py adds them).
+        # Counters beside the results' own, which turns/recover.py adds for a --turns all run:
+        # its made turns' sums (turn.lua's made:*) and its continued turns before the last.
         self.more: Counter[str] = Counter()
 
     def stand(self, index: int, result: Result, gen: int, *, kept: bool = False) -> None:
@@ -105,6 +105,8 @@ class Rules:
                              if h.get("inflight") == "abort" and int(h["version"]) > 1)
 
     def refused(self, version: int, created_at: float) -> bool:
+        """The rule turn.lua and ack.lua apply (common/queue/lua/prelude.lua's `superseded`):
+        a result of an older version written at or after an `--inflight abort` switch."""
         return any(v > version and created_at >= at for v, at in self.aborts)
 
     def covered(self, version: int, code: int) -> bool:

@@ -22,11 +22,11 @@ from genq.common.queue.keys import (
 )
 
 NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
-         "server_renew", "server_release", "server_take", "bump", "invalid", "turn")
+         "server_renew", "server_release", "server_take", "bump", "invalid", "turn", "rewind")
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
 # script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
 # (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
-LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn")
+LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn", "rewind")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
 _LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
 
@@ -142,16 +142,31 @@ def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: b
 
 def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes,
               messages: bytes, made: int, ended: int, unstable: int = 0, checked: int = 0,
-              tokens: int = 0, server: str = "", continued: int = 0, version: int = 0) -> Call:
+              tokens: int = 0, server: str = "", continued: int = 0, version: int = 0,
+              created_at: float | None = None) -> Call:
     """A conversation's made turn, written to its shard: where it stands (turns/state.py),
     its made turns' count and how it ended (0: not yet) for status; a turn before its last
     counts its `tokens` in the rate, and if it was `continued` from a partial of that many
-    tokens, in the params `version`'s continued figures (ack.lua counts the last's)."""
+    tokens, in the params `version`'s continued figures (ack.lua counts the last's). A turn of
+    `version` whose record was `created_at` (Redis's clock; None: now) after a switch that
+    aborts older work is refused, as ack.lua refuses a result."""
     keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.counters, k.conv_made,
-            k.conv_end, k.partials]
+            k.conv_end, k.partials, k.params_floor, k.params_history]
     return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked,
                                made, ended, tokens, server, k.rate_prefix, RATE_BUCKET_S,
-                               RATE_BUCKET_TTL_S, continued, version])
+                               RATE_BUCKET_TTL_S, continued, version,
+                               "" if created_at is None else created_at])
+
+
+def rewind_call(k: RunKeys, rewinds: list[tuple[int, bytes, bytes]]) -> Call:
+    """Conversations (task, where it stands now, its kept turns' messages) back to their kept
+    turns (lua/rewind.lua)."""
+    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.conv_made, k.conv_end,
+            k.counters, k.rq_queue, k.spent]
+    args: list[Any] = list(_prefixes(k))
+    for task, standing, messages in rewinds:
+        args += [task, k.job_id(task), standing, messages]
+    return Call("rewind", keys, args)
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,

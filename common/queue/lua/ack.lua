@@ -47,25 +47,9 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 drop_leases(owned, execs, ARGV[5], ARGV[6])
 
-local floor = tonumber(redis.call('GET', KEYS[16]) or '0')
--- A result of an older version written at or after an abort switch (both by Redis's clock) is
--- refused: the rule `genq recover` applies to the same two numbers, so it decides the same.
-local aborts = {}
-if floor > 0 then
-  for _, raw in ipairs(redis.call('LRANGE', KEYS[22], 0, -1)) do
-    local h = cjson.decode(raw)
-    if h.inflight == 'abort' and tonumber(h.version) > 1 then
-      aborts[#aborts + 1] = {tonumber(h.version), tonumber(h.at) or 0}
-    end
-  end
-end
-local function superseded(it)
-  if type(it.at) ~= 'number' then return true end  -- no time given: as if written now
-  for _, switch in ipairs(aborts) do
-    if switch[1] > it.ver and it.at >= switch[2] then return true end
-  end
-  return false
-end
+-- A result of an older version written at or after an abort switch is refused: the prelude's
+-- `superseded`, the rule turn.lua and `genq recover` apply too.
+local aborts = abort_switches(KEYS[16], KEYS[22])
 local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')
 local mark_done, mark_trunc = tonumber(marks[1] or '0'), tonumber(marks[2] or '0')
 local spent, kept, requeue, keep, accept, covered = {'OVERFLOW', 'SAT'}, {}, {}, {}, {}, {}
@@ -76,7 +60,7 @@ local function give_back(it, code)  -- the task runs again; this attempt costs n
   out[it.n] = code
 end
 for _, it in ipairs(mine) do
-  if it.ver < floor and superseded(it) then
+  if superseded(aborts, it.ver, it.at) then
     give_back(it, 2)  -- run again under the new parameters
   elseif it.ver < mark_done or (it.fname == 'length' and it.ver < mark_trunc) then
     covered[#covered + 1] = it

@@ -1,4 +1,4 @@
--- prelude: the lease checks the lease scripts share (scripts.LEASE_SCRIPTS), put after each
+-- prelude: the lease checks and the switch rule the lease scripts share (scripts.LEASE_SCRIPTS), put after each
 -- one's `#!lua` line when common/queue/scripts.py loads it, so none words them on its own.
 -- Those scripts' KEYS start with 1 leases, 2 lease_owner, 3 wip.
 
@@ -27,3 +27,29 @@ local function drop_leases(jids, execs, exec_prefix, executions_prefix)
   redis.call('DEL', unpack(dels))
 end
 
+
+-- What a parameter switch refuses, the one rule (common/data/recovery.py's Rules.refused says
+-- it of a shard line, so `genq recover` keeps what turn.lua and ack.lua kept): a result of a
+-- version below params_floor written (its created_at, Redis's clock; none given: now) at or
+-- after a switch to a newer version made with `--inflight abort`. abort_switches reads the
+-- floor and those switches ({version, at} each) once per call.
+local function abort_switches(floor_key, history_key)
+  local aborts = {floor = tonumber(redis.call('GET', floor_key) or '0')}
+  if aborts.floor == 0 then return aborts end
+  for _, raw in ipairs(redis.call('LRANGE', history_key, 0, -1)) do
+    local h = cjson.decode(raw)
+    if h.inflight == 'abort' and tonumber(h.version) > 1 then
+      aborts[#aborts + 1] = {tonumber(h.version), tonumber(h.at) or 0}
+    end
+  end
+  return aborts
+end
+
+local function superseded(aborts, version, at)
+  if version >= aborts.floor then return false end
+  if type(at) ~= 'number' then return true end
+  for _, switch in ipairs(aborts) do
+    if switch[1] > version and at >= switch[2] then return true end
+  end
+  return false
+end

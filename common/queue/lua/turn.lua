@@ -1,8 +1,9 @@
 #!lua flags=allow-oom
 -- turn: a conversation's made turn is written; say where the conversation stands now, iff the
--- task's lease is still ours (turns/state.py). Its last turn is acknowledged by ack.lua.
+-- task's lease is still ours and no switch superseded the turn (the prelude's rule, as ack.lua
+-- and `genq recover` apply it) (turns/state.py). Its last turn is acknowledged by ack.lua.
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 conv, 5 conv_msgs, 6 counters, 7 conv_made,
---       8 conv_end, 9 partials
+--       8 conv_end, 9 partials, 10 params_floor, 11 params_history
 -- ARGV: 1 job id, 2 exec id, 3 task index, 4 where it stands (JSON), 5 the made assistant
 --       messages before its last (zstd JSON; '' leaves them as they are), 6 turns whose
 --       prompt did not begin with the turn before's ids (boundary unstable), 7 turns checked,
@@ -10,12 +11,16 @@
 --       10 a turn before the last: its completion tokens, for the rate (0: the last, which
 --       ack.lua counts), 11 server, 12 rate key prefix, 13 rate bucket seconds, 14 its ttl,
 --       15 a turn before the last continued by `requeue --continue`: its partial's tokens (0:
---       not continued), 16 its params version
+--       not continued), 16 its params version, 17 its record's created_at (Redis's clock)
 -- A conversation begun again (ARGV 8 <= 1) no longer counts the continued turns it set aside
 -- (an entry's third number: the partial's tokens). The made turns' sums (ARGV 4's fig,
 -- turns/state.py) change the made:* counters by as much: status adds them to ack.lua's.
--- Returns 1 if written, 0 if the lease was no longer ours.
+-- Returns 1 if written, 0 if the lease was no longer ours, 2 if a switch that aborts older
+-- work superseded it (nothing recorded: the consumer gives the task back).
 if not owns(redis.call('HGET', KEYS[2], ARGV[1]), ARGV[2]) then return 0 end
+if superseded(abort_switches(KEYS[10], KEYS[11]), tonumber(ARGV[16]), tonumber(ARGV[17])) then
+  return 2
+end
 local old, standing = redis.call('HGET', KEYS[4], ARGV[3]), cjson.decode(ARGV[4])
 old = old and cjson.decode(old) or {}
 if tonumber(ARGV[8]) <= 1 then  -- begun (again): made turns of before set aside are no
