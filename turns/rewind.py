@@ -32,6 +32,7 @@ class Rewinds:
     turn: dict[int, int] = field(default_factory=dict)
     kept: dict[int, list[state.Entry]] = field(default_factory=dict)
     messages: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    fig: dict[int, dict[str, Any]] = field(default_factory=dict)  # the kept turns' sums
 
     def describe(self) -> str:
         kept = sum(turn - 1 for turn in self.turn.values())
@@ -54,8 +55,13 @@ def find(r: redis.Redis, k: RunKeys, dirs: list[str], samples: int) -> Rewinds:
             out.messages[task] = []
     # The lines found, turn 1 first, stop at a task's first turn not found: the kept ones.
     for task, _turn, line in export._lines(paths, keys):
-        if task in out.messages:
-            out.messages[task].append(splice.message_of(orjson.loads(line)))
+        if task in out.messages and len(out.messages[task]) < len(out.kept[task]):
+            rec = orjson.loads(line)
+            out.messages[task].append(splice.message_of(rec))
+            out.fig[task] = state.counted(
+                out.fig.get(task, {}), int(rec.get("prompt_tokens") or 0),
+                int(rec.get("completion_tokens") or 0), int(rec.get("cached_tokens") or 0),
+                rec.get("finish_reason"))
     return out
 
 
@@ -63,8 +69,9 @@ def apply(r: redis.Redis, k: RunKeys, rewinds: Rewinds) -> int:
     """Put each conversation back to its kept turns; how many went back."""
     runner, items, count = ScriptRunner(r), [], 0
     for task, kept in rewinds.kept.items():
-        messages = rewinds.messages[task][:len(kept)]
-        items.append((task, Standing(kept).encode(), state.pack(messages) if kept else b""))
+        messages, fig = rewinds.messages[task], rewinds.fig.get(task, {})
+        items.append((task, Standing(kept, fig=fig).encode(),
+                      state.pack(messages) if kept else b""))
     for at in range(0, len(items), BATCH):
         count += int(runner(rewind_call(k, items[at:at + BATCH])))
     return count

@@ -53,3 +53,23 @@ local function superseded(aborts, version, at)
   end
   return false
 end
+
+-- A conversation's made turns' sums (its entry's fig: prompt, completion and cached tokens,
+-- finish name -> count; turns/state.py) went from `before` to `now`: the made:* counters
+-- change by as much, so a conversation set back (begun again, rewound) takes its set-aside
+-- turns back out, and writing the same entry again adds nothing.
+local function count_made(counters_key, now, before)
+  now, before = now or {}, before or {}
+  local function change(field, by)
+    if by ~= 0 then redis.call('HINCRBY', counters_key, field, by) end
+  end
+  change('made:ptok_sum', (now.p or 0) - (before.p or 0))
+  change('made:ctok_sum', (now.c or 0) - (before.c or 0))
+  change('made:cached_sum', (now.k or 0) - (before.k or 0))
+  local names, finish, finish_before = {}, now.f or {}, before.f or {}
+  for name in pairs(finish) do names[name] = true end
+  for name in pairs(finish_before) do names[name] = true end
+  for name in pairs(names) do
+    change('made:finish:' .. name, (finish[name] or 0) - (finish_before[name] or 0))
+  end
+end

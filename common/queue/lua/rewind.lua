@@ -7,15 +7,17 @@
 -- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 conv, 5 conv_msgs, 6 conv_made, 7 conv_end,
 --       8 counters, 9 queue, 10 spent
 -- ARGV: 1 job key prefix, 2 execution key prefix, 3 executions key prefix, then 4 each:
---       task, job id, where it stands now (JSON: the kept turns' entries), their messages
+--       task, job id, where it stands now (JSON: the kept turns' entries and sums), their messages
 --       (zstd JSON; '' when none is kept)
 -- Returns how many went back.
 local count = 0
 for i = 4, #ARGV, 4 do
   local task, jid, standing, msgs = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
-  local keep = cjson.decode(standing).made
+  local now = cjson.decode(standing)
+  local keep = now.made
   local raw = redis.call('HGET', KEYS[4], task)
-  local old = raw and cjson.decode(raw).made or {}
+  local before = raw and cjson.decode(raw) or {}
+  local old = before.made or {}
   local same = #old >= #keep
   for j, e in ipairs(keep) do
     local o = old[j]
@@ -30,6 +32,7 @@ for i = 4, #ARGV, 4 do
         redis.call('HINCRBY', KEYS[8], 'saved|' .. e[1], 0 - e[3])
       end
     end
+    count_made(KEYS[8], now.fig, before.fig)  -- the kept turns' sums, no longer the old ones'
     local owner = redis.call('HGET', KEYS[2], jid)
     if owner then  -- on a consumer now: given back, its attempt refunded
       drop_leases({jid}, {string.match(owner, '^[^|]*')}, ARGV[2], ARGV[3])

@@ -35,19 +35,7 @@ if tonumber(ARGV[8]) <= 1 then  -- begun (again): made turns of before set aside
     end
   end
 end
-local sums, before = standing.fig or {}, old.fig or {}
-local function change(field, by)
-  if by ~= 0 then redis.call('HINCRBY', KEYS[6], field, by) end
-end
-change('made:ptok_sum', (sums.p or 0) - (before.p or 0))
-change('made:ctok_sum', (sums.c or 0) - (before.c or 0))
-change('made:cached_sum', (sums.k or 0) - (before.k or 0))
-local names, finish, finish_before = {}, sums.f or {}, before.f or {}
-for name in pairs(finish) do names[name] = true end
-for name in pairs(finish_before) do names[name] = true end
-for name in pairs(names) do
-  change('made:finish:' .. name, (finish[name] or 0) - (finish_before[name] or 0))
-end
+count_made(KEYS[6], standing.fig, old.fig)
 redis.call('HSET', KEYS[4], ARGV[3], ARGV[4])
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[5], ARGV[3], ARGV[5]) end
 redis.call('BITFIELD', KEYS[7], 'SET', 'u16', '#' .. ARGV[3], ARGV[8])
