@@ -38,6 +38,7 @@ from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
 from genq.common.task import Task, row_fields
+from genq.common.turns import splice
 from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
@@ -46,8 +47,7 @@ from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 from genq.consumer.structured import Structured
-from genq.turns import splice
-from genq.turns.engine import Conversations, unpromptable
+from genq.consumer.turns import Conversations, unpromptable
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class Consumer:
                  lease_held: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
         self.samples = samples  # task t asks for row t // samples
-        # --turns all: a task is a conversation, made turn by turn (turns/engine.py)
+        # --turns all: a task is a conversation, made turn by turn (consumer/turns.py)
         self.conversations = Conversations(self) if turns == splice.ALL else None
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.

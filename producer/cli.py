@@ -31,8 +31,8 @@ from genq.common.queue.replies import text
 from genq.common.queue.scripts import ScriptRunner, reap_call
 from genq.common.report import runhealth
 from genq.common.task import MAX_SAMPLES
-from genq.turns import check
-from genq.turns import splice as turns
+from genq.common.turns import check
+from genq.common.turns import splice as turns
 
 logger = structlog.get_logger("producer")
 

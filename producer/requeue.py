@@ -29,11 +29,11 @@ from genq.common.report.status import read_status
 from genq.common.report.status_table import human_duration
 from genq.common.sglang import continuation
 from genq.common.store import export
+from genq.common.store import export_turns as conversations
 from genq.common.store import s3 as store
 from genq.common.task import task_of
-from genq.producer import probe
-from genq.turns import export as conversations
-from genq.turns import rewind, splice
+from genq.common.turns import splice
+from genq.producer import probe, rewind
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -14,7 +14,7 @@ from redis.typing import EncodableT, FieldT
 from genq.common.errors import DatasetError, UsageError
 from genq.common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
 from genq.common.queue.replies import blob, text
-from genq.turns.splice import LAST
+from genq.common.turns.splice import LAST
 
 
 @dataclass(frozen=True, kw_only=True)

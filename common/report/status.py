@@ -18,9 +18,9 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.report import advice, runhealth, stats
+from genq.common.store.export_turns import figures as conversation_figures
 from genq.common.task import row_fields
-from genq.turns import splice as turns
-from genq.turns.export import figures as conversation_figures
+from genq.common.turns import splice as turns
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S

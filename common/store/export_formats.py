@@ -17,9 +17,9 @@ import orjson
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue import run as runs
 from genq.common.store import export
+from genq.common.store import export_turns as turns_export
 from genq.common.store import s3 as store
-from genq.turns import export as turns_export
-from genq.turns import splice
+from genq.common.turns import splice
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large

@@ -44,8 +44,8 @@ from genq.common.data import recovery
 from genq.common.data.records import is_failure, parse_line
 from genq.common.queue.keys import FINISH_NAMES, RunKeys, finish_code
 from genq.common.task import task_of
-from genq.turns import splice, state
-from genq.turns.state import Standing
+from genq.common.turns import splice, state
+from genq.common.turns.state import Standing
 
 Key = tuple[int, int, int]  # (params_version, gen, attempt): the newest line of a turn stands
 BATCH = 1000  # hash fields a round trip when writing conversations back

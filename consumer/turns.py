@@ -2,7 +2,7 @@
 it), made turn by turn in the slot that claimed it, so each turn goes to the server that made
 the turn before and finds its prefix in the server's cache.
 
-Each made turn but the last is written to the shard, then recorded in Redis (turns/state.py)
+Each made turn but the last is written to the shard, then recorded in Redis (common/turns/state.py)
 while the task's lease is ours, in batches with the other slots' made turns (MadeTurns): a
 consumer killed mid-conversation costs only the turn in flight,
 and whichever consumer claims the task next goes on from the turn after the last recorded one.
@@ -16,25 +16,49 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
+import redis.asyncio as aioredis
 import structlog
 
 from genq.common.data.records import build_record
 from genq.common.data.rows import Prompt
+from genq.common.data.shards import ShardWriter
 from genq.common.errors import BadTask
+from genq.common.queue.keys import RunKeys
 from genq.common.queue.scripts import Call, ScriptRunner, turn_call
+from genq.common.sglang.client import SGLang
+from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
 from genq.common.task import Task
+from genq.common.turns import check, splice, state
+from genq.common.turns.state import COMPLETE, Standing
 from genq.consumer.commit import MAX_BATCH
 from genq.consumer.leases import ACCEPTED, SUPERSEDED, Inflight
-from genq.turns import check, splice, state
-from genq.turns.state import COMPLETE, Standing
-
-if TYPE_CHECKING:
-    from genq.consumer.worker import Consumer
+from genq.consumer.settings import ConsumeSettings
 
 logger = structlog.get_logger("consumer")
+T = TypeVar("T")
+
+
+class Consumer(Protocol):
+    """What the turn loop uses of the consumer (consumer/worker.py), which owns the loop: said
+    here, so that this module stands below the worker and the two make no import circle."""
+
+    settings: ConsumeSettings
+    redis: aioredis.Redis
+    keys: RunKeys
+    model: str
+    server: SGLang
+    sink: ShardWriter
+    partials: Partials
+    clock_offset: float
+    stop: asyncio.Event
+
+    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]: ...
+    async def ask(self, inflight: Inflight, body: dict[str, Any]) -> Completion: ...
+    async def after_abort(self, inflight: Inflight) -> None: ...
 
 
 def unpromptable(index: int) -> BadTask:

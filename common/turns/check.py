@@ -1,6 +1,6 @@
 """Whether genq can make a prompt of a row's conversation, checked before the row costs a
 request: `fault` names the first thing wrong, by message and field. The consumer of a
-`--turns all` run fails such a row alone, at its claim (turns/engine.py); `genq produce`
+`--turns all` run fails such a row alone, at its claim (consumer/turns.py); `genq produce`
 refuses a data set whose first rows all have one (`first_rows`): then the data set's shape is
 wrong (e.g. a benchmark's raw function docs as `tools`), not one row.
 

@@ -28,9 +28,9 @@ from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.store import export as results
 from genq.common.task import task_of
-from genq.turns import conversations as shape
-from genq.turns import splice
-from genq.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
+from genq.common.turns import conversations as shape
+from genq.common.turns import splice
+from genq.common.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
 
 NOT_FOUND, NOT_WANTED = -1, -2  # Accepted.file_no of a generation whose line is not read
 
