@@ -55,19 +55,62 @@ def sample_of(task: int, samples: int, params: dict[str, Any]) -> dict[str, int]
     return {"sample": task % samples, "seed": task_seed(task, samples, params)}
 
 
+def _whole(value: Any, absent: int) -> int | None:
+    """A record's number field: `absent` when missing or null; an int, or a float that is a
+    whole number (a JSON tool's rewrite of genq's int); anything else (a string, a bool) None."""
+    if value is None:
+        return absent
+    if type(value) is int:
+        return value
+    return int(value) if type(value) is float and value.is_integer() else None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskId:
+    """Whom an answer is for: row `row` of the data set, its `sample` of the row's K (0 in a
+    run of one), and its `turn`, which of the row's assistant turns it is (1 but in
+    `--turns all`). The queue numbers the (row, sample) task `row * samples + sample`."""
+    row: int
+    sample: int = 0
+    turn: int = 1
+
+    @classmethod
+    def of(cls, task: int, samples: int, turn: int = 1) -> TaskId:
+        row, sample = divmod(task, samples)
+        return cls(row, sample, turn)
+
+    @classmethod
+    def read(cls, record: dict[str, Any]) -> TaskId | None:
+        """The one reading of a record's `index`, `sample` and `turn`, for export, recover and
+        status alike. A missing or null sample is 0 and turn 1 (a record of a run without
+        samples or turns: its one answer); None when the record names no task genq writes
+        (a negative or fractional number, a string, turn 0: turns count from 1)."""
+        row, sample = _whole(record.get("index"), -1), _whole(record.get("sample"), 0)
+        turn = _whole(record.get("turn"), 1)
+        if row is None or sample is None or turn is None or row < 0 or sample < 0 or turn < 1:
+            return None
+        return cls(row, sample, turn)
+
+    def task(self, samples: int) -> int:
+        return self.row * samples + self.sample
+
+    def fields(self, samples: int) -> dict[str, int]:
+        """The task as users and records name it: its row (``index``) and, in a run of several
+        samples a prompt, its ``sample``."""
+        return {"index": self.row} if samples == 1 else {"index": self.row,
+                                                         "sample": self.sample}
+
+
 def row_fields(task: int, samples: int) -> dict[str, int]:
-    """A task as users and records name it: its row (``index``) and, in a run of several
-    samples a prompt, its ``sample`` (task_of's inverse)."""
-    if samples == 1:
-        return {"index": task}
-    row, sample = divmod(task, samples)
-    return {"index": row, "sample": sample}
+    """Task number `task` as users and records name it (TaskId.fields)."""
+    return TaskId.of(task, samples).fields(samples)
 
 
-def task_of(record: dict[str, Any], samples: int) -> int:
-    """The task a record answers: row ``index`` times the run's samples, plus its ``sample``
-    (absent: 0, as in a run of one sample a prompt)."""
-    return record["index"] * samples + record.get("sample", 0)
+def task_of(record: dict[str, Any], samples: int) -> int | None:
+    """The queue's number of the task a record answers in a run of `samples` (TaskId.read);
+    None when it names none of this run's."""
+    tid = TaskId.read(record)
+    return None if tid is None or tid.sample >= samples else tid.task(samples)
 
 
 def request_body(messages: list[dict], params: dict[str, Any], model: str, *,
@@ -96,6 +139,9 @@ class Task:
     @property
     def row(self) -> int:
         return self.number // self.samples
+
+    def id(self, turn: int = 1) -> TaskId:
+        return TaskId.of(self.number, self.samples, turn)
 
     @property
     def sample(self) -> dict[str, int] | None:

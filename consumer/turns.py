@@ -104,11 +104,11 @@ class Conversations:
             completion = continued or await ask(body)
             kept = (completion.continued_from or {}).get("tokens", 0)  # not decoded again
             record = build_record(
-                run=c.settings.run, index=task.row, prompt_id=prompt.id,
-                version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
-                model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
-                gen=lease.gen, clock_offset=c.clock_offset, sample=task.turn_sample(turn),
-                turn=turn)
+                run=c.settings.run, task=task.id(turn), samples=task.samples,
+                prompt_id=prompt.id, version=lease.version, attempt=lease.attempt,
+                server=c.settings.server_id, model=body["model"], completion=completion,
+                latency_s=time.monotonic() - asked, gen=lease.gen, clock_offset=c.clock_offset,
+                seed=task.turn_sample(turn)["seed"])
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:

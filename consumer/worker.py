@@ -353,15 +353,14 @@ class Consumer:
                 lease.index, lease.version, body, ask, self.server) or await ask(body)
             completion, seed = await self.structured.checked(
                 completion, ask, body, task.params, lease.index, lease.version, task.seed)
-            sample = task.sample
-            if seed is not None:  # a schema retry made the answer: the record names its seed
-                sample = {**(sample or {}), "seed": seed}
+            if seed is None and task.sample:  # a run of several samples names each one's seed
+                seed = task.sample["seed"]  # (a schema retry's answer, the retry's seed)
             record = build_record(
-                run=self.settings.run, index=task.row, prompt_id=prompt.id,
-                version=lease.version, attempt=lease.attempt, server=self.settings.server_id,
-                model=body["model"], completion=completion,
+                run=self.settings.run, task=task.id(turn), samples=task.samples,
+                prompt_id=prompt.id, version=lease.version, attempt=lease.attempt,
+                server=self.settings.server_id, model=body["model"], completion=completion,
                 latency_s=time.monotonic() - inflight.started, gen=lease.gen,
-                clock_offset=self.clock_offset, sample=sample, turn=turn)
+                clock_offset=self.clock_offset, seed=seed)
             return record, completion
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():

@@ -69,8 +69,8 @@ def pending(lines: Iterable[bytes], wanted: dict[int, tuple[int, int, int]],
     (params_version, attempt, gen), of their task: the partials a recover keeps."""
     for line in lines:
         rec = parse_line(line)
-        if rec is not None and type(rec.get("index")) is int and continuation.continuable(rec) \
-                and wanted.get(task_of(rec, samples)) == (
+        if rec is not None and continuation.continuable(rec) \
+                and (task := task_of(rec, samples)) is not None and wanted.get(task) == (
                     rec.get("params_version"), rec.get("attempt"), int(rec.get("gen") or 0)):
             yield rec
 

@@ -150,7 +150,8 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,
-                                 partials={task_of(p, info.samples): p for p in found[0]}
+                                 partials={t: p for p in found[0]
+                                           if (t := task_of(p, info.samples)) is not None}
                                  if found else None)
         print(orjson.dumps(report).decode() if a.json else probe.describe(report))
         return 0

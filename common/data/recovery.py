@@ -134,10 +134,9 @@ def _light(line: bytes, samples: int = 1) -> tuple[int, Result, float, int, int]
                   int(rec.get("prompt_tokens") or 0), int(rec.get("cached_tokens") or 0))
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
-        where = {"index": int(rec["index"]), "sample": int(rec.get("sample") or 0)}
-        if not 0 <= where["sample"] < samples:
+        if (task := task_of(rec, samples)) is None:
             return None  # not a task of this run's
-        return (task_of(where, samples), result, float(rec.get("created_at") or 0),
+        return (task, result, float(rec.get("created_at") or 0),
                 int(rec.get("gen") or 0), int((rec.get("continued_from") or {}).get("tokens") or 0))
     except (KeyError, TypeError, ValueError):
         return None

@@ -59,15 +59,16 @@ BATCH = 500
 def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
         version: int, samples: int = 1) -> tuple[int, int, int]:
     """Store the partials of these records for parameter version `version` only, in place of
-    any kept before, a batch at a time as they are read, each under its task (records.task_of
+    any kept before, a batch at a time as they are read, each under its task (task.task_of
     with the run's `samples`); (how many, their tokens, bytes)."""
     packer = zstandard.ZstdCompressor(level=3)
     drop_all(r, k)
     count = tokens = size = 0
     rows = iter(records)
     while batch := list(itertools.islice(rows, BATCH)):
-        packed = {str(task_of(rec, samples)): packer.compress(orjson.dumps(
-            {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in batch}
+        packed = {str(task): packer.compress(orjson.dumps(
+            {**{f: rec.get(f) for f in FIELDS}, "for_version": version}))
+            for rec in batch if (task := task_of(rec, samples)) is not None}
         r.hset(k.partials, mapping=packed)  # type: ignore[arg-type]  # redis-py: invariant key
         count += len(batch)
         tokens += sum(int(rec["completion_tokens"]) for rec in batch)

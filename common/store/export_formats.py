@@ -19,6 +19,7 @@ from genq.common.queue import run as runs
 from genq.common.store import export
 from genq.common.store import export_turns as turns_export
 from genq.common.store import s3 as store
+from genq.common.task import TaskId
 from genq.common.turns import splice
 
 ROW_GROUP_ROWS = 10_000
@@ -89,7 +90,7 @@ def token_row(rec: dict[str, Any], samples: bool) -> dict[str, Any]:
                         "run made with `genq produce --token-ids`")
     return {"id": rec.get("id", rec["index"]), "index": rec["index"],
             **({"sample": rec.get("sample", 0)} if samples else {}),
-            "turn": rec.get("turn", 1),  # records made before turns: the one answer
+            "turn": tid.turn if (tid := TaskId.read(rec)) else 1,  # as export read it
             "input_ids": prompt + completion,
             "loss_mask": [0] * len(prompt) + [1] * len(completion),
             "finish_reason": rec["finish_reason"], "is_tool_call": bool(rec.get("tool_calls")),
