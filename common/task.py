@@ -47,14 +47,6 @@ def task_seed(task: int, samples: int, params: dict[str, Any], retry: int = 0,
     return request_seed(int(params.get("seed", DEFAULT_SEED)), index, sample, retry, turn)
 
 
-def sample_of(task: int, samples: int, params: dict[str, Any]) -> dict[str, int] | None:
-    """The record's {"sample", "seed"} of a task in a run of several samples a prompt; None in a
-    run of one, which sends its parameters as they are."""
-    if samples == 1:
-        return None
-    return {"sample": task % samples, "seed": task_seed(task, samples, params)}
-
-
 def _whole(value: Any, absent: int) -> int | None:
     """A record's number field: `absent` when missing or null; an int, or a float that is a
     whole number (a JSON tool's rewrite of genq's int); anything else (a string, a bool) None."""
@@ -113,20 +105,61 @@ def task_of(record: dict[str, Any], samples: int) -> int | None:
     return None if tid is None or tid.sample >= samples else tid.task(samples)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """What a request is made of. `body()` is the one place a /v1/chat/completions body is
+    made; each variant (a turn, a sample's or a turn's or a schema retry's seed, a
+    continuation) is another Request (dataclasses.replace), never an edited body."""
+    messages: list[dict]
+    params: dict[str, Any]  # the version's parameters, --raw keys among them
+    model: str
+    tools: list[dict] | None = None
+    seed: int | None = None  # in place of the parameters' own (Task.request says whose)
+    # `requeue --continue`: go on from this partial answer (a record's fields), by its ids in a
+    # --token-ids run, else by its text (common/sglang/continuation.py decides when).
+    partial: dict[str, Any] | None = None
+
+    def body(self) -> dict[str, Any]:
+        """The limit always explicit, thinking on by default, the row's tools beside its
+        messages (and a tool_choice only beside tools: SGLang refuses a required or named one
+        beside none, HTTP 400); a continuation's limit less what its partial holds."""
+        params = self.params if self.seed is None else {**self.params, "seed": self.seed}
+        sent = {k: v for k, v in params.items() if k not in NOT_SENT
+                and (self.tools or k != "tool_choice")}
+        kwargs = {"enable_thinking": bool(params.get("enable_thinking", True)),
+                  **(sent.get("chat_template_kwargs") or {})}
+        limit = int(params.get("max_tokens", DEFAULTS["max_tokens"])) - int(
+            (self.partial or {}).get("completion_tokens") or 0)
+        body = {"model": self.model, **sent, **({"tools": self.tools} if self.tools else {}),
+                "messages": self.messages, "stream": False, "max_tokens": limit,
+                "chat_template_kwargs": kwargs}
+        if self.partial is None:
+            return body
+        if params.get("return_token_ids"):  # SGLang 0.5.23 skips the template for input_ids;
+            # the messages still give the stop tokens
+            return {**body, "input_ids": [*self.partial["prompt_token_ids"],
+                                          *self.partial["completion_token_ids"]]}
+        return {**body, "messages": [*self.messages, {"role": "assistant", "content":
+                                                      self._prefix(kwargs)}],
+                "continue_final_message": True}
+
+    def _prefix(self, kwargs: dict[str, Any]) -> str:
+        """A partial's text as the model wrote it: SGLang 0.5.x appends a final assistant
+        message sent with continue_final_message after the generation prompt, and its reasoning
+        parser reads it (after `<think>` new text is thinking), so the tags go back in."""
+        assert self.partial is not None
+        reasoning, content = self.partial.get("reasoning_content"), \
+            self.partial.get("content") or ""
+        if reasoning is None or not kwargs.get("enable_thinking", True):
+            return content
+        # A partial without content stopped inside its thinking: the tag stays open.
+        return f"<think>{reasoning}" + (f"</think>{content}" if content else "")
+
+
 def request_body(messages: list[dict], params: dict[str, Any], model: str, *,
                  tools: list[dict] | None = None) -> dict[str, Any]:
-    """The /v1/chat/completions body: the limit is always explicit, thinking on by default,
-    the row's tools beside its messages (and a tool_choice only beside tools)."""
-    body = {"model": model, **{k: v for k, v in params.items() if k not in NOT_SENT}}
-    thinking = {"enable_thinking": bool(params.get("enable_thinking", True))}
-    if tools:
-        body["tools"] = tools
-    else:  # a run's --raw tool_choice chooses among a row's tools: SGLang refuses a required
-        # or named one beside none (HTTP 400), as it would this row and the token-ids probe
-        body.pop("tool_choice", None)
-    return {**body, "messages": messages, "stream": False,
-            "max_tokens": int(params.get("max_tokens", DEFAULTS["max_tokens"])),
-            "chat_template_kwargs": {**thinking, **(body.get("chat_template_kwargs") or {})}}
+    """The body of a plain request (Request.body)."""
+    return Request(messages=messages, params=params, model=model, tools=tools).body()
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,25 +176,17 @@ class Task:
     def id(self, turn: int = 1) -> TaskId:
         return TaskId.of(self.number, self.samples, turn)
 
-    @property
-    def sample(self) -> dict[str, int] | None:
-        """{"sample", "seed"} in a run of several samples a prompt (sample_of)."""
-        return sample_of(self.number, self.samples, self.params)
+    def seed(self, turn: int | None = None, retry: int = 0) -> int | None:
+        """The seed of the task's request: each sample, each `turn` of a `--turns all`
+        conversation (also in a run of one sample: one seed would make a chain's turns sample
+        alike) and each schema `retry` its own (request_seed); None for the one request of a
+        run of one sample, which sends its parameters as they are."""
+        if turn is None and not retry and self.samples == 1:
+            return None
+        return task_seed(self.number, self.samples, self.params, retry, turn or 1)
 
-    def seed(self, retry: int = 0) -> int:
-        return task_seed(self.number, self.samples, self.params, retry)
-
-    def turn_sample(self, turn: int) -> dict[str, int]:
-        """{"sample" (in a run of several), "seed"} of a `--turns all` conversation's `turn`:
-        each turn its own seed, also in a run of one sample (one seed would make a chain's
-        turns sample alike)."""
-        seed = task_seed(self.number, self.samples, self.params, turn=turn)
-        return {**(self.sample or {}), "seed": seed}
-
-    def request(self, messages: list[dict], model: str, tools: list[dict] | None = None,
-                turn: int | None = None) -> dict[str, Any]:
-        """The body asking for the answer after `messages`, with the sample's seed (with a
-        `turn`: that turn's, turn_sample)."""
-        sample = self.sample if turn is None else self.turn_sample(turn)
-        params = {**self.params, "seed": sample["seed"]} if sample else self.params
-        return request_body(messages, params, model, tools=tools)
+    def request(self, messages: list[dict], model: str, tools: list[dict] | None = None, *,
+                turn: int | None = None, retry: int = 0) -> Request:
+        """The request for the answer after `messages`, under its seed (Task.seed)."""
+        return Request(messages=messages, params=self.params, model=model, tools=tools,
+                       seed=self.seed(turn, retry))

@@ -96,19 +96,19 @@ class Conversations:
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
                 return None
-            body = task.request(before, c.model, prompt.tools, turn=turn)
+            request = task.request(before, c.model, prompt.tools, turn=turn)
             asked = time.monotonic()
             # `requeue --continue`: the turn it was cut at goes on from its partial.
-            continued = await c.partials.answer(lease.index, lease.version, body, ask,
+            continued = await c.partials.answer(lease.index, lease.version, request, ask,
                                                 c.server, turn) if turn == first else None
-            completion = continued or await ask(body)
+            completion = continued or await ask(request.body())
             kept = (completion.continued_from or {}).get("tokens", 0)  # not decoded again
             record = build_record(
                 run=c.settings.run, task=task.id(turn), samples=task.samples,
                 prompt_id=prompt.id, version=lease.version, attempt=lease.attempt,
-                server=c.settings.server_id, model=body["model"], completion=completion,
+                server=c.settings.server_id, model=c.model, completion=completion,
                 latency_s=time.monotonic() - asked, gen=lease.gen, clock_offset=c.clock_offset,
-                seed=task.turn_sample(turn)["seed"])
+                seed=request.seed)
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:

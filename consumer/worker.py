@@ -341,7 +341,7 @@ class Consumer:
             messages, turn = splice.last(prompt.messages)
             if not messages:
                 raise unpromptable(prompt.index)
-            body = task.request(messages, self.model, prompt.tools)
+            request = task.request(messages, self.model, prompt.tools)
             if inflight.abort or self.stop.is_set():
                 # Claimed while the stop came (or aborted before its request existed): a
                 # request started now would outlive the grace by a whole generation.
@@ -350,17 +350,18 @@ class Consumer:
                 return None
             ask = functools.partial(self.ask, inflight)
             completion = await self.partials.answer(
-                lease.index, lease.version, body, ask, self.server) or await ask(body)
+                lease.index, lease.version, request, ask, self.server) \
+                or await ask(request.body())
             completion, seed = await self.structured.checked(
-                completion, ask, body, task.params, lease.index, lease.version, task.seed)
-            if seed is None and task.sample:  # a run of several samples names each one's seed
-                seed = task.sample["seed"]  # (a schema retry's answer, the retry's seed)
+                completion, ask, functools.partial(task.request, messages, self.model,
+                                                   prompt.tools), task.params, lease.index,
+                lease.version)
             record = build_record(
                 run=self.settings.run, task=task.id(turn), samples=task.samples,
                 prompt_id=prompt.id, version=lease.version, attempt=lease.attempt,
-                server=self.settings.server_id, model=body["model"], completion=completion,
+                server=self.settings.server_id, model=self.model, completion=completion,
                 latency_s=time.monotonic() - inflight.started, gen=lease.gen,
-                clock_offset=self.clock_offset, seed=seed)
+                clock_offset=self.clock_offset, seed=request.seed if seed is None else seed)
             return record, completion
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():
