@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import socket
 import time
@@ -17,7 +16,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common.data.records import build_record, failed_record
+from genq.common.data.records import failed_record
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import (
@@ -43,11 +42,11 @@ from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
 from genq.consumer.follow import HISTORY_PERIOD_S, Follower
-from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
+from genq.consumer.leases import KEPT, Inflight, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 from genq.consumer.structured import Structured
-from genq.consumer.turns import Conversations, unpromptable
+from genq.consumer.turns import Conversations, last_turn
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -306,7 +305,8 @@ class Consumer:
     async def process(self, inflight: Inflight) -> None:
         lease, answered = inflight.lease, None
         try:
-            if (gave_up := self.gave_up(lease)) is not None:
+            s = self.settings
+            if (gave_up := lease.gave_up(s.max_attempts, s.max_claims)) is not None:
                 last = await self.retry(lambda: self.queue.last_error(lease.index))
                 await self.fail(inflight, f"gave up after {gave_up}; last error: {last}")
             else:
@@ -319,14 +319,6 @@ class Consumer:
             self.committer.add(inflight, *answered)
             await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
-    def gave_up(self, lease: Lease) -> str | None:
-        """What this claim is past (attempts, or claims: a server failing it every time is
-        refunded each time), or None while it may run."""
-        s = self.settings
-        if lease.spent > s.max_attempts:
-            return f"{s.max_attempts} attempts"
-        return f"{s.max_claims} claims" if lease.tries > s.max_claims else None
-
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
         """The task's record and completion; None if it ended otherwise (Redis already says so)."""
         lease = inflight.lease
@@ -338,31 +330,7 @@ class Consumer:
             task = Task(lease.index, self.samples, await self.params_for(lease.version))
             if self.conversations is not None:
                 return await self.conversations.make(inflight, prompt, task)
-            messages, turn = splice.last(prompt.messages)
-            if not messages:
-                raise unpromptable(prompt.index)
-            request = task.request(messages, self.model, prompt.tools)
-            if inflight.abort or self.stop.is_set():
-                # Claimed while the stop came (or aborted before its request existed): a
-                # request started now would outlive the grace by a whole generation.
-                inflight.abort = inflight.abort or "shutdown"
-                await self.after_abort(inflight)
-                return None
-            ask = functools.partial(self.ask, inflight)
-            completion = await self.partials.answer(
-                lease.index, lease.version, request, ask, self.server) \
-                or await ask(request.body())
-            completion, seed = await self.structured.checked(
-                completion, ask, functools.partial(task.request, messages, self.model,
-                                                   prompt.tools), task.params, lease.index,
-                lease.version)
-            record = build_record(
-                run=self.settings.run, task=task.id(turn), samples=task.samples,
-                prompt_id=prompt.id, version=lease.version, attempt=lease.attempt,
-                server=self.settings.server_id, model=self.model, completion=completion,
-                latency_s=time.monotonic() - inflight.started, gen=lease.gen,
-                clock_offset=self.clock_offset, seed=request.seed if seed is None else seed)
-            return record, completion
+            return await last_turn(self, inflight, prompt, task)
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():
                 raise
@@ -370,21 +338,6 @@ class Consumer:
         except Exception as e:
             await self.settle_error(inflight, e)
         return None
-
-    async def ask(self, inflight: Inflight, body: dict[str, Any]) -> Completion:
-        """The server's answer. A refusal between successes is sent again by this slot after a
-        moment, its lease held; one that ends the retries in the slot goes to settle_error."""
-        while True:
-            try:
-                return await self.server.chat(body, inflight.lease.index,
-                                              on_request=inflight.sent)
-            except Exception as e:
-                if (wait := self.pause.in_slot(e)) is None:
-                    raise
-            await asyncio.sleep(wait)
-            if inflight.abort or self.stop.is_set():  # aborted or stopping while it waited
-                inflight.abort = inflight.abort or "shutdown"
-                raise asyncio.CancelledError
 
     async def fail(self, inflight: Inflight, reason: str,
                    answer: dict[str, Any] | None = None) -> int | None:
