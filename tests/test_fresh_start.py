@@ -8,8 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import genq
 from faultkit import Background, private_redis
-from pipeline import wait_for
+from pipeline import wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys
 
@@ -58,3 +59,15 @@ def test_a_new_run_on_a_fresh_redis_queues_its_first_task_at_once(tmp_path, run_
                 if service is not None:
                     service.cleanup()
         r.close()
+
+
+def test_a_machine_that_cannot_keep_the_mark_still_registers_and_says_so(
+        tmp_path, run_name, redis_url, r, monkeypatch):
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the state directory should be\n")
+    monkeypatch.setenv("XDG_STATE_HOME", str(blocker))
+    data = write_dataset(tmp_path / "d.jsonl", 10)
+    done = genq("produce", str(data), "--once", redis_url=redis_url, run=run_name)
+    assert r.exists(RunKeys(run_name).meta)
+    assert "enqueued 10 of 10" in done.stdout
+    assert "run_mark_not_kept" in done.stderr, done.stderr
