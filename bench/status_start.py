@@ -9,6 +9,11 @@ the worst of each, and this tree's against the baseline's.
     git worktree add /tmp/base 30a5a45
     python bench/status_start.py --baseline /tmp/base --rounds 15
     python bench/status_start.py --baseline /tmp/base --busy 4   # and 4 processes spinning
+    python bench/status_start.py --baseline /tmp/base --fresh 5  # produce's start instead
+
+--fresh N measures the producer's start instead, N rounds a tree: `genq produce` of a new run of
+1,000,000 prompts (--total) on a Redis started just before, as a fresh deployment's, timed from
+the command to the first task in the queue.
 
 --busy N adds N processes that only spin, as other work on the same machine would (the 914,000 ×
 4 scale run that saw 1.69 s shared its cores with other benches).
@@ -23,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import _common as kit
@@ -49,13 +55,53 @@ def status_call(tree: Path, env: dict) -> tuple[float, float]:
     return wall, cpu
 
 
+def produce_start(tree: Path, data: Path, marks: Path) -> float:
+    """Seconds from `genq produce` (from `tree`) of a new run on a Redis started just now to its
+    first task queued."""
+    run = "fresh" + uuid.uuid4().hex[:8]
+    with kit.private_redis() as srv:
+        r, k = srv.client(), RunKeys(run)
+        env = {**kit.genq_env(srv.url, run), "PYTHONPATH": str(tree), "XDG_STATE_HOME": str(marks)}
+        start = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", "genq", "produce", str(data), "--window",
+                                 "64"], cwd=tree, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        try:
+            wait_for(lambda: r.llen(k.rq_queue) > 0, timeout=120, interval=0.01,
+                     what=f"the first task queued by {tree}")
+            return time.monotonic() - start
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            r.close()
+
+
+def fresh(trees: dict[str, Path], total: int, rounds: int, json_path: str | None) -> int:
+    took: dict[str, list[float]] = {name: [] for name in trees}
+    with kit.workdir() as work:
+        data = kit.write_dataset(work / "d.jsonl", total)
+        for n in range(rounds):
+            order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
+            for name, tree in order:
+                took[name].append(produce_start(tree, data, work / "state"))
+    print(f"genq produce of {total:,} prompts on a fresh Redis, {rounds} rounds a tree; load "
+          f"{kit.load_average()}")
+    print(kit.table([(name, f"{statistics.median(t):.2f}", f"{min(t):.2f}", f"{max(t):.2f}")
+                     for name, t in took.items()],
+                    ("first task queued", "median s", "min s", "max s")))
+    kit.dump_json(json_path, {name: [round(x, 3) for x in t] for name, t in took.items()})
+    return 0
+
+
 def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--baseline", required=True, type=Path, help="a checkout of the baseline")
-    p.add_argument("--total", type=int, default=914_000)
+    p.add_argument("--total", type=int, help="prompts (default 914,000; --fresh: 1,000,000)")
     p.add_argument("--samples", type=int, default=4)
     p.add_argument("--consumers", type=int, default=3)
     p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--fresh", type=int, default=0, metavar="N",
+                   help="instead: N rounds a tree of produce's start on a fresh Redis")
     p.add_argument("--busy", type=int, default=0, help="processes spinning beside the run")
     p.add_argument("--warm", type=int, default=50_000,
                    help="samples done before the first round (default 50,000)")
@@ -64,6 +110,9 @@ def main() -> int:
     for tree in trees.values():
         if not (tree / "genq" / "__main__.py").exists():
             raise SystemExit(f"{tree} is not a genq checkout")
+    if a.fresh:
+        return fresh(trees, a.total or 1_000_000, a.fresh, a.json)
+    a.total = a.total or 914_000
     k, calls = RunKeys(RUN), {name: [] for name in trees}
     with kit.workdir() as work, kit.private_redis() as srv, \
             kit.simulators(a.consumers, *SIM) as sims:

@@ -33,6 +33,7 @@ from genq.common.report import runhealth
 from genq.common.task import MAX_SAMPLES
 from genq.common.turns import check
 from genq.common.turns import splice as turns
+from genq.producer import marks
 
 logger = structlog.get_logger("producer")
 
@@ -102,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event() if s.once else stop_on_signals()
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,
                 give_up_after=s.redis_wait if s.once else None)
-    if r is None or not lost_run_back(r, k, stop):  # stopped while waiting for Redis or it
+    # Stopped while waiting for Redis or for the run it lost.
+    if r is None or not lost_run_back(r, k, stop, s.redis_url):
         logger.info("producer_stopped", run=s.run)
         return 0
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples, ds.version,
                          turns=s.turns)
+    marks.leave(s.redis_url, s.run, info.epoch)
     for risk in risky_redis_settings(r):
         logger.warning("redis_settings", risk=risk)
     ds.close()
@@ -123,17 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     return keep_window(r, k, s, info, runner, stop)
 
 
-def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event) -> bool:
+def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event, url: str) -> bool:
     """Never register anew a run Redis lost while consumers' heartbeats wait for it (its new
     epoch would make them exit): wait for it to be back; False if stopped."""
     if r.exists(k.meta):
         return True
     waiting = runhealth.waiting(r, k, (runs.LOST,))
     unsettled = runs.unsettled_s(r)
-    if not waiting and unsettled:  # Redis just (re)started: its consumers may not have looked
+    # Redis just (re)started and this machine registered the run on it before: its consumers
+    # may not have looked yet. Without that mark the Redis is a fresh deployment's: no wait.
+    if not waiting and unsettled and marks.seen(url, k.run):
         logger.info("run_absent_after_restart", run=k.run, wait_s=unsettled, reason=(
-            f"run {k.run!r} is not in Redis, which started under {runs.SETTLE_S} s ago: "
-            "waiting for its consumers to say whether they follow a run it lost"))
+            f"run {k.run!r} was registered on this Redis from here before, and is not in it "
+            f"now that it started under {runs.SETTLE_S} s ago: waiting for its consumers to "
+            "say whether they follow a run it lost"))
         if stop.wait(unsettled):
             return False
         if r.exists(k.meta):

@@ -57,6 +57,16 @@ class RedisServer:
         return redis.Redis.from_url(self.url)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def producer_marks():
+    """The run marks producers leave (producer/marks.py) in a directory of this session's, not
+    the user's ~/.local/state."""
+    directory = tempfile.mkdtemp(prefix="genq-state-")
+    os.environ["XDG_STATE_HOME"] = directory
+    yield
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     directory = Path(tempfile.mkdtemp(prefix="genq-redis-"))
