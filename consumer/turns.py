@@ -102,7 +102,7 @@ async def last_turn(c: Consumer, inflight: Inflight, prompt: Prompt, task: Task
     completion = await c.partials.answer(lease.index, lease.version, request, ask, c.server) \
         or await ask(request.body())
     completion, seed = await c.structured.checked(
-        completion, ask, functools.partial(task.request, messages, c.model, prompt.tools),
+        completion, ask, lambda retry: task.request(messages, c.model, prompt.tools, retry=retry),
         task.params, lease.index, lease.version)
     record = build_record(
         run=c.settings.run, task=task.id(turn), samples=task.samples, prompt_id=prompt.id,
