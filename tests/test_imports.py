@@ -109,6 +109,19 @@ def test_floors_only_go_down():
     assert upward(graph()) == []
 
 
+def test_the_conversation_domain_stands_on_the_ground():
+    """common/turns/ (what a turn's prompt is, what follows it, where a conversation stands)
+    reads only queue/ and common/'s loose modules, so data/, store/ and report/ read
+    conversations as they read answers, and the consumer's turn loop stands above it."""
+    ground = {"genq.common.turns", "genq.common.queue"}
+    loose = {p.stem for p in (REPO / "common").glob("*.py")}
+    above = sorted(f"{name} -> {dep}" for name, deps in graph().items()
+                   if name.startswith("genq.common.turns") for dep in deps
+                   if ".".join(dep.split(".")[:3]) not in ground
+                   and not (dep.count(".") == 2 and dep.split(".")[2] in loose))
+    assert above == []
+
+
 def test_the_finder_sees_an_upward_import():
     edges = {"genq.common.x": {"genq.consumer.y"}, "genq.consumer.y": {"genq.common.z"},
              "genq.producer.p": {"genq.monitor.m"}, "genq.cli": {"genq.consumer.y"}}
