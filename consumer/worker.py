@@ -31,13 +31,12 @@ from genq.common.errors import (
 from genq.common.params import DEFAULTS
 from genq.common.queue import feed
 from genq.common.queue.keys import RunKeys
-from genq.common.queue.run import OK, REPLACED, finished
+from genq.common.queue.run import ALL, LAST, OK, REPLACED, finished
 from genq.common.queue.scripts import ScriptRunner, iso_now
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
 from genq.common.task import Task, row_fields
-from genq.common.turns import splice
 from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
@@ -55,14 +54,14 @@ T = TypeVar("T")
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Dataset, sink: ShardWriter,
-                 samples: int = 1, turns: str = splice.LAST,
+                 samples: int = 1, turns: str = LAST,
                  server: SGLang, capacity: int, model: str, runstate: RunState,
                  context_length: int | None = None,
                  lease_held: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
         self.samples = samples  # task t asks for row t // samples
         # --turns all: a task is a conversation, made turn by turn (consumer/turns.py)
-        self.conversations = Conversations(self) if turns == splice.ALL else None
+        self.conversations = Conversations(self) if turns == ALL else None
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate

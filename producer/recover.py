@@ -21,11 +21,11 @@ from genq.common.data.records import parse_line
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
+from genq.common.queue.run import ALL
 from genq.common.report.runhealth import recover_command
 from genq.common.sglang import continuation
 from genq.common.store.export import shard_paths
 from genq.common.task import task_of
-from genq.common.turns.splice import ALL
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

@@ -87,9 +87,9 @@ def test_turns_all_with_a_schema_is_refused_in_one_line_and_a_run_keeps_its_turn
     # The setting is the run's: registering it again with other turns is refused.
     k = RunKeys(run_name)
     info = runs.load(r, k)
-    assert info.turns == turns.LAST
+    assert info.turns == runs.LAST
     with pytest.raises(UsageError, match="makes --turns last, not all"):
-        runs.register(r, k, str(data), info.fingerprint, 1, turns=turns.ALL)
+        runs.register(r, k, str(data), info.fingerprint, 1, turns=runs.ALL)
 
 
 def regenerated(content: str | None, *calls: str) -> dict:

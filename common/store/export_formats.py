@@ -20,7 +20,6 @@ from genq.common.store import export
 from genq.common.store import export_turns as turns_export
 from genq.common.store import s3 as store
 from genq.common.task import TaskId
-from genq.common.turns import splice
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
@@ -207,7 +206,7 @@ def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
             store.fetch_run(store.parse_uri(from_s3), k.run, dirs[0])
         write = export.export
         per_turn = options.pop("per_turn", False)
-        if runs.load(r, k).turns == splice.ALL:  # one line per generation, or conversations
+        if runs.load(r, k).turns == runs.ALL:  # one line per generation, or conversations
             write = functools.partial(turns_export.export, conversations=fmt == "conversations",
                                       per_turn=per_turn)
         elif fmt == "conversations":

@@ -15,9 +15,6 @@ from typing import Any
 from genq.common.turns import check
 
 Message = dict[str, Any]
-# A run's --turns: LAST makes one answer a row (its final assistant turn, or the next); ALL
-# makes every assistant turn in order (consumer/turns.py).
-LAST, ALL = "last", "all"
 # Why a conversation stopped before its end: a made turn unlike the row's, one cut at
 # max_tokens, or a made call the row has no result for.
 DIVERGED, TRUNCATED, UNANSWERED = "diverged", "truncated", "unanswered"
