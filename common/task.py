@@ -5,13 +5,14 @@ set and, in a run of `--samples K`, which of its K samples it is, each sent with
 a `--turns all` run a task is a whole conversation, made turn by turn (turns/). Records and users
 name a task by its row (`index`), its `sample` in a run of several, and the `turn` an answer is.
 
-The request a task sends is built here (Task.request): the row's messages up to the turn being
-made (turns/splice.py: all but a regenerated last assistant turn), the row's tools, and its
-parameters version with the sample's seed. What the run's other settings change in it lives with
-each: `--token-ids` is the parameter `return_token_ids` (params.py; the ids are read from the
-answer in sglang/stream.py), `--schema` is `response_format` (schema.py; an answer that misses it
-is asked again with the next seed, consumer/structured.py), and a continuation sends its partial's
-ids or text (sglang/continuation.py).
+Every request body is built here, by Request.body, and by nothing else: the row's messages up to
+the turn being made (turns/splice.py: all but a regenerated last assistant turn), the row's
+tools, its parameters version (--raw keys among them) under the seed Task.seed gives each
+sample, turn and schema retry, and a continuation's partial, by ids or text. Who asks for a
+variant asks for another Request: `--token-ids` is the parameter `return_token_ids` (params.py),
+`--schema` is `response_format` (schema.py; an answer that misses it is asked again under the
+next retry's seed, consumer/structured.py), and sglang/continuation.py decides when a partial
+is continued.
 """
 
 from __future__ import annotations
@@ -130,18 +131,17 @@ class Request:
                   **(sent.get("chat_template_kwargs") or {})}
         limit = int(params.get("max_tokens", DEFAULTS["max_tokens"])) - int(
             (self.partial or {}).get("completion_tokens") or 0)
-        body = {"model": self.model, **sent, **({"tools": self.tools} if self.tools else {}),
-                "messages": self.messages, "stream": False, "max_tokens": limit,
-                "chat_template_kwargs": kwargs}
-        if self.partial is None:
-            return body
-        if params.get("return_token_ids"):  # SGLang 0.5.23 skips the template for input_ids;
-            # the messages still give the stop tokens
-            return {**body, "input_ids": [*self.partial["prompt_token_ids"],
-                                          *self.partial["completion_token_ids"]]}
-        return {**body, "messages": [*self.messages, {"role": "assistant", "content":
-                                                      self._prefix(kwargs)}],
-                "continue_final_message": True}
+        messages, going_on = self.messages, dict[str, Any]()
+        if self.partial is not None and params.get("return_token_ids"):
+            # SGLang 0.5.23 skips the template for input_ids; the messages give the stop tokens
+            going_on = {"input_ids": [*self.partial["prompt_token_ids"],
+                                      *self.partial["completion_token_ids"]]}
+        elif self.partial is not None:
+            messages = [*messages, {"role": "assistant", "content": self._prefix(kwargs)}]
+            going_on = {"continue_final_message": True}
+        return {"model": self.model, **sent, **({"tools": self.tools} if self.tools else {}),
+                "messages": messages, "stream": False, "max_tokens": limit,
+                "chat_template_kwargs": kwargs, **going_on}
 
     def _prefix(self, kwargs: dict[str, Any]) -> str:
         """A partial's text as the model wrote it: SGLang 0.5.x appends a final assistant
