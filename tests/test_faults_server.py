@@ -25,6 +25,7 @@ from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from sim_fixtures import SimProcess, sim_flags
+from timescale import RETRY_AFTER_CAP
 
 from genq.common.errors import reason_kind
 from genq.common.queue.keys import RunKeys
@@ -71,28 +72,30 @@ def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
                    claiming_paused=seen["claiming_paused"], attempts_spent=0, **figures)
 
 
-RETRY_AFTER_CAP_S = 60  # docs/REFERENCE.md: a server's Retry-After is obeyed up to a minute
-
-
-@pytest.mark.timeout(180)
 def test_a_retry_after_of_a_day_pauses_claiming_no_longer_than_the_cap(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A load balancer answers 503 with Retry-After: 86400 while its backend restarts; once it
-    # serves again the consumer must be back within the cap, not a day later.
+    # serves again the consumer must be back within the cap, not a day later. The cap is a
+    # setting (60 s by default, docs/REFERENCE.md); here it is the tests' scaled one.
     n = 12
     produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
     sim = sim_factory(**sim_kwargs(0.2))
     sim_faults(sim, status=503, retry_after=86400)
-    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--max-retry-after", str(RETRY_AFTER_CAP))
     try:
         wait_for(lambda: c.event_names()["claiming_paused"] >= 1, timeout=60,
                  what="the consumer paused by the 503")
         sim_faults(sim, status=None, retry_after=None)
-        assert c.wait(RETRY_AFTER_CAP_S + 60) == 0, c.log()[-3000:]
+        lifted = time.monotonic()
+        assert c.wait(60) == 0, c.log()[-3000:]
+        back_s = time.monotonic() - lifted
         pauses = [e["pause_s"] for e in c.events() if e.get("event") == "claiming_paused"]
     finally:
         c.cleanup()
-    assert pauses and max(pauses) <= RETRY_AFTER_CAP_S
+    # Each pause was the cap itself: the day asked for was obeyed only up to it.
+    assert pauses and set(pauses) == {RETRY_AFTER_CAP}, pauses
+    assert back_s < RETRY_AFTER_CAP + 30, back_s
     check_truth(r, redis_url, run_name, n, tmp_path)
 
 
