@@ -144,3 +144,15 @@ def ack_call(k, job_id: str, index: int, exec_id: str, *, server: str, **result)
     answers a list of one code."""
     return scripts.ack_many_call(k, server, [scripts.Result(job_id=job_id, index=index,
                                                             exec_id=exec_id, **result)])
+
+
+# The real-server tiers start real SGLang servers (minutes on a CPU) and a real Slurm inside
+# their tests' setup: each of their tests gets this, set here once for the tier, where every
+# other test has the 120 s of pyproject (at most 300 s where a test says so).
+REAL_TIER_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("real_sglang") or item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.timeout(REAL_TIER_TIMEOUT_S), append=False)
