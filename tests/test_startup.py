@@ -25,7 +25,11 @@ def test_consumer_and_producer_started_before_redis_wait_then_proceed(
                               "--max-tokens", "300")
         monitor = Monitor(server.url, run_name, tmp_path)
         try:
-            time.sleep(3)  # all three are up and cannot reach Redis
+            # All three are up and cannot reach Redis: each says so once and waits.
+            for proc in (consumer, producer):
+                wait_for(lambda proc=proc: "waiting_for_redis" in [
+                    e.get("event") for e in proc.events()], what="waiting for Redis")
+            wait_for(lambda: monitor.get("/api/status")[0] == 503, what="the monitor's 503")
             assert consumer.proc.poll() is None, consumer.log()[-2000:]
             assert producer.proc.poll() is None, producer.log()[-2000:]
             code, body, _ = monitor.get("/api/status")
