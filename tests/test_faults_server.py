@@ -41,6 +41,7 @@ def sim_stats(sim) -> dict:
     return httpx.get(sim.url + "/_sim/stats", timeout=5).json()
 
 
+@pytest.mark.slow  # a real 20 s outage, the figure docs/RELIABILITY.md gives
 @pytest.mark.timeout(150)
 def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
         tmp_path, redis_url, r, run_name, sim_factory):
@@ -227,6 +228,7 @@ def test_a_prompt_the_server_fails_every_time_fails_after_a_bounded_number_of_cl
     assert "gave up after 10 claims" in line["error"], line
 
 
+@pytest.mark.slow  # a server restart window
 @pytest.mark.timeout(150)
 def test_claims_refused_while_the_server_restarts_do_not_count_towards_max_claims(
         tmp_path, redis_url, r, run_name):
@@ -280,6 +282,7 @@ def test_malformed_rows_fail_with_their_index_and_crash_nothing(
     record_figures("malformed_rows", reported=len(reported), **figures)
 
 
+@pytest.mark.slow  # an outage window
 @pytest.mark.timeout(150)
 def test_an_html_page_on_the_info_endpoints_is_waited_out_like_a_server_that_is_down(
         tmp_path, redis_url, r, run_name, sim_factory):

@@ -31,6 +31,7 @@ def lines_of(dirs, run: str) -> list[dict]:
     return [rec for d in dirs for p in d.glob(f"{run}.*.jsonl") for rec in read_jsonl(p)]
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(300)
 def test_a_consumer_frozen_across_a_loss_and_recover_never_passes_off_a_refused_result(
         tmp_path, run_name, sim_factory):

@@ -80,6 +80,7 @@ class Watch(threading.Thread):
                           if len(names) > 1]
 
 
+@pytest.mark.slow  # a kill and a spare's take-over
 @pytest.mark.timeout(150)
 def test_three_replicas_two_servers_one_spare_takes_over(tmp_path, redis_url, r, run_name,
                                                          sim_factory):
@@ -183,6 +184,7 @@ def test_a_holder_is_provably_gone_only_when_its_process_is():
         alive.wait()
 
 
+@pytest.mark.slow  # a kill -9 and take-over
 def test_a_consumer_killed_and_run_again_takes_over_at_once(tmp_path, redis_url, r, run_name,
                                                            sim_factory):
     """The restart users do most: kill -9, the same command at once. Leases of 30 s would keep

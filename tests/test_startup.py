@@ -7,6 +7,7 @@ import signal
 import time
 
 import orjson
+import pytest
 from conftest import free_port, genq
 from faultkit import Background, Consumer, check_truth, private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
@@ -99,6 +100,7 @@ def test_run_to_the_end_commands_give_up_on_an_unreachable_redis(tmp_path, run_n
         assert "for up to 2 s (--redis-wait)" in waiting["hint"], (name, waiting)
 
 
+@pytest.mark.slow  # the monitor's real 10 s reminder
 def test_a_monitor_without_redis_logs_its_outage_at_a_slowing_pace(tmp_path, run_name):
     nobody = f"redis://127.0.0.1:{free_port()}/0"
     monitor = Monitor(nobody, run_name, tmp_path, interval=0.2)
