@@ -100,6 +100,7 @@ def test_a_retry_after_of_a_day_pauses_claiming_no_longer_than_the_cap(
     check_truth(r, redis_url, run_name, n, tmp_path)
 
 
+@pytest.mark.slow  # a fault run of 120
 def test_a_503_now_and_then_is_sent_again_by_its_slot_not_through_the_queue(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A busy server refuses one request in ten: the slot sends it again after a moment, as a
@@ -128,6 +129,7 @@ def wait_for_more(r, k: RunKeys, before: int) -> float:
     return round(time.monotonic() - start, 2)
 
 
+@pytest.mark.slow  # a hang past the lease
 def test_server_that_never_answers_times_out_keeps_the_lease_and_redoes_the_task(
         tmp_path, redis_url, r, run_name, sim_factory):
     n, concurrency = 30, 4

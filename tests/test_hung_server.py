@@ -59,6 +59,7 @@ def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
                    stall_timeout_s=STALL_S, request_timeout_s=3600, **figures)
 
 
+@pytest.mark.slow  # waits out the stall windows
 def test_requests_queued_inside_the_server_are_not_taken_for_a_hang(
         tmp_path, redis_url, r, run_name, sim_factory):
     # One slot on the server and three requests in flight: two wait silently in the server's

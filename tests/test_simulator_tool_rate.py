@@ -55,6 +55,7 @@ def test_a_share_of_requests_with_tools_call_one_and_the_same_request_decides_al
     assert finish[-1] == "stop"
 
 
+@pytest.mark.slow  # a statistical sample
 def test_rate_zero_never_calls_and_the_default_always_does(sim_factory):
     assert not any(_calls(sim_factory(**FAST, tool_call_rate=0).url))
     assert all(_calls(sim_factory(**FAST).url))

@@ -14,6 +14,7 @@ from pipeline import wait_for, write_dataset
 from test_monitor import Monitor
 
 
+@pytest.mark.slow  # Redis down at start, then up
 def test_consumer_and_producer_started_before_redis_wait_then_proceed(
         tmp_path, run_name, sim_factory):
     n = 40
