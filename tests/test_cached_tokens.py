@@ -68,7 +68,6 @@ def test_records_keep_the_cached_prompt_tokens_the_server_reports(
     assert 0 < second["cached_tokens"] < second["prompt_tokens"]
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_server_reports_the_cached_prefix_of_a_prompt_sent_again(
         kind, tmp_path, redis_url, run_name):

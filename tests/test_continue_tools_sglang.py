@@ -21,7 +21,6 @@ from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
 from genq.common.task import request_body
 
-pytestmark = pytest.mark.timeout(900)
 LIMIT = 200
 RUN_ON = 40  # answers made to run to max_tokens (ignore_eos): long enough to cut anywhere
 

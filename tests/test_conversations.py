@@ -128,6 +128,7 @@ def check_chains(rows: list[list[dict]], records: list[dict],
     return chains
 
 
+@pytest.mark.slow  # a kill mid-run
 @pytest.mark.timeout(240)
 def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
         tmp_path, redis_url, r, run_name, sim_factory):

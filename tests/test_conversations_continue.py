@@ -308,6 +308,7 @@ def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, 
     assert r.exists(RunKeys(run_name).partials) == 0
 
 
+@pytest.mark.slow  # a loss and recover
 @pytest.mark.timeout(240)
 def test_recover_keeps_the_partials_and_the_cut_turns_are_still_continued(
         tmp_path, run_name, sim_factory):

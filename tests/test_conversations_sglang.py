@@ -28,7 +28,7 @@ from test_token_ids_sglang import rendered_by_the_models_tokenizer
 from genq.common.queue.keys import RunKeys
 from genq.turns import splice
 
-pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.real_sglang
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]

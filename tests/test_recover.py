@@ -50,6 +50,7 @@ def lose_redis(redis_srv) -> float:
     return lost_at
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(240)
 def test_redis_lost_without_aof_after_a_parameter_change_recovers_and_finishes(
         tmp_path, redis_url, run_name, sim_factory):

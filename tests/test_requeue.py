@@ -64,6 +64,7 @@ class LoadSampler(threading.Thread):
         return longest
 
 
+@pytest.mark.slow  # a live run of 300 through a pivot
 @pytest.mark.timeout(240)
 def test_the_8k_pivot_on_a_live_run(tmp_path, redis_url, r, run_name, sim_factory):
     n, slots = 600, 8

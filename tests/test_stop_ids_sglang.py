@@ -17,7 +17,6 @@ from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer, retexted
 from genq.common.task import request_body
 
-pytestmark = pytest.mark.timeout(900)
 LIMIT = 300  # room to stop: the tier's tiny model writes its end token within it on some rows
 
 

@@ -19,7 +19,6 @@ from sglang_servers import KINDS, start_server
 from genq.common import params
 from genq.common.task import request_body
 
-pytestmark = pytest.mark.timeout(900)
 TOOLS = [{"type": "function", "function": {
     "name": "run_shell", "description": "Run a shell command.",
     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
