@@ -2,13 +2,9 @@
 --turns all`) against a one-turn run of the same rows (`--turns last`, the baseline), side by
 side on the same Redis and simulators.
 
-The data set comes from bench/_conversations.py (seeded): agentic-coding rows of a system
-prompt, 1-3 user requests, each worked through a chain of 1-20 tool calls (one call a turn, to
-the row's first tool) and closed by a final answer, ~8 assistant turns a row. The simulators
-answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
---enable-cache-report`: each regenerated turn calls the row's first tool while the request's
-chain (drawn as the rows drew it) goes on and answers in text where the row does, so every
-conversation runs all its turns.
+The data set is bench/_conversations.py's (seeded agentic-coding rows, ~8 assistant turns each).
+The simulators answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
+--enable-cache-report`, calling where the rows call, so every conversation runs all its turns.
 
 Each arm: the windowed producer, `genq consume --burst` per simulator, to the end or to
 --deadline (then the consumers are stopped with SIGTERM and the figures are those of the
