@@ -139,6 +139,21 @@ class Monitor:
         assert code == 200, body
         return json.loads(body)
 
+    def conversation_texts(self, *ids: str) -> dict[str, str | None]:
+        """The text of each element `ids` names on the page in Chromium, once its conversations
+        panel shows."""
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(self.url + "/")
+            page.wait_for_function("!document.getElementById('conversations').hidden")
+            shown = {i: page.text_content(f"#{i}") for i in ids}
+            browser.close()
+        return shown
+
     def stop(self) -> str:
         self.proc.terminate()
         self.proc.wait(timeout=10)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sglang_servers import KINDS, start_server
+from sglang_servers import server_fixture
 from test_continue_ids import TOOLS, fields, partial_of
 
 from genq.common import params
@@ -20,11 +20,7 @@ from genq.common.task import request_body
 LIMIT = 300  # room to stop: the tier's tiny model writes its end token within it on some rows
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def server(request):
-    started = start_server(request.param, "tuned")
-    yield started
-    started.close()
+server = server_fixture("tuned")
 
 
 @pytest.mark.parametrize("tools", [None, TOOLS])
