@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 eval "$(bash .ci/slurm.sh | tail -n 1)"
 trap 'bash .ci/slurm.sh stop' EXIT
-python3 -m pytest -q -s -m slurm tests/test_slurm.py "$@"
+python3 -m pytest -q -s -n 0 -m slurm tests/test_slurm.py "$@"

@@ -27,6 +27,9 @@ for _path in (REPO, REPO / "tests"):  # genq's modules and the tests' fixtures, 
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+# Fast simulators: 16-token answers as fast as they go, 64 slots (scale, status, conversations).
+FAST_SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
+            "--max-running-requests", "64"]
 
 from conftest import genq as _genq  # noqa: E402
 from conftest import genq_env  # noqa: E402,F401 (the scripts import it from here)
@@ -136,6 +139,22 @@ def wait_rusage(proc, timeout: float) -> tuple[int, float]:
             proc.kill()
             raise TimeoutError(f"{proc.args} did not exit within {timeout}s")
         time.sleep(0.005)
+
+
+def reap(procs: list[subprocess.Popen], tick=None, period: float = 0.5) -> dict[int, tuple]:
+    """Wait for every process, calling `tick()` between looks: {pid: (exit code, CPU s)}, each
+    by wait4 (poll() would reap it first and lose its CPU)."""
+    got: dict[int, tuple] = {}
+    while len(got) < len(procs):
+        for proc in procs:
+            pid, status, ru = os.wait4(proc.pid, os.WNOHANG) if proc.pid not in got else (0, 0, 0)
+            if pid:
+                proc.returncode = os.waitstatus_to_exitcode(status)
+                got[pid] = (proc.returncode, ru.ru_utime + ru.ru_stime)
+        if tick:
+            tick()
+        time.sleep(period)
+    return got
 
 
 def machine_cpu() -> tuple[float, float]:

@@ -2,14 +2,9 @@
 --turns all`) against a one-turn run of the same rows (`--turns last`, the baseline), side by
 side on the same Redis and simulators.
 
-The data set comes from bench/_conversations.py (seeded): agentic-coding rows of a system
-prompt, 1-3 user requests, each worked through a chain of 1-20 tool calls (one call a turn, to
-the row's first tool) and closed by a final answer, ~8 assistant turns a row. The simulators
-answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
---enable-cache-report`: each regenerated turn calls the row's first tool while the request's
-chain (drawn as the rows drew it) goes on and answers in text where the row does, so every
-conversation runs all its turns. `--tool-call-rate R` runs the simulators at that rate instead
-(at 1.0 a final-answer turn is regenerated as a call and its conversation diverges there).
+The data set is bench/_conversations.py's (seeded agentic-coding rows, ~8 assistant turns each).
+The simulators answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
+--enable-cache-report`, calling where the rows call, so every conversation runs all its turns.
 
 Each arm: the windowed producer, `genq consume --burst` per simulator, to the end or to
 --deadline (then the consumers are stopped with SIGTERM and the figures are those of the
@@ -27,7 +22,6 @@ recover from that checkout on the same shards, beside this tree's (the exports b
 from __future__ import annotations
 
 import filecmp
-import os
 import signal
 import statistics
 import sys
@@ -42,8 +36,7 @@ from pipeline import wait_for
 
 from genq.common.queue.keys import RunKeys
 
-SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
-       "--max-running-requests", "64", "--enable-cache-report"]
+SIM = [*kit.FAST_SIM, "--enable-cache-report"]
 ARMS = ("last", "all")
 
 
@@ -79,32 +72,29 @@ class Arm:
         outs = [self.work / f"out{n}" for n in range(len(self.sims))]
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
-        self.started, cpu, peak, mid = time.monotonic(), {}, 0, False
-        deadline, stopped = self.started + self.a.deadline, False
-        while len(cpu) < len(procs):
-            for proc in procs:  # wait4 for each one's CPU, not poll(), which would reap it
-                pid, status, ru = (os.wait4(proc.pid, os.WNOHANG) if proc.pid not in cpu
-                                   else (0, 0, None))
-                if pid:
-                    cpu[pid] = ru.ru_utime + ru.ru_stime
-                    if os.waitstatus_to_exitcode(status) not in (0, -signal.SIGTERM):
-                        raise SystemExit(f"a consumer exited {status}")
+        self.started, peak, mid, stopped = time.monotonic(), 0, False, False
+
+        def tick() -> None:
+            nonlocal peak, mid, stopped
+            if any(p.returncode not in (None, 0, -signal.SIGTERM) for p in procs):
+                raise SystemExit(f"a consumer exited {[p.returncode for p in procs]}")
             elapsed = time.monotonic() - self.started
             if not mid and (self.r.bitcount(self.k.done) >= self.a.conversations // 2
                             or elapsed >= self.a.deadline / 2):
                 mid = True
                 self.mid_run()
-            if not stopped and time.monotonic() > deadline:
+            if not stopped and elapsed > self.a.deadline:
                 stopped = True
                 print(f"[{self.turns}] deadline: stopping the consumers", file=sys.stderr)
                 for proc in procs:
-                    if proc.pid not in cpu:
+                    if proc.returncode is None:
                         proc.send_signal(signal.SIGTERM)
             peak = max(peak, self.used() - self.base)
-            time.sleep(0.25)
+
+        got = kit.reap(procs, tick, period=0.25)
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
-                            complete=not stopped, consumer_cpu_s=round(sum(cpu.values()), 2),
-                            redis_b_peak=peak)
+                            complete=not stopped, redis_b_peak=peak,
+                            consumer_cpu_s=round(sum(s for _, s in got.values()), 2))
         self.outs = outs
 
     def timed(self, *args: str, tree: Path = kit.REPO) -> dict:
@@ -225,8 +215,6 @@ def main() -> int:
     p.add_argument("--conversations", type=int, default=100_000)
     p.add_argument("--consumers", type=int, default=2, help="each on its own simulator")
     p.add_argument("--seed", type=int, default=0, help="the data set's")
-    p.add_argument("--tool-call-rate", type=float, default=None,
-                   help="the simulators call at this rate instead of --tool-chains")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--deadline", type=float, default=2400,
                    help="seconds an arm's consumers run before they are stopped (all 8 turns "
@@ -235,9 +223,7 @@ def main() -> int:
     p.add_argument("--baseline", default=None,
                    help="a checkout whose export and recover run beside this tree's")
     a = p.parse_args()
-    calls = (["--tool-chains", "--seed", str(a.seed)] if a.tool_call_rate is None
-             else ["--tool-call-rate", str(a.tool_call_rate)])
-    sim = [*SIM, *calls]
+    sim = [*SIM, "--tool-chains", "--seed", str(a.seed)]
     figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}
     with kit.workdir() as work, kit.private_redis() as srv, \
             kit.simulators(a.consumers, *sim) as sims:

@@ -6,9 +6,8 @@ wall, the consumer's time from start to its first result and its peak memory (Vm
 `--seconds` of work. The producer's time to `run_registered` is the data set's opening
 (download, fingerprint, index); the rest of `--once` is queueing every row.
 
-`--baseline` first times three copies of the same object from the same S3 with genq's client:
-boto3's `download_file` in 16 MB parts by 4 threads (genq's copy before), genq's own
-(`remote.local_copy`), and one plain `get_object` stream.
+`--baseline` first times three copies of the same object with genq's client: boto3's
+`download_file` in 16 MB parts by 4 threads, genq's `remote.local_copy`, one `get_object` stream.
 
     python bench/s3_dataset.py [--rows 914000] [--format parquet|jsonl] [--data DIR]
                                [--baseline] [--json FILE]
@@ -123,12 +122,12 @@ def copies(uri: str, tmp: Path) -> dict[str, float]:
                 f.write(chunk)
 
     out.mkdir()
-    timed("boto3 download_file, 16 MB parts x 4 threads (before)",
+    timed("boto3 download_file, 16 MB parts x 4 threads",
           lambda: client.download_file(where.bucket, where.prefix, str(out / "parts"), Config=
                                        TransferConfig(multipart_chunksize=16 << 20,
                                                       max_concurrency=4)))
     os.environ["XDG_CACHE_HOME"] = str(out)
-    timed("genq remote.local_copy (now)", lambda: remote.local_copy(uri))
+    timed("genq remote.local_copy", lambda: remote.local_copy(uri))
     timed("one get_object stream", one_stream)
     return seconds
 

@@ -15,7 +15,6 @@ RSS) and `genq recover` after FLUSHALL (wall, peak RSS), checked against the run
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -29,8 +28,6 @@ from test_monitor import Monitor
 from genq.common.queue.keys import RunKeys
 
 RUN = "scale"
-SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
-       "--max-running-requests", "64"]
 
 
 def main() -> int:
@@ -43,7 +40,7 @@ def main() -> int:
     tasks = a.total * a.samples
     k, lat = RunKeys(RUN), {}
     with kit.workdir() as work, kit.private_redis() as srv, \
-            kit.simulators(a.consumers, *SIM) as sims:
+            kit.simulators(a.consumers, *kit.FAST_SIM) as sims:
         r, env = srv.client(), kit.genq_env(srv.url, RUN)
         data = kit.write_dataset(work / "d.jsonl", a.total)
         base = int(r.info("memory")["used_memory"])
@@ -59,12 +56,10 @@ def main() -> int:
         started, cpu0 = time.monotonic(), kit.machine_cpu()
         procs = [kit.consumer(srv.url, RUN, "--server", sim.url, "--burst", "--out", str(out))
                  for sim, out in zip(sims, outs, strict=True)]
-        half, cpu = False, {}
-        while len(cpu) < len(procs):
-            for proc in procs:  # wait4 for each one's CPU, not poll(), which would reap it
-                pid, _, ru = os.wait4(proc.pid, os.WNOHANG) if proc.pid not in cpu else (0, 0, 0)
-                if pid:
-                    cpu[pid] = ru.ru_utime + ru.ru_stime
+        half = False
+
+        def tick() -> None:
+            nonlocal half, peak_mb
             if not half and r.bitcount(k.done) >= tasks // 2:
                 half = True
                 lat["status_mid_s"] = kit.latency(lambda: kit.genq("status", redis_url=srv.url,
@@ -78,7 +73,8 @@ def main() -> int:
                                     "genq", "status"], cwd=kit.REPO, env=env, check=True,
                                    stdout=subprocess.DEVNULL)
             peak_mb = max(peak_mb, used_mb())
-            time.sleep(0.5)
+
+        cpu = {pid: s for pid, (_, s) in kit.reap(procs, tick).items()}
         wall, (busy, total) = time.monotonic() - started, kit.machine_cpu()
         lat["status_end_s"] = kit.latency(lambda: kit.genq("status", redis_url=srv.url, run=RUN))
         lat["api_end_s"] = kit.latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))

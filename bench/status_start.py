@@ -15,8 +15,7 @@ the worst of each, and this tree's against the baseline's.
 1,000,000 prompts (--total) on a Redis started just before, as a fresh deployment's, timed from
 the command to the first task in the queue.
 
---busy N adds N processes that only spin, as other work on the same machine would (the 914,000 ×
-4 scale run that saw 1.69 s shared its cores with other benches).
+--busy N adds N processes that only spin, as other work on the same machine would.
 
 The baseline runs from its own directory with PYTHONPATH set to it, so its `genq` package is
 its own; the same interpreter and installed libraries serve both.
@@ -38,8 +37,6 @@ from pipeline import wait_for
 from genq.common.queue.keys import RunKeys
 
 RUN = "status"
-SIM = ["--time-scale", "10000", "--ttft", "0", "--length-dist", "fixed:16",
-       "--max-running-requests", "64"]
 
 
 def status_call(tree: Path, env: dict) -> tuple[float, float]:
@@ -115,7 +112,7 @@ def main() -> int:
     a.total = a.total or 914_000
     k, calls = RunKeys(RUN), {name: [] for name in trees}
     with kit.workdir() as work, kit.private_redis() as srv, \
-            kit.simulators(a.consumers, *SIM) as sims:
+            kit.simulators(a.consumers, *kit.FAST_SIM) as sims:
         r, env = srv.client(), kit.genq_env(srv.url, RUN)
         data = kit.write_dataset(work / "d.jsonl", a.total)
         producer = Background(srv.url, RUN, "produce", str(data), "--samples", str(a.samples))

@@ -22,8 +22,8 @@ T = TypeVar("T")
 FIRST_PAUSE_S = 0.1  # a 503 now and then costs the refused request a moment, not a second
 RETRIES_IN_SLOT = 3  # refusals in a row retried by their slot; more pause every new request
 MAX_BACKOFF_S = 10.0  # the longest pause: a server that comes back is used again within this
-# A server's Retry-After is obeyed up to this: a load balancer asking a day (86400) must not
-# stop a consumer for a day once its backend is back.
+# A server's Retry-After is obeyed up to this (--max-retry-after): a load balancer asking a day
+# (86400) must not stop a consumer for a day once its backend is back.
 MAX_RETRY_AFTER_S = 60.0
 LOGGED_PAUSE_S = 0.5  # pauses this long are logged each; shorter ones, summed every minute
 REFUSALS_EVERY_S = 60.0
@@ -31,10 +31,11 @@ REFUSALS_EVERY_S = 60.0
 
 class ClaimPause:
     """Jittered pause of new requests: as long as the server asks (Retry-After, at most
-    MAX_RETRY_AFTER_S), or doubled per failure in a row; failures during a pause do not
+    max_retry_after), or doubled per failure in a row; failures during a pause do not
     lengthen it."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_retry_after: float = MAX_RETRY_AFTER_S) -> None:
+        self.max_retry_after = max_retry_after
         self.until = 0.0
         self.failures = 0  # in a row, since the last success
         self.said = False  # a pause was logged: its end is logged too
@@ -61,7 +62,7 @@ class ClaimPause:
             return
         self.failures += 1
         backoff = min(FIRST_PAUSE_S * 2 ** (self.failures - 1), MAX_BACKOFF_S)
-        pause = (min(retry_after, MAX_RETRY_AFTER_S) if retry_after is not None
+        pause = (min(retry_after, self.max_retry_after) if retry_after is not None
                  else backoff * (0.5 + random.random()))
         self.until = now + pause
         if pause >= LOGGED_PAUSE_S:

@@ -91,6 +91,8 @@ def parser() -> argparse.ArgumentParser:
                    help="stream answers: silence seen per answer, fewer tokens/s (docs/SGLANG.md)")
     p.add_argument("--grace", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGTERM (default 10)")
+    p.add_argument("--max-retry-after", type=float, default=60.0, metavar="S",
+                   help="longest pause a server's Retry-After may ask, in seconds (default 60)")
     p.add_argument("--server-wait", type=float, default=10.0,
                    help="seconds to wait for the server to answer at start (default 10)")
     p.add_argument("--name", help="consumer name shown in status (default host-pid)")
@@ -117,6 +119,8 @@ def parse(argv: list[str] | None) -> ConsumeSettings:
         p.error("--concurrency must be >= 1")
     if a.stall_timeout <= 0 or a.request_timeout <= 0 or a.server_lease <= 0:
         p.error("--stall-timeout, --request-timeout and --server-lease must be > 0")
+    if a.max_retry_after < 0:
+        p.error("--max-retry-after must be >= 0")
     if a.visibility_timeout <= 0 or a.max_attempts < 1:
         p.error("--visibility-timeout must be > 0 and --max-attempts >= 1")
     if a.max_claims is None:

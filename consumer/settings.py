@@ -28,6 +28,7 @@ class ConsumeSettings:
     # `server` as the cluster knows it (servers.identity): leases, records, status, heartbeats.
     server_id: str = ""
     server_lease: float = 15.0
+    max_retry_after: float = 60.0  # the longest a server's Retry-After pauses new requests
     share_server: bool = False
     s3_uri: str | None = None  # shipping to S3 (common/store/ship.py) is off without one
     shard_records: int = 500

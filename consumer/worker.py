@@ -88,7 +88,7 @@ class Consumer:
         self.version = 0  # the newest parameter version seen
         self.out_dirs = 0  # output directories the run has, as last counted
         self.clock_offset = 0.0  # Redis's clock less this host's, as the heartbeat last saw
-        self.pause = ClaimPause()
+        self.pause = ClaimPause(s.max_retry_after)
         self.partials = Partials(self.redis, self.keys)  # `requeue --continue`'s
         self.acked = self.started_at = 0
         self.birth = iso_now()

@@ -1,9 +1,13 @@
-"""Shared fixtures: a private redis-server per test session, fresh run names, free ports."""
+"""Shared fixtures: a private redis-server per test session (per xdist worker), fresh run names,
+free ports."""
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,12 +17,41 @@ from pathlib import Path
 import pytest
 import redis
 
-from genq.common.net import free_port, wait_port  # noqa: F401 (tests import them from here)
+from genq.common import net
+from genq.common.net import wait_port  # noqa: F401 (tests import it from here)
 from genq.common.queue import scripts
 
 REPO = Path(__file__).resolve().parent.parent
 
 pytest_plugins = ["sim_fixtures"]
+
+# Under xdist each worker takes the ports of its servers (Redis, simulators, moto) from its own
+# block below the kernel's ephemeral range (32768 and up on Linux): a port one worker found free
+# cannot be taken by another worker, nor handed to a client connection as its local port, in the
+# moment before the server binds it. Blocks start at 20000, 400 ports each.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+_BLOCK = 400
+_PORTS = (itertools.cycle(range(20000 + int(_WORKER[2:]) * _BLOCK,
+                                20000 + (int(_WORKER[2:]) + 1) * _BLOCK))
+          if _WORKER.startswith("gw") and int(_WORKER[2:]) < 30 else None)
+if _PORTS is not None:  # another session on the machine starts its workers elsewhere in the block
+    for _ in range(random.randrange(_BLOCK)):
+        next(_PORTS)
+
+
+def free_port() -> int:
+    """A local port nothing listens on, for a server a test is about to start."""
+    if _PORTS is None:
+        return net.free_port()
+    for _ in range(_BLOCK):
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in worker {_WORKER}'s block")
 
 
 class RedisServer:
@@ -121,3 +154,15 @@ def ack_call(k, job_id: str, index: int, exec_id: str, *, server: str, **result)
     answers a list of one code."""
     return scripts.ack_many_call(k, server, [scripts.Result(job_id=job_id, index=index,
                                                             exec_id=exec_id, **result)])
+
+
+# The real-server tiers start real SGLang servers (minutes on a CPU) and a real Slurm inside
+# their tests' setup: each of their tests gets this, set here once for the tier, where every
+# other test has the 120 s of pyproject (at most 300 s where a test says so).
+REAL_TIER_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("real_sglang") or item.get_closest_marker("slurm"):
+            item.add_marker(pytest.mark.timeout(REAL_TIER_TIMEOUT_S), append=False)

@@ -18,17 +18,18 @@ from pathlib import Path
 
 import orjson
 import redis
+import timescale
 from conftest import REPO, RedisServer, genq, genq_env
 from pipeline import ConsumerProcess, wait_for
 
 from genq.common.queue.keys import FINISH_NAMES, RunKeys
 from genq.common.report.status import read_status
 
-# Short leases keep the suite fast; every bound below is stated in terms of them.
-VT = 2.0
+# Short leases keep the suite fast (tests/timescale.py); every bound is stated in their terms.
+VT = timescale.VT
 # Simulated requests take under a second; a 30 s read timeout bounds any request that never
 # comes back, so a lost request shows as a retry in the log rather than a stuck test.
-BASE_FLAGS = ("--burst", "--poll", "0.05", "--grace", "2", "--server-wait", "15",
+BASE_FLAGS = ("--burst", "--poll", "0.05", "--grace", str(timescale.GRACE), "--server-wait", "15",
               "--request-timeout", "30")
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 import redis
-from conftest import REPO, genq_env
+from conftest import REPO, genq, genq_env
 
 from genq.common.task import Request
 
@@ -91,6 +91,53 @@ def consume_to_the_end(redis_url: str, run: str, server: str, out: Path, *flags:
         assert consumer.wait(timeout) == 0, consumer.log()[-3000:]
     finally:
         consumer.cleanup()
+
+
+def status_json(redis_url: str, run: str) -> dict:
+    """`genq status --json`, parsed."""
+    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
+
+
+def exported(tmp_path: Path, redis_url: str, run: str, *flags: str,
+             name: str = "export.jsonl") -> list[dict]:
+    """`genq export --out tmp_path/name *flags`, its records."""
+    out = tmp_path / name
+    genq("export", "--out", str(out), *flags, redis_url=redis_url, run=run)
+    return read_jsonl(out)
+
+
+def one_at_a_time(server, tmp_path: Path, redis_url: str, run: str,
+                  name: str = "all.jsonl") -> list[dict]:
+    """The real tier's consume and export: `server` asked one request at a time (a greedy answer
+    is then the one a lone request gets, and each turn meets the cache the turn before left),
+    with time for a real server to start, to the end; the export's records."""
+    consume_to_the_end(redis_url, run, server.url, tmp_path / "out", "--concurrency", "1",
+                       "--server-wait", "300", timeout=600)
+    return exported(tmp_path, redis_url, run, name=name)
+
+
+def continue_truncated(redis_url: str, run: str, max_tokens: int, partials: int,
+                       *flags: str) -> str:
+    """`genq requeue --set max_tokens=N --redo truncated --continue *flags`, checked to keep
+    `partials` partial answers; its output."""
+    out = genq("requeue", "--set", f"max_tokens={max_tokens}", "--redo", "truncated",
+               "--continue", *flags, redis_url=redis_url, run=run).stdout
+    assert f"partials kept for --continue: {partials} " in out, out
+    return out
+
+
+def redone_chains(chains: dict, before: dict, cut: dict):
+    """(index, chain, cut turn) of each conversation a redo made again from its cut turn, once
+    it is checked that every other conversation is untouched and that the turns before the cut
+    are the same lines (kept, not made again)."""
+    for index, chain in chains.items():
+        old = before[index]
+        if index not in cut:
+            assert chain == old, index  # untouched
+            continue
+        t = cut[index]["turn"]
+        assert chain[:t - 1] == old[:t - 1], index  # the same lines: kept, not made again
+        yield index, chain, t
 
 
 def bitcount(r: redis.Redis, key: str) -> int:

@@ -160,3 +160,14 @@ def start_server(kind: str, mode: str) -> Server:
 
 # Each scenario runs against both; the real ones only in the real-server tier.
 KINDS = [pytest.param("sim"), pytest.param("real", marks=pytest.mark.real_sglang)]
+
+
+def server_fixture(mode: str):
+    """A test module's `server` fixture (`server = server_fixture(mode)`): a server of each of
+    KINDS in `mode`, shared by the module's tests, stopped after them."""
+    @pytest.fixture(scope="module", params=KINDS, name="server")
+    def server(request):
+        started = start_server(request.param, mode)
+        yield started
+        started.close()
+    return server

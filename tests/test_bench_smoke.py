@@ -56,7 +56,6 @@ def test_every_bench_script_is_smoke_run() -> None:
 
 
 @pytest.mark.real_sglang
-@pytest.mark.timeout(900)
 def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
     from sglang_servers import RealServer
 
@@ -73,7 +72,6 @@ def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
 
 
 @pytest.mark.real_sglang
-@pytest.mark.timeout(900)
 def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
     from sglang_servers import RealServer
 
@@ -88,6 +86,7 @@ def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
         server.close()
 
 
+@pytest.mark.slow  # every bench script end to end: a soak of each
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_bench_script_runs_and_reports(name: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ import json
 import orjson
 import pytest
 from conftest import ack_call, genq
-from pipeline import ConsumerProcess, read_jsonl
+from pipeline import consume_to_the_end, exported
 from prometheus_client.parser import text_string_to_metric_families
 from sglang_servers import KINDS, start_server
 from test_scripts import claim, setup_run
@@ -22,14 +22,8 @@ SYSTEM = {"role": "system", "content": "You are a careful assistant who reads ev
 
 
 def _consume(tmp_path, redis_url, run_name, sim, *flags: str) -> list[dict]:
-    consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", "--burst", *flags)
-    try:
-        assert consumer.wait(90) == 0, consumer.log()[-3000:]
-    finally:
-        consumer.cleanup()
-    out = tmp_path / "export.jsonl"
-    genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
-    return read_jsonl(out)
+    consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out", *flags)
+    return exported(tmp_path, redis_url, run_name)
 
 
 def _run(tmp_path, redis_url, run_name, sim, *flags: str, rows: int = 2,
@@ -68,7 +62,6 @@ def test_records_keep_the_cached_prompt_tokens_the_server_reports(
     assert 0 < second["cached_tokens"] < second["prompt_tokens"]
 
 
-@pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_server_reports_the_cached_prefix_of_a_prompt_sent_again(
         kind, tmp_path, redis_url, run_name):

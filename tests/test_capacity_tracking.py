@@ -171,6 +171,9 @@ def test_fixed_concurrency_is_not_tracked(busy, redis_url, run_name, r, tmp_path
     started.append(Neighbour(sim.url, K))
     wait_for(lambda: any(s["num_waiting_reqs"] >= K - 1 for s in loads(sim.url, 1.0)),
              timeout=60, what="the neighbour's requests waiting")
-    time.sleep(3)  # three load samples: tracking would have moved by now
+    # Three more load samples read by the consumer: tracking would have moved by now.
+    reads = httpx.get(sim.url + "/_sim/stats", timeout=5).json()["load_reads"]
+    wait_for(lambda: httpx.get(sim.url + "/_sim/stats", timeout=5).json()["load_reads"]
+             >= reads + 3, timeout=30, what="three more load samples")
     assert capacity(r, run_name) == MAX
     assert "slots_changed" not in consumer.log()

@@ -22,8 +22,6 @@ from conftest import REPO
 from sglang_servers import CONTEXT, RealServer
 from sim_fixtures import SimProcess, sim_flags
 
-pytestmark = pytest.mark.timeout(900)
-
 RECORDED = REPO / "tests" / "data" / "sglang-0.5.23" / "stream_parser_thinking.txt"
 # Compared by type (and a string by empty or not), never by value: ids, clocks, the model's
 # name and text, the end token's id, and token counts (checked against the chunks instead).

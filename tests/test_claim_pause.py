@@ -5,6 +5,7 @@ server); only pauses worth a person's attention are logged."""
 
 from __future__ import annotations
 
+import pytest
 import structlog
 
 from genq.common.errors import ServerStalled, ServerUnavailable
@@ -66,3 +67,25 @@ def test_a_slot_retries_a_refusal_itself_until_refusals_come_in_a_row():
     assert pause.in_slot(ServerUnavailable("HTTP 503")) is None  # in a row: pause them all
     pause.recovered()
     assert pause.in_slot(ServerUnavailable("HTTP 503")) is not None
+
+
+def test_a_retry_after_is_obeyed_up_to_the_configured_cap(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr(backoff.time, "monotonic", lambda: clock[0])
+    default, short = ClaimPause(), ClaimPause(max_retry_after=2.5)
+    for pause in (default, short):
+        pause.trouble("HTTP 503", retry_after=86400)
+    assert default.remaining() == backoff.MAX_RETRY_AFTER_S == 60
+    assert short.remaining() == 2.5
+    asked = ClaimPause(max_retry_after=2.5)
+    asked.trouble("HTTP 503", retry_after=1.5)  # less than the cap: as asked
+    assert asked.remaining() == 1.5
+
+
+def test_a_negative_retry_after_cap_is_one_clear_error(capsys):
+    from genq.consumer.cli import parse
+
+    with pytest.raises(SystemExit) as e:
+        parse(["--server", "http://127.0.0.1:9", "--max-retry-after", "-1"])
+    assert e.value.code == 2
+    assert "--max-retry-after must be >= 0" in capsys.readouterr().err

@@ -96,7 +96,6 @@ def test_continue_needs_redo_truncated(redis_url, run_name):
 
 
 @pytest.mark.real_sglang
-@pytest.mark.timeout(900)
 def test_continue_on_real_sglang(tmp_path, redis_url, r, run_name):
     """Greedy decoding on the real server (thinking on, --reasoning-parser qwen3). The tiny
     random model's greedy answers end after a token or two, so ignore_eos keeps them going:

@@ -23,7 +23,7 @@ from faultkit import record_figures
 from pipeline import ConsumerProcess, read_jsonl, write_dataset
 from sglang_servers import start_server
 
-pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(1800)]
+pytestmark = pytest.mark.real_sglang
 N, SMALL, LARGE = 32, 40, 100
 # Greedy decoding then writes `</think>` in most answers, first somewhere in 10..60.
 THINK_END_BIAS = 0.3

@@ -5,7 +5,6 @@ once none is left; and what a continued answer counts."""
 from __future__ import annotations
 
 import threading
-import time
 
 import orjson
 import pytest
@@ -98,10 +97,11 @@ LOOKUPS = {"HGET", "HMGET", "HEXISTS", "HLEN", "EXISTS", "HSCAN", "HGETALL"}
 class KeyWatch(threading.Thread):
     """Every lookup of `key` Redis runs (MONITOR), until stopped."""
 
-    def __init__(self, redis_url: str, key: str) -> None:
+    def __init__(self, redis_url: str, key: str, beat_prefix: str = "") -> None:
         super().__init__(daemon=True)
         self.conn, self.key = redis.Redis.from_url(redis_url), key
         self.seen: list[str] = []
+        self.beat_prefix, self.beats = beat_prefix, 0  # consumers' heartbeats seen
         self.stop_now = threading.Event()
         self.ready = threading.Event()
 
@@ -110,6 +110,9 @@ class KeyWatch(threading.Thread):
             self.ready.set()
             while not self.stop_now.is_set():
                 command = m.next_command()["command"]
+                verb, _, rest = command.partition(" ")
+                if self.beat_prefix and verb.upper() == "SET" and rest.startswith(self.beat_prefix):
+                    self.beats += 1
                 # Lookups only: the ack script deletes partials in the same call (not a trip).
                 if self.key in command and command.split()[0].upper() in LOOKUPS:
                     self.seen.append(command)
@@ -127,14 +130,15 @@ def test_consumers_stop_looking_once_no_partial_is_left(tmp_path, redis_url, r, 
         genq("requeue", *CONTINUE, redis_url=redis_url, run=run_name)
         wait_for(lambda: settled(r, k, n) and not r.exists(k.partials), timeout=120,
                  what="the continued answers")
-        watch = KeyWatch(redis_url, k.partials)
+        watch = KeyWatch(redis_url, k.partials, beat_prefix=k.consumer(""))
         watch.start()
         watch.ready.wait(10)
         genq("requeue", "--set", "max_tokens=300", "--redo", "all", redis_url=redis_url,
              run=run_name)
         wait_for(lambda: settled(r, k, n), timeout=120, what="the redo")  # it cleared done
         # Several heartbeats and parameter watches go by: none may ask again.
-        time.sleep(3)
+        beats = watch.beats
+        wait_for(lambda: watch.beats >= beats + 3, timeout=30, what="three more heartbeats")
         watch.stop_now.set()
         r.ping()  # wakes the monitor to see its stop
         watch.join(10)

@@ -13,7 +13,7 @@ import asyncio
 import httpx
 import pytest
 from pipeline import request_of
-from sglang_servers import KINDS, start_server
+from sglang_servers import server_fixture
 from test_continue_ids import TOOLS, fields, partial_of
 from test_continue_tools import CALL
 
@@ -22,16 +22,11 @@ from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
 from genq.common.task import request_body
 
-pytestmark = pytest.mark.timeout(900)
 LIMIT = 200
 RUN_ON = 40  # answers made to run to max_tokens (ignore_eos): long enough to cut anywhere
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def server(request):
-    started = start_server(request.param, "tools")
-    yield started
-    started.close()
+server = server_fixture("tools")
 
 
 def body_of(row: int, thinking: bool = True) -> dict:

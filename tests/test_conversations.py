@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, wait_for
+from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, redone_chains, wait_for
 
 from genq.common.queue.keys import RunKeys
 from genq.common.turns import conversations, splice
@@ -128,6 +128,7 @@ def check_chains(rows: list[list[dict]], records: list[dict],
     return chains
 
 
+@pytest.mark.slow  # a kill mid-run
 @pytest.mark.timeout(240)
 def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
         tmp_path, redis_url, r, run_name, sim_factory):
@@ -207,21 +208,11 @@ def test_every_turn_made_in_order_through_a_kill_and_a_redo_of_the_truncated(
     before = requests_served(*sims)
     genq("requeue", "--set", "max_tokens=2000", "--redo", "truncated",
          redis_url=redis_url, run=run_name)
-    again = ConsumerProcess(redis_url, run_name, sims[1].url, tmp_path / "b", *flags)
-    try:
-        assert again.wait(180) == 0, again.log()[-3000:]
-    finally:
-        again.cleanup()
+    consume_to_the_end(redis_url, run_name, sims[1].url, tmp_path / "b", *flags[1:], timeout=180)
     redone = export(tmp_path, redis_url, run_name, "redone.jsonl")
     new_chains = check_chains(rows, redone)
     asked = 0
-    for index, chain in new_chains.items():
-        old = chains[index]
-        if index not in truncated:
-            assert chain == old, index  # untouched
-            continue
-        t = truncated[index]["turn"]
-        assert chain[:t - 1] == old[:t - 1], index  # the same lines: kept, not made again
+    for _, chain, t in redone_chains(new_chains, chains, truncated):
         assert chain[t - 1]["finish_reason"] != "length" or chain[t - 1]["completion_tokens"] > 60
         assert chain[t - 1]["params_version"] == 2
         asked += len(chain) - (t - 1)
@@ -279,22 +270,13 @@ def test_a_failed_turn_is_made_again_by_redo_failed_after_the_turns_before_it(
         assert chain[0] in failed  # the first turn kept, not made again
         assert chain[1]["attempt"] > chain[0]["attempt"] and "ended" in chain[1]
     # The monitor shows what status counts: on the page, in /api/status and in /metrics.
-    from playwright.sync_api import sync_playwright
     from test_monitor import Monitor
 
     monitor = Monitor(redis_url, run_name, tmp_path)
     try:
         conv = monitor.status()["conversations"]
         _, metrics, _ = monitor.get("/metrics")
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
-                                        args=["--no-sandbox"])
-            page = browser.new_page()
-            page.goto(monitor.url + "/")
-            page.wait_for_function("!document.getElementById('conversations').hidden")
-            shown = {i: page.text_content(f"#{i}") for i in ("conv-done", "conv-generations",
-                                                              "conv-ended")}
-            browser.close()
+        shown = monitor.conversation_texts("conv-done", "conv-generations", "conv-ended")
     finally:
         monitor.stop()
     assert conv["done"] == 4 and shown["conv-done"] == "4 / 4"

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 from conftest import genq
-from pipeline import consume_to_the_end
+from pipeline import consume_to_the_end, continue_truncated, redone_chains
 from test_conversations import (
     PROBE,
     by_conversation,
@@ -99,23 +99,15 @@ def test_a_truncated_turn_is_continued_by_ids_and_the_conversation_goes_on(
                "--dry-run", redis_url=redis_url, run=run_name).stdout
     assert f"continue: {len(truncated)} truncated answers" in dry and "; 0 are generated" in dry
     assert r.exists(RunKeys(run_name).partials) == 0  # a dry run keeps nothing
-    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
-               redis_url=redis_url, run=run_name).stdout
-    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    continue_truncated(redis_url, run_name, LARGE, len(truncated))
     consume_to_the_end(redis_url, run_name, sims["cont"].url, tmp_path / "cont")
     after = served(sims["cont"])
     redone = export(tmp_path, redis_url, run_name, "redone.jsonl")
     chains = check_chains(rows, redone)
 
     asked: list[dict] = []
-    for index, chain in chains.items():
-        old = first[index]
-        if index not in truncated:
-            assert chain == old, index  # untouched
-            continue
-        t, cut = truncated[index]["turn"], truncated[index]
-        assert chain[:t - 1] == old[:t - 1], index  # the same lines: kept, not made again
-        again = chain[t - 1]
+    for index, chain, t in redone_chains(chains, first, truncated):
+        cut, again = truncated[index], chain[t - 1]
         assert again["params_version"] == 2 and again["continued_from"] == {
             "version": 1, "attempt": cut["attempt"], "tokens": cut["completion_tokens"]}, again
         assert again["completion_token_ids"][:SMALL] == cut["completion_token_ids"], index
@@ -181,21 +173,14 @@ def test_without_ids_the_truncated_turn_is_continued_by_its_text(
     assert len(truncated) >= 5 and any(rec["turn"] > 1 for rec in truncated.values()), truncated
 
     before = served(sim)
-    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
-               redis_url=redis_url, run=run_name).stdout
-    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    continue_truncated(redis_url, run_name, LARGE, len(truncated))
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out")
     redone = export(tmp_path, redis_url, run_name, "redone.jsonl")
     chains = by_conversation(redone)
     asked = 0
-    for index, chain in chains.items():
-        if index not in truncated:
-            assert chain == first[index], index
-            continue
-        t, cut = truncated[index]["turn"], truncated[index]
+    for index, chain, t in redone_chains(chains, first, truncated):
+        cut, again = truncated[index], chain[t - 1]
         assert [rec["turn"] for rec in chain] == list(range(1, len(chain) + 1)), index
-        assert chain[:t - 1] == first[index][:t - 1], index
-        again = chain[t - 1]
         assert again["continued_from"] == {"version": 1, "attempt": cut["attempt"],
                                            "tokens": cut["completion_tokens"]}, again
         assert (again["reasoning_content"] or "").startswith(cut["reasoning_content"] or "")
@@ -248,9 +233,7 @@ def test_each_sample_continues_its_own_partial(tmp_path, redis_url, r, run_name,
     assert {s for _, s in truncated} == {0, 1}
 
     before = served(sims["cont"])
-    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
-               redis_url=redis_url, run=run_name).stdout
-    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    continue_truncated(redis_url, run_name, LARGE, len(truncated))
     assert r.hlen(RunKeys(run_name).partials) == len(truncated)
     consume_to_the_end(redis_url, run_name, sims["cont"].url, tmp_path / "cont")
     after = served(sims["cont"])
@@ -297,9 +280,7 @@ def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, 
     shutil.rmtree(tmp_path / "out")
 
     before = served(sim)
-    out = genq("requeue", "--set", f"max_tokens={LARGE}", "--redo", "truncated", "--continue",
-               "--from-s3", URI, redis_url=redis_url, run=run_name).stdout
-    assert f"partials kept for --continue: {len(truncated)} " in out, out
+    continue_truncated(redis_url, run_name, LARGE, len(truncated), "--from-s3", URI)
     consume_to_the_end(redis_url, run_name, sim.url, tmp_path / "out2", "--s3-uri", URI)
     chains = check_chains(rows, export(tmp_path, redis_url, run_name, "redone.jsonl",
                                        "--from-s3", URI))
@@ -308,6 +289,7 @@ def test_the_cut_turns_are_read_from_s3_alone(tmp_path, redis_url, r, run_name, 
     assert r.exists(RunKeys(run_name).partials) == 0
 
 
+@pytest.mark.slow  # a loss and recover
 @pytest.mark.timeout(240)
 def test_recover_keeps_the_partials_and_the_cut_turns_are_still_continued(
         tmp_path, run_name, sim_factory):

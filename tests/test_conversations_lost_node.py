@@ -40,6 +40,7 @@ def no_gaps(records: list[dict]) -> None:
         assert [rec["turn"] for rec in chain] == list(range(1, len(chain) + 1)), index
 
 
+@pytest.mark.slow  # a lost node, as tests/test_lost_node.py
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("where", ["s3", "shards"])
 def test_a_lost_node_is_repaired_by_redo_missing_and_the_export_is_whole(

@@ -53,6 +53,7 @@ def consume(url: str, run: str, server: str, out: Path) -> None:
     consume_to_the_end(url, run, server, out, "--visibility-timeout", "3", timeout=180)
 
 
+@pytest.mark.slow  # a kill, a loss and recover
 @pytest.mark.timeout(300)
 def test_recover_rebuilds_conversations_done_and_midway_and_they_go_on(
         tmp_path, run_name, sim_factory):

@@ -20,7 +20,7 @@ import orjson
 import pytest
 import redis
 from conftest import genq
-from pipeline import consume_to_the_end, read_jsonl
+from pipeline import continue_truncated, one_at_a_time, redone_chains
 from sglang_servers import RealServer
 from test_conversations import PROBE
 from test_token_ids_sglang import rendered_by_the_models_tokenizer
@@ -28,7 +28,7 @@ from test_token_ids_sglang import rendered_by_the_models_tokenizer
 from genq.common.queue.keys import RunKeys
 from genq.common.turns import splice
 
-pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.real_sglang
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",
     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
@@ -75,11 +75,7 @@ def made_on_the_server(server, tmp_path, redis_url, run, *flags: str,
                             .decode() + "\n" for i in range(rows)))
     genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--temperature", "0",
          "--max-tokens", "300", *flags, redis_url=redis_url, run=run)
-    consume_to_the_end(redis_url, run, server.url, tmp_path / "out", "--concurrency", "1",
-                       "--server-wait", "300", timeout=600)
-    out = tmp_path / "all.jsonl"
-    genq("export", "--out", str(out), redis_url=redis_url, run=run)
-    return read_jsonl(out)
+    return one_at_a_time(server, tmp_path, redis_url, run)
 
 
 def by_row(records: list[dict]) -> dict[int, list[dict]]:
@@ -201,24 +197,13 @@ def test_a_cut_forced_call_is_made_again_and_the_chain_goes_on(
     assert cut, "no turn was cut"
 
     before = requests_served(server)
-    out = genq("requeue", "--set", f"max_tokens={large}", "--redo", "truncated", "--continue",
-               redis_url=redis_url, run=run_name).stdout
-    assert f"partials kept for --continue: {len(cut)} " in out, out
-    consume_to_the_end(redis_url, run_name, server.url, tmp_path / "out", "--concurrency",
-                       "1", "--server-wait", "300", timeout=600)
+    continue_truncated(redis_url, run_name, large, len(cut))
+    chains = by_row(one_at_a_time(server, tmp_path, redis_url, run_name, name="again.jsonl"))
     asked = requests_served(server) - before
-    genq("export", "--out", str(tmp_path / "again.jsonl"), redis_url=redis_url, run=run_name)
-    chains = by_row(read_jsonl(tmp_path / "again.jsonl"))
 
     made = 0
-    for index, recs in chains.items():
-        old = first[index]
-        if index not in cut:
-            assert recs == old, index  # untouched
-            continue
-        t, partial = cut[index]["turn"], cut[index]
-        assert recs[:t - 1] == old[:t - 1], index  # the same lines: not asked again
-        again = recs[t - 1]
+    for index, recs, t in redone_chains(chains, first, cut):
+        partial, again = cut[index], recs[t - 1]
         assert "continued_from" not in again, (index, again.get("content"))
         assert again["params_version"] == 2
         assert again["prompt_token_ids"] == partial["prompt_token_ids"], index

@@ -79,20 +79,12 @@ def negatives(value, at: str = "") -> list[str]:
 def page_standing(tmp_path, redis_url: str, run: str) -> tuple[int, str]:
     """The monitor's /api/status count of conversations being redone, and what its page says
     of where they stand."""
-    from playwright.sync_api import sync_playwright
     from test_monitor import Monitor
 
     monitor = Monitor(redis_url, run, tmp_path)
     try:
         redoing = monitor.status()["conversations"]["redoing"]
-        with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
-                                        args=["--no-sandbox"])
-            page = browser.new_page()
-            page.goto(monitor.url + "/")
-            page.wait_for_function("!document.getElementById('conversations').hidden")
-            shown = page.text_content("#conv-standing") or ""
-            browser.close()
+        shown = monitor.conversation_texts("conv-standing")["conv-standing"] or ""
     finally:
         monitor.stop()
     return redoing, shown

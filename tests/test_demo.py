@@ -93,6 +93,7 @@ def alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # a kill
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="needs Linux /proc")
 def test_a_killed_demo_leaves_no_process_behind(tmp_path):

@@ -23,6 +23,7 @@ def gaps(times: list[float]) -> float:
     return max(b - a for a, b in zip(times, times[1:], strict=False))
 
 
+@pytest.mark.slow  # a frozen endpoint, watched for its window
 @pytest.mark.timeout(120)
 def test_a_frozen_load_endpoint_stalls_no_other_duty(tmp_path, redis_url, r, run_name,
                                                       sim_factory):

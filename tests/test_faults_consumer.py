@@ -32,6 +32,8 @@ from rq.registry import FailedJobRegistry
 from genq.common.queue.keys import RunKeys
 from genq.consumer.servers import identity
 
+pytestmark = pytest.mark.slow  # a kill of every kind, each waited out in leases
+
 
 def held_by(r, run: str, server: str) -> set[str]:
     """The jobs leased by the consumer driving `server` (its URL): a lease names the server as

@@ -56,6 +56,7 @@ def whole_lines_only(directory: Path, run: str) -> bool:
     return True
 
 
+@pytest.mark.slow  # a full disk's window
 @pytest.mark.timeout(150)
 def test_disk_full_pauses_claiming_writes_no_torn_line_and_resumes(
         tmp_path, redis_url, r, run_name, sim_factory):

@@ -39,6 +39,7 @@ def wait_for_more(r, run: str, before: int) -> float:
     return round(time.monotonic() - start, 2)
 
 
+@pytest.mark.slow  # a Redis kill
 @pytest.mark.timeout(150)
 def test_redis_killed_and_restarted_with_aof_loses_nothing_acknowledged(
         tmp_path, run_name, sim_factory):
@@ -76,6 +77,7 @@ def test_redis_killed_and_restarted_with_aof_loses_nothing_acknowledged(
                    acknowledged_before_kill=len(acknowledged), acknowledged_lost=0, **figures)
 
 
+@pytest.mark.slow  # a real 30 s outage, the figure docs/RELIABILITY.md gives
 @pytest.mark.timeout(180)
 def test_redis_unreachable_for_30s_services_wait_reconnect_and_finish(
         tmp_path, redis_server, r, run_name, sim_factory):
@@ -117,6 +119,7 @@ def test_redis_unreachable_for_30s_services_wait_reconnect_and_finish(
     record_figures("redis_unreachable_30s", recovery_s=recovery_s, outage_s=30, **figures)
 
 
+@pytest.mark.slow  # a full Redis window
 @pytest.mark.timeout(150)
 def test_redis_at_maxmemory_producer_backs_off_nothing_evicted_nothing_lost(
         tmp_path, run_name, sim_factory):

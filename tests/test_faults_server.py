@@ -25,6 +25,7 @@ from pipeline import read_jsonl, wait_for, write_dataset
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from sim_fixtures import SimProcess, sim_flags
+from timescale import RETRY_AFTER_CAP
 
 from genq.common.errors import reason_kind
 from genq.common.queue.keys import RunKeys
@@ -40,6 +41,7 @@ def sim_stats(sim) -> dict:
     return httpx.get(sim.url + "/_sim/stats", timeout=5).json()
 
 
+@pytest.mark.slow  # a real 20 s outage, the figure docs/RELIABILITY.md gives
 @pytest.mark.timeout(150)
 def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
         tmp_path, redis_url, r, run_name, sim_factory):
@@ -71,31 +73,34 @@ def test_server_5xx_for_20s_spends_no_attempt_and_throughput_recovers(
                    claiming_paused=seen["claiming_paused"], attempts_spent=0, **figures)
 
 
-RETRY_AFTER_CAP_S = 60  # docs/REFERENCE.md: a server's Retry-After is obeyed up to a minute
-
-
-@pytest.mark.timeout(180)
 def test_a_retry_after_of_a_day_pauses_claiming_no_longer_than_the_cap(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A load balancer answers 503 with Retry-After: 86400 while its backend restarts; once it
-    # serves again the consumer must be back within the cap, not a day later.
+    # serves again the consumer must be back within the cap, not a day later. The cap is a
+    # setting (60 s by default, docs/REFERENCE.md); here it is the tests' scaled one.
     n = 12
     produce_once(write_dataset(tmp_path / "d.jsonl", n), redis_url, run_name)
     sim = sim_factory(**sim_kwargs(0.2))
     sim_faults(sim, status=503, retry_after=86400)
-    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1")
+    c = Consumer(redis_url, run_name, sim.url, tmp_path / "out", "--max-attempts", "1",
+                 "--max-retry-after", str(RETRY_AFTER_CAP))
     try:
         wait_for(lambda: c.event_names()["claiming_paused"] >= 1, timeout=60,
                  what="the consumer paused by the 503")
         sim_faults(sim, status=None, retry_after=None)
-        assert c.wait(RETRY_AFTER_CAP_S + 60) == 0, c.log()[-3000:]
+        lifted = time.monotonic()
+        assert c.wait(60) == 0, c.log()[-3000:]
+        back_s = time.monotonic() - lifted
         pauses = [e["pause_s"] for e in c.events() if e.get("event") == "claiming_paused"]
     finally:
         c.cleanup()
-    assert pauses and max(pauses) <= RETRY_AFTER_CAP_S
+    # Each pause was the cap itself: the day asked for was obeyed only up to it.
+    assert pauses and set(pauses) == {RETRY_AFTER_CAP}, pauses
+    assert back_s < RETRY_AFTER_CAP + 30, back_s
     check_truth(r, redis_url, run_name, n, tmp_path)
 
 
+@pytest.mark.slow  # a fault run of 120
 def test_a_503_now_and_then_is_sent_again_by_its_slot_not_through_the_queue(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A busy server refuses one request in ten: the slot sends it again after a moment, as a
@@ -124,6 +129,7 @@ def wait_for_more(r, k: RunKeys, before: int) -> float:
     return round(time.monotonic() - start, 2)
 
 
+@pytest.mark.slow  # a hang past the lease
 def test_server_that_never_answers_times_out_keeps_the_lease_and_redoes_the_task(
         tmp_path, redis_url, r, run_name, sim_factory):
     n, concurrency = 30, 4
@@ -224,6 +230,7 @@ def test_a_prompt_the_server_fails_every_time_fails_after_a_bounded_number_of_cl
     assert "gave up after 10 claims" in line["error"], line
 
 
+@pytest.mark.slow  # a server restart window
 @pytest.mark.timeout(150)
 def test_claims_refused_while_the_server_restarts_do_not_count_towards_max_claims(
         tmp_path, redis_url, r, run_name):
@@ -277,6 +284,7 @@ def test_malformed_rows_fail_with_their_index_and_crash_nothing(
     record_figures("malformed_rows", reported=len(reported), **figures)
 
 
+@pytest.mark.slow  # an outage window
 @pytest.mark.timeout(150)
 def test_an_html_page_on_the_info_endpoints_is_waited_out_like_a_server_that_is_down(
         tmp_path, redis_url, r, run_name, sim_factory):

@@ -24,6 +24,7 @@ def _ts(event: dict) -> float:
     return datetime.fromisoformat(event["timestamp"].replace("Z", "+00:00")).timestamp()
 
 
+@pytest.mark.slow  # waits out the stall windows
 @pytest.mark.parametrize("mode", ["whole", "stream"])
 def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
         tmp_path, redis_url, r, run_name, sim_factory, mode):
@@ -58,6 +59,7 @@ def test_hung_server_is_noticed_by_silence_and_the_tasks_come_back_unspent(
                    stall_timeout_s=STALL_S, request_timeout_s=3600, **figures)
 
 
+@pytest.mark.slow  # waits out the stall windows
 def test_requests_queued_inside_the_server_are_not_taken_for_a_hang(
         tmp_path, redis_url, r, run_name, sim_factory):
     # One slot on the server and three requests in flight: two wait silently in the server's
@@ -78,6 +80,7 @@ def test_requests_queued_inside_the_server_are_not_taken_for_a_hang(
     assert figures["done"] == n and claims(r, run_name, n) == [1] * n
 
 
+@pytest.mark.slow  # waits out the stall windows
 def test_requests_a_busy_server_lost_are_noticed_by_whole_answers_too(
         tmp_path, redis_url, r, run_name, sim_factory):
     # Requests sent in a short window are never answered while the server goes on answering
@@ -112,6 +115,7 @@ def test_requests_a_busy_server_lost_are_noticed_by_whole_answers_too(
     assert figures["done"] == n and not r.bitcount(RunKeys(run_name).failed)
 
 
+@pytest.mark.slow  # waits out the stall windows
 @pytest.mark.parametrize("mode", ["whole", "stream"])
 def test_a_server_that_stops_decoding_while_it_holds_a_queue_is_noticed_by_silence(
         tmp_path, redis_url, r, run_name, sim_factory, mode):

@@ -27,6 +27,7 @@ def printed_command(text: str) -> list[str]:
     return shlex.split(command)
 
 
+@pytest.mark.slow  # a Redis loss and its recover, twice
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("gone", [False, True], ids=["kept", "b-deleted"])
 def test_the_recover_command_printed_during_a_loss_names_every_output_directory(

@@ -17,6 +17,7 @@ from genq.common.queue.keys import RunKeys
 N = 100
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(240)
 def test_a_producer_started_while_its_run_is_lost_waits_for_the_recover(
         tmp_path, run_name, sim_factory):
@@ -58,6 +59,7 @@ def test_a_producer_started_while_its_run_is_lost_waits_for_the_recover(
         r.close()
 
 
+@pytest.mark.slow  # a Redis loss
 @pytest.mark.timeout(240)
 def test_a_producer_restarted_right_after_redis_restarts_empty_waits_for_the_consumers(
         tmp_path, run_name, sim_factory):

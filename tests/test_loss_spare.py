@@ -61,6 +61,7 @@ def finish(holder: Replica, spare: Replica, watch: Watch) -> None:
     assert not holder.said("server_lease_lost")
 
 
+@pytest.mark.slow  # a Redis loss, waited out in server leases
 @pytest.mark.timeout(240)
 def test_a_spare_waits_through_a_loss_and_the_recover(tmp_path, run_name, sim_factory):
     sim = sim_factory(**sim_kwargs(0.4, max_running_requests=4))
@@ -91,6 +92,7 @@ def test_a_spare_waits_through_a_loss_and_the_recover(tmp_path, run_name, sim_fa
             r.close()
 
 
+@pytest.mark.slow  # a Redis loss, waited out in server leases
 @pytest.mark.timeout(240)
 def test_a_holder_paused_as_redis_comes_back_keeps_its_server(tmp_path, run_name, sim_factory):
     """Redis down longer than the server lease (its key expires), back from its AOF: the spare
@@ -121,6 +123,7 @@ def test_a_holder_paused_as_redis_comes_back_keeps_its_server(tmp_path, run_name
 
 
 
+@pytest.mark.slow  # a Redis loss, waited out in server leases
 @pytest.mark.timeout(240)
 def test_a_holder_frozen_across_a_loss_claims_nothing_once_its_server_is_taken(
         tmp_path, run_name, sim_factory):

@@ -26,6 +26,7 @@ def run_consumer(redis_url, run, sim, out, name):
         c.cleanup()
 
 
+@pytest.mark.slow  # a lost node
 @pytest.mark.timeout(180)
 def test_redo_missing_puts_back_what_s3_lacks_and_export_holds_each_once(
         tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
@@ -65,6 +66,7 @@ def test_redo_missing_puts_back_what_s3_lacks_and_export_holds_each_once(
     assert {rec["index"] for rec in records if rec["params_version"] == 2} == lost_indices
 
 
+@pytest.mark.slow  # a node killed mid-run
 @pytest.mark.timeout(180)
 def test_a_node_killed_mid_run_loses_nothing_after_redo_missing(
         tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811

@@ -84,6 +84,7 @@ def test_export_reads_more_shards_than_it_may_open_files(tmp_path, redis_url, ru
     assert [row["content"] for row in rows] == [rec["content"] for rec in read_jsonl(got)]
 
 
+@pytest.mark.slow  # a soak of many shards
 @pytest.mark.timeout(180)
 def test_export_and_recover_from_s3_read_more_shards_than_they_may_open_files(
         tmp_path, redis_url, run_name, s3):

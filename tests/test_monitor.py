@@ -139,6 +139,21 @@ class Monitor:
         assert code == 200, body
         return json.loads(body)
 
+    def conversation_texts(self, *ids: str) -> dict[str, str | None]:
+        """The text of each element `ids` names on the page in Chromium, once its conversations
+        panel shows."""
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
+                                        args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(self.url + "/")
+            page.wait_for_function("!document.getElementById('conversations').hidden")
+            shown = {i: page.text_content(f"#{i}") for i in ids}
+            browser.close()
+        return shown
+
     def stop(self) -> str:
         self.proc.terminate()
         self.proc.wait(timeout=10)
@@ -209,8 +224,9 @@ def test_progress_file_is_kept_current(monitor):
         time.sleep(0.1)
     first = json.loads(monitor.progress.read_text())
     assert first["done"] == 100 and first["total"] == 1000
-    time.sleep(1.2)  # --interval 0.5: rewritten since
-    assert json.loads(monitor.progress.read_text())["time"] > first["time"]
+    # --interval 0.5: rewritten at the next ticks (never seen half-written, always whole JSON)
+    wait_for(lambda: json.loads(monitor.progress.read_text())["time"] > first["time"],
+             timeout=10, what="the progress file rewritten")
     assert not list(monitor.progress.parent.glob(".progress-*.tmp"))
 
 
@@ -345,7 +361,13 @@ def test_page_shows_the_status(monitor):
 def test_the_log_says_what_the_page_says(monitor, run_name):
     """The truncation alert reaches the log once, with the exact command that fixes it."""
     wait_for(lambda: b'"alert"' in monitor.log.read_bytes(), what="an alert in the log")
-    time.sleep(1.2)  # a few more ticks: still logged once
+    # A few more ticks (each rewrites the progress file): still logged once.
+    seen = json.loads(monitor.progress.read_text())["time"] if monitor.progress.exists() else 0
+    for _ in range(2):
+        wait_for(lambda seen=seen: monitor.progress.exists() and
+                 json.loads(monitor.progress.read_text())["time"] > seen, timeout=10,
+                 what="another tick")
+        seen = json.loads(monitor.progress.read_text())["time"]
     alerts = [json.loads(line) for line in monitor.stop().splitlines()
               if line.startswith("{") and json.loads(line).get("event") == "alert"]
     assert len(alerts) == 1 and alerts[0]["kind"] == "truncation"

@@ -7,6 +7,7 @@ import signal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from faultkit import Background, Consumer, sim_kwargs
 from pipeline import wait_for
 
@@ -26,6 +27,7 @@ def write_one_row_group(path, rows: int) -> None:
     pq.write_table(pa.table({"id": ids, "messages": messages}), path, row_group_size=rows)
 
 
+@pytest.mark.slow  # a 200k-row data set indexed while leases run: a scale test
 def test_one_row_group_of_200k_rows_keeps_leases_renewed(
         tmp_path, redis_url, r, run_name, sim_factory):
     data = tmp_path / "d.parquet"

@@ -11,7 +11,7 @@ import httpx
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from pipeline import ConsumerProcess, read_jsonl, status_json, wait_for, write_dataset
 from rq import Queue
 from rq.job import Job
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
@@ -21,10 +21,6 @@ from genq.common.queue.keys import RunKeys
 
 RECORD_KEYS = {"index", "id", "params_version", "finish_reason", "prompt_tokens",
                "completion_tokens", "reasoning_content", "content", "server", "attempt"}
-
-
-def status_json(redis_url: str, run: str) -> dict:
-    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
 
 
 @pytest.mark.timeout(180)

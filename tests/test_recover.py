@@ -11,7 +11,14 @@ import orjson
 import pytest
 from conftest import genq
 from faultkit import Background, Consumer, check_truth, private_redis, record_figures, sim_kwargs
-from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from pipeline import (
+    ConsumerProcess,
+    consume_to_the_end,
+    exported,
+    read_jsonl,
+    wait_for,
+    write_dataset,
+)
 
 from genq.common.data import manifest as manifests
 from genq.common.queue.keys import RunKeys
@@ -28,14 +35,8 @@ def projection(records: list[dict]) -> dict[int, tuple]:
 def reference_export(tmp_path: Path, redis_url: str, run: str, data: Path, sim) -> list[dict]:
     """The same data set under the final parameters, on a Redis that never failed."""
     genq("produce", str(data), "--once", "--max-tokens", "400", redis_url=redis_url, run=run)
-    c = ConsumerProcess(redis_url, run, sim.url, tmp_path / "ref", "--burst", "--poll", "0.05")
-    try:
-        assert c.wait(90) == 0, c.log()[-3000:]
-    finally:
-        c.cleanup()
-    out = tmp_path / "ref.jsonl"
-    genq("export", "--out", str(out), redis_url=redis_url, run=run)
-    return read_jsonl(out)
+    consume_to_the_end(redis_url, run, sim.url, tmp_path / "ref", "--poll", "0.05")
+    return exported(tmp_path, redis_url, run, name="ref.jsonl")
 
 
 def shard_records(dirs: list[Path], run: str) -> list[dict]:
@@ -50,6 +51,7 @@ def lose_redis(redis_srv) -> float:
     return lost_at
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(240)
 def test_redis_lost_without_aof_after_a_parameter_change_recovers_and_finishes(
         tmp_path, redis_url, run_name, sim_factory):

@@ -31,6 +31,7 @@ def lines_of(dirs, run: str) -> list[dict]:
     return [rec for d in dirs for p in d.glob(f"{run}.*.jsonl") for rec in read_jsonl(p)]
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(300)
 def test_a_consumer_frozen_across_a_loss_and_recover_never_passes_off_a_refused_result(
         tmp_path, run_name, sim_factory):
@@ -76,6 +77,7 @@ def test_a_consumer_frozen_across_a_loss_and_recover_never_passes_off_a_refused_
     assert figures["done"] == n and {rec.get("gen", 0) for rec in records} == {0, 1}
 
 
+@pytest.mark.slow  # a loss and recover
 @pytest.mark.timeout(240)
 def test_recover_refuses_a_partial_set_of_directories_and_a_partial_one_then_exports_exactly(
         tmp_path, run_name, sim_factory):
@@ -151,6 +153,7 @@ def accepted_keys(r, k: RunKeys, total: int) -> dict[int, tuple[int, int]]:
                 int.from_bytes(attempt[2 * i:2 * i + 2], "big")) for i in done}
 
 
+@pytest.mark.slow  # a consumer's clock 90 s behind, through a requeue and a loss
 @pytest.mark.timeout(240)
 def test_recover_judges_results_by_redis_clock_not_a_skewed_consumers(
         tmp_path, run_name, sim_factory):

@@ -5,22 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from pipeline import ConsumerProcess, wait_for, write_dataset
+from pipeline import exported as export
+from pipeline import status_json as status
 
 from genq.common.queue.keys import RunKeys
-
-
-def status(redis_url: str, run: str) -> dict:
-    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
-
-
-def export(tmp_path, redis_url: str, run: str) -> list[dict]:
-    out = tmp_path / "export.jsonl"
-    genq("export", "--out", str(out), redis_url=redis_url, run=run)
-    return read_jsonl(out)
 
 
 @pytest.mark.timeout(120)

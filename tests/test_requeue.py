@@ -13,20 +13,12 @@ import pytest
 import redis
 from conftest import genq
 from faultproxy import FaultProxy
-from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from pipeline import ConsumerProcess, wait_for, write_dataset
+from pipeline import exported as export
+from pipeline import status_json as status
 
 from genq.common import params
 from genq.common.queue.keys import RunKeys
-
-
-def status(redis_url: str, run: str) -> dict:
-    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
-
-
-def export(tmp_path, redis_url: str, run: str) -> list[dict]:
-    out = tmp_path / "export.jsonl"
-    genq("export", "--out", str(out), redis_url=redis_url, run=run)
-    return read_jsonl(out)
 
 
 def assert_status_matches(st: dict, records: list[dict]) -> None:
@@ -64,6 +56,7 @@ class LoadSampler(threading.Thread):
         return longest
 
 
+@pytest.mark.slow  # a live run of 300 through a pivot
 @pytest.mark.timeout(240)
 def test_the_8k_pivot_on_a_live_run(tmp_path, redis_url, r, run_name, sim_factory):
     n, slots = 600, 8

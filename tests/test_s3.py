@@ -122,6 +122,7 @@ def check_parquet(path, records, tmp_path):
     assert loaded.num_rows == len(records) and loaded[0]["content"] == records[0]["content"]
 
 
+@pytest.mark.slow  # an S3 outage window
 @pytest.mark.timeout(150)
 def test_outage_mid_run_loses_nothing_and_duplicates_nothing(
         tmp_path, redis_url, r, run_name, sim_factory, s3):
@@ -153,6 +154,7 @@ def test_outage_mid_run_loses_nothing_and_duplicates_nothing(
     assert not [f for f in state if f.startswith(("pending", "error"))]
 
 
+@pytest.mark.slow  # a kill
 @pytest.mark.timeout(150)
 def test_killed_consumer_ships_its_backlog_after_restart(
         tmp_path, redis_url, r, run_name, sim_factory, s3):

@@ -5,27 +5,18 @@ from __future__ import annotations
 
 from collections import Counter
 
-import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, write_dataset
+from pipeline import ConsumerProcess, write_dataset
+from pipeline import exported as export
+from pipeline import status_json as status
 
 from genq.common.data import manifest as manifests
 from genq.common.queue import bitmap
 from genq.common.queue.keys import RunKeys
 from genq.common.task import request_seed, task_of
 
-ROWS, K = 200, 4
-
-
-def status(redis_url: str, run: str) -> dict:
-    return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)
-
-
-def export(tmp_path, redis_url: str, run: str, *flags: str, name: str = "e.jsonl") -> list[dict]:
-    out = tmp_path / name
-    genq("export", "--out", str(out), *flags, redis_url=redis_url, run=run)
-    return read_jsonl(out)
+ROWS, K = 50, 4  # 600 generations over three passes: every check holds at this size
 
 
 def consume(redis_url: str, run: str, sim, out) -> None:

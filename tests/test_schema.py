@@ -207,7 +207,6 @@ def test_requeue_schema_is_a_new_version(tmp_path, redis_url, r, run_name, schem
 
 
 @pytest.mark.real_sglang
-@pytest.mark.timeout(900)
 def test_real_sglang_enforces_the_schema(tmp_path, redis_url, r, run_name):
     """SGLang 0.5.23's CPU build decodes under its grammar backend (xgrammar): with thinking
     off the tiny random model's answers have the schema's structure, and genq's strict check

@@ -21,6 +21,7 @@ SLOW = {"type": "object", "required": ["words", "letters"], "properties": {
     "letters": {"enum": ["a" * 40 + "b"], "pattern": r"^(a|aa)+$"}}}
 
 
+@pytest.mark.slow  # lease renewals over a slow check
 @pytest.mark.timeout(180)
 def test_a_slow_pattern_does_not_cost_the_lease(tmp_path, redis_url, r, run_name, sim_factory):
     """Leases of one second, and a reaper (another consumer's duty, played here) that hands out

@@ -167,7 +167,10 @@ def read_page(monitor: Monitor) -> tuple[str, str, object, int]:
             # The servers table names the live consumer (from its heartbeat).
             page.wait_for_function("document.getElementById('servers').innerText"
                                    ".includes('onerror')", timeout=60_000)
-            page.wait_for_timeout(2500)  # one more refresh of every part of the page
+            # One more refresh of every part of the page: the page's tick marks the body loaded
+            # once it has rendered (or failed), so unmark it and wait for the next tick's mark.
+            page.evaluate("document.body.dataset.loaded = '0'")
+            page.wait_for_function("document.body.dataset.loaded === '1'", timeout=30_000)
             pwned = page.evaluate("window.__pwned")
             # The page's own markup has no <img> and exactly one <script>.
             foreign = page.evaluate(

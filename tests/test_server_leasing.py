@@ -17,12 +17,13 @@ import pytest
 from conftest import REPO, genq, genq_env
 from faultkit import Background, sim_kwargs
 from pipeline import ConsumerProcess, read_jsonl, wait_for, write_dataset
+from timescale import GRACE, SERVER_LEASE
 
 from genq.common.queue.keys import RunKeys, server_lease
 from genq.consumer.servers import identity, pid_space, process_start, provably_gone
 
-# Renewed every second: a driver on a loaded machine is not mistaken for a dead one.
-LEASE_S = 3.0
+# Renewed every third of it: a driver on a loaded machine is not mistaken for a dead one.
+LEASE_S = SERVER_LEASE
 
 
 class Replica(ConsumerProcess):
@@ -33,8 +34,8 @@ class Replica(ConsumerProcess):
         self.name = name
         self.log_path = Path(tempfile.mkstemp(prefix="genq-replica-", suffix=".log")[1])
         args = [sys.executable, "-m", "genq", "consume", "--out", str(out), "--name", name,
-                "--burst", "--server-lease", str(LEASE_S), "--visibility-timeout", "3",
-                "--poll", "0.05", "--grace", "2", *flags]
+                "--burst", "--server-lease", str(LEASE_S), "--visibility-timeout", str(LEASE_S),
+                "--poll", "0.05", "--grace", str(GRACE), *flags]
         env = {**genq_env(redis_url, run), "GENQ_SERVERS": ",".join(servers)}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(args, cwd=REPO, env=env, stdout=log,
@@ -79,6 +80,7 @@ class Watch(threading.Thread):
                           if len(names) > 1]
 
 
+@pytest.mark.slow  # a kill and a spare's take-over
 @pytest.mark.timeout(150)
 def test_three_replicas_two_servers_one_spare_takes_over(tmp_path, redis_url, r, run_name,
                                                          sim_factory):
@@ -182,6 +184,7 @@ def test_a_holder_is_provably_gone_only_when_its_process_is():
         alive.wait()
 
 
+@pytest.mark.slow  # a kill -9 and take-over
 def test_a_consumer_killed_and_run_again_takes_over_at_once(tmp_path, redis_url, r, run_name,
                                                            sim_factory):
     """The restart users do most: kill -9, the same command at once. Leases of 30 s would keep

@@ -21,7 +21,6 @@ from genq.common.queue.keys import RunKeys
 from genq.common.report.status import read_status
 from genq.consumer.servers import identity
 
-pytestmark = pytest.mark.timeout(900)
 FLAGS = ("--poll", "0.05", "--server-wait", "300", "--visibility-timeout", "20",
          "--stall-timeout", "60", "--grace", "5")
 

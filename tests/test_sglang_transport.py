@@ -9,9 +9,9 @@ import base64
 
 import orjson
 import pytest
+from conftest import free_port
 
 from genq.common.errors import Retryable, ServerUnavailable, ServerUnreachable, classify
-from genq.common.net import free_port
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.stream import Answer
 

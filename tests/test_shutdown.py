@@ -73,7 +73,8 @@ def test_consumer_stops_on_signal_after_its_log_pipe_died(
     finish(r, redis_url, run_name, n, tmp_path, sim_factory)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_shutdown_loop_with_and_without_redis(tmp_path, run_name, sim_factory):
     """20 shutdowns of working consumers (10 rounds of 2); in every fifth round Redis is killed
     first. Each consumer must exit 0 within EXIT_BOUND_S. A consumer stopped during an outage

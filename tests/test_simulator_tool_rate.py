@@ -5,6 +5,7 @@ every time, whole or streamed."""
 from __future__ import annotations
 
 import orjson
+import pytest
 from test_simulator import FAST, chat
 from test_simulator_v05 import stream
 
@@ -32,6 +33,7 @@ def _calls(url: str, **body) -> list[bool]:
     return called
 
 
+@pytest.mark.slow  # a statistical sample
 def test_a_share_of_requests_with_tools_call_one_and_the_same_request_decides_alike(sim_factory):
     sim = sim_factory(**FAST, tool_call_rate=RATE)
     called = _calls(sim.url)
@@ -53,6 +55,7 @@ def test_a_share_of_requests_with_tools_call_one_and_the_same_request_decides_al
     assert finish[-1] == "stop"
 
 
+@pytest.mark.slow  # a statistical sample
 def test_rate_zero_never_calls_and_the_default_always_does(sim_factory):
     assert not any(_calls(sim_factory(**FAST, tool_call_rate=0).url))
     assert all(_calls(sim_factory(**FAST).url))

@@ -22,7 +22,7 @@ from pipeline import read_jsonl, wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
+pytestmark = pytest.mark.slurm
 BUCKET = "genq-slurm"
 SBATCH = str(REPO / "scripts" / "slurm" / "genq.sbatch")
 

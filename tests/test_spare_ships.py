@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 
 import orjson
+import pytest
 from conftest import genq
 from faultkit import produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
@@ -18,6 +19,7 @@ from genq.common.queue.keys import RunKeys
 from genq.common.store import s3 as store
 
 
+@pytest.mark.slow  # a kill
 def test_a_spare_ships_a_dead_consumers_leftover_shards(
         tmp_path, redis_url, r, run_name, sim_factory, s3):  # noqa: F811
     client, proxy = s3

@@ -7,12 +7,14 @@ import signal
 import time
 
 import orjson
+import pytest
 from conftest import free_port, genq
 from faultkit import Background, Consumer, check_truth, private_redis, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 from test_monitor import Monitor
 
 
+@pytest.mark.slow  # Redis down at start, then up
 def test_consumer_and_producer_started_before_redis_wait_then_proceed(
         tmp_path, run_name, sim_factory):
     n = 40
@@ -25,7 +27,11 @@ def test_consumer_and_producer_started_before_redis_wait_then_proceed(
                               "--max-tokens", "300")
         monitor = Monitor(server.url, run_name, tmp_path)
         try:
-            time.sleep(3)  # all three are up and cannot reach Redis
+            # All three are up and cannot reach Redis: each says so once and waits.
+            for proc in (consumer, producer):
+                wait_for(lambda proc=proc: "waiting_for_redis" in [
+                    e.get("event") for e in proc.events()], what="waiting for Redis")
+            wait_for(lambda: monitor.get("/api/status")[0] == 503, what="the monitor's 503")
             assert consumer.proc.poll() is None, consumer.log()[-2000:]
             assert producer.proc.poll() is None, producer.log()[-2000:]
             code, body, _ = monitor.get("/api/status")
@@ -95,6 +101,7 @@ def test_run_to_the_end_commands_give_up_on_an_unreachable_redis(tmp_path, run_n
         assert "for up to 2 s (--redis-wait)" in waiting["hint"], (name, waiting)
 
 
+@pytest.mark.slow  # the monitor's real 10 s reminder
 def test_a_monitor_without_redis_logs_its_outage_at_a_slowing_pace(tmp_path, run_name):
     nobody = f"redis://127.0.0.1:{free_port()}/0"
     monitor = Monitor(nobody, run_name, tmp_path, interval=0.2)

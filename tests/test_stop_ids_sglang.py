@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 from pipeline import request_of
-from sglang_servers import KINDS, start_server
+from sglang_servers import server_fixture
 from test_continue_ids import TOOLS, fields, partial_of
 
 from genq.common import params
@@ -18,15 +18,10 @@ from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer, retexted
 from genq.common.task import request_body
 
-pytestmark = pytest.mark.timeout(900)
 LIMIT = 300  # room to stop: the tier's tiny model writes its end token within it on some rows
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def server(request):
-    started = start_server(request.param, "tuned")
-    yield started
-    started.close()
+server = server_fixture("tuned")
 
 
 @pytest.mark.parametrize("tools", [None, TOOLS])

@@ -11,25 +11,19 @@ import subprocess
 from pathlib import Path
 
 import httpx
-import pytest
 from conftest import genq
-from pipeline import consume_to_the_end, read_jsonl
-from sglang_servers import KINDS, start_server
+from pipeline import one_at_a_time
+from sglang_servers import server_fixture
 
 from genq.common import params
 from genq.common.task import request_body
 
-pytestmark = pytest.mark.timeout(900)
 TOOLS = [{"type": "function", "function": {
     "name": "run_shell", "description": "Run a shell command.",
     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]
 
 
-@pytest.fixture(scope="module", params=KINDS)
-def server(request):
-    started = start_server(request.param, "tuned")
-    yield started
-    started.close()
+server = server_fixture("tuned")
 
 
 def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | None, *,
@@ -66,13 +60,8 @@ def test_records_hold_the_servers_ids_and_tools_reach_the_prompt(
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     genq("produce", str(data), "--once", "--token-ids", "--max-tokens", "24",
          "--temperature", "0", redis_url=redis_url, run=run_name)
-    # One request at a time, as the direct requests below are sent: a greedy answer is then
-    # the same answer, not one a different batch could nudge.
-    consume_to_the_end(redis_url, run_name, server.url, tmp_path / "out", "--concurrency", "1",
-                       "--server-wait", "300", timeout=600)
-    out = tmp_path / "all.jsonl"
-    genq("export", "--out", str(out), redis_url=redis_url, run=run_name)
-    records = {rec["id"]: rec for rec in read_jsonl(out)}
+    # One request at a time, as the direct requests below are sent.
+    records = {rec["id"]: rec for rec in one_at_a_time(server, tmp_path, redis_url, run_name)}
     assert len(records) == 8
     for i in range(4):
         with_tools, plain = records[f"t{i}"], records[f"p{i}"]

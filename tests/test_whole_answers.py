@@ -8,12 +8,14 @@ import signal
 import time
 
 import httpx
+import pytest
 from faultkit import Consumer, claims, produce_once, sim_kwargs
 from pipeline import wait_for, write_dataset
 
 from genq.common.queue.keys import RunKeys
 
 
+@pytest.mark.slow  # a pause past the request timeout
 def test_a_consumer_paused_past_the_request_timeout_leaves_no_exception_unretrieved(
         tmp_path, redis_url, r, run_name, sim_factory):
     # Paused with whole answers outstanding: on waking, the request timeout and the socket's
@@ -39,6 +41,7 @@ def test_a_consumer_paused_past_the_request_timeout_leaves_no_exception_unretrie
     assert "was never retrieved" not in log, log[-4000:]
 
 
+@pytest.mark.slow  # answers three stall timeouts long
 def test_whole_answers_without_a_readable_load_finish_and_are_never_taken_for_a_hang(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A server without /v1/loads (404: an older SGLang, a gateway) gives whole answers no sign
@@ -59,6 +62,7 @@ def test_whole_answers_without_a_readable_load_finish_and_are_never_taken_for_a_
     assert claims(r, run_name, n) == [1] * n
 
 
+@pytest.mark.slow  # a frozen load endpoint's window
 def test_the_load_is_read_once_per_server_however_many_whole_answers_are_in_flight(
         tmp_path, redis_url, r, run_name, sim_factory):
     # A load endpoint slow to answer (frozen 4 s) leaves every request's watchdog with a load
