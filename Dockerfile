@@ -56,7 +56,6 @@ COPY genq genq
 COPY monitor monitor
 COPY producer producer
 COPY simulator simulator
-COPY turns turns
 RUN pip install --no-deps --no-build-isolation . && rm -rf /src/build
 
 WORKDIR /out

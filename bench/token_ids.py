@@ -26,6 +26,7 @@ from _common import dump_json, parser, table
 from genq.common.data.records import build_record
 from genq.common.sglang import continuation
 from genq.common.sglang.stream import whole_answer
+from genq.common.task import TaskId
 
 VOCAB = 151_669
 WORDS_PER_TOKEN = 0.75
@@ -67,7 +68,8 @@ def lines(bodies: list[bytes]) -> tuple[list[bytes], float]:
     t0, out = time.process_time(), []
     for i, body in enumerate(bodies):
         completion = whole_answer(body, "http://gpu0:30000", thinking=True)
-        record = build_record(run="bench", index=i, prompt_id=f"p{i}", version=1, attempt=1,
+        record = build_record(run="bench", task=TaskId(i), samples=1, prompt_id=f"p{i}",
+                              version=1, attempt=1,
                               server="http://gpu0:30000", model="m", completion=completion,
                               latency_s=30.0)
         out.append(orjson.dumps(record) + b"\n")

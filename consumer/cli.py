@@ -231,8 +231,7 @@ async def check_token_ids(server: SGLang, s: ConsumeSettings, current: dict[str,
     if s.stream:
         raise GenqError("this run keeps token ids (genq produce --token-ids), and SGLang sends "
                         "none in streamed answers: run this consumer without --stream")
-    ask = {**request_body([{"role": "user", "content": "Hi"}], current, model),
-           "max_tokens": 1}
+    ask = request_body([{"role": "user", "content": "Hi"}], {**current, "max_tokens": 1}, model)
     try:
         await server.chat(ask, -1)
     except ServerUnavailable as e:

@@ -34,6 +34,13 @@ class Lease:
     tries: int = 0  # claims towards --max-claims, this one included
     gen: int = 0  # the run's generation it was claimed in (the records carry it)
 
+    def gave_up(self, max_attempts: int, max_claims: int) -> str | None:
+        """What this claim is past (attempts, or claims: a server failing it every time is
+        refunded each time), or None while it may run."""
+        if self.spent > max_attempts:
+            return f"{max_attempts} attempts"
+        return f"{max_claims} claims" if self.tries > max_claims else None
+
 
 @dataclass(eq=False)
 class Inflight:

@@ -21,6 +21,7 @@ from genq.common.queue.keys import RunKeys
 from genq.common.queue.scripts import ScriptRunner, invalid_call
 from genq.common.schema import SCHEMA_RETRIES, checker, schema_of, violation
 from genq.common.sglang.stream import Completion
+from genq.common.task import Request
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -59,12 +60,12 @@ class Structured:
         self.checkers: dict[int, Any] = {}  # version -> its schema's validator, built once
 
     async def checked(self, answer: Completion, ask: Callable[[dict], Awaitable[Completion]],
-                      body: dict[str, Any], params: dict[str, Any], index: int,
-                      version: int, seed_of: Callable[[int], int]) -> tuple[Completion, int | None]:
+                      again: Callable[[int], Request], params: dict[str, Any], index: int,
+                      version: int) -> tuple[Completion, int | None]:
         """(`answer`, None) if it matches (or the version has no schema), else the first of up
         to schema_retries answers asked again that does, with the seed that made it (retry r
-        asks with seed_of(r)); AnswerInvalid if none does. Each invalid answer counts in
-        invalid|<version> as it arrives."""
+        asks again(r), the request under that retry's seed); AnswerInvalid if none does. Each
+        invalid answer counts in invalid|<version> as it arrives."""
         schema = schema_of(params)
         if schema is None:
             return answer, None
@@ -74,7 +75,8 @@ class Structured:
         seed, counter = None, f"invalid|{version}"
         for retry in range(retries + 1):
             if retry:  # another seed: the same one would sample the same mistake again
-                answer = await ask({**body, "seed": (seed := seed_of(retry))})
+                request = again(retry)
+                seed, answer = request.seed, await ask(request.body())
             if answer.finish_reason in UNCHECKED:
                 if answer.finish_reason == "length":  # cut, so not JSON: status says how many
                     await self.retry(lambda: self.redis.hincrby(self.keys.counters,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import socket
 import time
@@ -17,7 +16,7 @@ import redis
 import redis.asyncio as aioredis
 import structlog
 
-from genq.common.data.records import build_record, failed_record
+from genq.common.data.records import failed_record
 from genq.common.data.rows import Dataset, Prompt
 from genq.common.data.shards import ShardWriter
 from genq.common.errors import (
@@ -32,7 +31,7 @@ from genq.common.errors import (
 from genq.common.params import DEFAULTS
 from genq.common.queue import feed
 from genq.common.queue.keys import RunKeys
-from genq.common.queue.run import OK, REPLACED, finished
+from genq.common.queue.run import ALL, LAST, OK, REPLACED, finished
 from genq.common.queue.scripts import ScriptRunner, iso_now
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import Partials
@@ -42,12 +41,11 @@ from genq.consumer import presence, shutdown
 from genq.consumer.backoff import ClaimPause, Duty, ShuttingDown, redis_retry, run_duty
 from genq.consumer.commit import Committer
 from genq.consumer.follow import HISTORY_PERIOD_S, Follower
-from genq.consumer.leases import KEPT, Inflight, Lease, Prefetch, TaskQueue
+from genq.consumer.leases import KEPT, Inflight, Prefetch, TaskQueue
 from genq.consumer.runstate import RunState
 from genq.consumer.settings import ConsumeSettings
 from genq.consumer.structured import Structured
-from genq.turns import splice
-from genq.turns.engine import Conversations, unpromptable
+from genq.consumer.turns import Conversations, last_turn
 
 logger = structlog.get_logger("consumer")
 T = TypeVar("T")
@@ -56,14 +54,14 @@ T = TypeVar("T")
 class Consumer:
     def __init__(self, s: ConsumeSettings, client: aioredis.Redis, keys: RunKeys, *,
                  sync: redis.Redis, total: int, dataset: Dataset, sink: ShardWriter,
-                 samples: int = 1, turns: str = splice.LAST,
+                 samples: int = 1, turns: str = LAST,
                  server: SGLang, capacity: int, model: str, runstate: RunState,
                  context_length: int | None = None,
                  lease_held: Callable[[], bool] = lambda: True) -> None:
         self.settings, self.redis, self.keys, self.total = s, client, keys, total
         self.samples = samples  # task t asks for row t // samples
-        # --turns all: a task is a conversation, made turn by turn (turns/engine.py)
-        self.conversations = Conversations(self) if turns == splice.ALL else None
+        # --turns all: a task is a conversation, made turn by turn (consumer/turns.py)
+        self.conversations = Conversations(self) if turns == ALL else None
         self.dataset, self.sink, self.server, self.model = dataset, sink, server, model
         # The queue's top-up is synchronous code, run in a thread on its own client.
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
@@ -306,7 +304,8 @@ class Consumer:
     async def process(self, inflight: Inflight) -> None:
         lease, answered = inflight.lease, None
         try:
-            if (gave_up := self.gave_up(lease)) is not None:
+            s = self.settings
+            if (gave_up := lease.gave_up(s.max_attempts, s.max_claims)) is not None:
                 last = await self.retry(lambda: self.queue.last_error(lease.index))
                 await self.fail(inflight, f"gave up after {gave_up}; last error: {last}")
             else:
@@ -319,14 +318,6 @@ class Consumer:
             self.committer.add(inflight, *answered)
             await self.committer.room.wait()  # a slow disk: wait rather than pile answers up
 
-    def gave_up(self, lease: Lease) -> str | None:
-        """What this claim is past (attempts, or claims: a server failing it every time is
-        refunded each time), or None while it may run."""
-        s = self.settings
-        if lease.spent > s.max_attempts:
-            return f"{s.max_attempts} attempts"
-        return f"{s.max_claims} claims" if lease.tries > s.max_claims else None
-
     async def generate(self, inflight: Inflight) -> tuple[dict[str, Any], Completion] | None:
         """The task's record and completion; None if it ended otherwise (Redis already says so)."""
         lease = inflight.lease
@@ -338,31 +329,7 @@ class Consumer:
             task = Task(lease.index, self.samples, await self.params_for(lease.version))
             if self.conversations is not None:
                 return await self.conversations.make(inflight, prompt, task)
-            messages, turn = splice.last(prompt.messages)
-            if not messages:
-                raise unpromptable(prompt.index)
-            body = task.request(messages, self.model, prompt.tools)
-            if inflight.abort or self.stop.is_set():
-                # Claimed while the stop came (or aborted before its request existed): a
-                # request started now would outlive the grace by a whole generation.
-                inflight.abort = inflight.abort or "shutdown"
-                await self.after_abort(inflight)
-                return None
-            ask = functools.partial(self.ask, inflight)
-            completion = await self.partials.answer(
-                lease.index, lease.version, body, ask, self.server) or await ask(body)
-            completion, seed = await self.structured.checked(
-                completion, ask, body, task.params, lease.index, lease.version, task.seed)
-            sample = task.sample
-            if seed is not None:  # a schema retry made the answer: the record names its seed
-                sample = {**(sample or {}), "seed": seed}
-            record = build_record(
-                run=self.settings.run, index=task.row, prompt_id=prompt.id,
-                version=lease.version, attempt=lease.attempt, server=self.settings.server_id,
-                model=body["model"], completion=completion,
-                latency_s=time.monotonic() - inflight.started, gen=lease.gen,
-                clock_offset=self.clock_offset, sample=sample, turn=turn)
-            return record, completion
+            return await last_turn(self, inflight, prompt, task)
         except asyncio.CancelledError:
             if (current := asyncio.current_task()) is not None and current.cancelling():
                 raise
@@ -370,21 +337,6 @@ class Consumer:
         except Exception as e:
             await self.settle_error(inflight, e)
         return None
-
-    async def ask(self, inflight: Inflight, body: dict[str, Any]) -> Completion:
-        """The server's answer. A refusal between successes is sent again by this slot after a
-        moment, its lease held; one that ends the retries in the slot goes to settle_error."""
-        while True:
-            try:
-                return await self.server.chat(body, inflight.lease.index,
-                                              on_request=inflight.sent)
-            except Exception as e:
-                if (wait := self.pause.in_slot(e)) is None:
-                    raise
-            await asyncio.sleep(wait)
-            if inflight.abort or self.stop.is_set():  # aborted or stopping while it waited
-                inflight.abort = inflight.abort or "shutdown"
-                raise asyncio.CancelledError
 
     async def fail(self, inflight: Inflight, reason: str,
                    answer: dict[str, Any] | None = None) -> int | None:

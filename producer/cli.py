@@ -32,8 +32,6 @@ from genq.common.queue.scripts import ScriptRunner, reap_call
 from genq.common.report import runhealth
 from genq.common.task import MAX_SAMPLES
 from genq.producer import marks
-from genq.turns import check
-from genq.turns import splice as turns
 
 logger = structlog.get_logger("producer")
 
@@ -66,7 +64,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--interval", type=float, default=0.5, help="top-up period, seconds")
     p.add_argument("--samples", type=int, default=1, metavar="K",
                    help="answers a prompt, each its own task and seed (default 1)")
-    p.add_argument("--turns", choices=(turns.LAST, turns.ALL), default=turns.LAST,
+    p.add_argument("--turns", choices=(runs.LAST, runs.ALL), default=runs.LAST,
                    help="which assistant turns to make: `last` (default) makes a row's final "
                         "assistant turn anew, or answers a row ending with a user or tool "
                         "message; `all` makes every assistant turn in order, each given the "
@@ -78,7 +76,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
              "return_token_ids": "true" if a.token_ids else None}
     sets = [*a.set, *(f"{key}={value}" for key, value in named.items() if value is not None)]
     a.params = {**params.DEFAULTS, **params.parse_sets(sets, a.raw)}
-    if a.schema and a.turns == turns.ALL:  # a UsageError, not p.error: one line, as every refusal
+    if a.schema and a.turns == runs.ALL:  # a UsageError, not p.error: one line, as every refusal
         raise UsageError("--schema with --turns all: a conversation's turns call tools and "
                          "answer in text, so no one schema fits them; drop one of the two")
     if a.schema:
@@ -98,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     ds = open_dataset(s.dataset)
     ds.check_prompts()  # before Redis: nothing registered for a data set that cannot run
     # Nor for one whose first rows show it of a shape no server takes.
-    check.first_rows(ds, s.turns == turns.ALL)
+    ds.check_shape(s.turns == runs.ALL)
     # --once stays interruptible as any command; the windowed producer stops cleanly.
     stop = threading.Event() if s.once else stop_on_signals()
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,

@@ -22,7 +22,7 @@ from genq.common.report.stats import percentiles, wilson
 from genq.common.report.status import read_status
 from genq.common.sglang.client import SGLang
 from genq.common.sglang.continuation import continue_answer
-from genq.common.task import request_body
+from genq.common.task import Request
 
 POPULATIONS = {**params.REDO_PASSES, "none": ("truncated",)}
 
@@ -56,13 +56,13 @@ async def ask_all(servers: list[str], jobs: list[tuple[int, Any]], new: dict[str
 
     async def one(server: SGLang, model: str, gate: asyncio.Semaphore, index: int,
                   prompt: Any) -> None:
-        body = request_body(prompt.messages, new, model)
+        request = Request(messages=prompt.messages, params=new, model=model)
         async with gate:
             try:
                 partial = (partials or {}).get(index)
                 whole = partial and await continue_answer(
-                    lambda b: server.chat(b, index), body, partial, server)
-                answers[index] = whole or await server.chat(body, index)
+                    lambda b: server.chat(b, index), request, partial, server)
+                answers[index] = whole or await server.chat(request.body(), index)
             except Exception as e:  # one failed probe request is reported, not fatal
                 errors.append(f"index {index}: {e}")
 

@@ -16,16 +16,16 @@ import redis
 from genq.common.cli import add_common, connect, guarded, run_keys
 from genq.common.data import manifest as manifests
 from genq.common.data import recovery
+from genq.common.data import recovery_turns as conversations
 from genq.common.data.records import parse_line
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import text
+from genq.common.queue.run import ALL
 from genq.common.report.runhealth import recover_command
 from genq.common.sglang import continuation
 from genq.common.store.export import shard_paths
 from genq.common.task import task_of
-from genq.turns import recover as conversations
-from genq.turns.splice import ALL
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -69,8 +69,8 @@ def pending(lines: Iterable[bytes], wanted: dict[int, tuple[int, int, int]],
     (params_version, attempt, gen), of their task: the partials a recover keeps."""
     for line in lines:
         rec = parse_line(line)
-        if rec is not None and type(rec.get("index")) is int and continuation.continuable(rec) \
-                and wanted.get(task_of(rec, samples)) == (
+        if rec is not None and continuation.continuable(rec) \
+                and (task := task_of(rec, samples)) is not None and wanted.get(task) == (
                     rec.get("params_version"), rec.get("attempt"), int(rec.get("gen") or 0)):
             yield rec
 
@@ -101,7 +101,7 @@ def recover(r: redis.Redis, k: RunKeys, manifest: dict[str, Any],
         return False, f"run {k.run!r} is in Redis already: nothing to recover"
     if state is not None and not replace:
         raise GenqError(state)
-    # A --turns all run: a chain of generations a task, not one result (turns/recover.py).
+    # A --turns all run: a chain of generations a task, not one result (recovery_turns.py).
     rebuilt = conversations.rebuild(manifest, streams) if manifest.get("turns") == ALL else None
     rec = rebuilt.rec if rebuilt else recovery.rebuild(manifest, streams())
     # Partials and conversations go first, in batches, and the run's state after them in one

@@ -29,11 +29,10 @@ from genq.common.report.status import read_status
 from genq.common.report.status_table import human_duration
 from genq.common.sglang import continuation
 from genq.common.store import export
+from genq.common.store import export_turns as conversations
 from genq.common.store import s3 as store
 from genq.common.task import task_of
-from genq.producer import probe
-from genq.turns import export as conversations
-from genq.turns import rewind, splice
+from genq.producer import probe, rewind
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     k = run_keys(a.run)
     r = connect(a.redis_url)
     info = runs.load(r, k)
-    if info.turns == splice.ALL and (a.schema or a.cont and a.probe):
+    if info.turns == runs.ALL and (a.schema or a.cont and a.probe):
         flag = "--schema" if a.schema else "--probe with --continue"
         raise UsageError(f"{flag} is not built for a --turns all run")
     inflight = a.inflight or ("abort" if changes or a.unset else "finish")
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             if a.from_s3:
                 store.fetch_run(store.parse_uri(a.from_s3), k.run, fetched)
                 outputs.append(fetched)
-            if info.turns == splice.ALL:  # conversations: from their earliest turn missing
+            if info.turns == runs.ALL:  # conversations: from their earliest turn missing
                 rewinds = rewind.find(r, k, outputs, info.samples)
                 missing = tuple(sorted(rewinds.turn))
             else:
@@ -150,7 +149,8 @@ def apply(a: argparse.Namespace, r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     if a.probe:
         report = probe.run_probe(r, k, info, n=a.probe, changes=changes, mode=a.redo,
                                  concurrency=a.probe_concurrency,
-                                 partials={task_of(p, info.samples): p for p in found[0]}
+                                 partials={t: p for p in found[0]
+                                           if (t := task_of(p, info.samples)) is not None}
                                  if found else None)
         print(orjson.dumps(report).decode() if a.json else probe.describe(report))
         return 0
@@ -206,7 +206,7 @@ def find_partials(r: redis.Redis, k: RunKeys, info: runs.RunInfo,
     dirs = [d for d in shards or sorted(text(d) for d in r.smembers(k.outdirs))
             if os.path.isdir(d)]
     truncated = blob(r.get(k.truncated))
-    records = conversations.truncated(r, k, dirs) if info.turns == splice.ALL else \
+    records = conversations.truncated(r, k, dirs) if info.turns == runs.ALL else \
         export.standing(r, k, info.total, dirs, lambda i: bitmap.is_set(truncated, i))
     usable = (rec for rec in records if continuation.continuable(rec))
     return usable, sum(1 for _ in bitmap.set_indices(truncated, below=info.total)), dirs

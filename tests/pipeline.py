@@ -17,6 +17,8 @@ import orjson
 import redis
 from conftest import REPO, genq, genq_env
 
+from genq.common.task import Request
+
 BAD_MARKER = "__GENQ_BAD__"
 
 
@@ -193,3 +195,11 @@ def failure_reason(r: redis.Redis, k, index: int) -> str:
     from genq.common.queue.run import failure_reasons
 
     return failure_reasons(r, k, [index])[0]
+
+
+def request_of(body: dict) -> Request:
+    """The Request whose body() is this plain body (a test's request_body, its parameters
+    changed), for what takes a request rather than a body (continue_answer)."""
+    return Request(messages=body["messages"], model=body["model"], tools=body.get("tools"),
+                   params={k: v for k, v in body.items()
+                           if k not in ("messages", "model", "tools")})

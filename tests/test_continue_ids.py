@@ -12,7 +12,7 @@ from dataclasses import replace
 import orjson
 import pytest
 from conftest import genq
-from pipeline import ConsumerProcess, read_jsonl, write_dataset
+from pipeline import ConsumerProcess, read_jsonl, request_of, write_dataset
 
 from genq.common import params
 from genq.common.queue.keys import RunKeys
@@ -50,7 +50,7 @@ def test_continued_by_ids_is_the_straight_answer_wherever_cut(sim_factory, parse
                 part = await ask({**body, "max_tokens": cut})
                 assert part.finish_reason == "length" and continuable(partial_of(part))
                 for limit, want in straight.items():
-                    got = await continue_answer(ask, {**body, "max_tokens": limit},
+                    got = await continue_answer(ask, request_of({**body, "max_tokens": limit}),
                                                 partial_of(part), server)
                     assert got is not None
                     where = f"cut at {cut} (</think> at {CLOSE}), limit {limit}"
@@ -145,7 +145,7 @@ def test_continued_answer_with_tools_is_the_straight_one(sim_factory, parser, to
             assert want.finish_reason == ("tool_calls" if tools else "stop")
             for cut in range(1, NATURAL - 1):
                 part = await ask({**body, "max_tokens": cut})
-                got = await continue_answer(ask, {**body, "max_tokens": NATURAL + 10},
+                got = await continue_answer(ask, request_of({**body, "max_tokens": NATURAL + 10}),
                                             partial_of(part), server)
                 assert got is not None
                 assert fields(got) == fields(want), f"cut at {cut} (</think> at {CLOSE})"
@@ -189,8 +189,8 @@ def test_a_continued_answer_says_the_whole_budget_it_had(sim_factory):
                 return await server.chat(b, 0)
 
             part = await ask({**body, "max_tokens": cut})
-            whole = await continue_answer(ask, {**body, "max_tokens": limit}, partial_of(part),
-                                          server)
+            whole = await continue_answer(ask, request_of({**body, "max_tokens": limit}),
+                                          partial_of(part), server)
             return part, whole, await ask({**body, "max_tokens": limit})
         finally:
             await server.close()
@@ -231,9 +231,11 @@ def test_an_answer_under_a_grammar_is_not_continued_by_ids(sim_factory, grammar)
             part = partial_of(await ask({**body, "max_tokens": 10}))
             asked.clear()
             whole = {**body, "max_tokens": NATURAL + 10}
-            assert await continue_answer(ask, {**whole, **grammar}, part, server) is None
+            assert await continue_answer(ask, request_of({**whole, **grammar}), part,
+                                         server) is None
             assert not asked
-            got = await continue_answer(ask, {**whole, "tool_choice": "auto"}, part, server)
+            got = await continue_answer(ask, request_of({**whole, "tool_choice": "auto"}), part,
+                                        server)
             assert got is not None and len(asked) == 1
         finally:
             await server.close()

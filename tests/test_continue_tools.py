@@ -12,6 +12,7 @@ import asyncio
 import httpx
 import orjson
 import pytest
+from pipeline import request_of
 from test_continue_ids import NATURAL, TOOLS, body_with_tools, fields, partial_of
 
 from genq.common.sglang.client import SGLang
@@ -88,7 +89,7 @@ def test_a_cut_inside_the_call_continues_to_the_same_calls(sim_factory, parser):
                 part = await ask({**body, "max_tokens": cut})
                 seen = await server.detokenize(part.completion_token_ids, False)
                 inside += "<tool_call>" in seen and "</tool_call>" not in seen
-                got = await continue_answer(ask, {**body, "max_tokens": NATURAL + 10},
+                got = await continue_answer(ask, request_of({**body, "max_tokens": NATURAL + 10}),
                                             partial_of(part), server)
                 assert got is not None
                 assert fields(got) == fields(want), f"cut at {cut}: {seen[-40:]!r}"

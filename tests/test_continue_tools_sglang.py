@@ -12,6 +12,7 @@ import asyncio
 
 import httpx
 import pytest
+from pipeline import request_of
 from sglang_servers import server_fixture
 from test_continue_ids import TOOLS, fields, partial_of
 from test_continue_tools import CALL
@@ -75,7 +76,7 @@ def test_a_continued_answer_with_tools_is_the_straight_one(server):
                         chosen |= {at + 1, at + 3, len(ids) - 3}
                     for cut in sorted(c for c in chosen if 0 < c < len(ids)):
                         part = await ask({**body, "max_tokens": cut})
-                        got = await continue_answer(ask, {**body, "max_tokens": limit},
+                        got = await continue_answer(ask, request_of({**body, "max_tokens": limit}),
                                                     partial_of(part), client)
                         assert got is not None and fields(got) == fields(want), (row, cut)
                         tried += 1
@@ -104,8 +105,8 @@ def test_a_call_the_partial_holds_is_kept(server):
                              timeout=60).json()["tokens"]
             partial = {**partial_of(start), "content": "", "completion_tokens": len(ids),
                        "completion_token_ids": ids}
-            got = await continue_answer(ask, {**body, "max_tokens": len(ids) + 20}, partial,
-                                        client)
+            got = await continue_answer(ask, request_of({**body, "max_tokens": len(ids) + 20}),
+                                        partial, client)
             assert got is not None and got.completion_token_ids[:len(ids)] == ids
             assert [{**c, "id": None} for c in got.tool_calls or ()] == [
                 {"id": None, "index": 0, "type": "function",

@@ -15,8 +15,8 @@ from conftest import genq
 from pipeline import ConsumerProcess, consume_to_the_end, read_jsonl, redone_chains, wait_for
 
 from genq.common.queue.keys import RunKeys
+from genq.common.turns import conversations, splice
 from genq.simulator import tokens
-from genq.turns import conversations, splice
 
 TOOLS = [{"type": "function", "function": {
     "name": "read_file", "description": "Read a file.",

@@ -125,7 +125,7 @@ def test_a_conversation_on_a_consumer_goes_back_and_its_consumer_is_refused(
     lease (queued again, its consumer's next turn refused); one whose kept turns changed since
     they were read is left as it is."""
     from genq.common.queue import scripts
-    from genq.turns import state
+    from genq.common.turns import state
 
     data = write_rows(tmp_path / "rows.jsonl", [conversation(i) for i in range(2)])
     genq("produce", str(data), "--once", "--turns", "all", redis_url=redis_url, run=run_name)

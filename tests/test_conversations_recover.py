@@ -148,8 +148,8 @@ def _gen(index: int, turn: int, version: int, attempt: int, *, finish: str = "st
 
 
 def test_each_turn_takes_the_newest_line_not_older_than_the_turn_before():
-    from genq.turns import state
-    from genq.turns.recover import rebuild
+    from genq.common.data.recovery_turns import rebuild
+    from genq.common.turns import state
     history = [{"version": 1, "redo": "none", "inflight": "finish", "at": 0},
                {"version": 2, "redo": "truncated", "inflight": "finish", "at": 50.0}]
     manifest = {"run": "x", "total": 5, "turns": "all", "params_version": 2,

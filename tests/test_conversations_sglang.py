@@ -26,7 +26,7 @@ from test_conversations import PROBE
 from test_token_ids_sglang import rendered_by_the_models_tokenizer
 
 from genq.common.queue.keys import RunKeys
-from genq.turns import splice
+from genq.common.turns import splice
 
 pytestmark = pytest.mark.real_sglang
 TOOLS = [{"type": "function", "function": {

@@ -15,8 +15,8 @@ from test_conversations import TOOLS, by_conversation, conversation, export, wri
 
 from genq.common.queue.keys import RunKeys
 from genq.common.task import request_body
+from genq.common.turns import splice
 from genq.monitor import metrics
-from genq.turns import splice
 
 
 @pytest.mark.timeout(120)

@@ -20,7 +20,7 @@ from test_conversations_recover import exported, going_on
 from genq.common.data import recovery
 from genq.common.queue import scripts
 from genq.common.queue.keys import RunKeys
-from genq.turns.state import Standing
+from genq.common.turns.state import Standing
 
 
 def test_turn_lua_ack_lua_and_recover_refuse_the_same_superseded_turn(
@@ -47,7 +47,7 @@ def test_turn_lua_ack_lua_and_recover_refuse_the_same_superseded_turn(
     assert recovery.Rules({"history": history}).refused(1, written)
     assert (turn, acked) == (2, [2])  # both superseded, as recover finds them
     assert r.hget(k.conv, str(task0)) is None  # the turn is not recorded
-    # ack.lua gave its task back; turn.lua's consumer gives its own back (turns/engine.py).
+    # ack.lua gave its task back; turn.lua's consumer gives its own back (consumer/turns.py).
     assert int(r.llen(k.rq_queue)) == 1 and list(r.hkeys(k.lease_owner)) == [job0]
     # Written just before the switch, it stands (and recover keeps its line too).
     assert not recovery.Rules({"history": history}).refused(1, float(history[-1]["at"]) - 1)

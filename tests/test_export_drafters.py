@@ -14,7 +14,7 @@ from conftest import genq
 from pipeline import consume_to_the_end, read_jsonl
 from test_conversations import TOOLS, by_conversation, conversation
 
-from genq.turns import splice
+from genq.common.turns import splice
 
 N = 10
 

@@ -1,6 +1,7 @@
-"""The import graph, read from the source: no import circle anywhere in the product, the
-services (producer, consumer, monitor) never import each other, and common/ imports none of
-them. TYPE_CHECKING imports count: a circle hidden behind one is a circle all the same."""
+"""The import graph, read from the source: floors that only go down (common/ is the ground and
+imports nothing above it; the services stand on common/ and never import each other; genq/'s
+command line stands on them all), and no import circle anywhere in the product. TYPE_CHECKING
+and in-function imports count: a circle hidden behind one is a circle all the same."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ import orjson
 import pytest
 from conftest import REPO, genq, genq_env
 
-PACKAGES = ("common", "consumer", "producer", "monitor", "genq", "simulator")
+# Every top-level folder genq/ links in, so a new one cannot escape the floors unseen.
+PACKAGES = tuple(sorted({p.name for p in (REPO / "genq").iterdir() if p.is_symlink()} | {"genq"}))
 SERVICES = ("producer", "consumer", "monitor")
+# Which floor each top-level folder stands on: a module imports only its own floor or lower.
+# The simulator is a tool around the product and stands on common/ like a service.
+FLOORS = {"common": 0, "producer": 1, "consumer": 1, "monitor": 1, "simulator": 1, "genq": 2}
 
 
 def modules() -> dict[str, Path]:
@@ -78,24 +83,54 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def folder(module: str) -> str:
+    """genq.common.x is common/; genq.cli (genq/'s own modules) is genq/."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or parts[1] in FLOORS else "genq"
+
+
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    """Each import of a module on a higher floor than the importer's, or of another service."""
+    return sorted(
+        f"{name} -> {dep}" for name, deps in edges.items() for dep in deps
+        if FLOORS[folder(dep)] > FLOORS[folder(name)]
+        or (FLOORS[folder(dep)] == FLOORS[folder(name)] == 1 and folder(dep) != folder(name)))
+
+
+def test_every_folder_has_a_floor():
+    assert set(PACKAGES) <= set(FLOORS)
+
+
 def test_no_import_circle():
     assert cycles(graph()) == []
 
 
+def test_floors_only_go_down():
+    assert upward(graph()) == []
+
+
+def test_the_conversation_domain_stands_on_the_ground():
+    """common/turns/ (what a turn's prompt is, what follows it, where a conversation stands)
+    reads only queue/ and common/'s loose modules, so data/, store/ and report/ read
+    conversations as they read answers, and the consumer's turn loop stands above it."""
+    ground = {"genq.common.turns", "genq.common.queue"}
+    loose = {p.stem for p in (REPO / "common").glob("*.py")}
+    above = sorted(f"{name} -> {dep}" for name, deps in graph().items()
+                   if name.startswith("genq.common.turns") for dep in deps
+                   if ".".join(dep.split(".")[:3]) not in ground
+                   and not (dep.count(".") == 2 and dep.split(".")[2] in loose))
+    assert above == []
+
+
+def test_the_finder_sees_an_upward_import():
+    edges = {"genq.common.x": {"genq.consumer.y"}, "genq.consumer.y": {"genq.common.z"},
+             "genq.producer.p": {"genq.monitor.m"}, "genq.cli": {"genq.consumer.y"}}
+    assert upward(edges) == ["genq.common.x -> genq.consumer.y",
+                             "genq.producer.p -> genq.monitor.m"]
+
+
 def test_the_finder_sees_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-
-
-def test_services_import_common_never_each_other():
-    crossing = sorted(
-        f"{name} -> {dep}"
-        for name, deps in graph().items()
-        for dep in deps
-        if dep.split(".")[1] in SERVICES
-        and name.split(".")[1] in (*SERVICES, "common")
-        and dep.split(".")[1] != name.split(".")[1]
-    )
-    assert crossing == []
 
 
 def imported_by(*args: str, redis_url: str, run: str) -> set[str]:

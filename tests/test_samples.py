@@ -123,7 +123,13 @@ def test_full_groups_counts_runs_of_set_bits(size):
 
 
 def test_the_runs_seed_changes_every_samples_seed_and_one_sample_sends_none():
-    from genq.common.task import sample_of
+    from genq.common.task import Task
+
+    def sample_of(task: int, samples: int, params: dict) -> dict | None:
+        """The sample a task is and the seed its request carries (none: the params' own)."""
+        seed = Task(task, samples, params).seed()
+        return None if seed is None else {"sample": task % samples, "seed": seed}
+
     default = [sample_of(t, K, {}) for t in range(8)]
     assert default == [sample_of(t, K, {"seed": 0}) for t in range(8)]
     assert [s["sample"] for s in default] == [0, 1, 2, 3, 0, 1, 2, 3]

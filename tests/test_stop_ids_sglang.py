@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from pipeline import request_of
 from sglang_servers import server_fixture
 from test_continue_ids import TOOLS, fields, partial_of
 
@@ -52,7 +53,7 @@ def test_a_stop_finish_keeps_its_end_token_in_the_ids_only(server, tools):
                                                                     want.content)
                 for cut in (1, len(ids) // 2, len(ids) - 1):
                     part = await ask({**body, "max_tokens": cut})
-                    got = await continue_answer(ask, {**body, "max_tokens": LIMIT},
+                    got = await continue_answer(ask, request_of({**body, "max_tokens": LIMIT}),
                                                 partial_of(part), client)
                     assert got is not None and fields(got) == fields(want), (cut, len(ids))
         finally:

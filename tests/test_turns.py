@@ -13,8 +13,8 @@ from pipeline import consume_to_the_end, read_jsonl
 from genq.common.errors import UsageError
 from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
+from genq.common.turns import splice as turns
 from genq.simulator import tokens
-from genq.turns import splice as turns
 
 TOOLS = [{"type": "function", "function": {
     "name": "run_shell", "description": "Run a shell command.",
@@ -87,9 +87,9 @@ def test_turns_all_with_a_schema_is_refused_in_one_line_and_a_run_keeps_its_turn
     # The setting is the run's: registering it again with other turns is refused.
     k = RunKeys(run_name)
     info = runs.load(r, k)
-    assert info.turns == turns.LAST
+    assert info.turns == runs.LAST
     with pytest.raises(UsageError, match="makes --turns last, not all"):
-        runs.register(r, k, str(data), info.fingerprint, 1, turns=turns.ALL)
+        runs.register(r, k, str(data), info.fingerprint, 1, turns=runs.ALL)
 
 
 def regenerated(content: str | None, *calls: str) -> dict:
@@ -183,7 +183,7 @@ def test_calls_of_one_name_get_the_result_of_the_row_call_with_their_arguments()
 def test_how_a_conversation_ended_reads_the_same_in_a_bitfield_an_older_genq_wrote() -> None:
     """conv_end had 2 bits for complete/diverged/truncated above a 14-bit turn; `unanswered`
     took a third bit, and the old values keep their meaning."""
-    from genq.turns.state import END_NAMES, TURN_BITS, Standing
+    from genq.common.turns.state import END_NAMES, TURN_BITS, Standing
 
     for code, end in ((1, "complete"), (2, "diverged"), (3, "truncated")):
         old = code << 14 | 7

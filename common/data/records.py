@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 
 from genq.common.errors import reason_kind
+from genq.common.task import TaskId
 
 
 def shard_files(out_dir: str | os.PathLike[str], run: str) -> list[Path]:
@@ -50,19 +51,21 @@ def parse_line(line: bytes) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
-def build_record(*, run: str, index: int, prompt_id: Any, version: int, attempt: int,
-                 server: str, model: str, completion: Any, latency_s: float,
+def build_record(*, run: str, task: TaskId, samples: int, prompt_id: Any, version: int,
+                 attempt: int, server: str, model: str, completion: Any, latency_s: float,
                  gen: int = 0, clock_offset: float = 0.0,
-                 sample: dict[str, int] | None = None, turn: int = 1) -> dict[str, Any]:
-    """clock_offset: Redis's clock less this host's, so that created_at is by Redis's clock;
-    sample: {"sample": s, "seed": n} of a run of several samples a prompt (index is the row);
-    turn: which of the row's assistant turns the answer is (turns/splice.py)."""
-    record: dict[str, Any] = {"index": index}
+                 seed: int | None = None) -> dict[str, Any]:
+    """task: whom the answer is for, its row as `index`, its `sample` in a run of several
+    `samples` a prompt, and its `turn`; clock_offset: Redis's clock less this host's, so that
+    created_at is by Redis's clock; seed: the request's, named where it is not the run's own."""
+    record: dict[str, Any] = {"index": task.row}
     if prompt_id is not None:
         record["id"] = prompt_id
-    if sample:
-        record.update(sample)
-    record["turn"] = turn
+    if samples > 1:
+        record["sample"] = task.sample
+    if seed is not None:
+        record["seed"] = seed
+    record["turn"] = task.turn
     record.update(run=run, params_version=version, attempt=attempt)
     if gen:  # claimed after a `genq recover`: tells this attempt from one claimed before it
         record["gen"] = gen

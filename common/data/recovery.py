@@ -79,13 +79,13 @@ class Recovered:
         self.lines = 0
         self.skipped = 0  # torn, unparsable, or outside the data set
         self.refused = 0  # written after an abort switch under older parameters
-        # Counters beside the results' own, which turns/recover.py adds for a --turns all run:
+        # Counters beside the results' own, which recovery_turns.py adds for a --turns all run:
         # its made turns' sums (turn.lua's made:*) and its continued turns before the last.
         self.more: Counter[str] = Counter()
 
     def stand(self, index: int, result: Result, gen: int, *, kept: bool = False) -> None:
         """Set the result of ``index`` from outside ``rebuild`` (a conversation's last
-        generation: turns/recover.py); ``kept``: set aside by a redo, not done."""
+        generation: common/data/recovery_turns.py); ``kept``: set aside by a redo, not done."""
         for column, value in zip(self.columns, result, strict=True):
             column[index] = value
         self.gen[index], self.state[index] = gen, _KEPT if kept else _STANDING
@@ -134,10 +134,9 @@ def _light(line: bytes, samples: int = 1) -> tuple[int, Result, float, int, int]
                   int(rec.get("prompt_tokens") or 0), int(rec.get("cached_tokens") or 0))
         if min(result) < -(1 << 63) or max(result) >= 1 << 63:
             return None  # no 64-bit counter holds it: not a line genq wrote
-        where = {"index": int(rec["index"]), "sample": int(rec.get("sample") or 0)}
-        if not 0 <= where["sample"] < samples:
+        if (task := task_of(rec, samples)) is None:
             return None  # not a task of this run's
-        return (task_of(where, samples), result, float(rec.get("created_at") or 0),
+        return (task, result, float(rec.get("created_at") or 0),
                 int(rec.get("gen") or 0), int((rec.get("continued_from") or {}).get("tokens") or 0))
     except (KeyError, TypeError, ValueError):
         return None

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from genq.common.errors import BadTask, DatasetError
+from genq.common.turns import check
+
+FIRST_ROWS = 100  # rows produce reads: enough to tell the data set's shape from one bad row
 
 _EDGE = 1 << 20  # bytes hashed at each end of the file for the fingerprint
 
@@ -100,6 +103,27 @@ class Dataset:
         if not self._has_prompt_field():
             raise DatasetError(f"data set {self.path}: no row has a 'messages' or 'prompt' "
                                f"{self._field_word}")
+
+    def check_shape(self, conversations: bool) -> None:
+        """Refuse (DatasetError, one line) a data set none of whose first rows read as prompts
+        genq can make a conversation of (`conversations`: a `--turns all` run; else whose
+        `tools` a server takes: `--turns last` sends the rest as the row has it), as a
+        benchmark's raw function docs as `tools` would. A row that is not a prompt at all is
+        its own fault (it fails alone at its claim), telling nothing of others."""
+        first: tuple[int, str] | None = None
+        for index in range(min(self.total, FIRST_ROWS)):
+            try:
+                prompt = self.prompt(index)
+            except BadTask:
+                continue
+            found = check.fault(prompt.messages, prompt.tools) if conversations \
+                else check.tools_fault(prompt.tools)
+            if found is None:
+                return
+            first = first or (index, found)
+        if first is not None:
+            raise DatasetError(f"data set {self.path}: none of its first rows can be sent as "
+                               f"a prompt; row {first[0]}: {first[1]}")
 
     _field_word = "field"
 

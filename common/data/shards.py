@@ -206,7 +206,7 @@ def pick_lines(paths: Sequence[Path], total: int,
                accepted: Callable[[int], tuple[int, int] | None],
                wanted: Callable[[int], bool] = lambda index: True,
                failed: Callable[[int], bool] = lambda index: False, samples: int = 1) -> Picks:
-    """Export's first pass: every result line of a ``wanted`` task < total (records.task_of
+    """Export's first pass: every result line of a ``wanted`` task < total (task.task_of
     with the run's ``samples``), and every failed task's line of a ``failed`` one, offered to
     ``Picks``, one shard open at a time; torn lines count in ``Picks.torn``, non-64-bit keys are
     skipped."""
@@ -217,11 +217,9 @@ def pick_lines(paths: Sequence[Path], total: int,
         if record is None or "index" not in record:
             picks.torn += bool(line.strip())
             continue
-        index, sample = record["index"], record.get("sample", 0)
-        if type(index) is not int or type(sample) is not int or not 0 <= sample < samples:
-            continue
         index = task_of(record, samples)
-        if not 0 <= index < total or not (failed if is_failure(record) else wanted)(index):
+        if index is None or index >= total \
+                or not (failed if is_failure(record) else wanted)(index):
             continue
         version, attempt = record.get("params_version", 0), record.get("attempt", 0)
         gen = record.get("gen", 0)

@@ -14,7 +14,10 @@ from redis.typing import EncodableT, FieldT
 from genq.common.errors import DatasetError, UsageError
 from genq.common.queue.keys import PER_INDEX_BITS, RUNS, RunKeys
 from genq.common.queue.replies import blob, text
-from genq.turns.splice import LAST
+
+# A run's --turns: LAST makes one answer a row (its final assistant turn, or the next); ALL
+# makes every assistant turn in order (consumer/turns.py).
+LAST, ALL = "last", "all"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,7 +30,7 @@ class RunInfo:
     gen: int  # the run's generation: each `genq recover` starts the next one
     samples: int = 1  # answers a prompt: task t is row t // samples, sample t % samples
     dataset_version: str | None = None  # an S3 data set's ETag: every node copies that version
-    turns: str = LAST  # which assistant turns a row's answers are (turns/splice.py)
+    turns: str = LAST  # which assistant turns a row's answers are (LAST or ALL)
 
 
 def register(r: redis.Redis, k: RunKeys, dataset: str, fingerprint: str, rows: int,

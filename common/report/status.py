@@ -18,9 +18,8 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import FINISH_NAMES, RATE_BUCKET_S, RunKeys
 from genq.common.queue.replies import blob, text
 from genq.common.report import advice, runhealth, stats
+from genq.common.store.export_turns import figures as conversation_figures
 from genq.common.task import row_fields
-from genq.turns import splice as turns
-from genq.turns.export import figures as conversation_figures
 
 # The chart shows the last hour; the same buckets serve the 1/5/15-minute rates.
 HISTORY_BUCKETS = 3600 // RATE_BUCKET_S
@@ -139,13 +138,13 @@ def read_status(r: redis.Redis, run: str, *, truncation_threshold: float = 0.05)
     buckets = _read_buckets(r, k, int(now // RATE_BUCKET_S))
     beats = heartbeats.read(r, k, [text(name) for name, _ in raw["consumers"]])
     meta = {text(f): text(v) for f, v in raw["meta"].items()}
-    every = (meta.get("turns") or turns.LAST) == turns.ALL
+    every = (meta.get("turns") or runs.LAST) == runs.ALL
     if every:  # a request is a generation: the turns before each conversation's last count
         buckets = stats.every_generation(buckets)
     since = stats.activity_start(buckets, _number(meta.get("created_at")))
     status = _assemble(run, raw, buckets, beats, now, since, truncation_threshold, every)
     status["samples"] = samples = int(_num(meta.get("samples"), 1)) or 1
-    status["turns"] = meta.get("turns") or turns.LAST  # a run setting, as samples is
+    status["turns"] = meta.get("turns") or runs.LAST  # a run setting, as samples is
     if every:  # what export writes, per conversation and generation
         status["conversations"] = conv = conversation_figures(r, k, status["total"])
         conv["generations_per_s"] = status["rate"]["req_per_s"]

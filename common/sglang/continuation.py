@@ -1,7 +1,7 @@
 """`genq requeue --continue` end to end: the partial answers it keeps in Redis (zstd JSON per
 truncated index, each stamped with the one parameter version it was made for), looked up and
-dropped, and the request that continues one, joined to it. The requeue, the consumer, the probe
-and `genq recover` call this module; nothing else knows what a partial is."""
+dropped, whether and how one is continued (its request built by common/task.py's Request), and
+joined to it. The requeue, the consumer, the probe and `genq recover` call this module."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from genq.common.sglang.stream import (
     split_thinking,
     thinking_on,
 )
-from genq.common.task import task_of
+from genq.common.task import Request, task_of
 
 logger = structlog.get_logger()
 
@@ -59,15 +59,16 @@ BATCH = 500
 def put(r: redis.Redis, k: RunKeys, records: Iterable[dict[str, Any]],
         version: int, samples: int = 1) -> tuple[int, int, int]:
     """Store the partials of these records for parameter version `version` only, in place of
-    any kept before, a batch at a time as they are read, each under its task (records.task_of
+    any kept before, a batch at a time as they are read, each under its task (task.task_of
     with the run's `samples`); (how many, their tokens, bytes)."""
     packer = zstandard.ZstdCompressor(level=3)
     drop_all(r, k)
     count = tokens = size = 0
     rows = iter(records)
     while batch := list(itertools.islice(rows, BATCH)):
-        packed = {str(task_of(rec, samples)): packer.compress(orjson.dumps(
-            {**{f: rec.get(f) for f in FIELDS}, "for_version": version})) for rec in batch}
+        packed = {str(task): packer.compress(orjson.dumps(
+            {**{f: rec.get(f) for f in FIELDS}, "for_version": version}))
+            for rec in batch if (task := task_of(rec, samples)) is not None}
         r.hset(k.partials, mapping=packed)  # type: ignore[arg-type]  # redis-py: invariant key
         count += len(batch)
         tokens += sum(int(rec["completion_tokens"]) for rec in batch)
@@ -135,7 +136,7 @@ class Partials:
         if await self.may_hold(version):
             await self.redis.hdel(self.keys.partials, str(index))
 
-    async def answer(self, index: int, version: int, body: dict[str, Any],
+    async def answer(self, index: int, version: int, request: Request,
                      ask: Callable[[dict[str, Any]], Awaitable[Completion]],
                      server: SGLang | None = None, turn: int | None = None
                      ) -> Completion | None:
@@ -146,33 +147,10 @@ class Partials:
         if partial is None:
             return None
         whole = None if turn is not None and partial.get("turn") != turn \
-            else await continue_answer(ask, body, partial, server)
+            else await continue_answer(ask, request, partial, server)
         if whole is None:
             await self.drop(index, version)
         return whole
-
-
-def continue_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
-    """The request that continues a partial answer, max_tokens less what it holds. SGLang 0.5.x
-    appends a final assistant message sent with continue_final_message after the generation
-    prompt, and its reasoning parser reads it (after `<think>` new text is thinking): the tags
-    put back make the text the model wrote."""
-    reasoning, content = partial.get("reasoning_content"), partial.get("content") or ""
-    prefix = content
-    if reasoning is not None and thinking_on(body):
-        # A partial without content stopped inside its thinking: the tag stays open.
-        prefix = f"<think>{reasoning}" + (f"</think>{content}" if content else "")
-    return {**body, "messages": [*body["messages"], {"role": "assistant", "content": prefix}],
-            "continue_final_message": True,
-            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
-
-
-def ids_body(body: dict[str, Any], partial: dict[str, Any]) -> dict[str, Any]:
-    """The request that continues a partial answer from its ids: the prompt's and the partial's
-    as `input_ids` (SGLang 0.5.23 skips the chat template for them; the messages still give
-    the stop tokens), max_tokens less what it holds."""
-    return {**body, "input_ids": [*partial["prompt_token_ids"], *partial["completion_token_ids"]],
-            "max_tokens": body["max_tokens"] - int(partial["completion_tokens"])}
 
 
 def joined(partial: dict[str, Any], new: Completion) -> Completion:
@@ -211,11 +189,13 @@ def grammar_from_start(body: dict[str, Any]) -> bool:
 
 
 async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]],
-                          body: dict[str, Any], partial: dict[str, Any],
+                          request: Request, partial: dict[str, Any],
                           server: SGLang | None = None) -> Completion | None:
-    """The whole answer continued from `partial` (a record's fields) with `ask`, by its ids in
-    a run that keeps them (its texts from `server`), else by its text; or None if it cannot be
-    or the server did not take the partial as its start (generate it again)."""
+    """The whole answer to `request` continued from `partial` (a record's fields) with `ask`,
+    by its ids in a run that keeps them (its texts from `server`), else by its text (the
+    request the partial goes on from is Request.body's); or None if it cannot be or the server
+    did not take the partial as its start (generate it again)."""
+    body = request.body()
     prompt_tokens, by_ids = int(partial["prompt_tokens"]), bool(body.get("return_token_ids"))
     if (by_ids and (partial.get("completion_token_ids") is None or server is None)
             or not by_ids and tagged(partial)):
@@ -229,7 +209,7 @@ async def continue_answer(ask: Callable[[dict[str, Any]], Awaitable[Completion]]
         logger.warning("continuation_constrained", consequence="the answer is generated again")
         return None
     try:
-        new = await ask(ids_body(body, partial) if by_ids else continue_body(body, partial))
+        new = await ask(replace(request, partial=partial).body())
     except InputTooLong:  # the prompt and its partial outgrew the context: start again
         logger.warning("continuation_too_long", consequence="the answer is generated again")
         return None

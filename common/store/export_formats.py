@@ -17,9 +17,9 @@ import orjson
 from genq.common.errors import GenqError, UsageError
 from genq.common.queue import run as runs
 from genq.common.store import export
+from genq.common.store import export_turns as turns_export
 from genq.common.store import s3 as store
-from genq.turns import export as turns_export
-from genq.turns import splice
+from genq.common.task import TaskId
 
 ROW_GROUP_ROWS = 10_000
 ROW_GROUP_BYTES = 64 << 20  # a group closes early when its text gets this large
@@ -89,7 +89,7 @@ def token_row(rec: dict[str, Any], samples: bool) -> dict[str, Any]:
                         "run made with `genq produce --token-ids`")
     return {"id": rec.get("id", rec["index"]), "index": rec["index"],
             **({"sample": rec.get("sample", 0)} if samples else {}),
-            "turn": rec.get("turn", 1),  # records made before turns: the one answer
+            "turn": tid.turn if (tid := TaskId.read(rec)) else 1,  # as export read it
             "input_ids": prompt + completion,
             "loss_mask": [0] * len(prompt) + [1] * len(completion),
             "finish_reason": rec["finish_reason"], "is_tool_call": bool(rec.get("tool_calls")),
@@ -206,7 +206,7 @@ def _write(r: Any, k: Any, total: int, dirs: list[str], out: str, *,
             store.fetch_run(store.parse_uri(from_s3), k.run, dirs[0])
         write = export.export
         per_turn = options.pop("per_turn", False)
-        if runs.load(r, k).turns == splice.ALL:  # one line per generation, or conversations
+        if runs.load(r, k).turns == runs.ALL:  # one line per generation, or conversations
             write = functools.partial(turns_export.export, conversations=fmt == "conversations",
                                       per_turn=per_turn)
         elif fmt == "conversations":

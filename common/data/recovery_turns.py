@@ -43,9 +43,9 @@ import redis
 from genq.common.data import recovery
 from genq.common.data.records import is_failure, parse_line
 from genq.common.queue.keys import FINISH_NAMES, RunKeys, finish_code
-from genq.common.task import task_of
-from genq.turns import splice, state
-from genq.turns.state import Standing
+from genq.common.task import TaskId
+from genq.common.turns import splice, state
+from genq.common.turns.state import Standing
 
 Key = tuple[int, int, int]  # (params_version, gen, attempt): the newest line of a turn stands
 BATCH = 1000  # hash fields a round trip when writing conversations back
@@ -82,12 +82,12 @@ def _read(raw: bytes, samples: int, total: int) -> tuple[int, int, Line, float] 
         result = (version, attempt, finish_code(rec.get("finish_reason")),
                   int(rec.get("completion_tokens") or 0), int(rec.get("prompt_tokens") or 0),
                   int(rec.get("cached_tokens") or 0))
-        sample, turn = int(rec.get("sample") or 0), int(rec.get("turn") or 1)
-        task = task_of({"index": int(rec["index"]), "sample": sample}, samples)
+        tid = TaskId.read(rec)
         gen = int(rec.get("gen") or 0)
-        if not (0 <= sample < samples and 0 <= task < total and turn > 0) \
+        if tid is None or not (tid.sample < samples and tid.task(samples) < total) \
                 or max(map(abs, (*result, gen))) >= 1 << 63:
             return None
+        task, turn = tid.task(samples), tid.turn
         cont = int((rec.get("continued_from") or {}).get("tokens") or 0)
         return task, turn, Line((version, gen, attempt), result, str(rec.get("ended") or ""),
                                 cont), float(rec.get("created_at") or 0)

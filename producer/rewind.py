@@ -1,6 +1,6 @@
 """`genq requeue --redo missing` of a `--turns all` run: a lost node's turns made again.
 
-Each conversation whose accepted turns (turns/export.py's keys) the given outputs (the shards
+Each conversation whose accepted turns (export_turns.py's keys) the given outputs (the shards
 shipped to S3, or shard directories) do not all hold goes back to its earliest turn none of them
 holds: the turns before it are kept, with their messages read from those outputs for the next
 turn's prompt, and that turn and the ones after it are made again under the requeue's version
@@ -19,8 +19,9 @@ import redis
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.scripts import ScriptRunner, rewind_call
 from genq.common.store import export as results
-from genq.turns import export, splice, state
-from genq.turns.state import Standing
+from genq.common.store import export_turns as export
+from genq.common.turns import splice, state
+from genq.common.turns.state import Standing
 
 BATCH = 500  # conversations a rewind.lua call
 

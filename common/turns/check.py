@@ -1,7 +1,7 @@
 """Whether genq can make a prompt of a row's conversation, checked before the row costs a
 request: `fault` names the first thing wrong, by message and field. The consumer of a
-`--turns all` run fails such a row alone, at its claim (turns/engine.py); `genq produce`
-refuses a data set whose first rows all have one (`first_rows`): then the data set's shape is
+`--turns all` run fails such a row alone, at its claim (consumer/turns.py); `genq produce`
+refuses a data set whose first rows all have one (Dataset.check_shape): then the data set's shape is
 wrong (e.g. a benchmark's raw function docs as `tools`), not one row.
 
 A call the row has no result for is no fault: the conversation stops there (splice.after).
@@ -14,11 +14,7 @@ from typing import Any
 
 import orjson
 
-from genq.common.data.rows import Dataset
-from genq.common.errors import BadTask, DatasetError
-
 ROLES = ("system", "developer", "user", "assistant", "tool")
-FIRST_ROWS = 100  # rows produce reads: enough to tell the data set's shape from one bad row
 TOOL_SHAPE = '{"type": "function", "function": {"name": ..., "parameters": ...}}'
 
 
@@ -91,24 +87,3 @@ def arguments(function: dict[str, Any]) -> dict[str, Any] | None:
 def _kind(value: Any) -> str:
     names: dict[type, str] = {dict: "an object", str: "a string"}
     return names.get(type(value), type(value).__name__)
-
-
-def first_rows(ds: Dataset, conversations: bool) -> None:
-    """Refuse (DatasetError, one line) a data set none of whose first rows read as prompts
-    genq can make a conversation of (`conversations`: a `--turns all` run; else whose `tools`
-    a server takes: `--turns last` sends the rest as the row has it). A row that is not a
-    prompt at all is its own fault (it fails alone at its claim), telling nothing of others."""
-    first: tuple[int, str] | None = None
-    for index in range(min(ds.total, FIRST_ROWS)):
-        try:
-            prompt = ds.prompt(index)
-        except BadTask:
-            continue
-        found = fault(prompt.messages, prompt.tools) if conversations \
-            else tools_fault(prompt.tools)
-        if found is None:
-            return
-        first = first or (index, found)
-    if first is not None:
-        raise DatasetError(f"data set {ds.path}: none of its first rows can be sent as a "
-                           f"prompt; row {first[0]}: {first[1]}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from genq.turns import splice
+from genq.common.turns import splice
 
 Message = dict[str, Any]
 

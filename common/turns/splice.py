@@ -12,12 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from genq.turns import check
+from genq.common.turns import check
 
 Message = dict[str, Any]
-# A run's --turns: LAST makes one answer a row (its final assistant turn, or the next); ALL
-# makes every assistant turn in order (turns/engine.py).
-LAST, ALL = "last", "all"
 # Why a conversation stopped before its end: a made turn unlike the row's, one cut at
 # max_tokens, or a made call the row has no result for.
 DIVERGED, TRUNCATED, UNANSWERED = "diverged", "truncated", "unanswered"

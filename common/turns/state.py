@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 import zstandard
 
 from genq.common.queue.keys import FINISH_NAMES, RunKeys, finish_code
-from genq.turns import splice
+from genq.common.turns import splice
 
 # One accepted generation: [params version, attempt], the key its line is found by (a
 # recover's generation is not needed: attempts rise across recovers), then for a turn

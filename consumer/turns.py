@@ -1,11 +1,12 @@
-"""`--turns all` in the consumer: a claimed task is one conversation (a row, or one sample of
-it), made turn by turn in the slot that claimed it, so each turn goes to the server that made
-the turn before and finds its prefix in the server's cache.
+"""What a slot makes of a claimed task: the row's last turn (`last_turn`, one answer), or
+under `--turns all` one conversation (a row, or one sample of it), made turn by turn in the slot
+that claimed it, so each turn goes to the server that made the turn before and finds its prefix
+in the server's cache.
 
-Each made turn but the last is written to the shard, then recorded in Redis (turns/state.py)
-while the task's lease is ours, in batches with the other slots' made turns (MadeTurns): a
-consumer killed mid-conversation costs only the turn in flight,
-and whichever consumer claims the task next goes on from the turn after the last recorded one.
+Each made turn but the last is written to the shard, then recorded in Redis
+(common/turns/state.py) while the task's lease is ours, in batches with the other slots' made
+turns (MadeTurns): a consumer killed mid-conversation costs only the turn in flight, and
+whichever consumer claims the task next goes on from the turn after the last recorded one.
 The last turn (the row's last, or the one that stopped the conversation) is the task's result,
 written by the Committer like any task's, then recorded (its turn.lua call, `Inflight.then`)
 and acknowledged.
@@ -16,25 +17,100 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
+import redis.asyncio as aioredis
 import structlog
 
 from genq.common.data.records import build_record
 from genq.common.data.rows import Prompt
+from genq.common.data.shards import ShardWriter
 from genq.common.errors import BadTask
+from genq.common.queue.keys import RunKeys
 from genq.common.queue.scripts import Call, ScriptRunner, turn_call
+from genq.common.sglang.client import SGLang
+from genq.common.sglang.continuation import Partials
 from genq.common.sglang.stream import Completion
 from genq.common.task import Task
+from genq.common.turns import check, splice, state
+from genq.common.turns.state import COMPLETE, Standing
+from genq.consumer.backoff import ClaimPause
 from genq.consumer.commit import MAX_BATCH
 from genq.consumer.leases import ACCEPTED, SUPERSEDED, Inflight
-from genq.turns import check, splice, state
-from genq.turns.state import COMPLETE, Standing
-
-if TYPE_CHECKING:
-    from genq.consumer.worker import Consumer
+from genq.consumer.settings import ConsumeSettings
+from genq.consumer.structured import Structured
 
 logger = structlog.get_logger("consumer")
+T = TypeVar("T")
+
+
+class Consumer(Protocol):
+    """What the turn loop uses of the consumer (consumer/worker.py), which owns the loop: said
+    here, so that this module stands below the worker and the two make no import circle."""
+
+    settings: ConsumeSettings
+    redis: aioredis.Redis
+    keys: RunKeys
+    model: str
+    server: SGLang
+    sink: ShardWriter
+    partials: Partials
+    structured: Structured
+    clock_offset: float
+    stop: asyncio.Event
+
+    pause: ClaimPause
+
+    def retry(self, op: Callable[[], Awaitable[T]]) -> Awaitable[T]: ...
+    async def after_abort(self, inflight: Inflight) -> None: ...
+
+
+async def _ask(c: Consumer, inflight: Inflight, body: dict[str, Any]) -> Completion:
+    """The server's answer. A refusal between successes is sent again by this slot after a
+    moment, its lease held; one that ends the retries in the slot goes to settle_error."""
+    while True:
+        try:
+            return await c.server.chat(body, inflight.lease.index, on_request=inflight.sent)
+        except Exception as e:
+            if (wait := c.pause.in_slot(e)) is None:
+                raise
+        await asyncio.sleep(wait)
+        if inflight.abort or c.stop.is_set():  # aborted or stopping while it waited
+            inflight.abort = inflight.abort or "shutdown"
+            raise asyncio.CancelledError
+
+
+async def last_turn(c: Consumer, inflight: Inflight, prompt: Prompt, task: Task
+                    ) -> tuple[dict[str, Any], Completion] | None:
+    """A task of a run that makes one answer a row (`--turns last`): its last turn, asked once
+    (or continued from its partial), checked against its version's schema and asked again
+    under each retry's seed while it misses; (record, completion) for the Committer, or None if
+    it was aborted first."""
+    lease = inflight.lease
+    messages, turn = splice.last(prompt.messages)
+    if not messages:
+        raise unpromptable(prompt.index)
+    request = task.request(messages, c.model, prompt.tools)
+    if inflight.abort or c.stop.is_set():
+        # Claimed while the stop came (or aborted before its request existed): a request
+        # started now would outlive the grace by a whole generation.
+        inflight.abort = inflight.abort or "shutdown"
+        await c.after_abort(inflight)
+        return None
+    ask = functools.partial(_ask, c, inflight)
+    completion = await c.partials.answer(lease.index, lease.version, request, ask, c.server) \
+        or await ask(request.body())
+    completion, seed = await c.structured.checked(
+        completion, ask, lambda retry: task.request(messages, c.model, prompt.tools, retry=retry),
+        task.params, lease.index, lease.version)
+    record = build_record(
+        run=c.settings.run, task=task.id(turn), samples=task.samples, prompt_id=prompt.id,
+        version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
+        model=c.model, completion=completion, latency_s=time.monotonic() - inflight.started,
+        gen=lease.gen, clock_offset=c.clock_offset,
+        seed=request.seed if seed is None else seed)
+    return record, completion
 
 
 def unpromptable(index: int) -> BadTask:
@@ -63,7 +139,7 @@ class Conversations:
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
-        ask, first = functools.partial(c.ask, inflight), len(made) + 1
+        ask, first = functools.partial(_ask, c, inflight), len(made) + 1
         for turn in range(first, count + 1):
             before = splice.prompt(row, turn, messages)
             if not before:
@@ -72,19 +148,19 @@ class Conversations:
                 inflight.abort = inflight.abort or "shutdown"
                 await c.after_abort(inflight)
                 return None
-            body = task.request(before, c.model, prompt.tools, turn=turn)
+            request = task.request(before, c.model, prompt.tools, turn=turn)
             asked = time.monotonic()
             # `requeue --continue`: the turn it was cut at goes on from its partial.
-            continued = await c.partials.answer(lease.index, lease.version, body, ask,
+            continued = await c.partials.answer(lease.index, lease.version, request, ask,
                                                 c.server, turn) if turn == first else None
-            completion = continued or await ask(body)
+            completion = continued or await ask(request.body())
             kept = (completion.continued_from or {}).get("tokens", 0)  # not decoded again
             record = build_record(
-                run=c.settings.run, index=task.row, prompt_id=prompt.id,
-                version=lease.version, attempt=lease.attempt, server=c.settings.server_id,
-                model=body["model"], completion=completion, latency_s=time.monotonic() - asked,
-                gen=lease.gen, clock_offset=c.clock_offset, sample=task.turn_sample(turn),
-                turn=turn)
+                run=c.settings.run, task=task.id(turn), samples=task.samples,
+                prompt_id=prompt.id, version=lease.version, attempt=lease.attempt,
+                server=c.settings.server_id, model=c.model, completion=completion,
+                latency_s=time.monotonic() - asked, gen=lease.gen, clock_offset=c.clock_offset,
+                seed=request.seed)
             unstable, checked = _boundary(ids, row, turn, completion)
             if completion.prompt_token_ids is not None \
                     and completion.completion_token_ids is not None:

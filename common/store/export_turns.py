@@ -27,10 +27,10 @@ from genq.common.queue import run as runs
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.replies import blob
 from genq.common.store import export as results
-from genq.common.task import task_of
-from genq.turns import conversations as shape
-from genq.turns import splice
-from genq.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
+from genq.common.task import TaskId
+from genq.common.turns import conversations as shape
+from genq.common.turns import splice
+from genq.common.turns.state import ATTEMPT, END_NAMES, TURN_BITS, VERSION, Standing
 
 NOT_FOUND, NOT_WANTED = -1, -2  # Accepted.file_no of a generation whose line is not read
 
@@ -122,12 +122,11 @@ def _pick(paths: list[Path], keys: Accepted, samples: int) -> int:
         if rec is None or "index" not in rec:
             torn += bool(line.strip())
             continue
-        if is_failure(rec) or type(rec["index"]) is not int:
+        tid = TaskId.read(rec)
+        if is_failure(rec) or tid is None or tid.sample >= samples:
             continue
-        task, turn = task_of(rec, samples), rec.get("turn", 1)
-        if type(task) is not int:  # a float sample: the task it equals, as a dict finds it
-            task = int(task) if float(task).is_integer() else -1
-        if type(turn) is not int or not 0 <= task < size or turn <= 0:
+        task, turn = tid.task(samples), tid.turn
+        if task >= size:
             continue
         at = start[task] + turn - 1
         if at >= start[task + 1] or file_no[at] != NOT_FOUND:
