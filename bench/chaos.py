@@ -9,6 +9,7 @@ whose target is busy (down, paused) is drawn again, so the mix varies a little w
 
     python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
     python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
+    python bench/chaos.py --turns all --prompts 300 --faults 25   # bench/_chaos_turns.py
 """
 
 from __future__ import annotations
