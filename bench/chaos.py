@@ -9,6 +9,7 @@ whose target is busy (down, paused) is drawn again, so the mix varies a little w
 
     python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
     python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
+    python bench/chaos.py --turns all --prompts 300 --faults 25   # bench/_chaos_turns.py
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import redis
 from _chaos_checks import final_checks
 from _chaos_procs import Proc, Redis, Simulator, genq_proc
 from _common import dump_json, genq, parser, sim_flags, write_dataset
-from faultkit import produce_once, sim_kwargs
+from faultkit import sim_kwargs
 
 from genq.common.net import free_port
 from genq.common.queue.keys import RunKeys
@@ -51,29 +52,34 @@ def parse(argv: list[str] | None):
     p.add_argument("--poison", type=int, default=5, help="rows every server refuses (HTTP 400)")
     p.add_argument("--vt", type=float, default=4.0, help="consumer visibility timeout")
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--turns", choices=("last", "all"), default="last",
+                   help="all: agentic conversations, 2 samples, token ids, shipped to S3, with "
+                   "Redis lost and recovered and lost nodes repaired (bench/_chaos_turns.py)")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args(argv)
 
 
 class Soak:
+    FAULTS = FAULTS
+
     def __init__(self, a, workdir: Path) -> None:
         self.a, self.dir, self.rng = a, workdir, random.Random(a.seed)
         self.redis = Redis(workdir)
         self.redis.start()
         self.r = redis.Redis.from_url(self.redis.url, socket_timeout=5)
         self.k = RunKeys(RUN)
-        data = workdir / "data.jsonl"
-        self.poison = set(self.rng.sample(range(a.prompts), min(a.poison, a.prompts)))
-        write_dataset(data, a.prompts, poison=tuple(self.poison))  # the simulator answers 400
-        flags = sim_flags(**sim_kwargs(a.request_s, max_running_requests=a.slots))
+        data, self.tasks = workdir / "data.jsonl", a.prompts
+        produce = self.write_data(data)
+        flags = sim_flags(**sim_kwargs(a.request_s, max_running_requests=a.slots,
+                                       **self.sim_extra()))
         self.sims = [Simulator(i, workdir, flags) for i in range(a.servers)]
-        produce_once(data, self.redis.url, RUN)  # --max-tokens 300, as the fault tests
+        genq("produce", str(data), "--once", *produce, redis_url=self.redis.url, run=RUN)
         self.out_dirs = [workdir / f"out{i}" for i in range(a.servers)]
         self.consumers = [self.service(f"consumer{i}", [
             "consume", "--server", sim.url, "--out", str(self.out_dirs[i]), "--name", f"c{i}",
             "--visibility-timeout", str(a.vt), "--grace", "2", "--request-timeout", "10",
-            "--max-attempts", "10"]) for i, sim in enumerate(self.sims)]
-        self.others = [self.service("producer", ["produce", str(data), "--max-tokens", "300"]),
+            "--max-attempts", "10", *self.consumer_extra()]) for i, sim in enumerate(self.sims)]
+        self.others = [self.service("producer", ["produce", str(data), *produce]),
                        self.service("monitor", [
                            "monitor", "--host", "127.0.0.1", "--port", str(free_port()),
                            "--progress-file", str(workdir / "progress.json")])]
@@ -82,7 +88,21 @@ class Soak:
         self.later: list[tuple[float, str, object]] = []  # (when, what, target)
         self.fired: Counter = Counter()
         self.requeues: list[dict] = []
-        self.term_exits: list[tuple[int | None, float]] = []
+        self.term_exits: list[tuple] = []  # (exit status, seconds, name)
+
+    def write_data(self, data: Path) -> list[str]:
+        """Write the data set; the flags `genq produce` gets. Here: prompts, some of which
+        every server refuses (HTTP 400), at --max-tokens 300, as the fault tests."""
+        self.poison = set(self.rng.sample(range(self.a.prompts), min(self.a.poison,
+                                                                      self.a.prompts)))
+        write_dataset(data, self.a.prompts, poison=tuple(self.poison))
+        return ["--max-tokens", "300"]
+
+    def sim_extra(self) -> dict:
+        return {}
+
+    def consumer_extra(self) -> list[str]:
+        return []
 
     def service(self, name: str, args: list[str]) -> Proc:
         marker = b'"consumer_started"' if name.startswith("consumer") else b""
@@ -90,7 +110,7 @@ class Soak:
 
     # --- faults --------------------------------------------------------------------------
     def fire(self) -> None:
-        kinds, weights = zip(*FAULTS.items(), strict=True)
+        kinds, weights = zip(*self.FAULTS.items(), strict=True)
         for _ in range(20):  # a kind whose target is busy (down, paused) is drawn again
             kind = self.rng.choices(kinds, weights)[0]
             if self.sim_fault(kind) if kind in SIM_FAULTS else getattr(self, kind)():
@@ -113,7 +133,7 @@ class Soak:
 
     def consumer_term(self) -> bool:
         if c := self.free(self.consumers):
-            self.term_exits.append(c.stop(STOP_BOUND_S))
+            self.term_exits.append((*c.stop(STOP_BOUND_S), c.name))
             self.restart_later(c, 0.5, 2)
         return c is not None
 
@@ -181,13 +201,13 @@ class Soak:
             done, failed, queued, leased = pipe.execute()
         except redis.RedisError:
             return False
-        self.done, self.left = done, self.a.prompts - done - failed
+        self.done, self.left = done, self.tasks - done - failed
         return self.left <= 0 and not queued and not leased
 
     def run(self) -> dict:
         start = time.monotonic()
         next_fault, last_change, last_done, longest = start + self.a.fault_every, start, -1, 0.0
-        self.done, self.left, shown, was_left = 0, self.a.prompts, start, True
+        self.done, self.left, shown, was_left = 0, self.tasks, start, True
         while True:
             now = time.monotonic()
             self.due()
@@ -201,7 +221,7 @@ class Soak:
                 last_change, last_done, was_left = now, self.done, self.left > 0
             if now - shown >= 10:
                 shown = now
-                print(f"[{now - start:6.0f} s] done {self.done}/{self.a.prompts}, faults "
+                print(f"[{now - start:6.0f} s] done {self.done}/{self.tasks}, faults "
                       f"{sum(self.fired.values())}/{self.a.faults}", file=sys.stderr, flush=True)
             if now - start > self.a.timeout:
                 raise TimeoutError(f"not settled after {self.a.timeout} s")
@@ -216,6 +236,12 @@ class Soak:
         return {p.name: p.stop(STOP_BOUND_S) for p in [*self.consumers, *self.others,
                                                         *self.sims]}
 
+    def finish(self) -> None:
+        """What an operator does once the run settled, before the last checks: nothing here."""
+
+    def report(self, timing: dict, stops: dict) -> dict:
+        return report(self.a, self, timing, stops)
+
     def close(self) -> None:
         for p in [*self.consumers, *self.others, *self.sims, self.redis]:
             p.signal(signal.SIGCONT)
@@ -226,7 +252,7 @@ def report(a, soak: Soak, timing: dict, stops: dict) -> dict:
     checks, figures = final_checks(soak.r, soak.redis.url, RUN, a.prompts, soak.dir,
                                    soak.requeues, soak.out_dirs)
     terms = [*soak.term_exits, *stops.values()]
-    checks["every_process_stopped_on_sigterm"] = all(rc == 0 for rc, _ in terms)
+    checks["every_process_stopped_on_sigterm"] = all(t[0] == 0 for t in terms)
     checks["poison_prompts_failed"] = all(soak.r.getbit(soak.k.failed, i) for i in soak.poison)
     return {
         "settings": {k: v for k, v in vars(a).items() if k not in ("json", "keep")},
@@ -235,7 +261,7 @@ def report(a, soak: Soak, timing: dict, stops: dict) -> dict:
         "faults": dict(soak.fired), "faults_total": sum(soak.fired.values()),
         "requeues": soak.requeues,
         "restarts": {p.name: p.starts - 1 for p in [*soak.consumers, *soak.sims, soak.redis]},
-        "sigterm_exit_s_max": max((s for _, s in terms), default=0.0),
+        "sigterm_exit_s_max": max((t[1] for t in terms), default=0.0),
         "sigterm_during_run": len(soak.term_exits), "stops": stops,
     }
 
@@ -245,10 +271,14 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="genq-chaos-"))
     soak = None
     try:
-        soak = Soak(a, workdir)
+        kind = Soak
+        if a.turns == "all":
+            from _chaos_turns import TurnsSoak as kind
+        soak = kind(a, workdir)
         timing = soak.run()
+        soak.finish()
         stops = soak.stop_all()
-        result = report(a, soak, timing, stops)
+        result = soak.report(timing, stops)
         for proc in [*soak.consumers, *soak.others, *soak.sims]:  # why, before the logs go
             if stops[proc.name][0] != 0:
                 tail = proc.log.read_bytes()[-2500:].decode(errors="replace")
@@ -262,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     dump_json(a.json, result)
     for name, ok in result["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
-    print({k: result[k] for k in ("duration_s", "prompts_per_s", "faults_total", "done",
-                                  "failed", "duplicate_shard_lines", "longest_stall_s",
-                                  "sigterm_exit_s_max")})
+    print({k: result.get(k) for k in ("duration_s", "prompts_per_s", "faults_total", "done",
+                                      "failed", "duplicate_shard_lines", "longest_stall_s",
+                                      "sigterm_exit_s_max", "generations", "asked_again")})
     return 0 if all(result["checks"].values()) else 1
 
 

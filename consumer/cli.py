@@ -257,10 +257,11 @@ def prepare(s: ConsumeSettings, k: RunKeys, stopped: threading.Event
     """Connect, read the run, open (index) the data set and repair the shards: seconds on a big
     data set, run in a thread so that the server lease is renewed meanwhile. The settings come
     back with the run's own output directory (run_outdir). None if stopped while waiting for
-    Redis."""
+    Redis, or for the run it lost (`genq recover`)."""
     sync = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True,
                    stop=stopped, give_up_after=s.redis_wait if s.burst else None)
-    if sync is None:
+    if sync is None or not runhealth.lost_run_back(sync, k, stopped, "consumer",
+                                                   "exiting on an unknown run"):
         return None
     info = runs.load(sync, k)
     for risk in risky_redis_settings(sync):

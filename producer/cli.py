@@ -101,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event() if s.once else stop_on_signals()
     r = connect(s.redis_url, socket_timeout=SERVICE_SOCKET_TIMEOUT_S, wait=True, stop=stop,
                 give_up_after=s.redis_wait if s.once else None)
-    # Stopped while waiting for Redis or for the run it lost.
-    if r is None or not lost_run_back(r, k, stop, s.redis_url):
+    # None, or False: stopped while waiting for Redis or for the run it lost. Redis just
+    # (re)started is waited out only where this machine registered the run on it before (its
+    # mark): a fresh deployment's run registers at once.
+    if r is None or not runhealth.lost_run_back(r, k, stop, "producer", "registering it anew",
+                                                settle=marks.seen(s.redis_url, s.run)):
         logger.info("producer_stopped", run=s.run)
         return 0
     info = runs.register(r, k, s.dataset, ds.fingerprint, ds.total, s.samples, ds.version,
@@ -122,39 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     if s.once:
         return enqueue_once(r, k, s, info, runner)
     return keep_window(r, k, s, info, runner, stop)
-
-
-def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event, url: str) -> bool:
-    """Never register anew a run Redis lost while consumers' heartbeats wait for it (its new
-    epoch would make them exit): wait for it to be back; False if stopped."""
-    if r.exists(k.meta):
-        return True
-    waiting = runhealth.waiting(r, k, (runs.LOST,))
-    unsettled = runs.unsettled_s(r)
-    # Redis just (re)started and this machine registered the run on it before: its consumers
-    # may not have looked yet. Without that mark the Redis is a fresh deployment's: no wait.
-    if not waiting and unsettled and marks.seen(url, k.run):
-        logger.info("run_absent_after_restart", run=k.run, wait_s=unsettled, reason=(
-            f"run {k.run!r} was registered on this Redis from here before, and is not in it "
-            f"now that it started under {runs.SETTLE_S} s ago: waiting for its consumers to "
-            "say whether they follow a run it lost"))
-        if stop.wait(unsettled):
-            return False
-        if r.exists(k.meta):
-            return True
-        waiting = runhealth.waiting(r, k, (runs.LOST,))
-    if not waiting:
-        return True
-    command, advice = runhealth.lost_recover(k.run, waiting)
-    logger.error("run_state_lost", run=k.run, reason=(
-        f"run {k.run!r} is no longer in Redis ({runhealth.LOST_CAUSE}) and {len(waiting)} "
-        f"consumer(s) wait for it: this producer waits for the recover, not registering it "
-        f"anew; {advice}"), command=command)
-    while not stop.wait(1.0):
-        with contextlib.suppress(*REDIS_TROUBLE):
-            if r.exists(k.meta):
-                return True
-    return False
 
 
 def enqueue_once(r: redis.Redis, k: RunKeys, s: argparse.Namespace, info: runs.RunInfo,

@@ -13,6 +13,7 @@ from pipeline import wait_for, write_dataset
 
 from genq.common.queue import heartbeats
 from genq.common.queue.keys import RunKeys
+from genq.common.report import runhealth
 
 N = 100
 
@@ -99,6 +100,42 @@ def test_a_producer_restarted_right_after_redis_restarts_empty_waits_for_the_con
             assert again.stop() == 0, again.log()[-3000:]
         finally:
             for service in (first, again, consumer):
+                if service is not None:
+                    service.cleanup()
+        check_truth(r, url, run_name, N, tmp_path)
+        r.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_consumer_started_while_its_run_is_lost_waits_for_the_recover(
+        tmp_path, run_name, sim_factory):
+    """A consumer (re)started between Redis coming back empty and `genq recover` (a node's
+    restart in that window; found by bench/chaos.py --turns all) waits for the recover as the
+    running ones do, instead of exiting 2 on an "unknown run"."""
+    data = write_dataset(tmp_path / "d.jsonl", N)
+    sim = sim_factory(**sim_kwargs(0.3))
+    out, k = tmp_path / "out", RunKeys(run_name)
+    with private_redis() as srv:  # no AOF: FLUSHALL is a loss
+        url, r = srv.url, srv.client()
+        genq("produce", str(data), "--once", "--max-tokens", "300", redis_url=url, run=run_name)
+        first = Consumer(url, run_name, sim.url, out)
+        late = None
+        try:
+            wait_for(lambda: r.bitcount(k.done) >= 15, timeout=60, what="15 done")
+            r.flushall()
+            wait_for(lambda: runhealth.waiting(r, k), timeout=20,
+                     what="the consumer waiting for the run")
+            late = Consumer(url, run_name, sim.url, tmp_path / "late", name="late")
+            said = wait_for(lambda: late.proc.poll() is not None or [
+                e for e in late.events() if e.get("event") == "run_state_lost"],
+                timeout=30, what="the late consumer waiting or exiting")
+            assert said is not True and late.proc.poll() is None, late.log()[-1500:]
+            genq("recover", "--shards", str(out), redis_url=url, run=run_name)
+            for consumer in (first, late):
+                assert consumer.wait(120) == 0, consumer.log()[-4000:]
+            assert [e for e in late.events() if e.get("event") == "consumer_started"]
+        finally:
+            for service in (first, late):
                 if service is not None:
                     service.cleanup()
         check_truth(r, url, run_name, N, tmp_path)

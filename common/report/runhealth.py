@@ -3,14 +3,18 @@ rebuilds it), replaced by a run of its name, back, or kept without persistence."
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+import time
 from typing import Any
 
 import redis
 
+from genq.common.errors import REDIS_TROUBLE
 from genq.common.queue import heartbeats
 from genq.common.queue.keys import RunKeys
-from genq.common.queue.run import LOST, REPLACED
+from genq.common.queue.run import LOST, REPLACED, SETTLE_S, unsettled_s
 
 NO_PERSISTENCE = "redis_no_persistence"
 LOST_CAUSE = "restarted without persistence, flushed or evicted"
@@ -96,3 +100,44 @@ def missing_run_message(r: redis.Redis, k: RunKeys) -> str:
                 f"`genq produce DATASET`, or pick --run/GENQ_RUN; if Redis lost it, {advice})")
     return (f"run {k.run!r} lost its state in Redis ({LOST_CAUSE}); {len(beats)} "
             f"consumer(s) wait for it, writing nothing. R{advice[1:]}")
+
+
+def lost_run_back(r: redis.Redis, k: RunKeys, stop: threading.Event, service: str,
+                  instead: str, settle: bool = True) -> bool:
+    """A service started while Redis has lost its run (consumers' heartbeats wait for it, or,
+    with `settle`, Redis started too recently for them to have said so) waits for `genq
+    recover` rather than `instead` (a producer: registering the run anew, whose new epoch would
+    make every consumer exit; a consumer: exiting on an unknown run). False if stopped while
+    waiting."""
+    import structlog  # here: `genq status` imports this module and starts without structlog
+
+    log = structlog.get_logger(service)
+    if r.exists(k.meta):
+        return True
+    lost = waiting(r, k, (LOST,))
+    unsettled = unsettled_s(r)
+    if not lost and unsettled and settle:  # Redis just (re)started: consumers may not have looked
+        log.info("run_absent_after_restart", run=k.run, wait_s=unsettled, reason=(
+            f"run {k.run!r} is not in Redis, which started under {SETTLE_S} s ago: "
+            "waiting for its consumers to say whether they follow a run it lost"))
+        until = time.monotonic() + unsettled
+        while not r.exists(k.meta) and not waiting(r, k, (LOST,)):  # whichever says it first
+            if stop.wait(min(0.2, max(0.0, until - time.monotonic()))):
+                return False
+            if time.monotonic() >= until:
+                break
+        if r.exists(k.meta):
+            return True
+        lost = waiting(r, k, (LOST,))
+    if not lost:
+        return True
+    command, advice = lost_recover(k.run, lost)
+    log.error("run_state_lost", run=k.run, reason=(
+        f"run {k.run!r} is no longer in Redis ({LOST_CAUSE}) and {len(lost)} consumer(s) wait "
+        f"for it: this {service} waits for the recover, not {instead}; {advice}"),
+        command=command)
+    while not stop.wait(1.0):
+        with contextlib.suppress(*REDIS_TROUBLE):
+            if r.exists(k.meta):
+                return True
+    return False
