@@ -5,11 +5,7 @@
 -- judged as if it came alone (they are different indices); what they change in common (the
 -- bitmaps, the counters, the rate bucket, the registries) goes to Redis once for all of them,
 -- so the commands per result fall as the batch grows.
--- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
---       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
---       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries, 25 acc_cont,
---       26 acc_cached, 27 invalid, 28 conv_msgs
+-- K: its KEYS by name (scripts.KEYS["ack"], put before it at load time)
 -- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
 --       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
 --       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
@@ -34,8 +30,8 @@ local function push(list, ...)
   for _, v in ipairs({...}) do list[#list + 1] = v end
 end
 
-if ARGV[12] ~= '' and life(KEYS[21]) ~= ARGV[12] then return out end
-local owners = redis.call('HMGET', KEYS[2], unpack(jids))
+if ARGV[12] ~= '' and life(K.meta) ~= ARGV[12] then return out end
+local owners = redis.call('HMGET', K.lease_owner, unpack(jids))
 local mine, owned, execs = {}, {}, {}
 for i, it in ipairs(items) do
   if owns(owners[i], it.exec) then
@@ -49,8 +45,8 @@ drop_leases(owned, execs, ARGV[5], ARGV[6])
 
 -- A result of an older version written at or after an abort switch is refused: the prelude's
 -- `superseded`, the rule turn.lua and `genq recover` apply too.
-local aborts = abort_switches(KEYS[16], KEYS[22])
-local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')
+local aborts = abort_switches(K.params_floor, K.params_history)
+local marks = redis.call('HMGET', K.redo_marks, 'done', 'truncated')
 local mark_done, mark_trunc = tonumber(marks[1] or '0'), tonumber(marks[2] or '0')
 local spent, kept, requeue, keep, accept, covered = {'OVERFLOW', 'SAT'}, {}, {}, {}, {}, {}
 local function give_back(it, code)  -- the task runs again; this attempt costs nothing
@@ -73,7 +69,7 @@ end
 if #covered > 0 then
   local get = {}
   for _, it in ipairs(covered) do push(get, 'GET', 'u1', it.idx) end
-  local bits = redis.call('BITFIELD', KEYS[4], unpack(get))
+  local bits = redis.call('BITFIELD', K.done, unpack(get))
   for i, it in ipairs(covered) do
     if bits[i] == 0 then
       keep[#keep + 1] = it
@@ -90,7 +86,7 @@ local function add(tbl, field, by) tbl[field] = (tbl[field] or 0) + by end
 if #accept > 0 then
   local set = {}
   for _, it in ipairs(accept) do push(set, 'SET', 'u1', it.idx, 1) end
-  local was = redis.call('BITFIELD', KEYS[4], unpack(set))
+  local was = redis.call('BITFIELD', K.done, unpack(set))
   local pending, truncated = {}, {}
   for i, it in ipairs(accept) do
     out[it.n] = 1
@@ -122,8 +118,8 @@ if #accept > 0 then
     end
   end
   if #pending > 0 then
-    redis.call('BITFIELD', KEYS[5], unpack(pending))
-    redis.call('BITFIELD', KEYS[6], unpack(truncated))
+    redis.call('BITFIELD', K.pending, unpack(pending))
+    redis.call('BITFIELD', K.truncated, unpack(truncated))
   end
 end
 if #keep > 0 then
@@ -138,24 +134,24 @@ if #keep > 0 then
     push(version, 'SET', 'u16', at, it.ver)
     push(attempt, 'SET', 'u16', at, it.attempt)
   end
-  redis.call('BITFIELD', KEYS[9], unpack(tokens))
-  redis.call('BITFIELD', KEYS[15], unpack(ptoks))
-  redis.call('BITFIELD', KEYS[10], unpack(finish))
-  redis.call('BITFIELD', KEYS[11], unpack(version))
-  redis.call('BITFIELD', KEYS[12], unpack(attempt))
-  redis.call('BITFIELD', KEYS[25], unpack(cont))
-  redis.call('BITFIELD', KEYS[26], unpack(cached))
+  redis.call('BITFIELD', K.acc_tokens, unpack(tokens))
+  redis.call('BITFIELD', K.acc_ptoks, unpack(ptoks))
+  redis.call('BITFIELD', K.acc_finish, unpack(finish))
+  redis.call('BITFIELD', K.acc_version, unpack(version))
+  redis.call('BITFIELD', K.acc_attempt, unpack(attempt))
+  redis.call('BITFIELD', K.acc_cont, unpack(cont))
+  redis.call('BITFIELD', K.acc_cached, unpack(cached))
 end
-if #kept > 0 then redis.call('BITFIELD', KEYS[19], unpack(kept)) end
+if #kept > 0 then redis.call('BITFIELD', K.kept, unpack(kept)) end
 if #spent > 2 then
-  redis.call('BITFIELD', KEYS[13], unpack(spent))
+  redis.call('BITFIELD', K.spent, unpack(spent))
   -- tries follows spent here: a result given back was answered (genq's own reason to run it
   -- again, not the server's trouble), and an accepted one starts its index's count afresh.
-  redis.call('BITFIELD', KEYS[24], unpack(spent))
+  redis.call('BITFIELD', K.tries, unpack(spent))
 end
-if #requeue > 0 then redis.call('LPUSH', KEYS[17], unpack(requeue)) end
-for field, by in pairs(counters) do redis.call('HINCRBY', KEYS[7], field, by) end
-for value, count in pairs(hist) do redis.call('HINCRBY', KEYS[8], value, count) end
+if #requeue > 0 then redis.call('LPUSH', K.rq_queue, unpack(requeue)) end
+for field, by in pairs(counters) do redis.call('HINCRBY', K.counters, field, by) end
+for value, count in pairs(hist) do redis.call('HINCRBY', K.length_hist, value, count) end
 if next(bucket) then
   local key = ARGV[7] .. math.floor(now / tonumber(ARGV[8]))
   -- Every new result counts in 'req': equal to this call's count, the bucket is new.
@@ -169,16 +165,16 @@ if #accept == 0 then return out end
 
 local indices, finished, old = {}, {}, {}
 for _, it in ipairs(accept) do indices[#indices + 1] = it.idx end
-redis.call('HDEL', KEYS[20], unpack(indices))
-redis.call('HDEL', KEYS[23], unpack(indices))  -- a partial is continued once at most
+redis.call('HDEL', K.errors, unpack(indices))
+redis.call('HDEL', K.partials, unpack(indices))  -- a partial is continued once at most
 -- The prompt ended: an answer it once failed its schema with is no longer export's to show.
-redis.call('HDEL', KEYS[27], unpack(indices))
+redis.call('HDEL', K.invalid, unpack(indices))
 -- A conversation (--turns all) needs its made turns again only if a redo goes on from its end.
 local ended = {}
 for _, it in ipairs(accept) do
   if it.fname ~= 'length' then ended[#ended + 1] = it.idx end
 end
-if #ended > 0 then redis.call('HDEL', KEYS[28], unpack(ended)) end
+if #ended > 0 then redis.call('HDEL', K.conv_msgs, unpack(ended)) end
 -- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
 -- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
 for _, it in ipairs(accept) do
@@ -190,10 +186,10 @@ for _, it in ipairs(accept) do
   end
 end
 if #finished == 0 then return out end
-redis.call('ZADD', KEYS[14], unpack(finished))
-local extra = redis.call('ZCARD', KEYS[14]) - tonumber(ARGV[10])
+redis.call('ZADD', K.rq_finished, unpack(finished))
+local extra = redis.call('ZCARD', K.rq_finished) - tonumber(ARGV[10])
 if extra > 0 then
-  local oldest = redis.call('ZPOPMIN', KEYS[14], extra)
+  local oldest = redis.call('ZPOPMIN', K.rq_finished, extra)
   for i = 1, #oldest, 2 do
     -- A member left by a redo may name a job queued again since: that one stays.
     local job = ARGV[4] .. oldest[i]

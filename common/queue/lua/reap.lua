@@ -4,23 +4,19 @@
 -- It also sweeps a bounded slice of the run for what RQ's own tools did out of genq's sight
 -- (a queued or running job deleted, cancelled or emptied away; a failed job requeued), so
 -- genq's bits follow rq's state without waiting for a claim to pop the job.
--- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors, 6 pending, 7 failed,
---       8 sweep cursors (hash), 9 spent, 10 rq failed registry, 11 fail_kind, 12 fail_kinds,
---       13 tries
+-- K: its KEYS by name (scripts.KEYS["reap"], put before it at load time)
 -- ARGV: 1 limit, 2 job key prefix, 3 execution key prefix, 4 executions key prefix,
 --       5 run name, 6 sweep budget (indices checked per bitmap per sweep),
 --       7 seconds between sweeps
 -- Returns the job ids returned to the queue.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
+local expired = redis.call('ZRANGEBYSCORE', K.leases, '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local skip = #ARGV[5] + 2
-local rq = {failed = KEYS[7], pending = KEYS[6], spent = KEYS[9], errors = KEYS[5],
-  rq_failed = KEYS[10], fail_kind = KEYS[11], fail_kinds = KEYS[12], tries = KEYS[13]}
 
 -- Drops the lease on jid whoever holds it; returns the holder's server.
 local function drop_lease(jid)
-  local owner = redis.call('HGET', KEYS[2], jid) or ''
+  local owner = redis.call('HGET', K.lease_owner, jid) or ''
   local exec, server = string.match(owner, '^([^|]*)|([^|]*)')
   drop_leases({jid}, {exec}, ARGV[3], ARGV[4])
   return server
@@ -30,7 +26,7 @@ end
 -- any, is dropped so no ack lands.
 local function removed(idx, jid, status)
   drop_lease(jid)
-  settle_removed(rq, idx, status)
+  settle_removed(K, idx, status)
 end
 
 for _, jid in ipairs(expired) do
@@ -40,10 +36,10 @@ for _, jid in ipairs(expired) do
     removed(tonumber(idx), jid, status)
   else
     local server = drop_lease(jid)
-    redis.call('HSET', KEYS[5], idx,
+    redis.call('HSET', K.errors, idx,
       'lease expired on ' .. (server or '?') .. ' (consumer died, stalled or lost Redis)')
     redis.call('HSET', ARGV[2] .. jid, 'status', 'queued')
-    redis.call('LPUSH', KEYS[4], jid)
+    redis.call('LPUSH', K.rq_queue, jid)
   end
 end
 
@@ -58,7 +54,7 @@ end
 local function check_failed(idx)
   local jid = ARGV[5] .. '-' .. idx
   if redis.call('HGET', ARGV[2] .. jid, 'status') ~= 'queued' then return end
-  revive_requeued(rq, idx, jid)
+  revive_requeued(K, idx, jid)
 end
 
 -- Goes on round the bitmap from where the last sweep stopped, checking at most `budget` set
@@ -67,7 +63,7 @@ end
 -- index checked and a sparse one two commands per index.
 local CHUNK = 64
 local function sweep(bits, field, check)
-  local pos = tonumber(redis.call('HGET', KEYS[8], field) or '0')
+  local pos = tonumber(redis.call('HGET', K.sweep, field) or '0')
   local budget = tonumber(ARGV[6])
   while budget > 0 do
     local found = redis.call('BITPOS', bits, 1, pos, -1, 'BIT')
@@ -84,13 +80,13 @@ local function sweep(bits, field, check)
       end
     end
   end
-  redis.call('HSET', KEYS[8], field, pos)
+  redis.call('HSET', K.sweep, field, pos)
 end
 
 -- One sweep every ARGV[7] seconds for the whole run, however many consumers and monitors reap.
-local last = tonumber(redis.call('HGET', KEYS[8], 'at') or '0')
+local last = tonumber(redis.call('HGET', K.sweep, 'at') or '0')
 if now - last < tonumber(ARGV[7]) then return expired end
-redis.call('HSET', KEYS[8], 'at', now)
-sweep(KEYS[6], 'pending', check_pending)
-sweep(KEYS[7], 'failed', check_failed)
+redis.call('HSET', K.sweep, 'at', now)
+sweep(K.pending, 'pending', check_pending)
+sweep(K.failed, 'failed', check_failed)
 return expired

@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
 -- renew: extend the leases this consumer still owns; report the ones it lost (fencing).
--- KEYS: 1 leases, 2 lease_owner, 3 wip
+-- K: its KEYS by name (scripts.KEYS["renew"], put before it at load time)
 -- ARGV: 1 visibility timeout s, 2 wip margin s, 3 executions key prefix, then job_id, exec_id pairs
 -- Returns the job ids whose lease is no longer this consumer's.
 local t = redis.call('TIME')
@@ -9,9 +9,9 @@ local margin = tonumber(ARGV[2])
 local lost = {}
 for i = 4, #ARGV, 2 do
   local jid, exec = ARGV[i], ARGV[i + 1]
-  if owns(redis.call('HGET', KEYS[2], jid), exec) then
-    redis.call('ZADD', KEYS[1], 'XX', deadline, jid)
-    redis.call('ZADD', KEYS[3], 'XX', deadline + margin, jid .. ':' .. exec)
+  if owns(redis.call('HGET', K.lease_owner, jid), exec) then
+    redis.call('ZADD', K.leases, 'XX', deadline, jid)
+    redis.call('ZADD', K.rq_wip, 'XX', deadline + margin, jid .. ':' .. exec)
     redis.call('ZADD', ARGV[3] .. jid, 'XX', deadline + margin, exec)
   else
     lost[#lost + 1] = jid
