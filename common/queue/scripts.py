@@ -1,5 +1,6 @@
 """The Lua scripts (common/queue/lua/) that move a task through RQ's states atomically. Each
-``*_call`` is pure (script name, KEYS, ARGV), so sync and asyncio callers share one definition."""
+``*_call`` is pure (script name, KEYS, ARGV), so sync and asyncio callers share one definition;
+a script takes its KEYS and arguments by name (KEYS, _call)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ NAMES = tuple(KEYS)
 # failure's reason, the run's life) likewise.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn", "rewind")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
+_POSITIONAL = ("claim", *LEASE_SCRIPTS)  # still by ARGV position (the next commit names them)
 _LEASE_KEYS = ("leases", "lease_owner", "rq_wip")  # what the prelude reads
 
 
@@ -71,7 +73,8 @@ def _header(name: str) -> str:
     """The script's KEYS by name (K) and its named arguments (A: ARGV[1], one JSON object; bytes
     JSON cannot carry follow it in ARGV, the fields naming them holding their ARGV index)."""
     keys = ", ".join(f"{key} = KEYS[{i}]" for i, key in enumerate(KEYS[name], 1))
-    return f"local K = {{{keys}}}\n"
+    named = "" if name in _POSITIONAL else "local A = cjson.decode(ARGV[1])\n"
+    return f"local K = {{{keys}}}\n{named}"
 
 
 def _source(name: str) -> str:
@@ -119,16 +122,30 @@ def _keys(script: str, k: RunKeys) -> list[str]:
     return [getattr(k, name) for name in KEYS[script]]
 
 
-def _prefixes(k: RunKeys) -> list[str]:
-    return [k.rq_job_prefix, k.rq_execution_prefix, k.rq_executions_prefix]
+def _call(script: str, k: RunKeys, args: dict[str, Any], *blobs: bytes | str) -> Call:
+    """A Call with KEYS in the script's table order and its named arguments as one JSON
+    argument; `blobs` (bytes JSON cannot carry) follow it, from ARGV[2] on, where `args`
+    name them by ARGV index."""
+    return Call(script, [getattr(k, name) for name in KEYS[script]],
+                [orjson.dumps(args), *blobs])
+
+
+def _prefixes(k: RunKeys) -> dict[str, str]:
+    return {"job_prefix": k.rq_job_prefix, "exec_prefix": k.rq_execution_prefix,
+            "execs_prefix": k.rq_executions_prefix}
+
+
+def _rate(k: RunKeys) -> dict[str, Any]:
+    return {"rate_prefix": k.rate_prefix, "bucket_s": RATE_BUCKET_S,
+            "bucket_ttl": RATE_BUCKET_TTL_S}
 
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
                life: str = "") -> Call:
     """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
     keys = _keys("claim", k)
-    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run,
-            RESULT_TTL_S, life]
+    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(),
+            *_prefixes(k).values(), k.run, RESULT_TTL_S, life]
     return Call("claim", keys, args)
 
 
@@ -163,7 +180,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
                      FINISH_NAMES[code], code, r.version, r.attempt, r.created_at, r.continued,
                      r.cached])
     # One JSON argument: redis-py packs one bytes object instead of nine values per result.
-    args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
+    args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k).values(), k.rate_prefix,
                        RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows), life]
     return Call("ack", keys, args)
 
@@ -172,7 +189,7 @@ def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: b
                  reason: str = "", unclaim: bool = False) -> Call:
     """unclaim: genq let go before the server had its say; the claim does not count either."""
     keys = _keys("release", k)
-    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k), int(unclaim)]
+    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k).values(), int(unclaim)]
     return Call("release", keys, args)
 
 
@@ -197,7 +214,7 @@ def rewind_call(k: RunKeys, rewinds: list[tuple[int, bytes, bytes]]) -> Call:
     """Conversations (task, where it stands now, its kept turns' messages) back to their kept
     turns (lua/rewind.lua)."""
     keys = _keys("rewind", k)
-    args: list[Any] = list(_prefixes(k))
+    args: list[Any] = list(_prefixes(k).values())
     for task, standing, messages in rewinds:
         args += [task, k.job_id(task), standing, messages]
     return Call("rewind", keys, args)
@@ -209,55 +226,61 @@ def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
     keys = _keys("fail", k)
     args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
-            iso_now(), *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
+            iso_now(), *_prefixes(k).values(), k.rq_results_prefix, *_FINISH_ORDER]
     return Call("fail", keys, args)
 
 
 def invalid_call(k: RunKeys, index: int, answer: bytes, version: int, keep: int) -> Call:
     """Keep `answer` (JSON) as the last of a prompt failed on its schema, while the run keeps
     fewer than `keep` such copies."""
-    return Call("invalid", _keys("invalid", k), [index, answer, version, keep])
+    return _call("invalid", k, {"idx": index, "answer": 2, "version": version, "keep": keep},
+                 answer)
 
 
 def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S,
               sweep_budget: int = SWEEP_BUDGET) -> Call:
     """sweep_every_s=0 sweeps on every call (tests)."""
     keys = _keys("reap", k)
-    return Call("reap", keys, [limit, *_prefixes(k), k.run, sweep_budget, sweep_every_s])
+    return Call("reap", keys, [limit, *_prefixes(k).values(), k.run, sweep_budget,
+                               sweep_every_s])
 
 
 def expire_call(k: RunKeys, server: str) -> Call:
     """End every lease of the run on `server` now (its consumer is provably gone)."""
-    return Call("expire", _keys("expire", k), [server])
+    return _call("expire", k, {"server": server})
 
 
-def server_call(script: str, lease: str, *args: Any) -> Call:
+def server_call(script: str, lease: str, **args: Any) -> Call:
     """server_renew, server_release or server_take on a server's lease (keys.server_lease)."""
-    return Call(script, [lease], list(args))
+    return Call(script, [lease], [orjson.dumps(args)])
 
 
 def bump_call(k: RunKeys, version: int, old: bytes | str, new: bytes, entry: bytes, *,
               abort: bool, scopes: tuple[str, ...]) -> Call:
     """Make version+1 current unless `version` (with `old` parameters) is no longer; `entry`
     is the history entry, its time added by the script."""
-    keys = _keys("bump", k)
-    return Call("bump", keys, [version, old, new, entry, "1" if abort else "0", *scopes])
+    return _call("bump", k, {"version": version, "old": 2, "new": 3, "entry": 4,
+                             "abort": abort, "scopes": scopes}, old, new, entry)
 
 
 def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
     """With an epoch the jobs are only queued while the run in Redis is still that one."""
-    keys = _keys("enqueue", k)
-    args = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(), RESULT_TTL_S,
-            FAILURE_TTL_S, epoch, *(v for job in jobs for v in job)]
-    return Call("enqueue", keys, args)
+    items = [{"idx": idx, "data": at, "description": description}
+             for at, (idx, _, description) in enumerate(jobs, 2)]
+    return _call("enqueue", k, {"job_prefix": k.rq_job_prefix, "run": k.run,
+                                "queue": k.rq_queue, "origin": k.queue_name,
+                                "now_iso": iso_now(), "result_ttl": RESULT_TTL_S,
+                                "failure_ttl": FAILURE_TTL_S, "epoch": epoch, "jobs": items},
+                 *(data for _, data, _ in jobs))
 
 
 def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
               limit: int = 10_000) -> Call:
     """what: "truncated"/"done"/"missing" (results to undo) or "failed" (prompts to revive); a
     bounded slice per call, so the atomic script never holds up the consumers' acks for long."""
-    keys = _keys("redo", k)
-    return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
+    return _call("redo", k, {"what": what, "start": start, "stop": stop,
+                             "below": below_version, "run": k.run, "limit": limit,
+                             "finish_names": _FINISH_ORDER})
 
 
 class ScriptRunner:

@@ -2,11 +2,13 @@
 -- histogram and bits in the same step, so `genq status` stays exact while a redo runs.
 -- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
 -- K: its KEYS by name (scripts.KEYS["redo"], put before it at load time)
--- ARGV: 1 what (truncated|done|failed|missing), 2 start, 3 stop (exclusive), 4 redo results whose
---       version is below this, 5 run name, 6 limit, 7.. finish names by code (keys.FINISH_NAMES)
+-- A: what (truncated|done|failed|missing: K.redo_missing, the done indices `requeue --redo
+--    missing` found no accepted line for in S3), start, stop (exclusive), below (redo results
+--    whose version is below this), run (name), limit, finish_names (by code:
+--    keys.FINISH_NAMES)
 -- Returns {indices made runnable, position to continue from (stop when finished)}
-local what, start, stop = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local below, limit = tonumber(ARGV[4]), tonumber(ARGV[6])
+local what, start, stop = A.what, A.start, A.stop
+local below, limit = A.below, A.limit
 
 local function undo_result(idx)
   local at = '#' .. idx
@@ -21,13 +23,15 @@ local function undo_result(idx)
   local ctoks = redis.call('BITFIELD', K.acc_tokens, 'GET', 'u32', at)[1]
   local ptoks = redis.call('BITFIELD', K.acc_ptoks, 'GET', 'u32', at)[1]
   local code = redis.call('BITFIELD', K.acc_finish, 'GET', 'u8', at)[1]
-  redis.call('HINCRBY', K.counters, 'finish:' .. (ARGV[6 + code] or 'other'), -1)
+  redis.call('HINCRBY', K.counters, 'finish:' .. (A.finish_names[code] or 'other'), -1)
   -- 0 - n, not -n: Lua's -0 reaches Redis as "-0", which HINCRBY rejects mid-script.
   redis.call('HINCRBY', K.counters, 'ctok_sum', 0 - ctoks)
   redis.call('HINCRBY', K.counters, 'ptok_sum', 0 - ptoks)
   redis.call('HINCRBY', K.counters, 'cached_sum',
              0 - redis.call('BITFIELD', K.acc_cached, 'GET', 'u32', at)[1])
-  if redis.call('HINCRBY', K.length_hist, ctoks, -1) <= 0 then redis.call('HDEL', K.length_hist, ctoks) end
+  if redis.call('HINCRBY', K.length_hist, ctoks, -1) <= 0 then
+    redis.call('HDEL', K.length_hist, ctoks)
+  end
   redis.call('SETBIT', K.done, idx, 0)
   redis.call('SETBIT', K.truncated, idx, 0)
   redis.call('SETBIT', K.pending, idx, 0)
@@ -47,7 +51,7 @@ local function revive_failed(idx)
   redis.call('BITFIELD', K.spent, 'SET', 'u8', '#' .. idx, 0)
   redis.call('BITFIELD', K.tries, 'SET', 'u8', '#' .. idx, 0)
   redis.call('HDEL', K.errors, idx)
-  redis.call('ZREM', K.rq_failed, ARGV[5] .. '-' .. idx)
+  redis.call('ZREM', K.rq_failed, A.run .. '-' .. idx)
   return 1
 end
 
