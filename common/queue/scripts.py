@@ -24,7 +24,8 @@ from genq.common.queue.keys import (
 
 # Each script's KEYS by name: RunKeys fields (a server script's one key is that server's lease,
 # keys.server_lease). The script reads them as K.<name> (the `local K = {...}` put before it at
-# load time) and its call passes them in this order, so KEYS declare every key it touches.
+# load time) and its call passes them in this order; RQ's per-job hashes it reaches by the
+# prefixes among its arguments.
 KEYS: dict[str, tuple[str, ...]] = {
     "claim": ("rq_queue", "rq_wip", "leases", "lease_owner", "claims", "spent", "done", "failed",
               "params_version", "pending", "errors", "rq_failed", "rq_finished", "fail_kind",
@@ -61,7 +62,6 @@ NAMES = tuple(KEYS)
 # failure's reason, the run's life) likewise.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn", "rewind")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
-_POSITIONAL = ("claim", *LEASE_SCRIPTS)  # still by ARGV position (the next commit names them)
 _LEASE_KEYS = ("leases", "lease_owner", "rq_wip")  # what the prelude reads
 
 
@@ -73,8 +73,7 @@ def _header(name: str) -> str:
     """The script's KEYS by name (K) and its named arguments (A: ARGV[1], one JSON object; bytes
     JSON cannot carry follow it in ARGV, the fields naming them holding their ARGV index)."""
     keys = ", ".join(f"{key} = KEYS[{i}]" for i, key in enumerate(KEYS[name], 1))
-    named = "" if name in _POSITIONAL else "local A = cjson.decode(ARGV[1])\n"
-    return f"local K = {{{keys}}}\n{named}"
+    return f"local K = {{{keys}}}\nlocal A = cjson.decode(ARGV[1])\n"
 
 
 def _source(name: str) -> str:
@@ -118,10 +117,6 @@ def iso_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _keys(script: str, k: RunKeys) -> list[str]:
-    return [getattr(k, name) for name in KEYS[script]]
-
-
 def _call(script: str, k: RunKeys, args: dict[str, Any], *blobs: bytes | str) -> Call:
     """A Call with KEYS in the script's table order and its named arguments as one JSON
     argument; `blobs` (bytes JSON cannot carry) follow it, from ARGV[2] on, where `args`
@@ -143,15 +138,16 @@ def _rate(k: RunKeys) -> dict[str, Any]:
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
                life: str = "") -> Call:
     """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
-    keys = _keys("claim", k)
-    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(),
-            *_prefixes(k).values(), k.run, RESULT_TTL_S, life]
-    return Call("claim", keys, args)
+    return _call("claim", k, {"n": n, "vt": vt, "margin": WIP_MARGIN_S, "server": server,
+                              "worker": worker, "exec_base": exec_base, "now_iso": iso_now(),
+                              **_prefixes(k), "run": k.run, "finished_ttl": RESULT_TTL_S,
+                              "life": life})
 
 
 def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
-    args = [vt, WIP_MARGIN_S, k.rq_executions_prefix, *(v for job_exec in held for v in job_exec)]
-    return Call("renew", _keys("renew", k), args)
+    return _call("renew", k, {"vt": vt, "margin": WIP_MARGIN_S,
+                              "execs_prefix": k.rq_executions_prefix,
+                              "held": [{"jid": jid, "exec": exec_id} for jid, exec_id in held]})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,25 +168,24 @@ class Result:
 
 def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
     """Several results in one call: a code each (all refused if the run is not `life`)."""
-    keys = _keys("ack", k)
-    rows = []
-    for r in results:
+    items = []
+    for r in results:  # ack.lua's names for a result (see its header)
         code = finish_code(r.finish_reason)
-        rows.append([r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
-                     FINISH_NAMES[code], code, r.version, r.attempt, r.created_at, r.continued,
-                     r.cached])
-    # One JSON argument: redis-py packs one bytes object instead of nine values per result.
-    args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k).values(), k.rate_prefix,
-                       RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows), life]
-    return Call("ack", keys, args)
+        items.append({"jid": r.job_id, "idx": r.index, "exec": r.exec_id,
+                      "ctoks": r.completion_tokens, "ptoks": r.prompt_tokens,
+                      "fname": FINISH_NAMES[code], "fcode": code, "ver": r.version,
+                      "attempt": r.attempt, "at": r.created_at, "cont": r.continued,
+                      "cached": r.cached})
+    return _call("ack", k, {"server": server, "result_ttl": RESULT_TTL_S, "now_iso": iso_now(),
+                            **_prefixes(k), **_rate(k), "finished_keep": FINISHED_KEEP,
+                            "results": items, "life": life})
 
 
 def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: bool,
                  reason: str = "", unclaim: bool = False) -> Call:
     """unclaim: genq let go before the server had its say; the claim does not count either."""
-    keys = _keys("release", k)
-    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k).values(), int(unclaim)]
-    return Call("release", keys, args)
+    return _call("release", k, {"jid": job_id, "idx": index, "exec": exec_id, "refund": refund,
+                                "reason": reason, **_prefixes(k), "unclaim": unclaim})
 
 
 def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes,
@@ -203,31 +198,35 @@ def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes
     tokens, in the params `version`'s continued figures (ack.lua counts the last's). A turn of
     `version` whose record was `created_at` (Redis's clock; None: now) after a switch that
     aborts older work is refused, as ack.lua refuses a result."""
-    keys = _keys("turn", k)
-    return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked,
-                               made, ended, tokens, server, k.rate_prefix, RATE_BUCKET_S,
-                               RATE_BUCKET_TTL_S, continued, version,
-                               "" if created_at is None else created_at])
+    return _call("turn", k, {"jid": job_id, "exec": exec_id, "task": index, "standing": 2,
+                             "messages": 3, "unstable": unstable, "checked": checked,
+                             "made": made, "ended": ended, "tokens": tokens, "server": server,
+                             **_rate(k), "continued": continued, "version": version,
+                             "created_at": created_at}, standing, messages)
 
 
 def rewind_call(k: RunKeys, rewinds: list[tuple[int, bytes, bytes]]) -> Call:
     """Conversations (task, where it stands now, its kept turns' messages) back to their kept
     turns (lua/rewind.lua)."""
-    keys = _keys("rewind", k)
-    args: list[Any] = list(_prefixes(k).values())
+    items: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
     for task, standing, messages in rewinds:
-        args += [task, k.job_id(task), standing, messages]
-    return Call("rewind", keys, args)
+        items.append({"task": task, "jid": k.job_id(task), "standing": len(blobs) + 2,
+                      "msgs": len(blobs) + 3})
+        blobs += [standing, messages]
+    return _call("rewind", k, {**_prefixes(k), "items": items}, *blobs)
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
               worker: str) -> Call:
     # rq-dashboard shows a failed job's exc_string; rq stores it as b64(zlib(text)).
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
-    keys = _keys("fail", k)
-    args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
-            iso_now(), *_prefixes(k).values(), k.rq_results_prefix, *_FINISH_ORDER]
-    return Call("fail", keys, args)
+    return _call("fail", k, {"jid": job_id, "idx": index, "exec": exec_id,
+                             "reason": reason_kind(reason), "exc_string": exc_string,
+                             "worker": worker, "failure_ttl": FAILURE_TTL_S,
+                             "now_iso": iso_now(), **_prefixes(k),
+                             "results_prefix": k.rq_results_prefix,
+                             "finish_names": _FINISH_ORDER})
 
 
 def invalid_call(k: RunKeys, index: int, answer: bytes, version: int, keep: int) -> Call:
@@ -240,9 +239,8 @@ def invalid_call(k: RunKeys, index: int, answer: bytes, version: int, keep: int)
 def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S,
               sweep_budget: int = SWEEP_BUDGET) -> Call:
     """sweep_every_s=0 sweeps on every call (tests)."""
-    keys = _keys("reap", k)
-    return Call("reap", keys, [limit, *_prefixes(k).values(), k.run, sweep_budget,
-                               sweep_every_s])
+    return _call("reap", k, {"limit": limit, **_prefixes(k), "run": k.run,
+                             "sweep_budget": sweep_budget, "sweep_every_s": sweep_every_s})
 
 
 def expire_call(k: RunKeys, server: str) -> Call:

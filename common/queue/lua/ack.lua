@@ -5,32 +5,28 @@
 -- judged as if it came alone (they are different indices); what they change in common (the
 -- bitmaps, the counters, the rate bucket, the registries) goes to Redis once for all of them,
 -- so the commands per result fall as the batch grows.
--- K: its KEYS by name (scripts.KEYS["ack"], put before it at load time)
--- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
---       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
---       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
---       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
---       params version, attempt, created_at (Redis's clock), tokens of the partial answer it
---       continued, cached prompt tokens] (one argument: the client encodes
---       it with one call),
---       12 the run's life the caller knows, "epoch|generation" ('': not checked)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
+-- A: server, result_ttl, now_iso, job_prefix, exec_prefix (execution key), execs_prefix
+--    (executions key), rate_prefix, bucket_s and bucket_ttl (the rate's), finished_keep (jobs
+--    kept for rq's tools), life (the run's life the caller knows, "epoch|generation"; '': not
+--    checked), results: each {jid, idx, exec (id), ctoks and ptoks (completion and prompt
+--    tokens), fname and fcode (finish name and code), ver (params version), attempt, at
+--    (created_at, Redis's clock; null: now), cont (tokens of the partial answer it continued),
+--    cached (prompt tokens)}
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
 -- 2 its parameters were superseded by a requeue that aborts old work (the task is queued
 -- again), 3 a redo issued after its version covers it (set aside as the index's previous
 -- result, the task queued again). All are refused when the run is not the life the caller
 -- knows: a consumer that slept through a loss and a recover holds claims of the run before it.
 local items, jids, out = {}, {}, {}
-for n, r in ipairs(cjson.decode(ARGV[11])) do
-  items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
-    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9], at = r[10],
-    cont = tonumber(r[11]) or 0, cached = tonumber(r[12]) or 0}
-  jids[n], out[n] = r[1], 0
+for n, it in ipairs(A.results) do
+  it.n, items[n], jids[n], out[n] = n, it, it.jid, 0
 end
 local function push(list, ...)
   for _, v in ipairs({...}) do list[#list + 1] = v end
 end
 
-if ARGV[12] ~= '' and life(K.meta) ~= ARGV[12] then return out end
+if A.life ~= '' and life(K.meta) ~= A.life then return out end
 local owners = redis.call('HMGET', K.lease_owner, unpack(jids))
 local mine, owned, execs = {}, {}, {}
 for i, it in ipairs(items) do
@@ -41,7 +37,7 @@ end
 if #mine == 0 then return out end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-drop_leases(owned, execs, ARGV[5], ARGV[6])
+drop_leases(owned, execs, A.exec_prefix, A.execs_prefix)
 
 -- A result of an older version written at or after an abort switch is refused: the prelude's
 -- `superseded`, the rule turn.lua and `genq recover` apply too.
@@ -51,7 +47,7 @@ local mark_done, mark_trunc = tonumber(marks[1] or '0'), tonumber(marks[2] or '0
 local spent, kept, requeue, keep, accept, covered = {'OVERFLOW', 'SAT'}, {}, {}, {}, {}, {}
 local function give_back(it, code)  -- the task runs again; this attempt costs nothing
   push(spent, 'INCRBY', 'u8', '#' .. it.idx, -1)
-  redis.call('HSET', ARGV[4] .. it.jid, 'status', 'queued')
+  redis.call('HSET', A.job_prefix .. it.jid, 'status', 'queued')
   requeue[#requeue + 1] = it.jid
   out[it.n] = code
 end
@@ -104,8 +100,8 @@ if #accept > 0 then
       add(bucket, 'req', 1)
       -- The rate is what the servers decode now: not a continued answer's partial.
       add(bucket, 'tok', it.ctoks - it.cont)
-      add(bucket, 'req|' .. ARGV[1], 1)
-      add(bucket, 'tok|' .. ARGV[1], it.ctoks - it.cont)
+      add(bucket, 'req|' .. A.server, 1)
+      add(bucket, 'tok|' .. A.server, it.ctoks - it.cont)
       add(bucket, 'fin|' .. it.fname, 1)
       -- Per parameter version: the truncation alert judges only the current parameters, and
       -- the page says whether a raised max_tokens is enough.
@@ -153,10 +149,10 @@ if #requeue > 0 then redis.call('LPUSH', K.rq_queue, unpack(requeue)) end
 for field, by in pairs(counters) do redis.call('HINCRBY', K.counters, field, by) end
 for value, count in pairs(hist) do redis.call('HINCRBY', K.length_hist, value, count) end
 if next(bucket) then
-  local key = ARGV[7] .. math.floor(now / tonumber(ARGV[8]))
+  local key = A.rate_prefix .. math.floor(now / A.bucket_s)
   -- Every new result counts in 'req': equal to this call's count, the bucket is new.
   if redis.call('HINCRBY', key, 'req', bucket.req) == bucket.req then
-    redis.call('EXPIRE', key, ARGV[9])
+    redis.call('EXPIRE', key, A.bucket_ttl)
   end
   bucket.req = nil
   for field, by in pairs(bucket) do redis.call('HINCRBY', key, field, by) end
@@ -178,21 +174,21 @@ if #ended > 0 then redis.call('HDEL', K.conv_msgs, unpack(ended)) end
 -- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
 -- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
 for _, it in ipairs(accept) do
-  local job = ARGV[4] .. it.jid
+  local job = A.job_prefix .. it.jid
   if redis.call('EXISTS', job) == 1 then
-    redis.call('HSET', job, 'status', 'finished', 'ended_at', ARGV[3])
-    redis.call('EXPIRE', job, ARGV[2])
-    push(finished, now + tonumber(ARGV[2]), it.jid)
+    redis.call('HSET', job, 'status', 'finished', 'ended_at', A.now_iso)
+    redis.call('EXPIRE', job, A.result_ttl)
+    push(finished, now + A.result_ttl, it.jid)
   end
 end
 if #finished == 0 then return out end
 redis.call('ZADD', K.rq_finished, unpack(finished))
-local extra = redis.call('ZCARD', K.rq_finished) - tonumber(ARGV[10])
+local extra = redis.call('ZCARD', K.rq_finished) - A.finished_keep
 if extra > 0 then
   local oldest = redis.call('ZPOPMIN', K.rq_finished, extra)
   for i = 1, #oldest, 2 do
     -- A member left by a redo may name a job queued again since: that one stays.
-    local job = ARGV[4] .. oldest[i]
+    local job = A.job_prefix .. oldest[i]
     if redis.call('HGET', job, 'status') == 'finished' then old[#old + 1] = job end
   end
   if #old > 0 then redis.call('DEL', unpack(old)) end

@@ -3,7 +3,7 @@
 -- or after it (judged by it), and `genq recover`, comparing results' times with the recorded
 -- one, decides the same. Refused if the version or its parameters changed since the caller
 -- read them: it reads them again.
--- K: its KEYS by name (scripts.KEYS["bump"], put before it at load time)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
 -- A: version (read), old (its parameters as read, '' if none), new (the new parameters),
 --    entry (the history entry, a JSON object without its time): these three by ARGV index;
 --    abort (refuse older versions' results from now on: --inflight abort), scopes (the redo

@@ -1,6 +1,6 @@
 -- enqueue: create RQ jobs for indices that are not done, failed or already pending, so
 -- running the producer twice enqueues nothing twice.
--- K: its KEYS by name (scripts.KEYS["enqueue"], put before it at load time)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
 -- A: job_prefix, run (name), queue (key), origin, now_iso, result_ttl, failure_ttl, epoch (the
 --    caller registered or loaded; '' = any), jobs: each {idx, data (its ARGV index), description}
 -- Returns the number of jobs enqueued, or -1 if the run is not (or no longer) that epoch:

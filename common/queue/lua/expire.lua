@@ -1,7 +1,7 @@
 -- expire: end now every lease of the run held on one server, whose consumer is provably gone
 -- (a consumer relaunched in place on the same host found its predecessor's process dead);
 -- the next reap returns the tasks to the queue at once instead of after the visibility timeout.
--- K: its KEYS by name (scripts.KEYS["expire"], put before it at load time)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
 -- A: server
 -- Returns how many leases it ended.
 local owners = redis.call('HGETALL', K.lease_owner)

@@ -1,7 +1,7 @@
 -- invalid: keep a copy of the last answer of a prompt failed on its schema, bounded in total,
 -- and count the prompt as failed on it, together: no copy for a prompt no longer failed (a
 -- redo revived it since), none past the bound (counted as not kept: the shards hold it).
--- K: its KEYS by name (scripts.KEYS["invalid"], put before it at load time)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
 -- A: idx, answer (its ARGV index: the answer as JSON), version (params), keep (the most copies
 -- the run keeps)
 -- Returns 1 if kept, 0 if the prompt is no longer failed, 2 if past the bound.

@@ -1,7 +1,7 @@
 -- redo: make settled indices from `start` on runnable again, undoing their counters,
 -- histogram and bits in the same step, so `genq status` stays exact while a redo runs.
 -- Stops after `limit` indices so one call holds Redis for tens of milliseconds at most.
--- K: its KEYS by name (scripts.KEYS["redo"], put before it at load time)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
 -- A: what (truncated|done|failed|missing: K.redo_missing, the done indices `requeue --redo
 --    missing` found no accepted line for in S3), start, stop (exclusive), below (redo results
 --    whose version is below this), run (name), limit, finish_names (by code:

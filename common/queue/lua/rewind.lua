@@ -4,14 +4,14 @@
 -- the turns after it. A conversation on a consumer loses its lease there and is queued again
 -- (its consumer's next turn.lua or ack.lua is refused); one whose kept turns changed since
 -- they were read is left as it is. redo.lua then undoes the done ones' results.
--- K: its KEYS by name (scripts.KEYS["rewind"], put before it at load time)
--- ARGV: 1 job key prefix, 2 execution key prefix, 3 executions key prefix, then 4 each:
---       task, job id, where it stands now (JSON: the kept turns' entries and sums), their messages
---       (zstd JSON; '' when none is kept)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
+-- A: job_prefix, exec_prefix (execution key), execs_prefix (executions key), items: each {task,
+--    jid, standing and msgs: the ARGV index of where it stands now (JSON: the kept turns'
+--    entries and sums) and of their messages (zstd JSON; '' when none is kept)}
 -- Returns how many went back.
 local count = 0
-for i = 4, #ARGV, 4 do
-  local task, jid, standing, msgs = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
+for _, it in ipairs(A.items) do
+  local task, jid, standing, msgs = it.task, it.jid, ARGV[it.standing], ARGV[it.msgs]
   local now = cjson.decode(standing)
   local keep = now.made
   local raw = redis.call('HGET', K.conv, task)
@@ -34,9 +34,9 @@ for i = 4, #ARGV, 4 do
     count_made(K.counters, now.fig, before.fig)  -- the kept turns' sums, no longer the old ones'
     local owner = redis.call('HGET', K.lease_owner, jid)
     if owner then  -- on a consumer now: given back, its attempt refunded
-      drop_leases({jid}, {string.match(owner, '^[^|]*')}, ARGV[2], ARGV[3])
+      drop_leases({jid}, {string.match(owner, '^[^|]*')}, A.exec_prefix, A.execs_prefix)
       redis.call('BITFIELD', K.spent, 'OVERFLOW', 'SAT', 'INCRBY', 'u8', '#' .. task, -1)
-      redis.call('HSET', ARGV[1] .. jid, 'status', 'queued')
+      redis.call('HSET', A.job_prefix .. jid, 'status', 'queued')
       redis.call('LPUSH', K.rq_queue, jid)
     end
     if #keep == 0 then
