@@ -121,7 +121,7 @@ async def try_take(r: aioredis.Redis, s: ConsumeSettings, token: str, *, free: b
             return url, {}, None
         holder = await r.get(lease)
         if holder is not None and provably_gone(holder) and await ScriptRunner(r)(
-                server_call("server_take", lease, holder, token, ms)):
+                server_call("server_take", lease, holder=text(holder), token=token, ms=ms)):
             return url, {}, text(holder)
         owners[url] = owner_of(holder)
     return None, owners, None
@@ -218,7 +218,8 @@ async def keep(r: aioredis.Redis, name: str, token: str, held: Held, lost: async
             await asyncio.sleep(pause)
             pause, since = held.lease_s / 3, time.monotonic()
             try:
-                kept = await runner(server_call("server_renew", server_lease(name), token, ms))
+                kept = await runner(server_call("server_renew", server_lease(name),
+                                                token=token, ms=ms))
             except REDIS_TROUBLE as e:
                 REDIS_OUTAGE.seen(e)
                 pause = min(pause, 1.0)  # claims may wait for this renewal: try again soon
@@ -258,7 +259,8 @@ async def drive(s: ConsumeSettings,
         finally:
             await shutdown.cancel_and_wait([keeper])
             with contextlib.suppress(*REDIS_TROUBLE):
-                if await ScriptRunner(r)(server_call("server_release", server_lease(name), token)):
+                if await ScriptRunner(r)(server_call("server_release", server_lease(name),
+                                                     token=token)):
                     logger.info("server_released")
         return 3 if lost.is_set() else code
     finally:

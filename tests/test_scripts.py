@@ -3,8 +3,10 @@ release, fail, reap, and the refusal of stale acks."""
 
 from __future__ import annotations
 
+import re
 import time
 
+import orjson
 import pytest
 import redis
 from conftest import ack_call
@@ -365,3 +367,38 @@ def test_sweep_runs_once_a_period_for_the_whole_run(r, run_name):
     assert deleted_through_rq(r, k) == set()
     runner(scripts.reap_call(k, sweep_every_s=0))
     assert deleted_through_rq(r, k) == {3}
+
+
+def sample_calls(k: RunKeys) -> list[scripts.Call]:
+    """One call of each script, built as the product builds them."""
+    res = scripts.Result(job_id="j", index=0, exec_id="e", completion_tokens=1, prompt_tokens=1,
+                         finish_reason="stop", version=1, attempt=1)
+    return [scripts.claim_call(k, 1, 30, "s", "w", "x"), scripts.renew_call(k, 30, [("j", "e")]),
+            scripts.ack_many_call(k, "s", [res]), scripts.release_call(k, "j", 0, "e", refund=True),
+            scripts.fail_call(k, "j", 0, "e", reason="r", worker="w"),
+            scripts.reap_call(k), scripts.enqueue_call(k, [(0, b"d", "row 0")]),
+            scripts.redo_call(k, "done", 0, 1, 2), scripts.expire_call(k, "s"),
+            scripts.server_call("server_renew", "lease", token="t", ms=1),
+            scripts.server_call("server_release", "lease", token="t"),
+            scripts.server_call("server_take", "lease", holder="h", token="t", ms=1),
+            scripts.bump_call(k, 1, b"", b"{}", b"{}", abort=False, scopes=()),
+            scripts.invalid_call(k, 0, b"{}", 1, 5),
+            scripts.turn_call(k, "j", 0, "e", b"{}", b"", made=1, ended=0),
+            scripts.rewind_call(k, [(0, b"{}", b"")])]
+
+
+def test_scripts_read_their_keys_and_arguments_by_name():
+    """Each script reads only keys its table names (K) and arguments its call sends (A), and no
+    KEYS or ARGV by position: a misspelt name would be nil only on the path that reads it."""
+    calls = {call.script: call for call in sample_calls(RunKeys("names"))}
+    assert set(calls) == set(scripts.NAMES)
+    for name, source in scripts.SOURCES.items():
+        body = source.split("local A = cjson.decode(ARGV[1])\n", 1)[1]
+        assert not re.search(r"KEYS\[|ARGV\[\d", body), name
+        assert set(re.findall(r"\bK\.(\w+)", body)) <= set(scripts.KEYS[name]), name
+        call = calls[name]
+        assert len(call.keys) == len(scripts.KEYS[name])
+        sent = orjson.loads(call.args[0])
+        assert set(re.findall(r"\bA\.(\w+)", body)) <= set(sent), name
+        for field in re.findall(r"ARGV\[A\.(\w+)\]", body):  # bytes after the JSON
+            assert 2 <= sent[field] <= len(call.args), (name, field)

@@ -1,5 +1,6 @@
 """The Lua scripts (common/queue/lua/) that move a task through RQ's states atomically. Each
-``*_call`` is pure (script name, KEYS, ARGV), so sync and asyncio callers share one definition."""
+``*_call`` is pure (script name, KEYS, ARGV), so sync and asyncio callers share one definition;
+a script takes its KEYS and arguments by name (KEYS, _call)."""
 
 from __future__ import annotations
 
@@ -21,30 +22,69 @@ from genq.common.queue.keys import (
     finish_code,
 )
 
-NAMES = ("claim", "renew", "ack", "release", "fail", "reap", "enqueue", "redo", "expire",
-         "server_renew", "server_release", "server_take", "bump", "invalid", "turn", "rewind")
+# Each script's KEYS by name: RunKeys fields (a server script's one key is that server's lease,
+# keys.server_lease). The script reads them as K.<name> (the `local K = {...}` put before it at
+# load time) and its call passes them in this order; RQ's per-job hashes it reaches by the
+# prefixes among its arguments.
+KEYS: dict[str, tuple[str, ...]] = {
+    "claim": ("rq_queue", "rq_wip", "leases", "lease_owner", "claims", "spent", "done", "failed",
+              "params_version", "pending", "errors", "rq_failed", "rq_finished", "fail_kind",
+              "fail_kinds", "meta", "tries"),
+    "renew": ("leases", "lease_owner", "rq_wip"),
+    "ack": ("leases", "lease_owner", "rq_wip", "done", "pending", "truncated", "counters",
+            "length_hist", "acc_tokens", "acc_finish", "acc_version", "acc_attempt", "spent",
+            "rq_finished", "acc_ptoks", "params_floor", "rq_queue", "redo_marks", "kept",
+            "errors", "meta", "params_history", "partials", "tries", "acc_cont", "acc_cached",
+            "invalid", "conv_msgs"),
+    "release": ("leases", "lease_owner", "rq_wip", "rq_queue", "spent", "errors", "tries"),
+    "fail": ("leases", "lease_owner", "rq_wip", "failed", "pending", "errors", "rq_failed",
+             "kept", "done", "truncated", "counters", "length_hist", "acc_tokens", "acc_ptoks",
+             "acc_finish", "fail_kind", "fail_kinds", "acc_version", "acc_cont", "acc_cached",
+             "invalid"),
+    "reap": ("leases", "lease_owner", "rq_wip", "rq_queue", "errors", "pending", "failed",
+             "sweep", "spent", "rq_failed", "fail_kind", "fail_kinds", "tries"),
+    "enqueue": ("rq_queue", "done", "failed", "pending", "rq_queues", "meta", "rq_canceled"),
+    "redo": ("done", "truncated", "failed", "counters", "length_hist", "acc_tokens", "acc_ptoks",
+             "acc_finish", "acc_version", "spent", "errors", "rq_failed", "pending", "kept",
+             "tries", "acc_cont", "acc_cached", "redo_missing"),
+    "expire": ("leases", "lease_owner"),
+    "server_renew": ("lease",), "server_release": ("lease",), "server_take": ("lease",),
+    "bump": ("params", "params_version", "params_history", "params_floor", "redo_marks"),
+    "invalid": ("invalid", "counters", "failed"),
+    "turn": ("leases", "lease_owner", "rq_wip", "conv", "conv_msgs", "counters", "conv_made",
+             "conv_end", "partials", "params_floor", "params_history"),
+    "rewind": ("leases", "lease_owner", "rq_wip", "conv", "conv_msgs", "conv_made", "conv_end",
+               "counters", "rq_queue", "spent"),
+}
+NAMES = tuple(KEYS)
 # lua/prelude.lua (the fencing check and the lease drop) goes after the `#!lua` line of each
-# script that checks leases (their KEYS start with leases, lease_owner, wip); lua/rq_sync.lua
-# (following what RQ's own tools did to a job, a failure's reason, the run's life) likewise.
+# script that checks leases; lua/rq_sync.lua (following what RQ's own tools did to a job, a
+# failure's reason, the run's life) likewise.
 LEASE_SCRIPTS = ("renew", "ack", "release", "fail", "reap", "turn", "rewind")
 SHARED = {"prelude": LEASE_SCRIPTS, "rq_sync": ("claim", "reap", "fail", "ack")}
-_LEASE_KEYS = "-- KEYS: 1 leases, 2 lease_owner, 3 wip"
+_LEASE_KEYS = ("leases", "lease_owner", "rq_wip")  # what the prelude reads
 
 
 def _read(name: str) -> str:
     return resources.files("genq.common.queue.lua").joinpath(f"{name}.lua").read_text()
 
 
+def _header(name: str) -> str:
+    """The script's KEYS by name (K) and its named arguments (A: ARGV[1], one JSON object; bytes
+    JSON cannot carry follow it in ARGV, the fields naming them holding their ARGV index)."""
+    keys = ", ".join(f"{key} = KEYS[{i}]" for i, key in enumerate(KEYS[name], 1))
+    return f"local K = {{{keys}}}\nlocal A = cjson.decode(ARGV[1])\n"
+
+
 def _source(name: str) -> str:
     text = _read(name)
-    if name in LEASE_SCRIPTS and _LEASE_KEYS not in text:
-        raise RuntimeError(f"{name}.lua takes the lease prelude: its KEYS must start as "
-                           f"{_LEASE_KEYS[3:]!r}")
+    if name in LEASE_SCRIPTS and not set(_LEASE_KEYS) <= set(KEYS[name]):
+        raise RuntimeError(f"{name}.lua takes the lease prelude: its KEYS must hold {_LEASE_KEYS}")
     shared = "".join(_read(part) for part, users in SHARED.items() if name in users)
     first, _, rest = text.partition("\n")
     if first.startswith("#!"):  # Redis reads flags only from the first line
-        return f"{first}\n{shared}{rest}"
-    return shared + text
+        return f"{first}\n{_header(name)}{shared}{rest}"
+    return _header(name) + shared + text
 
 
 SOURCES = {name: _source(name) for name in NAMES}
@@ -77,24 +117,37 @@ def iso_now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def _prefixes(k: RunKeys) -> list[str]:
-    return [k.rq_job_prefix, k.rq_execution_prefix, k.rq_executions_prefix]
+def _call(script: str, k: RunKeys, args: dict[str, Any], *blobs: bytes | str) -> Call:
+    """A Call with KEYS in the script's table order and its named arguments as one JSON
+    argument; `blobs` (bytes JSON cannot carry) follow it, from ARGV[2] on, where `args`
+    name them by ARGV index."""
+    return Call(script, [getattr(k, name) for name in KEYS[script]],
+                [orjson.dumps(args), *blobs])
+
+
+def _prefixes(k: RunKeys) -> dict[str, str]:
+    return {"job_prefix": k.rq_job_prefix, "exec_prefix": k.rq_execution_prefix,
+            "execs_prefix": k.rq_executions_prefix}
+
+
+def _rate(k: RunKeys) -> dict[str, Any]:
+    return {"rate_prefix": k.rate_prefix, "bucket_s": RATE_BUCKET_S,
+            "bucket_ttl": RATE_BUCKET_TTL_S}
 
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
                life: str = "") -> Call:
     """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
-    keys = [k.rq_queue, k.rq_wip, k.leases, k.lease_owner, k.claims, k.spent, k.done,
-            k.failed, k.params_version, k.pending, k.errors, k.rq_failed, k.rq_finished,
-            k.fail_kind, k.fail_kinds, k.meta, k.tries]
-    args = [n, vt, WIP_MARGIN_S, server, worker, exec_base, iso_now(), *_prefixes(k), k.run,
-            RESULT_TTL_S, life]
-    return Call("claim", keys, args)
+    return _call("claim", k, {"n": n, "vt": vt, "margin": WIP_MARGIN_S, "server": server,
+                              "worker": worker, "exec_base": exec_base, "now_iso": iso_now(),
+                              **_prefixes(k), "run": k.run, "finished_ttl": RESULT_TTL_S,
+                              "life": life})
 
 
 def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
-    args = [vt, WIP_MARGIN_S, k.rq_executions_prefix, *(v for job_exec in held for v in job_exec)]
-    return Call("renew", [k.leases, k.lease_owner, k.rq_wip], args)
+    return _call("renew", k, {"vt": vt, "margin": WIP_MARGIN_S,
+                              "execs_prefix": k.rq_executions_prefix,
+                              "held": [{"jid": jid, "exec": exec_id} for jid, exec_id in held]})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -115,29 +168,24 @@ class Result:
 
 def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
     """Several results in one call: a code each (all refused if the run is not `life`)."""
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.done, k.pending, k.truncated, k.counters,
-            k.length_hist, k.acc_tokens, k.acc_finish, k.acc_version, k.acc_attempt, k.spent,
-            k.rq_finished, k.acc_ptoks, k.params_floor, k.rq_queue, k.redo_marks, k.kept,
-            k.errors, k.meta, k.params_history, k.partials, k.tries, k.acc_cont, k.acc_cached,
-            k.invalid, k.conv_msgs]
-    rows = []
-    for r in results:
+    items = []
+    for r in results:  # ack.lua's names for a result (see its header)
         code = finish_code(r.finish_reason)
-        rows.append([r.job_id, r.index, r.exec_id, r.completion_tokens, r.prompt_tokens,
-                     FINISH_NAMES[code], code, r.version, r.attempt, r.created_at, r.continued,
-                     r.cached])
-    # One JSON argument: redis-py packs one bytes object instead of nine values per result.
-    args: list[Any] = [server, RESULT_TTL_S, iso_now(), *_prefixes(k), k.rate_prefix,
-                       RATE_BUCKET_S, RATE_BUCKET_TTL_S, FINISHED_KEEP, orjson.dumps(rows), life]
-    return Call("ack", keys, args)
+        items.append({"jid": r.job_id, "idx": r.index, "exec": r.exec_id,
+                      "ctoks": r.completion_tokens, "ptoks": r.prompt_tokens,
+                      "fname": FINISH_NAMES[code], "fcode": code, "ver": r.version,
+                      "attempt": r.attempt, "at": r.created_at, "cont": r.continued,
+                      "cached": r.cached})
+    return _call("ack", k, {"server": server, "result_ttl": RESULT_TTL_S, "now_iso": iso_now(),
+                            **_prefixes(k), **_rate(k), "finished_keep": FINISHED_KEEP,
+                            "results": items, "life": life})
 
 
 def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: bool,
                  reason: str = "", unclaim: bool = False) -> Call:
     """unclaim: genq let go before the server had its say; the claim does not count either."""
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.spent, k.errors, k.tries]
-    args = [job_id, index, exec_id, int(refund), reason, *_prefixes(k), int(unclaim)]
-    return Call("release", keys, args)
+    return _call("release", k, {"jid": job_id, "idx": index, "exec": exec_id, "refund": refund,
+                                "reason": reason, **_prefixes(k), "unclaim": unclaim})
 
 
 def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes,
@@ -150,86 +198,87 @@ def turn_call(k: RunKeys, job_id: str, index: int, exec_id: str, standing: bytes
     tokens, in the params `version`'s continued figures (ack.lua counts the last's). A turn of
     `version` whose record was `created_at` (Redis's clock; None: now) after a switch that
     aborts older work is refused, as ack.lua refuses a result."""
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.counters, k.conv_made,
-            k.conv_end, k.partials, k.params_floor, k.params_history]
-    return Call("turn", keys, [job_id, exec_id, index, standing, messages, unstable, checked,
-                               made, ended, tokens, server, k.rate_prefix, RATE_BUCKET_S,
-                               RATE_BUCKET_TTL_S, continued, version,
-                               "" if created_at is None else created_at])
+    return _call("turn", k, {"jid": job_id, "exec": exec_id, "task": index, "standing": 2,
+                             "messages": 3, "unstable": unstable, "checked": checked,
+                             "made": made, "ended": ended, "tokens": tokens, "server": server,
+                             **_rate(k), "continued": continued, "version": version,
+                             "created_at": created_at}, standing, messages)
 
 
 def rewind_call(k: RunKeys, rewinds: list[tuple[int, bytes, bytes]]) -> Call:
     """Conversations (task, where it stands now, its kept turns' messages) back to their kept
     turns (lua/rewind.lua)."""
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.conv, k.conv_msgs, k.conv_made, k.conv_end,
-            k.counters, k.rq_queue, k.spent]
-    args: list[Any] = list(_prefixes(k))
+    items: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
     for task, standing, messages in rewinds:
-        args += [task, k.job_id(task), standing, messages]
-    return Call("rewind", keys, args)
+        items.append({"task": task, "jid": k.job_id(task), "standing": len(blobs) + 2,
+                      "msgs": len(blobs) + 3})
+        blobs += [standing, messages]
+    return _call("rewind", k, {**_prefixes(k), "items": items}, *blobs)
 
 
 def fail_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, reason: str,
               worker: str) -> Call:
     # rq-dashboard shows a failed job's exc_string; rq stores it as b64(zlib(text)).
     exc_string = base64.b64encode(zlib.compress(reason.encode())).decode()
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.failed, k.pending, k.errors, k.rq_failed,
-            k.kept, k.done, k.truncated, k.counters, k.length_hist, k.acc_tokens, k.acc_ptoks,
-            k.acc_finish, k.fail_kind, k.fail_kinds, k.acc_version, k.acc_cont, k.acc_cached,
-            k.invalid]
-    args = [job_id, index, exec_id, reason_kind(reason), exc_string, worker, FAILURE_TTL_S,
-            iso_now(), *_prefixes(k), k.rq_results_prefix, *_FINISH_ORDER]
-    return Call("fail", keys, args)
+    return _call("fail", k, {"jid": job_id, "idx": index, "exec": exec_id,
+                             "reason": reason_kind(reason), "exc_string": exc_string,
+                             "worker": worker, "failure_ttl": FAILURE_TTL_S,
+                             "now_iso": iso_now(), **_prefixes(k),
+                             "results_prefix": k.rq_results_prefix,
+                             "finish_names": _FINISH_ORDER})
 
 
 def invalid_call(k: RunKeys, index: int, answer: bytes, version: int, keep: int) -> Call:
     """Keep `answer` (JSON) as the last of a prompt failed on its schema, while the run keeps
     fewer than `keep` such copies."""
-    return Call("invalid", [k.invalid, k.counters, k.failed], [index, answer, version, keep])
+    return _call("invalid", k, {"idx": index, "answer": 2, "version": version, "keep": keep},
+                 answer)
 
 
 def reap_call(k: RunKeys, limit: int = 500, sweep_every_s: float = SWEEP_EVERY_S,
               sweep_budget: int = SWEEP_BUDGET) -> Call:
     """sweep_every_s=0 sweeps on every call (tests)."""
-    keys = [k.leases, k.lease_owner, k.rq_wip, k.rq_queue, k.errors, k.pending, k.failed,
-            k.sweep, k.spent, k.rq_failed, k.fail_kind, k.fail_kinds, k.tries]
-    return Call("reap", keys, [limit, *_prefixes(k), k.run, sweep_budget, sweep_every_s])
+    return _call("reap", k, {"limit": limit, **_prefixes(k), "run": k.run,
+                             "sweep_budget": sweep_budget, "sweep_every_s": sweep_every_s})
 
 
 def expire_call(k: RunKeys, server: str) -> Call:
     """End every lease of the run on `server` now (its consumer is provably gone)."""
-    return Call("expire", [k.leases, k.lease_owner], [server])
+    return _call("expire", k, {"server": server})
 
 
-def server_call(script: str, lease: str, *args: Any) -> Call:
+def server_call(script: str, lease: str, **args: Any) -> Call:
     """server_renew, server_release or server_take on a server's lease (keys.server_lease)."""
-    return Call(script, [lease], list(args))
+    return Call(script, [lease], [orjson.dumps(args)])
 
 
 def bump_call(k: RunKeys, version: int, old: bytes | str, new: bytes, entry: bytes, *,
               abort: bool, scopes: tuple[str, ...]) -> Call:
     """Make version+1 current unless `version` (with `old` parameters) is no longer; `entry`
     is the history entry, its time added by the script."""
-    keys = [k.params, k.params_version, k.params_history, k.params_floor, k.redo_marks]
-    return Call("bump", keys, [version, old, new, entry, "1" if abort else "0", *scopes])
+    return _call("bump", k, {"version": version, "old": 2, "new": 3, "entry": 4,
+                             "abort": abort, "scopes": scopes}, old, new, entry)
 
 
 def enqueue_call(k: RunKeys, jobs: list[tuple[int, bytes, str]], epoch: str = "") -> Call:
     """With an epoch the jobs are only queued while the run in Redis is still that one."""
-    keys = [k.rq_queue, k.done, k.failed, k.pending, k.rq_queues, k.meta, k.rq_canceled]
-    args = [k.rq_job_prefix, k.run, k.rq_queue, k.queue_name, iso_now(), RESULT_TTL_S,
-            FAILURE_TTL_S, epoch, *(v for job in jobs for v in job)]
-    return Call("enqueue", keys, args)
+    items = [{"idx": idx, "data": at, "description": description}
+             for at, (idx, _, description) in enumerate(jobs, 2)]
+    return _call("enqueue", k, {"job_prefix": k.rq_job_prefix, "run": k.run,
+                                "queue": k.rq_queue, "origin": k.queue_name,
+                                "now_iso": iso_now(), "result_ttl": RESULT_TTL_S,
+                                "failure_ttl": FAILURE_TTL_S, "epoch": epoch, "jobs": items},
+                 *(data for _, data, _ in jobs))
 
 
 def redo_call(k: RunKeys, what: str, start: int, stop: int, below_version: int,
               limit: int = 10_000) -> Call:
     """what: "truncated"/"done"/"missing" (results to undo) or "failed" (prompts to revive); a
     bounded slice per call, so the atomic script never holds up the consumers' acks for long."""
-    keys = [k.done, k.truncated, k.failed, k.counters, k.length_hist, k.acc_tokens,
-            k.acc_ptoks, k.acc_finish, k.acc_version, k.spent, k.errors, k.rq_failed,
-            k.pending, k.kept, k.tries, k.acc_cont, k.acc_cached, k.redo_missing]
-    return Call("redo", keys, [what, start, stop, below_version, k.run, limit, *_FINISH_ORDER])
+    return _call("redo", k, {"what": what, "start": start, "stop": stop,
+                             "below": below_version, "run": k.run, "limit": limit,
+                             "finish_names": _FINISH_ORDER})
 
 
 class ScriptRunner:

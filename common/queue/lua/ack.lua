@@ -5,37 +5,29 @@
 -- judged as if it came alone (they are different indices); what they change in common (the
 -- bitmaps, the counters, the rate bucket, the registries) goes to Redis once for all of them,
 -- so the commands per result fall as the batch grows.
--- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 done, 5 pending, 6 truncated, 7 counters,
---       8 length_hist, 9 acc_tokens, 10 acc_finish, 11 acc_version, 12 acc_attempt, 13 spent,
---       14 rq finished registry, 15 acc_ptoks, 16 params_floor, 17 queue, 18 redo_marks,
---       19 kept, 20 errors, 21 meta, 22 params_history, 23 partials, 24 tries, 25 acc_cont,
---       26 acc_cached, 27 invalid, 28 conv_msgs
--- ARGV: 1 server, 2 result ttl, 3 now iso, 4 job key prefix, 5 execution key prefix,
---       6 executions key prefix, 7 rate key prefix, 8 rate bucket seconds, 9 rate bucket ttl,
---       10 finished jobs kept for rq's tools, 11 the results as one JSON array of arrays
---       [job id, index, exec id, completion_tokens, prompt_tokens, finish name, finish code,
---       params version, attempt, created_at (Redis's clock), tokens of the partial answer it
---       continued, cached prompt tokens] (one argument: the client encodes
---       it with one call),
---       12 the run's life the caller knows, "epoch|generation" ('': not checked)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
+-- A: server, result_ttl, now_iso, job_prefix, exec_prefix (execution key), execs_prefix
+--    (executions key), rate_prefix, bucket_s and bucket_ttl (the rate's), finished_keep (jobs
+--    kept for rq's tools), life (the run's life the caller knows, "epoch|generation"; '': not
+--    checked), results: each {jid, idx, exec (id), ctoks and ptoks (completion and prompt
+--    tokens), fname and fcode (finish name and code), ver (params version), attempt, at
+--    (created_at, Redis's clock; null: now), cont (tokens of the partial answer it continued),
+--    cached (prompt tokens)}
 -- Returns one code per result: 1 accepted, 0 the lease was lost (a stale ack is refused),
 -- 2 its parameters were superseded by a requeue that aborts old work (the task is queued
 -- again), 3 a redo issued after its version covers it (set aside as the index's previous
 -- result, the task queued again). All are refused when the run is not the life the caller
 -- knows: a consumer that slept through a loss and a recover holds claims of the run before it.
 local items, jids, out = {}, {}, {}
-for n, r in ipairs(cjson.decode(ARGV[11])) do
-  items[n] = {n = n, jid = r[1], idx = r[2], exec = r[3], ctoks = r[4], ptoks = r[5],
-    fname = r[6], fcode = r[7], ver = r[8], attempt = r[9], at = r[10],
-    cont = tonumber(r[11]) or 0, cached = tonumber(r[12]) or 0}
-  jids[n], out[n] = r[1], 0
+for n, it in ipairs(A.results) do
+  it.n, items[n], jids[n], out[n] = n, it, it.jid, 0
 end
 local function push(list, ...)
   for _, v in ipairs({...}) do list[#list + 1] = v end
 end
 
-if ARGV[12] ~= '' and life(KEYS[21]) ~= ARGV[12] then return out end
-local owners = redis.call('HMGET', KEYS[2], unpack(jids))
+if A.life ~= '' and life(K.meta) ~= A.life then return out end
+local owners = redis.call('HMGET', K.lease_owner, unpack(jids))
 local mine, owned, execs = {}, {}, {}
 for i, it in ipairs(items) do
   if owns(owners[i], it.exec) then
@@ -45,17 +37,17 @@ end
 if #mine == 0 then return out end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-drop_leases(owned, execs, ARGV[5], ARGV[6])
+drop_leases(owned, execs, A.exec_prefix, A.execs_prefix)
 
 -- A result of an older version written at or after an abort switch is refused: the prelude's
 -- `superseded`, the rule turn.lua and `genq recover` apply too.
-local aborts = abort_switches(KEYS[16], KEYS[22])
-local marks = redis.call('HMGET', KEYS[18], 'done', 'truncated')
+local aborts = abort_switches(K.params_floor, K.params_history)
+local marks = redis.call('HMGET', K.redo_marks, 'done', 'truncated')
 local mark_done, mark_trunc = tonumber(marks[1] or '0'), tonumber(marks[2] or '0')
 local spent, kept, requeue, keep, accept, covered = {'OVERFLOW', 'SAT'}, {}, {}, {}, {}, {}
 local function give_back(it, code)  -- the task runs again; this attempt costs nothing
   push(spent, 'INCRBY', 'u8', '#' .. it.idx, -1)
-  redis.call('HSET', ARGV[4] .. it.jid, 'status', 'queued')
+  redis.call('HSET', A.job_prefix .. it.jid, 'status', 'queued')
   requeue[#requeue + 1] = it.jid
   out[it.n] = code
 end
@@ -73,7 +65,7 @@ end
 if #covered > 0 then
   local get = {}
   for _, it in ipairs(covered) do push(get, 'GET', 'u1', it.idx) end
-  local bits = redis.call('BITFIELD', KEYS[4], unpack(get))
+  local bits = redis.call('BITFIELD', K.done, unpack(get))
   for i, it in ipairs(covered) do
     if bits[i] == 0 then
       keep[#keep + 1] = it
@@ -90,7 +82,7 @@ local function add(tbl, field, by) tbl[field] = (tbl[field] or 0) + by end
 if #accept > 0 then
   local set = {}
   for _, it in ipairs(accept) do push(set, 'SET', 'u1', it.idx, 1) end
-  local was = redis.call('BITFIELD', KEYS[4], unpack(set))
+  local was = redis.call('BITFIELD', K.done, unpack(set))
   local pending, truncated = {}, {}
   for i, it in ipairs(accept) do
     out[it.n] = 1
@@ -108,8 +100,8 @@ if #accept > 0 then
       add(bucket, 'req', 1)
       -- The rate is what the servers decode now: not a continued answer's partial.
       add(bucket, 'tok', it.ctoks - it.cont)
-      add(bucket, 'req|' .. ARGV[1], 1)
-      add(bucket, 'tok|' .. ARGV[1], it.ctoks - it.cont)
+      add(bucket, 'req|' .. A.server, 1)
+      add(bucket, 'tok|' .. A.server, it.ctoks - it.cont)
       add(bucket, 'fin|' .. it.fname, 1)
       -- Per parameter version: the truncation alert judges only the current parameters, and
       -- the page says whether a raised max_tokens is enough.
@@ -122,8 +114,8 @@ if #accept > 0 then
     end
   end
   if #pending > 0 then
-    redis.call('BITFIELD', KEYS[5], unpack(pending))
-    redis.call('BITFIELD', KEYS[6], unpack(truncated))
+    redis.call('BITFIELD', K.pending, unpack(pending))
+    redis.call('BITFIELD', K.truncated, unpack(truncated))
   end
 end
 if #keep > 0 then
@@ -138,29 +130,29 @@ if #keep > 0 then
     push(version, 'SET', 'u16', at, it.ver)
     push(attempt, 'SET', 'u16', at, it.attempt)
   end
-  redis.call('BITFIELD', KEYS[9], unpack(tokens))
-  redis.call('BITFIELD', KEYS[15], unpack(ptoks))
-  redis.call('BITFIELD', KEYS[10], unpack(finish))
-  redis.call('BITFIELD', KEYS[11], unpack(version))
-  redis.call('BITFIELD', KEYS[12], unpack(attempt))
-  redis.call('BITFIELD', KEYS[25], unpack(cont))
-  redis.call('BITFIELD', KEYS[26], unpack(cached))
+  redis.call('BITFIELD', K.acc_tokens, unpack(tokens))
+  redis.call('BITFIELD', K.acc_ptoks, unpack(ptoks))
+  redis.call('BITFIELD', K.acc_finish, unpack(finish))
+  redis.call('BITFIELD', K.acc_version, unpack(version))
+  redis.call('BITFIELD', K.acc_attempt, unpack(attempt))
+  redis.call('BITFIELD', K.acc_cont, unpack(cont))
+  redis.call('BITFIELD', K.acc_cached, unpack(cached))
 end
-if #kept > 0 then redis.call('BITFIELD', KEYS[19], unpack(kept)) end
+if #kept > 0 then redis.call('BITFIELD', K.kept, unpack(kept)) end
 if #spent > 2 then
-  redis.call('BITFIELD', KEYS[13], unpack(spent))
+  redis.call('BITFIELD', K.spent, unpack(spent))
   -- tries follows spent here: a result given back was answered (genq's own reason to run it
   -- again, not the server's trouble), and an accepted one starts its index's count afresh.
-  redis.call('BITFIELD', KEYS[24], unpack(spent))
+  redis.call('BITFIELD', K.tries, unpack(spent))
 end
-if #requeue > 0 then redis.call('LPUSH', KEYS[17], unpack(requeue)) end
-for field, by in pairs(counters) do redis.call('HINCRBY', KEYS[7], field, by) end
-for value, count in pairs(hist) do redis.call('HINCRBY', KEYS[8], value, count) end
+if #requeue > 0 then redis.call('LPUSH', K.rq_queue, unpack(requeue)) end
+for field, by in pairs(counters) do redis.call('HINCRBY', K.counters, field, by) end
+for value, count in pairs(hist) do redis.call('HINCRBY', K.length_hist, value, count) end
 if next(bucket) then
-  local key = ARGV[7] .. math.floor(now / tonumber(ARGV[8]))
+  local key = A.rate_prefix .. math.floor(now / A.bucket_s)
   -- Every new result counts in 'req': equal to this call's count, the bucket is new.
   if redis.call('HINCRBY', key, 'req', bucket.req) == bucket.req then
-    redis.call('EXPIRE', key, ARGV[9])
+    redis.call('EXPIRE', key, A.bucket_ttl)
   end
   bucket.req = nil
   for field, by in pairs(bucket) do redis.call('HINCRBY', key, field, by) end
@@ -169,34 +161,34 @@ if #accept == 0 then return out end
 
 local indices, finished, old = {}, {}, {}
 for _, it in ipairs(accept) do indices[#indices + 1] = it.idx end
-redis.call('HDEL', KEYS[20], unpack(indices))
-redis.call('HDEL', KEYS[23], unpack(indices))  -- a partial is continued once at most
+redis.call('HDEL', K.errors, unpack(indices))
+redis.call('HDEL', K.partials, unpack(indices))  -- a partial is continued once at most
 -- The prompt ended: an answer it once failed its schema with is no longer export's to show.
-redis.call('HDEL', KEYS[27], unpack(indices))
+redis.call('HDEL', K.invalid, unpack(indices))
 -- A conversation (--turns all) needs its made turns again only if a redo goes on from its end.
 local ended = {}
 for _, it in ipairs(accept) do
   if it.fname ~= 'length' then ended[#ended + 1] = it.idx end
 end
-if #ended > 0 then redis.call('HDEL', KEYS[28], unpack(ended)) end
+if #ended > 0 then redis.call('HDEL', K.conv_msgs, unpack(ended)) end
 -- rq's tools see the last few finished jobs, never one hash per task: the oldest beyond the
 -- bound leave the registry and Redis together. A job RQ deleted meanwhile is not recreated.
 for _, it in ipairs(accept) do
-  local job = ARGV[4] .. it.jid
+  local job = A.job_prefix .. it.jid
   if redis.call('EXISTS', job) == 1 then
-    redis.call('HSET', job, 'status', 'finished', 'ended_at', ARGV[3])
-    redis.call('EXPIRE', job, ARGV[2])
-    push(finished, now + tonumber(ARGV[2]), it.jid)
+    redis.call('HSET', job, 'status', 'finished', 'ended_at', A.now_iso)
+    redis.call('EXPIRE', job, A.result_ttl)
+    push(finished, now + A.result_ttl, it.jid)
   end
 end
 if #finished == 0 then return out end
-redis.call('ZADD', KEYS[14], unpack(finished))
-local extra = redis.call('ZCARD', KEYS[14]) - tonumber(ARGV[10])
+redis.call('ZADD', K.rq_finished, unpack(finished))
+local extra = redis.call('ZCARD', K.rq_finished) - A.finished_keep
 if extra > 0 then
-  local oldest = redis.call('ZPOPMIN', KEYS[14], extra)
+  local oldest = redis.call('ZPOPMIN', K.rq_finished, extra)
   for i = 1, #oldest, 2 do
     -- A member left by a redo may name a job queued again since: that one stays.
-    local job = ARGV[4] .. oldest[i]
+    local job = A.job_prefix .. oldest[i]
     if redis.call('HGET', job, 'status') == 'finished' then old[#old + 1] = job end
   end
   if #old > 0 then redis.call('DEL', unpack(old)) end

@@ -3,22 +3,23 @@
 -- or after it (judged by it), and `genq recover`, comparing results' times with the recorded
 -- one, decides the same. Refused if the version or its parameters changed since the caller
 -- read them: it reads them again.
--- KEYS: 1 params, 2 params_version, 3 params_history, 4 params_floor, 5 redo_marks
--- ARGV: 1 the version read, 2 its parameters as read ('' if none), 3 the new parameters,
---       4 the history entry, a JSON object without its time, 5 '1' to refuse older versions'
---       results from now on (--inflight abort), 6... the redo scopes marked with the new version
+-- K: its keys by name (scripts.KEYS, put before it at load time)
+-- A: version (read), old (its parameters as read, '' if none), new (the new parameters),
+--    entry (the history entry, a JSON object without its time): these three by ARGV index;
+--    abort (refuse older versions' results from now on: --inflight abort), scopes (the redo
+--    scopes marked with the new version)
 -- Returns the new version, or 0 when refused.
-local version = tonumber(ARGV[1])
-if tonumber(redis.call('GET', KEYS[2]) or '1') ~= version then return 0 end
-if (redis.call('HGET', KEYS[1], ARGV[1]) or '') ~= ARGV[2] then return 0 end
+local version = A.version
+if tonumber(redis.call('GET', K.params_version) or '1') ~= version then return 0 end
+if (redis.call('HGET', K.params, version) or '') ~= ARGV[A.old] then return 0 end
 local new = version + 1
 local t = redis.call('TIME')
 -- Appended as text: cjson writes 14 significant digits, losing the microseconds.
-local entry = string.sub(ARGV[4], 1, -2) .. ',"at":' .. t[1] .. '.' ..
+local entry = string.sub(ARGV[A.entry], 1, -2) .. ',"at":' .. t[1] .. '.' ..
   string.format('%06d', tonumber(t[2])) .. '}'
-redis.call('HSET', KEYS[1], new, ARGV[3])
-redis.call('SET', KEYS[2], new)
-redis.call('RPUSH', KEYS[3], entry)
-if ARGV[5] == '1' then redis.call('SET', KEYS[4], new) end
-for i = 6, #ARGV do redis.call('HSET', KEYS[5], ARGV[i], new) end
+redis.call('HSET', K.params, new, ARGV[A.new])
+redis.call('SET', K.params_version, new)
+redis.call('RPUSH', K.params_history, entry)
+if A.abort then redis.call('SET', K.params_floor, new) end
+for _, scope in ipairs(A.scopes) do redis.call('HSET', K.redo_marks, scope, new) end
 return new

@@ -5,46 +5,42 @@
 -- The N jobs share their commands: one pop, one read of the done and failed bits, one
 -- increment of the counters, one write of each lease structure; only RQ's per-job hashes cost
 -- a command per job.
--- KEYS: 1 queue, 2 wip, 3 leases, 4 lease_owner, 5 claims, 6 spent, 7 done, 8 failed,
---       9 params_version, 10 pending, 11 errors, 12 rq failed registry, 13 rq finished registry,
---       14 fail_kind, 15 fail_kinds, 16 meta, 17 tries
--- ARGV: 1 n, 2 visibility timeout s, 3 wip margin s, 4 server, 5 worker name, 6 exec id base,
---       7 now iso (display only), 8 job key prefix, 9 execution key prefix,
---       10 executions key prefix, 11 run name, 12 finished ttl s, 13 the run's life the caller
---       knows, "epoch|generation" ('': not checked)
+-- K: its keys by name (scripts.KEYS, put before it at load time)
+-- A: n, vt (visibility timeout s), margin (wip margin s), server, worker (name), exec_base (exec
+--    id base), now_iso (display only), job_prefix, exec_prefix (execution key), execs_prefix
+--    (executions key), run (name), finished_ttl (s), life (the run's life the caller knows,
+--    "epoch|generation"; '': not checked)
 -- Returns {params_version, {job_id, index, exec_id, attempt, spent, tries}...}, or {0} when
 -- the run is not the life the caller knows (another run, or recovered since): it looks again
 -- first.
-if ARGV[13] ~= '' and life(KEYS[16]) ~= ARGV[13] then return {0} end
-local n, vt, margin = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local version = tonumber(redis.call('GET', KEYS[9]) or '1')
+if A.life ~= '' and life(K.meta) ~= A.life then return {0} end
+local n, vt, margin = A.n, A.vt, A.margin
+local version = tonumber(redis.call('GET', K.params_version) or '1')
 local out = {version}
-local jids = redis.call('LPOP', KEYS[1], n)
+local jids = redis.call('LPOP', K.rq_queue, n)
 if not jids then return out end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local deadline = now + vt
-local skip = #ARGV[11] + 2
-local rq = {failed = KEYS[8], pending = KEYS[10], spent = KEYS[6], errors = KEYS[11],
-  rq_failed = KEYS[12], fail_kind = KEYS[14], fail_kinds = KEYS[15], tries = KEYS[17]}
+local skip = #A.run + 2
 
 -- Whether a popped job runs now, after making genq's bits follow what RQ did to it.
 local function runnable(jid, idx, done, failed)
-  local status = redis.call('HGET', ARGV[8] .. jid, 'status')
+  local status = redis.call('HGET', A.job_prefix .. jid, 'status')
   if done == 1 then
     if status == 'queued' then  -- rq requeued a finished job: `genq requeue --redo` does that
-      redis.call('HSET', ARGV[8] .. jid, 'status', 'finished')
-      redis.call('ZADD', KEYS[13], now + tonumber(ARGV[12]), jid)
+      redis.call('HSET', A.job_prefix .. jid, 'status', 'finished')
+      redis.call('ZADD', K.rq_finished, now + A.finished_ttl, jid)
     end
     return false  -- a duplicate push for a settled index is dropped, never run twice
   end
   if failed == 1 then
     if status ~= 'queued' then return false end
-    revive_requeued(rq, idx, jid)  -- rq requeued a failed job: it runs again
+    revive_requeued(K, idx, jid)  -- rq requeued a failed job: it runs again
     return true
   end
   if status == 'queued' or status == 'started' then return true end
-  settle_removed(rq, idx, status)  -- deleted or cancelled through RQ
+  settle_removed(K, idx, status)  -- deleted or cancelled through RQ
   return false
 end
 
@@ -53,8 +49,8 @@ for i, jid in ipairs(jids) do
   local idx = tonumber(string.sub(jid, skip))
   bits[#bits + 1] = 'GET'; bits[#bits + 1] = 'u1'; bits[#bits + 1] = idx
 end
-local done = redis.call('BITFIELD', KEYS[7], unpack(bits))
-local failed = redis.call('BITFIELD', KEYS[8], unpack(bits))
+local done = redis.call('BITFIELD', K.done, unpack(bits))
+local failed = redis.call('BITFIELD', K.failed, unpack(bits))
 local run, claims, spent = {}, {'OVERFLOW', 'SAT'}, {'OVERFLOW', 'SAT'}
 for i, jid in ipairs(jids) do
   local idx = bits[3 * i]
@@ -68,29 +64,29 @@ for i, jid in ipairs(jids) do
   end
 end
 if #run == 0 then return out end
-local attempts = redis.call('BITFIELD', KEYS[5], unpack(claims))
-local spents = redis.call('BITFIELD', KEYS[6], unpack(spent))
+local attempts = redis.call('BITFIELD', K.claims, unpack(claims))
+local spents = redis.call('BITFIELD', K.spent, unpack(spent))
 -- The same increments on tries: a refund gives the attempt back, never the claim, so a task
 -- the server fails every time still meets --max-claims.
-local tries = redis.call('BITFIELD', KEYS[17], unpack(spent))
+local tries = redis.call('BITFIELD', K.tries, unpack(spent))
 local leases, owners, wip = {}, {}, {}
 for j, job in ipairs(run) do
   local jid, idx, attempt = job[1], job[2], attempts[j]
   -- The claim number makes the fencing token unique per index even if a base repeats.
-  local exec = ARGV[6] .. job[3] .. '.' .. attempt
+  local exec = A.exec_base .. job[3] .. '.' .. attempt
   leases[#leases + 1] = deadline; leases[#leases + 1] = jid
   owners[#owners + 1] = jid
-  owners[#owners + 1] = exec .. '|' .. ARGV[4] .. '|' .. version .. '|' .. attempt
-  redis.call('HSET', ARGV[8] .. jid, 'status', 'started', 'started_at', ARGV[7],
-    'last_heartbeat', ARGV[7], 'worker_name', ARGV[5])
-  redis.call('HSET', ARGV[9] .. jid .. ':' .. exec, 'id', exec, 'created_at', now,
-    'last_heartbeat', now, 'worker_name', ARGV[5])
-  redis.call('ZADD', ARGV[10] .. jid, deadline + margin, exec)
+  owners[#owners + 1] = exec .. '|' .. A.server .. '|' .. version .. '|' .. attempt
+  redis.call('HSET', A.job_prefix .. jid, 'status', 'started', 'started_at', A.now_iso,
+    'last_heartbeat', A.now_iso, 'worker_name', A.worker)
+  redis.call('HSET', A.exec_prefix .. jid .. ':' .. exec, 'id', exec, 'created_at', now,
+    'last_heartbeat', now, 'worker_name', A.worker)
+  redis.call('ZADD', A.execs_prefix .. jid, deadline + margin, exec)
   -- rq's own sweeps must never reap a live lease: its wip score sits past ours by a margin.
   wip[#wip + 1] = deadline + margin; wip[#wip + 1] = jid .. ':' .. exec
   out[#out + 1] = {jid, idx, exec, attempt, spents[j], tries[j]}
 end
-redis.call('ZADD', KEYS[3], unpack(leases))
-redis.call('HSET', KEYS[4], unpack(owners))
-redis.call('ZADD', KEYS[2], unpack(wip))
+redis.call('ZADD', K.leases, unpack(leases))
+redis.call('HSET', K.lease_owner, unpack(owners))
+redis.call('ZADD', K.rq_wip, unpack(wip))
 return out

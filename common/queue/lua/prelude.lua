@@ -1,6 +1,6 @@
 -- prelude: the lease checks and the switch rule the lease scripts share (scripts.LEASE_SCRIPTS), put after each
 -- one's `#!lua` line when common/queue/scripts.py loads it, so none words them on its own.
--- Those scripts' KEYS start with 1 leases, 2 lease_owner, 3 wip.
+-- Those scripts' KEYS (K) hold leases, lease_owner and rq_wip.
 
 -- Whether the lease_owner entry `owner` ("exec|server|version|attempt", false when the lease
 -- is gone) is this execution's: the fencing check before any change to a leased job.
@@ -21,9 +21,9 @@ local function drop_leases(jids, execs, exec_prefix, executions_prefix)
     end
     dels[#dels + 1] = executions_prefix .. jid
   end
-  redis.call('HDEL', KEYS[2], unpack(jids))
-  redis.call('ZREM', KEYS[1], unpack(jids))
-  if #members > 0 then redis.call('ZREM', KEYS[3], unpack(members)) end
+  redis.call('HDEL', K.lease_owner, unpack(jids))
+  redis.call('ZREM', K.leases, unpack(jids))
+  if #members > 0 then redis.call('ZREM', K.rq_wip, unpack(members)) end
   redis.call('DEL', unpack(dels))
 end
 

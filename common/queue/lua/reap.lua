@@ -4,25 +4,20 @@
 -- It also sweeps a bounded slice of the run for what RQ's own tools did out of genq's sight
 -- (a queued or running job deleted, cancelled or emptied away; a failed job requeued), so
 -- genq's bits follow rq's state without waiting for a claim to pop the job.
--- KEYS: 1 leases, 2 lease_owner, 3 wip, 4 queue, 5 errors, 6 pending, 7 failed,
---       8 sweep cursors (hash), 9 spent, 10 rq failed registry, 11 fail_kind, 12 fail_kinds,
---       13 tries
--- ARGV: 1 limit, 2 job key prefix, 3 execution key prefix, 4 executions key prefix,
---       5 run name, 6 sweep budget (indices checked per bitmap per sweep),
---       7 seconds between sweeps
+-- K: its keys by name (scripts.KEYS, put before it at load time)
+-- A: limit, job_prefix, exec_prefix (execution key), execs_prefix (executions key), run (name),
+--    sweep_budget (indices checked per bitmap per sweep), sweep_every_s (between sweeps)
 -- Returns the job ids returned to the queue.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
-local skip = #ARGV[5] + 2
-local rq = {failed = KEYS[7], pending = KEYS[6], spent = KEYS[9], errors = KEYS[5],
-  rq_failed = KEYS[10], fail_kind = KEYS[11], fail_kinds = KEYS[12], tries = KEYS[13]}
+local expired = redis.call('ZRANGEBYSCORE', K.leases, '-inf', now, 'LIMIT', 0, A.limit)
+local skip = #A.run + 2
 
 -- Drops the lease on jid whoever holds it; returns the holder's server.
 local function drop_lease(jid)
-  local owner = redis.call('HGET', KEYS[2], jid) or ''
+  local owner = redis.call('HGET', K.lease_owner, jid) or ''
   local exec, server = string.match(owner, '^([^|]*)|([^|]*)')
-  drop_leases({jid}, {exec}, ARGV[3], ARGV[4])
+  drop_leases({jid}, {exec}, A.exec_prefix, A.execs_prefix)
   return server
 end
 
@@ -30,35 +25,35 @@ end
 -- any, is dropped so no ack lands.
 local function removed(idx, jid, status)
   drop_lease(jid)
-  settle_removed(rq, idx, status)
+  settle_removed(K, idx, status)
 end
 
 for _, jid in ipairs(expired) do
   local idx = string.sub(jid, skip)
-  local status = redis.call('HGET', ARGV[2] .. jid, 'status')
+  local status = redis.call('HGET', A.job_prefix .. jid, 'status')
   if status ~= 'started' and status ~= 'queued' then
     removed(tonumber(idx), jid, status)
   else
     local server = drop_lease(jid)
-    redis.call('HSET', KEYS[5], idx,
+    redis.call('HSET', K.errors, idx,
       'lease expired on ' .. (server or '?') .. ' (consumer died, stalled or lost Redis)')
-    redis.call('HSET', ARGV[2] .. jid, 'status', 'queued')
-    redis.call('LPUSH', KEYS[4], jid)
+    redis.call('HSET', A.job_prefix .. jid, 'status', 'queued')
+    redis.call('LPUSH', K.rq_queue, jid)
   end
 end
 
 -- A pending index whose rq job is gone or no longer queued/started was taken by RQ's tools.
 local function check_pending(idx)
-  local jid = ARGV[5] .. '-' .. idx
-  local status = redis.call('HGET', ARGV[2] .. jid, 'status')
+  local jid = A.run .. '-' .. idx
+  local status = redis.call('HGET', A.job_prefix .. jid, 'status')
   if status ~= 'queued' and status ~= 'started' then removed(idx, jid, status) end
 end
 
 -- A failed index whose rq job is queued again was requeued through RQ: it runs again.
 local function check_failed(idx)
-  local jid = ARGV[5] .. '-' .. idx
-  if redis.call('HGET', ARGV[2] .. jid, 'status') ~= 'queued' then return end
-  revive_requeued(rq, idx, jid)
+  local jid = A.run .. '-' .. idx
+  if redis.call('HGET', A.job_prefix .. jid, 'status') ~= 'queued' then return end
+  revive_requeued(K, idx, jid)
 end
 
 -- Goes on round the bitmap from where the last sweep stopped, checking at most `budget` set
@@ -67,8 +62,8 @@ end
 -- index checked and a sparse one two commands per index.
 local CHUNK = 64
 local function sweep(bits, field, check)
-  local pos = tonumber(redis.call('HGET', KEYS[8], field) or '0')
-  local budget = tonumber(ARGV[6])
+  local pos = tonumber(redis.call('HGET', K.sweep, field) or '0')
+  local budget = A.sweep_budget
   while budget > 0 do
     local found = redis.call('BITPOS', bits, 1, pos, -1, 'BIT')
     if found < 0 then pos = 0 break end
@@ -84,13 +79,14 @@ local function sweep(bits, field, check)
       end
     end
   end
-  redis.call('HSET', KEYS[8], field, pos)
+  redis.call('HSET', K.sweep, field, pos)
 end
 
--- One sweep every ARGV[7] seconds for the whole run, however many consumers and monitors reap.
-local last = tonumber(redis.call('HGET', KEYS[8], 'at') or '0')
-if now - last < tonumber(ARGV[7]) then return expired end
-redis.call('HSET', KEYS[8], 'at', now)
-sweep(KEYS[6], 'pending', check_pending)
-sweep(KEYS[7], 'failed', check_failed)
+-- One sweep every A.sweep_every_s seconds for the whole run, however many consumers and
+-- monitors reap.
+local last = tonumber(redis.call('HGET', K.sweep, 'at') or '0')
+if now - last < A.sweep_every_s then return expired end
+redis.call('HSET', K.sweep, 'at', now)
+sweep(K.pending, 'pending', check_pending)
+sweep(K.failed, 'failed', check_failed)
 return expired

@@ -1,7 +1,7 @@
 -- rq_sync: what claim and reap do when RQ's own tools acted on a job out of genq's sight, so
 -- that both leave the same bits, reasons and registries; how a failure's reason is kept; the
--- run's life. `keys` names the calling script's failed, pending, spent, tries, errors, rq_failed
--- (RQ's failed registry), fail_kind and fail_kinds keys.
+-- run's life. `keys` is the calling script's K: its failed, pending, spent, tries, errors,
+-- rq_failed (RQ's failed registry), fail_kind and fail_kinds keys.
 
 -- RQ requeued a failed job (rq-dashboard's Requeue, `rq requeue`): the index runs again with
 -- fresh attempts, as `genq requeue --redo failed` does.

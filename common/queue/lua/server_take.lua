@@ -1,6 +1,7 @@
 -- server_take: take a server's lease over from a holder known to be dead, unless it changed
 -- hands meanwhile.
--- KEYS: 1 the server's lease   ARGV: 1 the dead holder's token, 2 our token, 3 lease ms
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+-- K.lease: the server's lease (scripts.KEYS)
+-- A: holder (the dead holder's token), token (ours), ms (lease)
+if redis.call('GET', K.lease) ~= A.holder then return 0 end
+redis.call('SET', K.lease, A.token, 'PX', A.ms)
 return 1
