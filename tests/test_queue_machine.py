@@ -134,6 +134,7 @@ class QueueMachine(RuleBasedStateMachine):
             assert accepted == 3
             del self.owner[lease.index]
             self.kept.add(lease.index)
+            self.finish[lease.index] = finish  # the result set aside, which a failure restores
         else:
             assert accepted == 1
             self.finish[lease.index] = finish
