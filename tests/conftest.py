@@ -39,6 +39,13 @@ if _PORTS is not None:  # another session on the machine starts its workers else
         next(_PORTS)
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: two workers a core. A test spends most of its wall waiting on the processes it
+    drives (consumers, simulators, Redis), so one worker a core leaves the cores half idle
+    (measured on 2 cores: 265 s with 4 workers against 391 s with 2)."""
+    return 2 * (os.cpu_count() or 1)
+
+
 def free_port() -> int:
     """A local port nothing listens on, for a server a test is about to start."""
     if _PORTS is None:
