@@ -42,7 +42,10 @@ if _PORTS is not None:  # another session on the machine starts its workers else
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: two workers a core. A test spends most of its wall waiting on the processes it
     drives (consumers, simulators, Redis), so one worker a core leaves the cores half idle
-    (measured on 2 cores: 265 s with 4 workers against 391 s with 2)."""
+    (measured on 2 cores: 265 s with 4 workers against 391 s with 2). `-n logical` keeps one a
+    core, for the slow tier's fault windows (.ci/run)."""
+    if config.option.numprocesses == "logical":
+        return None  # xdist's own: one worker a (logical) core
     return 2 * (os.cpu_count() or 1)
 
 

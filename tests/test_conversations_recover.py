@@ -71,13 +71,20 @@ def test_recover_rebuilds_conversations_done_and_midway_and_they_go_on(
         genq(*produce, redis_url=url, run=half)
         doomed = ConsumerProcess(url, half, slow.url, tmp_path / "m", "--visibility-timeout", "3")
         try:
-            wait_for(lambda: going_on(r, RunKeys(half)) >= 1, interval=0.01,
-                     timeout=120, what="conversations midway")
-            # Decoding stands still, so every turn written is recorded before the kill: the
-            # shards then hold exactly what Redis accepted (a line written and never recorded
-            # would be adopted by the recover, as any written result is).
-            httpx.post(slow.url + "/_sim/faults", json={"stall": True}, timeout=5)
-            time.sleep(1.5)
+            # Killed with some conversations done and some midway. Decoding stands still
+            # first, so every turn written is recorded before the kill: the shards then hold
+            # exactly what Redis accepted (a line written and never recorded would be adopted
+            # by the recover, as any written result is). A midway conversation may still end
+            # in the moment before the stall: then decoding goes on and the test waits again.
+            k = RunKeys(half)
+            for _ in range(20):
+                wait_for(lambda: going_on(r, k) >= 1 and r.bitcount(k.done) >= 1,
+                         interval=0.01, timeout=120, what="conversations done and midway")
+                httpx.post(slow.url + "/_sim/faults", json={"stall": True}, timeout=5)
+                time.sleep(1.5)  # what was written is recorded meanwhile
+                if going_on(r, k) >= 1:
+                    break
+                httpx.post(slow.url + "/_sim/faults", json={"stall": False}, timeout=5)
             doomed.kill()
         finally:
             doomed.cleanup()
