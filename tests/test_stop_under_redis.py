@@ -35,7 +35,9 @@ def test_the_shipper_ends_when_stopped_while_it_reports(redis_url, run_name, tmp
         await asyncio.sleep(random.random() * 0.003)
         stopping = asyncio.create_task(cancel_and_wait([task]))
         # asyncio.wait, not asyncio.timeout: a timeout's cancel would go to the task awaited
-        await asyncio.wait([stopping], timeout=1)  # a cancel not lost ends it in milliseconds
+        # A cancel not lost ends it in milliseconds; 5 s leaves room for a loaded machine (CI
+        # runs two test workers a core), while a cancel lost for good still never ends it.
+        await asyncio.wait([stopping], timeout=5)
         if stopping.done():
             return True
         while not task.done():  # ended here, or asyncio.run's cleanup would wait for ever
