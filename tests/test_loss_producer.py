@@ -106,6 +106,7 @@ def test_a_producer_restarted_right_after_redis_restarts_empty_waits_for_the_con
         r.close()
 
 
+@pytest.mark.slow  # waits out a just-started Redis's 8 s settle, a Redis loss and recover
 @pytest.mark.timeout(240)
 def test_a_consumer_started_while_its_run_is_lost_waits_for_the_recover(
         tmp_path, run_name, sim_factory):

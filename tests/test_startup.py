@@ -76,6 +76,7 @@ def test_services_stopped_while_waiting_for_redis_exit_cleanly(tmp_path, run_nam
         producer.cleanup()
 
 
+@pytest.mark.slow  # each command waits out its --redis-wait on an unreachable Redis
 def test_run_to_the_end_commands_give_up_on_an_unreachable_redis(tmp_path, run_name):
     """--once and --burst are run by a person or a script that waits for them: an unreachable
     Redis ends them after --redis-wait with one line and exit 1, not a wait forever."""
