@@ -38,8 +38,10 @@ def test_one_row_group_of_200k_rows_keeps_leases_renewed(
     producer = Background(redis_url, run_name, "produce", str(data), "--window", "16",
                           "--interval", "0.1", "--max-tokens", "300")
     sim = sim_factory(**sim_kwargs(0.2))
-    consumer = Consumer(redis_url, run_name, sim.url, tmp_path / "out", vt=1.5)
     k = RunKeys(run_name)
+    # A consumer exits on a run not registered yet, and the producer reads 200k rows first.
+    wait_for(lambda: r.exists(k.meta), timeout=60, what="the run registered")
+    consumer = Consumer(redis_url, run_name, sim.url, tmp_path / "out", vt=1.5)
     try:
         wait_for(lambda: r.bitcount(k.done) >= 40, timeout=90, what="40 prompts done")
         consumer.signal(signal.SIGTERM)
