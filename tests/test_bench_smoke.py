@@ -57,9 +57,9 @@ def test_every_bench_script_is_smoke_run() -> None:
 
 @pytest.mark.real_sglang
 def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
-    from sglang_servers import RealServer
+    from sglang_servers import start_server
 
-    server = RealServer("tuned")
+    server = start_server("real", "tuned")
     try:
         out = tmp_path / "figures.json"
         run_bench("real_stream_cost.py", "--port", str(server.port), "--n", "8",
@@ -73,9 +73,9 @@ def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
 
 @pytest.mark.real_sglang
 def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
-    from sglang_servers import RealServer
+    from sglang_servers import start_server
 
-    server = RealServer("tuned")
+    server = start_server("real", "tuned")
     try:
         out = tmp_path / "figures.json"
         run_bench("real_samples.py", "--port", str(server.port), "--prompts", "2", "--k", "2",
