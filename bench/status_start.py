@@ -1,24 +1,15 @@
-"""`genq status` on a busy machine, this tree against a baseline checkout, side by side.
-
-A run of 914,000 prompts × 4 samples is consumed by three `genq consume` on fast simulators
-(the scale bench's settings), so both cores are busy as they are mid-run. While it runs, the
-two trees' `genq status --json` take turns against the same Redis, a round at a time. Each
-call's wall time and CPU (user + system, from wait4) are kept; the table gives the median and
-the worst of each, and this tree's against the baseline's.
+"""`genq status` on a busy machine, this tree against a baseline checkout (its own directory on
+PYTHONPATH, the same interpreter): a 914,000 × 4 run consumed by three consumers on fast
+simulators (scale.py's settings) while the two trees' `genq status` take turns, a round at a
+time; wall and CPU (wait4) of each call, median and worst.
 
     git worktree add /tmp/base 30a5a45
     python bench/status_start.py --baseline /tmp/base --rounds 15
     python bench/status_start.py --baseline /tmp/base --busy 4   # and 4 processes spinning
     python bench/status_start.py --baseline /tmp/base --fresh 5  # produce's start instead
 
---fresh N measures the producer's start instead, N rounds a tree: `genq produce` of a new run of
-1,000,000 prompts (--total) on a Redis started just before, as a fresh deployment's, timed from
-the command to the first task in the queue.
-
---busy N adds N processes that only spin, as other work on the same machine would.
-
-The baseline runs from its own directory with PYTHONPATH set to it, so its `genq` package is
-its own; the same interpreter and installed libraries serve both.
+--fresh N: `genq produce` of a new run (1,000,000 prompts) on a Redis started just before, from
+the command to its first task queued, N rounds a tree.
 """
 
 from __future__ import annotations
@@ -37,19 +28,6 @@ from pipeline import wait_for
 from genq.common.queue.keys import RunKeys
 
 RUN = "status"
-
-
-def status_call(tree: Path, env: dict) -> tuple[float, float]:
-    """One `genq status` from `tree`: (wall s, CPU s)."""
-    start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "genq", "status"], cwd=tree,
-                            env={**env, "PYTHONPATH": str(tree)}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    code, cpu = kit.wait_rusage(proc, timeout=120)
-    wall = time.monotonic() - start
-    if code:
-        raise SystemExit(f"genq status from {tree} failed: {proc.stderr.read().decode()[-500:]}")
-    return wall, cpu
 
 
 def produce_start(tree: Path, data: Path, marks: Path) -> float:
@@ -128,7 +106,8 @@ def main() -> int:
             for n in range(a.rounds):
                 order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
                 for name, tree in order:
-                    calls[name].append(status_call(tree, env))
+                    got = kit.timed(["status"], env, tree=tree)
+                    calls[name].append((got["wall_s"], got["cpu_s"]))
             cpu1, done_after = kit.machine_cpu(), r.bitcount(k.done)
         finally:
             for proc in [*procs, *spinners]:

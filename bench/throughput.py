@@ -1,17 +1,14 @@
-"""genq's consumer against a bare aiohttp client (bench/_bare_stream.py) asking for its answers
-the same way (whole, genq's default; --stream: both streamed), side by side on one simulator, at
-the shape users have: thinking answers split by a reasoning parser, lognormal lengths around
-2,326 tokens, max_tokens 4,096, one SSE chunk per token, 40 slots, near real speed. Same
-interpreter, GC settings, server and concurrency; whole processes are measured, each one's
-start-up CPU (an empty run) reported apart and subtracted per token. Redis commands are counted
-for genq (those inside scripts included).
+"""genq's consumer against a bare aiohttp client (bench/_bare_stream.py) asking the same way
+(whole answers, genq's default; --stream: both streamed) on one simulator: same interpreter, GC
+settings and concurrency; whole processes measured, start-up CPU (an empty run) subtracted per
+token. The seed's shape: thinking answers, lognormal lengths around 2,326 tokens, max_tokens
+4,096, a chunk per token, 40 slots, real speed.
 
     python bench/throughput.py                  # the seed's shape (a few minutes)
     python bench/throughput.py --shape short    # 400-token answers, coarse chunks, 32 slots
-    python bench/throughput.py --shape errors   # the same with 5 % of requests answered 503
-    python bench/throughput.py --shape fast     # 16-token answers as fast as the simulator goes
+    python bench/throughput.py --shape errors   # the same with 5 % answered 503
+    python bench/throughput.py --shape fast     # 16-token answers as fast as it goes
     python bench/throughput.py --shape paced    # 160 requests/s: 32 slots, 0.2 s each
-    python bench/throughput.py --stream         # both stream their answers (genq --stream)
 """
 
 from __future__ import annotations
@@ -19,9 +16,7 @@ from __future__ import annotations
 import compileall
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import _common as kit
@@ -40,25 +35,12 @@ SHAPES = {  # name: (simulator flags, slots, prompts, the bare client retries re
 }
 
 
-def timed(args: list[str], env: dict | None = None) -> tuple[float, float, bytes]:
-    """Run a process to its end: (wall s, CPU s, its stdout)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(args, cwd=kit.REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    rc, cpu = kit.wait_rusage(proc, timeout=3600)
-    if rc != 0:
-        raise RuntimeError(f"{args[1:4]} exited {rc}:\n{proc.stderr.read().decode()[-3000:]}")
-    return time.monotonic() - t0, cpu, proc.stdout.read()
-
-
 def consume(rs, sim, run: str, out: Path, stream: bool = False) -> dict:
     """One `genq consume --burst` over the run as it stands: wall, CPU, tokens written."""
-    wall, cpu, _ = timed([sys.executable, "-m", "genq", "consume", "--server", sim.url,
-                          "--burst", "--out", str(out), *(["--stream"] if stream else [])],
-                         kit.genq_env(rs.url, run))
-    tokens = sum(json.loads(line)["completion_tokens"]
-                 for p in out.glob("*.jsonl") for line in open(p, "rb"))
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens}
+    got = kit.timed(["consume", "--server", sim.url, "--burst", "--out", str(out),
+                     *(["--stream"] if stream else [])], kit.genq_env(rs.url, run))
+    return {**got, "tokens": sum(json.loads(line)["completion_tokens"]
+                                 for p in out.glob("*.jsonl") for line in open(p, "rb"))}
 
 
 def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict:
@@ -79,17 +61,17 @@ def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict
 
 
 def bare_round(sim, dataset: Path, n: int, slots: int, retry: bool, stream: bool) -> dict:
-    def run(count: int) -> tuple[float, float, bytes]:
-        return timed([sys.executable, str(kit.REPO / "bench" / "_bare_stream.py"), "--server",
-                      sim.url, "--dataset", str(dataset), "--n", str(count), "--concurrency",
-                      str(slots), *(["--retry"] if retry else []),
-                      *([] if stream else ["--whole"])])
+    def run(count: int) -> dict:
+        return kit.timed(["--server", sim.url, "--dataset", str(dataset), "--n", str(count),
+                          "--concurrency", str(slots), *(["--retry"] if retry else []),
+                          *([] if stream else ["--whole"])], None,
+                         script=kit.REPO / "bench" / "_bare_stream.py")
 
     sim0 = kit.proc_cpu_s(sim.proc.pid)
-    wall, cpu, out = run(n)
-    sim_cpu, got = kit.proc_cpu_s(sim.proc.pid) - sim0, json.loads(out)
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": got["tokens"], "sim_cpu_s": sim_cpu,
-            "startup_cpu_s": run(0)[1], "retries": got["retries"]}
+    got = run(n)
+    sim_cpu, out = kit.proc_cpu_s(sim.proc.pid) - sim0, json.loads(got["stdout"])
+    return {"wall_s": got["wall_s"], "cpu_s": got["cpu_s"], "tokens": out["tokens"],
+            "sim_cpu_s": sim_cpu, "startup_cpu_s": run(0)["cpu_s"], "retries": out["retries"]}
 
 
 def report(a, g: dict, b: dict, n: int) -> None:
@@ -128,8 +110,7 @@ def main() -> int:
     if a.time_scale:
         flags = [*flags, "--time-scale", str(a.time_scale)]
     a.load_before = kit.load_average()
-    # Both start from compiled bytecode, as an installed package does: where the environment
-    # says never to write it, each start would compile genq's sources again.
+    # Both start from compiled bytecode, as an installed package does.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     for package in ("common", "consumer", "genq", "bench"):
         compileall.compile_dir(kit.REPO / package, quiet=1)
