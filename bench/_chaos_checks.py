@@ -15,11 +15,14 @@ from genq.common.queue.keys import FINISH_NAMES, RunKeys
 from genq.common.report.status import read_status
 
 
-def superseded(records: list[dict], requeues: list[dict]) -> list[int]:
+def superseded(r: redis.Redis, k: RunKeys, records: list[dict], requeues: list[dict]
+               ) -> list[int]:
     """Indices whose accepted result ran under parameters a requeue had replaced: one written
-    after a requeue that aborts older work (its `at` is the switch, from the run's history, on
-    this host's clock), under an older version; or a truncated result older than a
-    `--redo truncated`."""
+    after a requeue's switch (from the run's history, on this host's clock) under an older
+    version; or a truncated result older than a `--redo truncated`."""
+    switched = {h["version"]: h["at"] for h in map(orjson.loads, r.lrange(k.params_history, 0, -1))}
+    for q in requeues:  # the moment Redis switched, not when the command was started
+        q["at"] = switched.get(q["version"], q["at"])
     bad = set()
     for q in requeues:
         for rec in records:
@@ -57,10 +60,7 @@ def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: 
     finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()
                      else "other" for rec in records)
     lines = shard_lines(out_dirs, run)
-    switched = {h["version"]: h["at"] for h in map(orjson.loads, r.lrange(k.params_history, 0, -1))}
-    for q in requeues:  # the moment Redis switched, not when the command was started
-        q["at"] = switched.get(q["version"], q["at"])
-    stale = superseded(records, requeues)
+    stale = superseded(r, k, records, requeues)
     checks = {
         "nothing_lost": len(done | failed) == total and not done & failed,
         "each_index_once_in_export": indices == sorted(done),

@@ -136,15 +136,15 @@ def proc_cpu_s(pid: int) -> float:
 
 
 def reap(procs: list[subprocess.Popen], tick=None, period: float = 0.5) -> dict[int, tuple]:
-    """Wait for every process, calling `tick()` between looks: {pid: (exit code, CPU s)}, each
-    by wait4 (poll() would reap it first and lose its CPU)."""
+    """Wait for every process, calling `tick()` between looks: {pid: (exit code, CPU s, when
+    it exited)}, each by wait4 (poll() would reap it first and lose its CPU)."""
     got: dict[int, tuple] = {}
     while len(got) < len(procs):
         for proc in procs:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG) if proc.pid not in got else (0, 0, 0)
             if pid:
                 proc.returncode = os.waitstatus_to_exitcode(status)
-                got[pid] = (proc.returncode, ru.ru_utime + ru.ru_stime)
+                got[pid] = (proc.returncode, ru.ru_utime + ru.ru_stime, time.monotonic())
         if tick:
             tick()
         time.sleep(period)

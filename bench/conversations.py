@@ -1,18 +1,11 @@
-"""Conversations at the seed's shape: every assistant turn regenerated in order (`genq produce
---turns all`) against a one-turn run of the same rows (`--turns last`, the baseline), side by
-side on the same Redis and simulators.
-
-The data set is bench/_conversations.py's (seeded agentic-coding rows, ~8 assistant turns each).
-The simulators answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
---enable-cache-report`, calling where the rows call, so every conversation runs all its turns.
-
-Each arm: the windowed producer, `genq consume --burst` per simulator, to the end or to
---deadline (then the consumers are stopped with SIGTERM and the figures are those of the
-prefix done, said in `complete`). Measured: Redis `used_memory` above the arm's start (mid-run
-and at the end, and peak), per conversation; consumers' CPU per generation (wait4); `genq
-status` wall mid-run; `genq export` and, after FLUSHALL, `genq recover` walls (peak RSS),
-checked against each other. Ratios are all/last. `--baseline TREE` also times export and
-recover from that checkout on the same shards, beside this tree's (the exports byte-compared).
+"""Every assistant turn made in order (`--turns all`) against a one-turn run of the same rows
+(`--turns last`), on the same Redis and fast simulators (`--tool-chains`: they call where the
+rows call, so every conversation runs all its turns); bench/_conversations.py's rows. Each arm:
+the windowed producer and a `genq consume --burst` per simulator, to the end or --deadline (then
+SIGTERM; `complete` says which). Measured: Redis bytes per conversation (mid-run, peak, end),
+consumer CPU per generation, `genq status` mid-run, `genq export` and, after FLUSHALL, `genq
+recover` (checked against each other). `--baseline TREE`: that checkout's export and recover on
+the same shards beside this tree's, the exports byte-compared.
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
@@ -58,7 +51,6 @@ class Arm:
                                      run=self.run).stdout)
 
     def mid_run(self) -> None:
-        """`genq status` timed three times (median) and the Redis memory, while consumers run."""
         walls = [kit.latency(self.status) for _ in range(3)]
         self.figures["status_mid_s"] = statistics.median(walls)
         self.figures["redis_b_mid"] = self.used() - self.base
@@ -68,7 +60,6 @@ class Arm:
               f"{self.figures['redis_b_mid'] / 2**20:.1f} MB", file=sys.stderr, flush=True)
 
     def consume(self) -> None:
-        """Consumers to their end (or the deadline): their CPU by wait4, memory peaks."""
         outs = [self.work / f"out{n}" for n in range(len(self.sims))]
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
@@ -94,12 +85,11 @@ class Arm:
         got = kit.reap(procs, tick, period=0.25)
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
-                            consumer_cpu_s=round(sum(s for _, s in got.values()), 2))
+                            consumer_cpu_s=round(sum(g[1] for g in got.values()), 2))
         self.outs = outs
 
     def timed(self, *args: str, tree: Path = kit.REPO) -> dict:
-        """A genq command under `ulimit -n 256` as scale.py times it; where that fails (one
-        that opens every shard at once), the failure is kept and it runs unlimited."""
+        """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
         try:
             return kit.timed(list(args), self.env, nofile=256, tree=tree)
         except SystemExit as failed:
@@ -108,8 +98,7 @@ class Arm:
                     "failed_at_256_files": str(failed)[-200:]}
 
     def finish(self) -> None:
-        """Export, FLUSHALL, recover: walls, and the counts checked against each other; with
-        --baseline, the baseline's first each time, and its export byte-compared with ours."""
+        """Export, FLUSHALL, recover (the baseline's first each time), checked."""
         f = self.figures
         f["redis_b_end"] = self.used() - self.base
         f["status_end"] = before = self.status()
@@ -136,8 +125,6 @@ class Arm:
         self.r.flushall()
 
     def registered(self, producer: Background) -> bool:
-        """Whether the run is registered; a producer that exited first (a refused setting)
-        ends the bench with its log."""
         if producer.proc.poll() is not None and not self.r.exists(self.k.done):
             raise SystemExit(f"[{self.turns}] genq produce exited: {producer.log()[-2000:]}")
         return bool(self.r.exists(self.k.done))

@@ -1,7 +1,5 @@
-"""Many servers from one machine: N simulated servers x S slots, one `genq consume --burst`
-process per server, all on one run. Reports per server what its consumer costs (CPU share of
-one core, CPU ms per task), how full it kept its server (slot occupancy while work remained,
-against the server's ideal rate), and the headroom left.
+"""N simulated servers x S slots from one machine, a `genq consume --burst` each on one run: per
+server its consumer's CPU, how full it kept the server against its ideal rate, the headroom.
 
     python bench/many_servers.py                          # 8 servers x 64 slots, ~30 s
     python bench/many_servers.py --servers 4 --slots 32 --request-s 0.2 --per-server 3000
@@ -10,7 +8,6 @@ against the server's ideal rate), and the headroom left.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,35 +15,6 @@ from pathlib import Path
 import _common as kit
 
 DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
-
-
-def wait_all(procs: list[subprocess.Popen], work: Path, t0: float, timeout: float
-             ) -> list[dict]:
-    """Reap every consumer as it exits: its CPU seconds (wait4), when it exited, and when and
-    at what CPU it wrote its first result (start-up ends there)."""
-    got: dict[int, dict] = {}
-    first: dict[int, tuple[float, float]] = {}
-    deadline = time.monotonic() + timeout
-    while len(got) < len(procs):
-        for i, proc in enumerate(procs):
-            if i in got:
-                continue
-            shards = (work / f"out{i}").glob("*.jsonl")
-            if i not in first and any(f.stat().st_size for f in shards):
-                first[i] = (time.monotonic() - t0, kit.proc_cpu_s(proc.pid))
-            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                proc.returncode = os.waitstatus_to_exitcode(status)
-                t_first, c_first = first.get(i, (0.0, 0.0))
-                got[i] = {"rc": proc.returncode, "cpu_s": ru.ru_utime + ru.ru_stime,
-                          "wall_s": time.monotonic() - t0, "first_s": t_first,
-                          "first_cpu_s": c_first}
-        if time.monotonic() > deadline:
-            for proc in procs:
-                proc.kill()
-            raise TimeoutError(f"consumers still running after {timeout}s")
-        time.sleep(0.01)
-    return [got[i] for i in range(len(procs))]
 
 
 def run_bench(a, work: Path) -> dict:
@@ -69,7 +37,18 @@ def run_bench(a, work: Path) -> dict:
             procs = [kit.consumer(rs.url, "many", "--server", sim.url, "--burst", "--out",
                                   str(work / f"out{i}"), "--name", f"c{i}",
                                   log=work / f"consumer{i}.log") for i, sim in enumerate(sims)]
-            consumers = wait_all(procs, work, t0, timeout=1800)
+            first: dict[int, tuple[float, float]] = {}  # the moment and CPU of a first result
+
+            def tick() -> None:
+                for i, proc in enumerate(procs):
+                    if i not in first and proc.returncode is None and any(
+                            f.stat().st_size for f in (work / f"out{i}").glob("*.jsonl")):
+                        first[i] = (time.monotonic() - t0, kit.proc_cpu_s(proc.pid))
+
+            got = kit.reap(procs, tick, period=0.01)
+            consumers = [{"rc": rc, "cpu_s": cpu, "wall_s": at - t0, "first_s": t, "first_cpu_s": c}
+                         for i, (rc, cpu, at) in enumerate(got[p.pid] for p in procs)
+                         for t, c in [first.get(i, (0.0, 0.0))]]
         busy1, all1 = kit.machine_cpu()
         done = int(r.bitcount("genq:many:done"))
         redis_cpu = kit.redis_cpu_s(r) - rcpu0

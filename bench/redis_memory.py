@@ -1,11 +1,7 @@
-"""Redis memory of a run, each case on a fresh private redis-server, used_memory above the
-empty server's: (a) `genq produce --once` of 1,000,000 prompts, every job queued up front,
-against (b) `genq produce DATA --window 512` a few seconds after it filled its window; (c) what
-a real run leaves: `--after-run N` prompts consumed by real `genq consume --burst` processes on
-the simulator, then every key left measured (MEMORY USAGE) and grouped by pattern with its
-members, so a key that grows by one member per task stands out. (c) is taken raw and after
-CONFIG RESETSTAT: Redis 7 keeps a latency histogram (~24 KB) per command type served, ~0.8 MB
-for a run's few dozen whatever its size: server statistics, not the run's data.
+"""Redis used_memory above an empty server, each case on a fresh one: (a) `genq produce --once`
+of 1,000,000 prompts against (b) `--window 512` once filled; (c) what a real run of `--after-run
+N` prompts leaves, every key grouped by pattern (MEMORY USAGE, most members), taken after CONFIG
+RESETSTAT too (Redis 7 keeps ~24 KB of latency histogram per command type: not the run's data).
 
     python bench/redis_memory.py                        # 1M prompts, and (c) at 20,000
     python bench/redis_memory.py --only after-run --after-run 20000
@@ -69,7 +65,7 @@ def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
 
 
 def by_pattern(r: redis.Redis) -> list[dict]:
-    """One row per kind of key (rq:job:mem-123 -> rq:job:mem-N), however many there are."""
+    """One row per kind of key (rq:job:mem-123 -> rq:job:mem-N)."""
     rows: dict[str, dict] = defaultdict(lambda: {"keys": 0, "bytes": 0, "max_members": 0})
     for raw in r.scan_iter(count=1000):
         row = rows[re.sub(r"\d+", "N", raw.decode())]
@@ -103,14 +99,9 @@ def after_run(work: Path, n: int, consumers: int) -> dict:
 
 def after_run_rows(run: dict) -> str:
     done = max(1, run["done"])
-    head = (f"\n(c) right after a real {run['prompts']}-prompt run ({run['done']} done in "
-            f"{run['consume_s']:.1f} s), used_memory above an empty server:\n"
-            f"    run data (after CONFIG RESETSTAT): {run['data_bytes'] / 1e6:.3f} MB = "
-            f"{run['data_bytes'] / done:.1f} B per finished prompt\n"
-            f"    raw (with Redis's per-command latency histograms): {run['bytes'] / 1e6:.3f} MB "
-            f"= {run['bytes'] / done:.1f} B per finished prompt\n"
-            f"    per-index bitmaps and bitfields: {run['per_index_bytes'] / done:.1f} B per "
-            f"prompt; every key's MEMORY USAGE summed: {run['key_bytes'] / 1e6:.3f} MB\n")
+    head = (f"\n(c) after a real {run['prompts']}-prompt run ({run['done']} done), B per "
+            f"finished prompt: {run['data_bytes'] / done:.1f} after CONFIG RESETSTAT, "
+            f"{run['bytes'] / done:.1f} raw, {run['per_index_bytes'] / done:.1f} per-index bits\n")
     rows = [(k["pattern"], k["keys"], f"{k['bytes'] / 1e3:.1f}", k["max_members"])
             for k in run["keys"][:15]]
     return head + kit.table(rows, ("key pattern", "keys", "KB (MEMORY USAGE)", "most members"))

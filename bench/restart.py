@@ -1,9 +1,6 @@
-"""Restarts at every default: how long a server idles when its consumer is killed.
-
-(a) Kill -9 and the same command at once: seconds until the server is full again, and how much
-    later the run ends than an undisturbed one; beside it a plain client (_bare_stream.py).
-(b) A consumer killed for good at --visibility-timeout 6 beside another on a second server:
-    seconds until all its tasks are back in the queue."""
+"""How long a server idles when its consumer is killed: (a) kill -9 and relaunch at once, until
+the server is full again (beside a plain client, _bare_stream.py) and how much later the run
+ends; (b) a consumer killed for good at --visibility-timeout 6, until all its tasks are back."""
 
 from __future__ import annotations
 

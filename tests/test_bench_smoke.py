@@ -24,8 +24,8 @@ SCRIPTS = {
     "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5",
                         "--after-run", "200"],
     "scale.py": ["--total", "2000", "--consumers", "2"],
-    "status_start.py": ["--baseline", str(REPO), "--total", "2000", "--consumers", "1",
-                        "--warm", "200", "--rounds", "2", "--busy", "1"],
+    "scale.py --baseline": ["--baseline", str(REPO), "--total", "2000", "--samples", "4",
+                            "--consumers", "1", "--warm", "200", "--rounds", "2", "--busy", "1"],
     "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
@@ -159,7 +159,7 @@ CHECKS = {
     "replay_story.py": check_story,
     "redis_memory.py": check_memory,
     "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 or pytest.fail(f),
-    "status_start.py": lambda f: (set(f) == {"baseline", "this tree"} and all(
+    "scale.py --baseline": lambda f: (set(f) == {"baseline", "this tree"} and all(
         len(calls) == 2 and all(c["cpu_s"] > 0 for c in calls) for calls in f.values())
                                   ) or pytest.fail(f),
     "restart.py": lambda f: (f["killed"]["full_again_s"] > 0 and f["tasks_back_s"] > 0
