@@ -158,43 +158,27 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
         ("Redis B / conversation, end", "redis_b_per_conversation_end"),
-        ("genq status s, mid-run (median of 3)", "status_mid_s"))
+        ("genq status s, mid-run (median of 3)", "status_mid_s"),
+        *((f"{who}genq {what} s (peak RSS MB)", f"{key}{what}") for key, who in (
+            ("", ""), ("baseline_", "baseline's ")) for what in ("export", "recover")))
 
 
 def report(arms: dict[str, dict]) -> str:
     """A row a figure, a column an arm, and all/last where both ran."""
-    def ratio(a, b) -> str:
-        ok = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
-        return f"{a / b:.2f}" if ok and b else "-"
-
-    def cell(f: dict, key: str) -> object:
-        return f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if "export" in key \
-            or "recover" in key else f[key]
-
-    def against(f: dict, key: str) -> str:  # this tree / the baseline: wall (peak RSS)
-        ours, base = f[key], f[f"baseline_{key}"]
-        return f"{ratio(ours['wall_s'], base['wall_s'])} ({ratio(ours['rss_mb'], base['rss_mb'])})"
-
-    both = set(ARMS) <= set(arms)
-    rows = []
-    timings = [("genq export s (peak RSS MB)", "export"), ("genq recover s (peak RSS MB)",
-                                                           "recover")]
-    if any("baseline_export" in f for f in arms.values()):
-        timings += [("baseline's genq export s (peak RSS MB)", "baseline_export"),
-                    ("baseline's genq recover s (peak RSS MB)", "baseline_recover")]
-    for name, key in (*ROWS, *timings):
-        row = [name, *(cell(f, key) for f in arms.values())]
+    both, rows = set(ARMS) <= set(arms), []
+    for name, key in ROWS:
+        if key not in next(iter(arms.values())):  # the baseline's, without --baseline
+            continue
+        timed = key.endswith(("export", "recover"))
+        cells = [f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if timed else f[key]
+                 for f in arms.values()]
         if both:
-            timed = "export" in key or "recover" in key
-            every, last = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ARMS[::-1])
-            row.append(ratio(every, last))
-        rows.append(tuple(row))
-    if any("baseline_export" in f for f in arms.values()):
-        rows += [(f"{what}: this tree / baseline, wall (peak RSS)",
-                  *(against(f, what) for f in arms.values()), *(("",) if both else ()))
-                 for what in ("export", "recover")]
-    heads = ("figure", *(f"--turns {t}" for t in arms), *(("all/last",) if both else ()))
-    return kit.table(rows, heads)
+            x, y = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ("all", "last"))
+            num = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (x, y))
+            cells.append(f"{x / y:.2f}" if num and y else "-")
+        rows.append((name, *cells))
+    return kit.table(rows, ("figure", *(f"--turns {t}" for t in arms),
+                            *(("all/last",) if both else ())))
 
 
 def main() -> int:
