@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 SCRIPTS = {
     "throughput.py": ["--shape", "short", "--n", "40"],
-    "idle.py": ["--window", "1"],
+    "restart.py --idle": ["--window", "1"],
     "many_servers.py": ["--servers", "2", "--slots", "4", "--per-server", "30",
                         "--time-scale", "400", "--sample", "0.05"],
     "replay_story.py": ["--prompts", "60", "--servers", "2", "--slots", "4",
@@ -153,7 +153,7 @@ def check_conversations(f: dict) -> None:
 
 CHECKS = {
     "throughput.py": check_throughput,
-    "idle.py": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
+    "restart.py --idle": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
                                                         "nothing to claim"} or pytest.fail(f),
     "many_servers.py": check_many,
     "replay_story.py": check_story,
