@@ -47,7 +47,7 @@ def run_bench(name: str, *args: str, timeout: float = 150) -> subprocess.Complet
 
 
 # Runs against a real SGLang server: smoke-run in the real-server tier, below.
-REAL_TIER = {"real_stream_cost.py", "real_samples.py"}
+REAL_TIER = {"real_sglang.py"}
 
 
 def test_every_bench_script_is_smoke_run() -> None:
@@ -62,7 +62,7 @@ def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
     server = RealServer("tuned")
     try:
         out = tmp_path / "figures.json"
-        run_bench("real_stream_cost.py", "--port", str(server.port), "--n", "8",
+        run_bench("real_sglang.py", "stream-cost", "--port", str(server.port), "--n", "8",
                   "--concurrency", "4", "--max-tokens", "32", "--rounds", "1",
                   "--json", str(out), timeout=600)
         figures = json.loads(out.read_text())
@@ -78,8 +78,9 @@ def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
     server = RealServer("tuned")
     try:
         out = tmp_path / "figures.json"
-        run_bench("real_samples.py", "--port", str(server.port), "--prompts", "2", "--k", "2",
-                  "--max-tokens", "16", "--tries", "2", "--json", str(out), timeout=600)
+        run_bench("real_sglang.py", "samples", "--port", str(server.port), "--prompts", "2",
+                  "--k", "2", "--max-tokens", "16", "--tries", "2", "--json", str(out),
+                  timeout=600)
         figures = json.loads(out.read_text())
         assert figures["arms"] and "reproducible" in figures
     finally:
