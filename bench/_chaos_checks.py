@@ -48,30 +48,35 @@ def shard_lines(out_dirs: list[Path], run: str) -> Counter:
     return lines
 
 
+def run_checks(r: redis.Redis, k: RunKeys, total: int, records: list[dict],
+               requeues: list[dict]) -> tuple[set, set, dict, list[int], dict]:
+    """What every soak checks of the run's end and its export: (done, failed, status,
+    superseded indices, checks: name -> passed)."""
+    done, failed = bits(r.get(k.done), total), bits(r.get(k.failed), total)
+    status, stale = read_status(r, k.run), superseded(r, k, records, requeues)
+    finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()
+                     else "other" for rec in records)
+    return done, failed, status, stale, {
+        "nothing_lost": len(done | failed) == total and not done & failed,
+        "no_result_under_superseded_parameters": not stale,
+        "status_equals_export": (
+            status["done"] == len(done) and status["failed"] == len(failed)
+            and status["finish_reasons"] == dict(finish)
+            and status["output_tokens_total"] == sum(x["completion_tokens"] for x in records)
+            and status["prompt_tokens_total"] == sum(x["prompt_tokens"] for x in records)),
+        "queue_and_leases_empty": r.llen(k.rq_queue) == 0 and r.zcard(k.leases) == 0,
+    }
+
+
 def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: Path,
                  requeues: list[dict], out_dirs: list[Path]) -> tuple[dict, dict]:
     """(checks: name -> passed, figures)."""
     k = RunKeys(run)
-    done, failed = bits(r.get(k.done), total), bits(r.get(k.failed), total)
     genq("export", "--out", str(workdir / "export.jsonl"), redis_url=redis_url, run=run)
     records = read_jsonl(workdir / "export.jsonl")
-    indices = [rec["index"] for rec in records]
-    status = read_status(r, run)
-    finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()
-                     else "other" for rec in records)
+    done, failed, status, stale, checks = run_checks(r, k, total, records, requeues)
+    checks["each_index_once_in_export"] = [rec["index"] for rec in records] == sorted(done)
     lines = shard_lines(out_dirs, run)
-    stale = superseded(r, k, records, requeues)
-    checks = {
-        "nothing_lost": len(done | failed) == total and not done & failed,
-        "each_index_once_in_export": indices == sorted(done),
-        "no_result_under_superseded_parameters": not stale,
-        "status_equals_export": (
-            status["done"] == len(records) and status["failed"] == len(failed)
-            and status["finish_reasons"] == dict(finish)
-            and status["output_tokens_total"] == sum(r_["completion_tokens"] for r_ in records)
-            and status["prompt_tokens_total"] == sum(r_["prompt_tokens"] for r_ in records)),
-        "queue_and_leases_empty": r.llen(k.rq_queue) == 0 and r.zcard(k.leases) == 0,
-    }
     reasons = r.hmget(k.errors, [str(i) for i in sorted(failed)]) if failed else []
     errors = Counter((v or b"?").decode(errors="replace")[:80] for v in reasons)
     figures = {

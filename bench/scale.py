@@ -1,28 +1,28 @@
 """The seed's scale end to end: 914,000 prompts, the windowed producer, consumers on fast
-simulators, a monitor: wall, CPU per task, Redis above the empty server (start, peak, end),
+simulators, a monitor: wall, CPU per task, Redis above the empty server (start, peak, end;
+what is left, key by key),
 `genq status` and /api/status mid-run and at the end, `genq export` under `ulimit -n 256` and
 `genq recover` after FLUSHALL, checked against the run.
 
 --baseline TREE: instead, once --warm tasks are done, that checkout's `genq status` (its own
 directory on PYTHONPATH, the same interpreter) and this tree's take turns, --rounds rounds: wall
-and CPU (wait4) of each call, median and worst; then the run stops. With --fresh N: `genq
-produce` of a new run on a Redis started just before, to its first task queued, N rounds a tree.
+and CPU (wait4) of each call, median and worst; then the run stops.
 
     python bench/scale.py                          # 914,000 prompts
-    python bench/scale.py --samples 4 --profile status.prof   # × 4, the mid-run status profiled
+    python bench/scale.py --samples 4              # 914,000 × 4 samples
     git worktree add /tmp/base 30a5a45
     python bench/scale.py --samples 4 --baseline /tmp/base --rounds 15 [--busy 4]
-    python bench/scale.py --baseline /tmp/base --fresh 5
 """
 
 from __future__ import annotations
 
+import re
 import statistics
 import subprocess
 import sys
 import time
 import urllib.request
-import uuid
+from collections import defaultdict
 from pathlib import Path
 
 import _common as kit
@@ -33,44 +33,19 @@ from test_monitor import Monitor
 from genq.common.queue.keys import RunKeys
 
 RUN = "scale"
+SIZE = {"list": "llen", "hash": "hlen", "zset": "zcard", "set": "scard", "stream": "xlen"}
 
 
-def produce_start(tree: Path, data: Path, marks: Path) -> float:
-    """Seconds from `genq produce` (from `tree`) of a new run on a Redis started just now to its
-    first task queued."""
-    run = "fresh" + uuid.uuid4().hex[:8]
-    with kit.private_redis() as srv:
-        r, k = srv.client(), RunKeys(run)
-        env = {**kit.genq_env(srv.url, run), "PYTHONPATH": str(tree), "XDG_STATE_HOME": str(marks)}
-        start = time.monotonic()
-        proc = subprocess.Popen([sys.executable, "-m", "genq", "produce", str(data), "--window",
-                                 "64"], cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
-        try:
-            wait_for(lambda: r.llen(k.rq_queue) > 0, timeout=120, interval=0.01,
-                     what=f"the first task queued by {tree}")
-            return time.monotonic() - start
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-            r.close()
-
-
-def fresh(trees: dict[str, Path], total: int, rounds: int, json_path: str | None) -> int:
-    took: dict[str, list[float]] = {name: [] for name in trees}
-    with kit.workdir() as work:
-        data = kit.write_dataset(work / "d.jsonl", total)
-        for n in range(rounds):
-            order = list(trees.items()) if n % 2 == 0 else list(trees.items())[::-1]
-            for name, tree in order:
-                took[name].append(produce_start(tree, data, work / "state"))
-    print(f"genq produce of {total:,} prompts on a fresh Redis, {rounds} rounds a tree; load "
-          f"{kit.load_average()}")
-    print(kit.table([(name, f"{statistics.median(t):.2f}", f"{min(t):.2f}", f"{max(t):.2f}")
-                     for name, t in took.items()],
-                    ("first task queued", "median s", "min s", "max s")))
-    kit.dump_json(json_path, {name: [round(x, 3) for x in t] for name, t in took.items()})
-    return 0
+def by_pattern(r) -> list[dict]:
+    """What the run leaves, a row per kind of key (rq:job:scale-123 -> rq:job:scale-N)."""
+    rows: dict[str, dict] = defaultdict(lambda: {"keys": 0, "bytes": 0, "max_members": 0})
+    for raw in r.scan_iter(count=1000):
+        row = rows[re.sub(r"\d+", "N", raw.decode())]
+        row["keys"] += 1
+        row["bytes"] += int(r.memory_usage(raw, samples=0) or 0)
+        if (kind := r.type(raw).decode()) in SIZE:
+            row["max_members"] = max(row["max_members"], int(getattr(r, SIZE[kind])(raw)))
+    return sorted(({"pattern": p, **v} for p, v in rows.items()), key=lambda x: -x["bytes"])
 
 
 def status_rounds(a, trees: dict[str, Path], r, env: dict) -> int:
@@ -109,25 +84,19 @@ def status_rounds(a, trees: dict[str, Path], r, env: dict) -> int:
 
 def main() -> int:
     p = kit.parser(__doc__)
-    p.add_argument("--total", type=int, help="prompts (default 914,000; --fresh: 1,000,000)")
+    p.add_argument("--total", type=int, default=914_000)
     p.add_argument("--consumers", type=int, default=3)
     p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--profile", help="cProfile the mid-run `genq status` into this file")
     p.add_argument("--baseline", type=Path, help="instead: this checkout's `genq status` and "
                    "this tree's taking turns mid-run")
     p.add_argument("--rounds", type=int, default=15, help="--baseline: rounds of status calls")
     p.add_argument("--busy", type=int, default=0, help="--baseline: processes spinning beside")
     p.add_argument("--warm", type=int, default=50_000, help="--baseline: tasks done first")
-    p.add_argument("--fresh", type=int, default=0, metavar="N", help="--baseline, instead: N "
-                   "rounds a tree of produce's start on a fresh Redis (1,000,000 prompts)")
     a = p.parse_args()
     if a.baseline:
         trees = {"baseline": a.baseline.resolve(), "this tree": kit.REPO}
         if not (trees["baseline"] / "genq" / "__main__.py").exists():
             raise SystemExit(f"{a.baseline} is not a genq checkout")
-        if a.fresh:
-            return fresh(trees, a.total or 1_000_000, a.fresh, a.json)
-    a.total = a.total or 914_000
     tasks = a.total * a.samples
     k, lat = RunKeys(RUN), {}
     with kit.workdir() as work, kit.private_redis() as srv, \
@@ -168,10 +137,6 @@ def main() -> int:
                 print(f"mid-run ({r.bitcount(k.done):,} of {tasks:,} done, load average "
                       f"{kit.load_average()}): genq status {lat['status_mid_s']} s, /api/status "
                       f"{lat['api_mid_s']} s", file=sys.stderr, flush=True)
-                if a.profile:
-                    subprocess.run([sys.executable, "-m", "cProfile", "-o", a.profile, "-m",
-                                    "genq", "status"], cwd=kit.REPO, env=env, check=True,
-                                   stdout=subprocess.DEVNULL)
             peak_mb = max(peak_mb, used_mb())
 
         cpu = {pid: g[1] for pid, g in kit.reap(procs, tick).items()}
@@ -180,7 +145,7 @@ def main() -> int:
         lat["api_end_s"] = kit.latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))
         producer.stop()
         monitor.proc.terminate()
-        end_mb, done = used_mb(), r.bitcount(k.done)
+        end_mb, done, keys = used_mb(), r.bitcount(k.done), by_pattern(r)
         shards = sum(len(list(out.glob("*.jsonl"))) for out in outs)
         export = kit.timed(["export", "--out", str(work / "all.jsonl")], env, nofile=256)
         exported = sum(1 for _ in open(work / "all.jsonl", "rb"))
@@ -198,7 +163,9 @@ def main() -> int:
         "redis_mb_end": round(end_mb, 1), "redis_b_per_task": round(end_mb * 2**20 / tasks, 1),
         **lat, "export": export, "recover": recover}
     print(kit.table([(key, str(value)) for key, value in figures.items()], ("figure", "value")))
-    kit.dump_json(a.json, figures)
+    print(kit.table([(x["pattern"], x["keys"], f"{x['bytes'] / 1e3:.1f}", x["max_members"])
+                     for x in keys[:15]], ("key left", "keys", "KB", "most members")))
+    kit.dump_json(a.json, {**figures, "keys": keys})
     return 0
 
 

@@ -21,8 +21,7 @@ SCRIPTS = {
     "replay_story.py": ["--prompts", "60", "--servers", "2", "--slots", "4",
                         "--time-scale", "400", "--hand-delay", "0.2", "--around", "1",
                         "--visibility-timeout", "2", "--sample", "0.05", "--timeout", "60"],
-    "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5",
-                        "--after-run", "200"],
+    "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5"],
     "scale.py": ["--total", "2000", "--consumers", "2"],
     "scale.py --baseline": [str(REPO), "--total", "2000", "--samples", "4",
                             "--consumers", "1", "--warm", "200", "--rounds", "2", "--busy", "1"],
@@ -124,8 +123,6 @@ def check_story(f: dict) -> None:
 
 def check_memory(f: dict) -> None:
     assert f["once"]["queued"] == 5000 and f["window"]["queued"] >= 64
-    run = f["after_run"]
-    assert run["done"] == 200 and run["per_index_bytes"] > 0 and run["keys"]
 
 
 def check_s3(f: dict) -> None:
@@ -159,7 +156,8 @@ CHECKS = {
     "many_servers.py": check_many,
     "replay_story.py": check_story,
     "redis_memory.py": check_memory,
-    "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 or pytest.fail(f),
+    "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 and f["keys"]
+    or pytest.fail(f),
     "scale.py --baseline": lambda f: (set(f) == {"baseline", "this tree"} and all(
         len(calls) == 2 and all(c["cpu_s"] > 0 for c in calls) for calls in f.values())
                                   ) or pytest.fail(f),
