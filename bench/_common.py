@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import resource
-import shutil
 import string
 import subprocess
 import sys
@@ -78,13 +77,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 @contextmanager
-def workdir(prefix: str = "genq-bench-") -> Iterator[Path]:
-    """A temporary directory, removed on the way out whatever happened."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="genq-bench-", ignore_cleanup_errors=True) as path:
+        yield Path(path)
 
 
 @contextmanager

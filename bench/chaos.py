@@ -53,7 +53,6 @@ def parse(argv: list[str] | None):
     p.add_argument("--turns", choices=("last", "all"), default="last",
                    help="all: agentic conversations, 2 samples, token ids, shipped to S3, with "
                    "Redis lost and recovered and lost nodes repaired (bench/_chaos_turns.py)")
-    p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args(argv)
 
 
@@ -253,7 +252,7 @@ class Soak:
         terms = [*self.term_exits, *stops.values()]
         checks["every_process_stopped_on_sigterm"] = all(t[0] == 0 for t in terms)
         return {
-            "settings": {k: v for k, v in vars(self.a).items() if k not in ("json", "keep")},
+            "settings": {k: v for k, v in vars(self.a).items() if k != "json"},
             "checks": checks, **figures, **timing,
             "prompts_per_s": round(self.a.prompts / timing["duration_s"], 1),
             "faults": dict(self.fired), "faults_total": sum(self.fired.values()),
@@ -289,8 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if soak is not None:
             soak.close()
-        if not a.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
     dump_json(a.json, result)
     for name, ok in result["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")

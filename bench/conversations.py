@@ -4,17 +4,15 @@ rows call, so every conversation runs all its turns); bench/_conversations.py's 
 the windowed producer and a `genq consume --burst` per simulator, to the end or --deadline (then
 SIGTERM; `complete` says which). Measured: Redis bytes per conversation (mid-run, peak, end),
 consumer CPU per generation, `genq status` mid-run, `genq export` and, after FLUSHALL, `genq
-recover` (checked against each other). `--baseline TREE`: that checkout's export and recover on
-the same shards beside this tree's, the exports byte-compared.
+recover` (checked against each other).
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
-    python bench/conversations.py --arms all --baseline /tmp/base    # export, recover: both
+    python bench/conversations.py --arms all                         # --turns all alone
 """
 
 from __future__ import annotations
 
-import filecmp
 import signal
 import statistics
 import sys
@@ -88,40 +86,30 @@ class Arm:
                             consumer_cpu_s=round(sum(g[1] for g in got.values()), 2))
         self.outs = outs
 
-    def timed(self, *args: str, tree: Path = kit.REPO) -> dict:
+    def timed(self, *args: str) -> dict:
         """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
         try:
-            return kit.timed(list(args), self.env, nofile=256, tree=tree)
+            return kit.timed(list(args), self.env, nofile=256)
         except SystemExit as failed:
             print(f"[{self.turns}] under ulimit -n 256: {str(failed)[-300:]}", file=sys.stderr)
-            return {**kit.timed(list(args), self.env, tree=tree),
-                    "failed_at_256_files": str(failed)[-200:]}
+            return {**kit.timed(list(args), self.env), "failed_at_256_files": str(failed)[-200:]}
 
     def finish(self) -> None:
-        """Export, FLUSHALL, recover (the baseline's first each time), checked."""
+        """Export, FLUSHALL, recover, checked."""
         f = self.figures
         f["redis_b_end"] = self.used() - self.base
         f["status_end"] = before = self.status()
         # Where the conversations ended (--turns all's status: "diverged", "truncated", ...).
         f["stopped"] = (before.get("conversations") or {}).get("stopped", "-")
-        trees = {**({"baseline_": Path(self.a.baseline).resolve()} if self.a.baseline else {}),
-                 "": kit.REPO}
-        for name, tree in trees.items():
-            f[f"{name}export"] = self.timed("export", "--out", str(self.work / f"{name}all.jsonl"),
-                                            "--overwrite", tree=tree)
+        f["export"] = self.timed("export", "--out", str(self.work / "all.jsonl"), "--overwrite")
         f["generations"] = sum(1 for _ in open(self.work / "all.jsonl", "rb"))
-        if self.a.baseline and not filecmp.cmp(self.work / "all.jsonl",
-                                               self.work / "baseline_all.jsonl", shallow=False):
-            raise SystemExit(f"[{self.turns}] the export differs from the baseline's")
-        for name, tree in trees.items():
-            self.r.flushall()  # what a restart without persistence leaves
-            f[f"{name}recover"] = self.timed("recover", "--shards", *map(str, self.outs),
-                                             tree=tree)
-            after = self.status()
-            for key in ("total", "done", "failed"):
-                if before.get(key) != after.get(key):
-                    raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
-                                     f"{after.get(key)} recovered by {name or 'this tree'}")
+        self.r.flushall()  # what a restart without persistence leaves
+        f["recover"] = self.timed("recover", "--shards", *map(str, self.outs))
+        after = self.status()
+        for key in ("total", "done", "failed"):
+            if before.get(key) != after.get(key):
+                raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
+                                 f"{after.get(key)} recovered")
         self.r.flushall()
 
     def registered(self, producer: Background) -> bool:
@@ -159,16 +147,13 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
         ("Redis B / conversation, end", "redis_b_per_conversation_end"),
         ("genq status s, mid-run (median of 3)", "status_mid_s"),
-        *((f"{who}genq {what} s (peak RSS MB)", f"{key}{what}") for key, who in (
-            ("", ""), ("baseline_", "baseline's ")) for what in ("export", "recover")))
+        ("genq export s (peak RSS MB)", "export"), ("genq recover s (peak RSS MB)", "recover"))
 
 
 def report(arms: dict[str, dict]) -> str:
     """A row a figure, a column an arm, and all/last where both ran."""
     both, rows = set(ARMS) <= set(arms), []
     for name, key in ROWS:
-        if key not in next(iter(arms.values())):  # the baseline's, without --baseline
-            continue
         timed = key.endswith(("export", "recover"))
         cells = [f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if timed else f[key]
                  for f in arms.values()]
@@ -191,8 +176,6 @@ def main() -> int:
                    help="seconds an arm's consumers run before they are stopped (all 8 turns "
                    "of 100,000 took ~1,000 s on 2 cores)")
     p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
-    p.add_argument("--baseline", default=None,
-                   help="a checkout whose export and recover run beside this tree's")
     a = p.parse_args()
     sim = [*SIM, "--tool-chains", "--seed", str(a.seed)]
     figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}

@@ -1,12 +1,8 @@
-"""A real SGLang 0.5.23 server (scripts/real-sglang.sh start), two questions.
-
-stream-cost: does streaming cost the server throughput? The same requests at the same
-concurrency with `stream: true` and without, alternating: the server's generated tokens per
-second (its /metrics) and the CPU of its whole process group.
-
-samples: K requests a prompt with a seed each (genq's `--samples`) against one with `n=K`: the
-server's prompt, cached and generated tokens (/metrics), tokens/s; and whether a seeded request
-asked again at temperature 0.6 gives the same answer, alone and beside other traffic.
+"""A real SGLang 0.5.23 server (scripts/real-sglang.sh start). stream-cost: the same requests
+with `stream: true` and without, alternating: the server's tokens/s (/metrics) and its process
+group's CPU. samples: K seeded requests a prompt (genq's `--samples`) against one with `n=K`:
+prompt, cached and generated tokens, tokens/s; and whether a seeded request asked again at
+temperature 0.6 gives the same answer, alone and beside other traffic.
 
     PORT=31555 scripts/real-sglang.sh start && python bench/real_sglang.py stream-cost --port 31555
     python bench/real_sglang.py samples --port 31555 [--k 4] [--prompts 4]

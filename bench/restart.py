@@ -1,10 +1,8 @@
 """How long a server idles when its consumer is killed: (a) kill -9 and relaunch at once, until
 the server is full again (beside a plain client, _bare_stream.py) and how much later the run
 ends; (b) a consumer killed for good at --visibility-timeout 6, until all its tasks are back.
-
---idle: instead, the share of a core three waiting consumers use over --window seconds after
-their start-up: one whose run is finished, a spare, one with nothing to claim while a frozen
-consumer's leases run out."""
+--idle: instead, the CPU of three waiting consumers: a finished run's, a spare, one with nothing
+to claim while a frozen consumer's leases run out."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Shipping shards to S3: upload throughput, the consumer's rate with and without shipping, and
-the backlog through an S3 outage and the time to drain it. S3 is moto's server (a test extra)
-behind the tests' TCP fault proxy, so an outage is a real refused connection; the figures are
-genq's side (compression, checksums, Redis marking), not a real S3's bandwidth.
-
---ages M,M,...: instead, what a lost node costs against what shipping costs, by shard age
-(`--shard-minutes`). A node that dies loses its open shards' results; shorter shards bound that
-for more S3 requests and CPU an hour. Per age: the requests and the shipper's CPU of one shard
-at the seed's rate (~9 kB records), moto in its own process, worked out per consumer-hour.
+"""Shipping shards to S3 (moto behind the tests' fault proxy, so an outage refuses; genq's side,
+not S3's bandwidth): upload rate, the consumer's rate with and without shipping, the backlog
+through an outage and its drain. --ages: instead, by shard age (`--shard-minutes`), the results
+a lost node loses against the S3 requests and shipper CPU an hour (moto in its own process).
 
     python bench/s3_shipping.py [--n 4000] [--rounds 1] [--outage 10]
     python bench/s3_shipping.py --ages [0.0125,0.5,1,2,5,10] [--rate 1.34] [--gpus 8]

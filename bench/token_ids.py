@@ -1,9 +1,6 @@
-"""What `genq produce --token-ids` costs, ids off and on side by side on the same answers: bytes
-per record (JSONL, zstd shards), a `requeue --continue` partial's bytes in Redis, the consumer's
-CPU per task (parse, build the record, encode). The seed's shape: prompts of thousands of tokens
-(lognormal, median --prompt-median), answers of median 2,326 tokens capped at 4,096, words from
-Python's documentation; ids uniform over Qwen3's 151,669 (real ones favour small numbers, so the
-bytes are an upper bound).
+"""What `genq produce --token-ids` costs, ids off and on on the same answers of the seed's shape:
+bytes per record (JSONL, zstd shards) and per `requeue --continue` partial in Redis, consumer
+CPU per task. Ids are uniform over Qwen3's 151,669 (real ones favour small numbers: an upper bound).
 
     python bench/token_ids.py [--records 2000] [--prompt-median 3000]
 """

@@ -16,8 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = {
     "throughput.py": ["--shape", "short", "--n", "40"],
     "restart.py --idle": ["--window", "1"],
-    "many_servers.py": ["--servers", "2", "--slots", "4", "--per-server", "30",
-                        "--time-scale", "400", "--sample", "0.05"],
+    "throughput.py --servers": ["2", "--slots", "4", "--per-server", "30", "--time-scale",
+                                "400", "--sample", "0.05"],
     "replay_story.py": ["--prompts", "60", "--servers", "2", "--slots", "4",
                         "--time-scale", "400", "--hand-delay", "0.2", "--around", "1",
                         "--visibility-timeout", "2", "--sample", "0.05", "--timeout", "60"],
@@ -153,7 +153,7 @@ CHECKS = {
     "throughput.py": check_throughput,
     "restart.py --idle": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
                                                         "nothing to claim"} or pytest.fail(f),
-    "many_servers.py": check_many,
+    "throughput.py --servers": check_many,
     "replay_story.py": check_story,
     "redis_memory.py": check_memory,
     "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 and f["keys"]
