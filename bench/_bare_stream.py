@@ -1,7 +1,7 @@
 """The bare client of bench/throughput.py and restart.py: prompts in memory, a chat request per
 slot over aiohttp, streamed (--whole: whole answers, genq's default), each answer parsed and
 kept; genq's GC settings, no Redis, no disk. --retry: a 503 is sent again shortly. Prints one
-JSON line of figures."""
+JSON line of figures (the caller measures the process)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,10 @@ import asyncio
 import gc
 import json
 import random
-import resource
-import time
 from typing import Any
 
 import aiohttp
 import orjson
-
-
-def cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
 
 
 async def read_streamed(lines: Any) -> tuple[int, int]:
@@ -67,7 +60,7 @@ async def main(a: argparse.Namespace) -> dict:
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         how = {} if a.whole else {"stream": True, "stream_options": {"include_usage": True}}
         body = orjson.dumps({"model": "default", "messages": messages,
-                             "max_tokens": a.max_tokens, **how})
+                             "max_tokens": 4096, **how})
         while True:
             async with session.post(url, data=body, headers={"content-type": "application/json"}
                                     ) as resp:
@@ -88,14 +81,12 @@ async def main(a: argparse.Namespace) -> dict:
             got = await one(session, index)  # not `tokens += await ...`: a lost update
             tokens += got
 
-    t0, c0 = time.monotonic(), cpu_s()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=None)) as session, \
             asyncio.TaskGroup() as tg:
         for _ in range(min(a.concurrency, len(rows))):
             tg.create_task(slot(session))
-    return {"n": len(rows), "tokens": tokens, "chunks": chunks, "retries": retries,
-            "wall_s": time.monotonic() - t0, "cpu_s": cpu_s() - c0}
+    return {"n": len(rows), "tokens": tokens, "chunks": chunks, "retries": retries}
 
 
 if __name__ == "__main__":
@@ -104,7 +95,6 @@ if __name__ == "__main__":
     p.add_argument("--dataset", required=True)
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--concurrency", type=int, required=True)
-    p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--retry", action="store_true")
     p.add_argument("--whole", action="store_true", help="ask for whole answers, not streamed")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

@@ -3,7 +3,7 @@ not S3's bandwidth): upload rate, the consumer's rate with and without shipping,
 through an outage and its drain. --ages: instead, by shard age (`--shard-minutes`), the results
 a lost node loses against the S3 requests and shipper CPU an hour (moto in its own process).
 
-    python bench/s3_shipping.py [--n 4000] [--rounds 1] [--outage 10]
+    python bench/s3_shipping.py [--n 4000] [--outage 10]
     python bench/s3_shipping.py --ages [0.0125,0.5,1,2,5,10] [--rate 1.34] [--gpus 8]
 """
 
@@ -127,7 +127,6 @@ def main() -> int:
     p.add_argument("--n", type=int, default=4000, help="prompts per consumer run")
     p.add_argument("--shards", type=int, help="shards shipped (default 20; --ages: 10 an age)")
     p.add_argument("--outage", type=float, default=10.0, help="seconds S3 is refused")
-    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds of the rate comparison")
     p.add_argument("--ages", nargs="?", const="0.0125,0.5,1,2,5,10",
                    help="instead: these shard ages (minutes) compared; bare: 0.0125,0.5,1,2,5,10")
     p.add_argument("--rate", type=float, default=9.4 / 7,
@@ -148,7 +147,7 @@ def main() -> int:
             data = kit.write_dataset(tmp / "data.jsonl", a.n)
             # ABBA order, so a load change on a shared machine falls on both sides alike.
             got: dict = {"plain": [], "ship": []}
-            for n, side in enumerate(("plain", "ship", "ship", "plain") * a.rounds):
+            for n, side in enumerate(("plain", "ship", "ship", "plain")):
                 flags = ("--s3-uri", str(uri)) if side == "ship" else ()
                 got[side].append(consume(rs, sim, data, f"{side}{n}", *flags))
             figures.update(plain_s=sum(got["plain"]), shipping_s=sum(got["ship"]),
