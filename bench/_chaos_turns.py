@@ -17,7 +17,7 @@ from pathlib import Path
 
 import _conversations as data
 import orjson
-from _chaos_checks import run_checks
+from _chaos_kit import run_checks
 from _common import genq, moto_s3
 from chaos import RUN, STOP_BOUND_S, Soak
 from pipeline import read_jsonl

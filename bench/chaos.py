@@ -22,8 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import redis
-from _chaos_checks import final_checks
-from _chaos_procs import Proc, Redis, Simulator, genq_proc
+from _chaos_kit import Proc, Redis, Simulator, final_checks, genq_proc
 from _common import dump_json, genq, parser, sim_flags, write_dataset
 from faultkit import sim_kwargs
 

@@ -8,10 +8,14 @@ what is left, key by key),
 directory on PYTHONPATH, the same interpreter) and this tree's take turns, --rounds rounds: wall
 and CPU (wait4) of each call, median and worst; then the run stops.
 
+--produce W: instead, Redis used_memory above an empty server of `genq produce --once` of --total
+prompts against `--window W` once filled, each on a fresh Redis.
+
     python bench/scale.py                          # 914,000 prompts
     python bench/scale.py --samples 4              # 914,000 × 4 samples
     git worktree add /tmp/base 30a5a45
     python bench/scale.py --samples 4 --baseline /tmp/base --rounds 15 [--busy 4]
+    python bench/scale.py --produce 512 --total 1000000
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from test_monitor import Monitor
 
 from genq.common.queue.keys import RunKeys
 
-RUN = "scale"
+RUN, MEM = "scale", "mem"
+MK = RunKeys(MEM)
 SIZE = {"list": "llen", "hash": "hlen", "zset": "zcard", "set": "scard", "stream": "xlen"}
 
 
@@ -82,6 +87,58 @@ def status_rounds(a, trees: dict[str, Path], r, env: dict) -> int:
     return 0
 
 
+def used(r) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def produce_once(dataset: Path) -> dict:
+    with kit.private_redis() as rs:
+        r = rs.client()
+        empty, t = used(r), time.monotonic()
+        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run=MEM)
+        took = time.monotonic() - t
+        return {"bytes": used(r) - empty, "queued": int(r.llen(MK.rq_queue)), "seconds": took,
+                "job_hash_bytes": int(r.memory_usage(MK.rq_job(0)) or 0),
+                "queue_list_bytes": int(r.memory_usage(MK.rq_queue) or 0)}
+
+
+def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
+    with kit.private_redis() as rs:
+        r = rs.client()
+        empty, t = used(r), time.monotonic()
+        producer = Background(rs.url, MEM, "produce", str(dataset), "--window", str(window))
+        try:
+            while int(r.llen(MK.rq_queue)) < window:
+                if producer.proc.poll() is not None or time.monotonic() - t > 300:
+                    raise RuntimeError(f"the window never filled:\n{producer.log()[-2000:]}")
+                time.sleep(0.05)
+            filled = time.monotonic() - t
+            time.sleep(settle_s)  # several top-up rounds: the queue must stay at the window
+            got = {"bytes": used(r) - empty, "queued": int(r.llen(MK.rq_queue)), "fill_s": filled}
+            producer.stop()
+        finally:
+            producer.cleanup()
+    return got
+
+
+def memory(a) -> dict:
+    with kit.workdir() as work:
+        dataset = kit.write_dataset(work / "prompts.jsonl", a.total)
+        got = {"total": a.total, "window": produce_window(dataset, a.produce, a.settle),
+               "once": produce_once(dataset)}
+    once, window, mb = got["once"], got["window"], 1e6
+    print(f"\nRedis used_memory above an empty server, {a.total}-prompt data set\n")
+    print(kit.table([
+        (f"(a) produce --once: {once['queued']} jobs queued", f"{once['bytes'] / mb:.1f}",
+         f"{once['bytes'] / max(1, once['queued']):.0f}", f"{once['bytes'] / window['bytes']:.0f}"),
+        (f"(b) produce --window {a.produce}: {window['queued']} jobs queued",
+         f"{window['bytes'] / mb:.2f}", f"{window['bytes'] / max(1, window['queued']):.0f}", "1")],
+        ("state", "MB", "bytes/job queued", "ratio to (b)")))
+    print(f"\n(a) took {once['seconds']:.1f} s; one queued rq:job hash is "
+          f"{once['job_hash_bytes']} B, the queue list {once['queue_list_bytes'] / mb:.1f} MB")
+    return got
+
+
 def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--total", type=int, default=914_000)
@@ -92,7 +149,13 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=15, help="--baseline: rounds of status calls")
     p.add_argument("--busy", type=int, default=0, help="--baseline: processes spinning beside")
     p.add_argument("--warm", type=int, default=50_000, help="--baseline: tasks done first")
+    p.add_argument("--produce", type=int, metavar="W", help="instead: produce's Redis memory")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="--produce: seconds the windowed producer runs after filling its window")
     a = p.parse_args()
+    if a.produce:
+        kit.dump_json(a.json, memory(a))
+        return 0
     if a.baseline:
         trees = {"baseline": a.baseline.resolve(), "this tree": kit.REPO}
         if not (trees["baseline"] / "genq" / "__main__.py").exists():

@@ -21,7 +21,7 @@ SCRIPTS = {
     "replay_story.py": ["--prompts", "60", "--servers", "2", "--slots", "4",
                         "--time-scale", "400", "--hand-delay", "0.2", "--around", "1",
                         "--visibility-timeout", "2", "--sample", "0.05", "--timeout", "60"],
-    "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5"],
+    "scale.py --produce": ["64", "--total", "5000", "--settle", "0.5"],
     "scale.py": ["--total", "2000", "--consumers", "2"],
     "scale.py --baseline": [str(REPO), "--total", "2000", "--samples", "4",
                             "--consumers", "1", "--warm", "200", "--rounds", "2", "--busy", "1"],
@@ -155,7 +155,7 @@ CHECKS = {
                                                         "nothing to claim"} or pytest.fail(f),
     "throughput.py --servers": check_many,
     "replay_story.py": check_story,
-    "redis_memory.py": check_memory,
+    "scale.py --produce": check_memory,
     "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 and f["keys"]
     or pytest.fail(f),
     "scale.py --baseline": lambda f: (set(f) == {"baseline", "this tree"} and all(
