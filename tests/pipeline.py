@@ -107,12 +107,13 @@ def exported(tmp_path: Path, redis_url: str, run: str, *flags: str,
 
 
 def one_at_a_time(server, tmp_path: Path, redis_url: str, run: str,
-                  name: str = "all.jsonl") -> list[dict]:
+                  name: str = "all.jsonl", concurrency: int = 1) -> list[dict]:
     """The real tier's consume and export: `server` asked one request at a time (a greedy answer
-    is then the one a lone request gets, and each turn meets the cache the turn before left),
+    is then the one a lone request gets, and each turn meets the cache the turn before left;
+    sampled answers may take `concurrency` at once, each conversation's turns still in order),
     with time for a real server to start, to the end; the export's records."""
-    consume_to_the_end(redis_url, run, server.url, tmp_path / "out", "--concurrency", "1",
-                       "--server-wait", "300", timeout=600)
+    consume_to_the_end(redis_url, run, server.url, tmp_path / "out", "--concurrency",
+                       str(concurrency), "--server-wait", "300", timeout=600)
     return exported(tmp_path, redis_url, run, name=name)
 
 

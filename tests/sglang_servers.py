@@ -157,16 +157,19 @@ class RealServer(Server):
 class SharedRealServer(RealServer):
     """The session's real server of a mode: a start costs ~30 s of the real tier's two cores,
     and most scenarios only send it requests. Handed out idle, with its prefix cache flushed;
-    `close` leaves it running for the next test (tests/conftest.py stops it at the session's
-    end). A test that kills or restarts its server starts its own (`own=True`)."""
+    `close` pauses it (SIGSTOP) until the next test: an idle SGLang scheduler on CPU polls,
+    taking most of a core (tests/conftest.py stops it at the session's end). A test that kills
+    or restarts its server starts its own (`own=True`)."""
 
     def close(self) -> None:
-        pass
+        os.killpg(int(self.pid_file().read_text()), signal.SIGSTOP)
 
     def stop(self) -> None:
+        os.killpg(int(self.pid_file().read_text()), signal.SIGCONT)
         super().close()
 
     def quiet(self, timeout: float = 120) -> SharedRealServer:
+        os.killpg(int(self.pid_file().read_text()), signal.SIGCONT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             load = httpx.get(self.url + "/v1/loads", timeout=10).json()["loads"]

@@ -23,7 +23,7 @@ from conftest import genq
 from pipeline import continue_truncated, one_at_a_time, redone_chains
 from sglang_servers import start_server
 from test_conversations import PROBE
-from test_token_ids_sglang import rendered_by_the_models_tokenizer
+from test_token_ids_sglang import rendered_all
 
 from genq.common.queue.keys import RunKeys
 from genq.common.turns import splice
@@ -66,16 +66,17 @@ def server():
 
 
 def made_on_the_server(server, tmp_path, redis_url, run, *flags: str,
-                       tools: list[dict] = TOOLS, rows: int = ROWS) -> list[dict]:
+                       tools: list[dict] = TOOLS, rows: int = ROWS,
+                       concurrency: int = 1) -> list[dict]:
     """The rows made with --turns all --token-ids, greedy and 300 tokens unless `flags` say
-    otherwise (argparse keeps the last), one request at a time (each turn meets the cache the
-    turn before left); the exported records."""
+    otherwise (argparse keeps the last), one request at a time unless sampled (each turn meets
+    the cache the turn before left); the exported records."""
     data = tmp_path / "chains.jsonl"
     data.write_text("".join(orjson.dumps({"id": f"c{i}", "messages": chain(i), "tools": tools})
                             .decode() + "\n" for i in range(rows)))
     genq("produce", str(data), "--once", "--turns", "all", "--token-ids", "--temperature", "0",
          "--max-tokens", "300", *flags, redis_url=redis_url, run=run)
-    return one_at_a_time(server, tmp_path, redis_url, run)
+    return one_at_a_time(server, tmp_path, redis_url, run, concurrency=concurrency)
 
 
 def by_row(records: list[dict]) -> dict[int, list[dict]]:
@@ -90,15 +91,17 @@ def check_prompts(chains: dict[int, list[dict]], thinking: bool,
     """Turns in order, each turn's prompt ids the server's template over the row's messages
     with the turns made before it in place of the row's."""
     assert sorted(chains) == list(range(ROWS))
+    prompts, recs_in_order = [], []
     for index, recs in chains.items():
         assert [rec["turn"] for rec in recs] == list(range(1, len(recs) + 1)), index
         made: list[dict] = []
         for rec in recs:
-            prompt = splice.prompt(chain(index), rec["turn"], made)
-            assert rec["prompt_token_ids"] == rendered_by_the_models_tokenizer(
-                prompt, tools, thinking=thinking), (index, rec["turn"])
+            prompts.append((splice.prompt(chain(index), rec["turn"], made), tools, thinking))
+            recs_in_order.append(rec)
             assert len(rec["completion_token_ids"]) == rec["completion_tokens"]
             made.append(splice.message_of(rec))
+    for rec, ids in zip(recs_in_order, rendered_all(prompts), strict=True):
+        assert rec["prompt_token_ids"] == ids, (rec["index"], rec["turn"])
 
 
 def conversations(redis_url, run) -> dict:
@@ -141,7 +144,7 @@ def test_a_named_strict_tool_makes_the_whole_chain_each_turn_on_the_cache(
     # Sampled, seeded: greedy, the tiny model writes the strict arguments' whitespace forever.
     records = made_on_the_server(server, tmp_path, redis_url, run_name, *FORCED,
                                  "--temperature", "1", "--set", "seed=1", "--max-tokens",
-                                 "1500", tools=STRICT)
+                                 "1500", tools=STRICT, concurrency=ROWS)
     chains = by_row(records)
     check_prompts(chains, thinking=False, tools=STRICT)
     unstable = checked = 0
@@ -191,14 +194,15 @@ def test_a_cut_forced_call_is_made_again_and_the_chain_goes_on(
     rows, small, large = 12, 600, 2000  # sampled calls end anywhere in ~50..1500 tokens
     first = by_row(made_on_the_server(server, tmp_path, redis_url, run_name, *FORCED,
                                       "--temperature", "1", "--max-tokens", str(small),
-                                      tools=STRICT, rows=rows))
+                                      tools=STRICT, rows=rows, concurrency=rows))
     cut = {i: recs[-1] for i, recs in first.items() if recs[-1]["finish_reason"] == "length"}
     print("cut turns (row: turn):", {i: rec["turn"] for i, rec in cut.items()})
     assert cut, "no turn was cut"
 
     before = requests_served(server)
     continue_truncated(redis_url, run_name, large, len(cut))
-    chains = by_row(one_at_a_time(server, tmp_path, redis_url, run_name, name="again.jsonl"))
+    chains = by_row(one_at_a_time(server, tmp_path, redis_url, run_name, name="again.jsonl",
+                                  concurrency=rows))
     asked = requests_served(server) - before
 
     made = 0

@@ -28,24 +28,30 @@ server = server_fixture("tuned")
 
 def rendered_by_the_models_tokenizer(messages: list[dict], tools: list[dict] | None, *,
                                      thinking: bool = True) -> list[int]:
-    """The prompt ids the real tier's model gives these messages: its tokenizer and the chat
-    template the server runs (scripts/real-sglang/chat_template.jinja), the tools as SGLang
-    hands them to the template (its own Tool model, dumped: `defer_loading: null` added)."""
+    return rendered_all([(messages, tools, thinking)])[0]
+
+
+def rendered_all(prompts: list[tuple[list[dict], list[dict] | None, bool]]) -> list[list[int]]:
+    """The prompt ids the real tier's model gives each (messages, tools, thinking): its
+    tokenizer and the chat template the server runs (scripts/real-sglang/chat_template.jinja),
+    the tools as SGLang hands them to the template (its own Tool model, dumped: `defer_loading:
+    null` added). One process for all: its imports take seconds of CPU."""
     base = Path(os.environ.get("BASE") or Path.home() / ".cache" / "genq-real-sglang")
     template = Path(__file__).parent.parent / "scripts" / "real-sglang" / "chat_template.jinja"
     code = ("import json, sys; from transformers import AutoTokenizer; "
             "from sglang.srt.entrypoints.openai.protocol import Tool; "
             "a = json.load(sys.stdin); t = AutoTokenizer.from_pretrained(a['model']); "
-            "tools = [Tool.model_validate(x).model_dump() for x in a['tools'] or []] or None; "
-            "ids = t.apply_chat_template(a['messages'], tools=tools, "
-            "chat_template=open(a['template']).read(), add_generation_prompt=True, "
-            "enable_thinking=a['thinking'], tokenize=True); "
-            "print(json.dumps(list(ids if isinstance(ids, list) else ids['input_ids'])))")
+            "jinja = open(a['template']).read(); out = []\n"
+            "for messages, tools, thinking in a['prompts']:\n"
+            " tools = [Tool.model_validate(x).model_dump() for x in tools or []] or None\n"
+            " ids = t.apply_chat_template(messages, tools=tools, chat_template=jinja, "
+            "add_generation_prompt=True, enable_thinking=thinking, tokenize=True)\n"
+            " out.append(list(ids if isinstance(ids, list) else ids['input_ids']))\n"
+            "print(json.dumps(out))")
     out = subprocess.run([str(base / "venv" / "bin" / "python"), "-c", code], check=True,
                          capture_output=True, text=True, timeout=120, input=json.dumps(
-                             {"model": str(base / "tiny-model"), "messages": messages,
-                              "tools": tools, "template": str(template),
-                              "thinking": thinking}))
+                             {"model": str(base / "tiny-model"), "prompts": prompts,
+                              "template": str(template)}))
     return json.loads(out.stdout)
 
 
