@@ -13,6 +13,8 @@ and at the end, and peak), per conversation; consumers' CPU per generation (wait
 status` wall mid-run; `genq export` and, after FLUSHALL, `genq recover` walls (peak RSS),
 checked against each other. Ratios are all/last. `--baseline TREE` also times export and
 recover from that checkout on the same shards, beside this tree's (the exports byte-compared).
+The genq arms also give Redis's CPU and commands per generation (INFO cpu, commandstats, over
+the consumers' run); arm `bare` runs bench/_bare_turns.py (one a simulator) on the same rows.
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
@@ -24,6 +26,7 @@ from __future__ import annotations
 import filecmp
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +41,7 @@ from genq.common.queue.keys import RunKeys
 
 SIM = [*kit.FAST_SIM, "--enable-cache-report"]
 ARMS = ("last", "all")
+BARE = Path(__file__).resolve().parent / "_bare_turns.py"
 
 
 class Arm:
@@ -73,6 +77,7 @@ class Arm:
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
         self.started, peak, mid, stopped = time.monotonic(), 0, False, False
+        redis_before = self.redis_use()
 
         def tick() -> None:
             nonlocal peak, mid, stopped
@@ -92,10 +97,42 @@ class Arm:
             peak = max(peak, self.used() - self.base)
 
         got = kit.reap(procs, tick, period=0.25)
+        self.figures["redis"] = [round(b - a, 6) for a, b in zip(redis_before, self.redis_use(),
+                                                                  strict=True)]
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
                             consumer_cpu_s=round(sum(s for _, s in got.values()), 2))
         self.outs = outs
+
+    def redis_use(self) -> tuple[float, int, int, float]:
+        """Redis's (CPU s, commands but INFO, EVALSHA calls, EVALSHA CPU s) so far."""
+        stats = self.r.info("commandstats")
+        lua = stats.get("cmdstat_evalsha", {})
+        return (kit.redis_cpu_s(self.r), sum(int(v["calls"]) for k, v in stats.items()
+                                             if k != "cmdstat_info"),
+                int(lua.get("calls", 0)), int(lua.get("usec", 0)) / 1e6)
+
+    def bare(self) -> dict:
+        """bench/_bare_turns.py, one a simulator, on the data set's rows split between them."""
+        n, f = len(self.sims), self.figures
+        procs = [subprocess.Popen([sys.executable, str(BARE), "--server", sim.url, "--dataset",
+                                   str(self.dataset), "--part", str(i), "--of", str(n),
+                                   "--max-tokens", str(self.a.max_tokens)],
+                                  stdout=subprocess.PIPE) for i, sim in enumerate(self.sims)]
+        start = time.monotonic()
+        got = kit.reap(procs, period=0.25)
+        if any(code for code, _ in got.values()):
+            raise SystemExit(f"[bare] exited {[code for code, _ in got.values()]}")
+        outs = [orjson.loads(p.stdout.read()) for p in procs]
+        f.update(wall_s=round(time.monotonic() - start, 1), complete=True,
+                 consumer_cpu_s=round(sum(s for _, s in got.values()), 2),
+                 generations=sum(o["generations"] for o in outs),
+                 stopped=sum(o["stopped"] for o in outs))
+        gens = max(1, f["generations"])
+        f.update(cpu_ms_per_generation=round(1000 * f["consumer_cpu_s"] / gens, 3),
+                 generations_per_conversation=round(gens / self.a.conversations, 2),
+                 generations_per_s=round(gens / f["wall_s"], 1))
+        return f
 
     def timed(self, *args: str, tree: Path = kit.REPO) -> dict:
         """A genq command under `ulimit -n 256` as scale.py times it; where that fails (one
@@ -143,6 +180,8 @@ class Arm:
         return bool(self.r.exists(self.k.done))
 
     def measure(self) -> dict:
+        if self.turns == "bare":
+            return self.bare()
         self.work.mkdir()
         self.base = self.used()
         producer = Background(self.srv.url, self.run, "produce", str(self.dataset), "--turns",
@@ -160,7 +199,11 @@ class Arm:
                  generations_per_s=round(gens / f["wall_s"], 1),
                  redis_b_per_conversation_mid=round(f["redis_b_mid"] / n, 1),
                  redis_b_per_conversation_end=round(f["redis_b_end"] / n, 1),
-                 redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1))
+                 redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1),
+                 redis_cpu_ms_per_generation=round(1000 * f["redis"][0] / gens, 3),
+                 redis_commands_per_generation=round(f["redis"][1] / gens, 2),
+                 evalsha_per_generation=round(f["redis"][2] / gens, 2),
+                 lua_ms_per_generation=round(1000 * f["redis"][3] / gens, 3))
         return f
 
 
@@ -168,6 +211,10 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("complete", "complete"), ("conversations stopped", "stopped"), ("wall s", "wall_s"),
         ("generations/s", "generations_per_s"),
         ("consumer CPU ms / generation", "cpu_ms_per_generation"),
+        ("Redis CPU ms / generation", "redis_cpu_ms_per_generation"),
+        ("Redis commands / generation", "redis_commands_per_generation"),
+        ("EVALSHA / generation", "evalsha_per_generation"),
+        ("Lua ms / generation", "lua_ms_per_generation"),
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
         ("Redis B / conversation, end", "redis_b_per_conversation_end"),
@@ -181,6 +228,8 @@ def report(arms: dict[str, dict]) -> str:
         return f"{a / b:.2f}" if ok and b else "-"
 
     def cell(f: dict, key: str) -> object:
+        if key not in f:
+            return "-"
         return f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if "export" in key \
             or "recover" in key else f[key]
 
