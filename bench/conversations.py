@@ -97,20 +97,21 @@ class Arm:
             peak = max(peak, self.used() - self.base)
 
         got = kit.reap(procs, tick, period=0.25)
-        self.figures["redis"] = [round(b - a, 6) for a, b in zip(redis_before, self.redis_use(),
-                                                                  strict=True)]
+        after = self.redis_use()
+        self.figures["redis"] = {k: [c - redis_before.get(k, (0, 0))[0],
+                                     u - redis_before.get(k, (0, 0))[1]]
+                                 for k, (c, u) in after.items()}
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
                             consumer_cpu_s=round(sum(s for _, s in got.values()), 2))
         self.outs = outs
 
-    def redis_use(self) -> tuple[float, int, int, float]:
-        """Redis's (CPU s, commands but INFO, EVALSHA calls, EVALSHA CPU s) so far."""
+    def redis_use(self) -> dict[str, tuple[int, int]]:
+        """Redis's CPU so far (as "cpu": usec) and per command, but INFO: (calls, usec)."""
         stats = self.r.info("commandstats")
-        lua = stats.get("cmdstat_evalsha", {})
-        return (kit.redis_cpu_s(self.r), sum(int(v["calls"]) for k, v in stats.items()
-                                             if k != "cmdstat_info"),
-                int(lua.get("calls", 0)), int(lua.get("usec", 0)) / 1e6)
+        return {"cpu": (0, round(1e6 * kit.redis_cpu_s(self.r))),
+                **{k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
+                   for k, v in stats.items() if k != "cmdstat_info"}}
 
     def bare(self) -> dict:
         """bench/_bare_turns.py, one a simulator, on the data set's rows split between them."""
@@ -200,10 +201,12 @@ class Arm:
                  redis_b_per_conversation_mid=round(f["redis_b_mid"] / n, 1),
                  redis_b_per_conversation_end=round(f["redis_b_end"] / n, 1),
                  redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1),
-                 redis_cpu_ms_per_generation=round(1000 * f["redis"][0] / gens, 3),
-                 redis_commands_per_generation=round(f["redis"][1] / gens, 2),
-                 evalsha_per_generation=round(f["redis"][2] / gens, 2),
-                 lua_ms_per_generation=round(1000 * f["redis"][3] / gens, 3))
+                 redis_cpu_ms_per_generation=round(f["redis"]["cpu"][1] / 1000 / gens, 3),
+                 redis_commands_per_generation=round(sum(
+                     c for k, (c, _) in f["redis"].items() if k != "cpu") / gens, 2),
+                 evalsha_per_generation=round(f["redis"].get("evalsha", (0, 0))[0] / gens, 2),
+                 lua_ms_per_generation=round(f["redis"].get("evalsha", (0, 0))[1] / 1000 / gens,
+                                             3))
         return f
 
 
