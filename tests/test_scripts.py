@@ -402,3 +402,29 @@ def test_scripts_read_their_keys_and_arguments_by_name():
         assert set(re.findall(r"\bA\.(\w+)", body)) <= set(sent), name
         for field in re.findall(r"ARGV\[A\.(\w+)\]", body):  # bytes after the JSON
             assert 2 <= sent[field] <= len(call.args), (name, field)
+
+
+def test_pipelined_calls_run_once_each_after_redis_lost_its_scripts(r, redis_url, run_name):
+    """pipelined sends the scripts by sha alone (no SCRIPT EXISTS round trip first); after a
+    SCRIPT FLUSH (what a restart leaves) each call still runs, once."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    k, _ = setup_run(r, run_name, 4)
+
+    async def go() -> list:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            runner = scripts.ScriptRunner(client)
+            calls = [scripts.claim_call(k, 1, 30.0, "http://s:1", "w1", f"ex{n}")
+                     for n in range(2)]
+            first = await runner.pipelined(client, calls)
+            await client.script_flush()
+            return [*first, *await runner.pipelined(client, calls)]
+        finally:
+            await client.aclose()
+
+    got = asyncio.run(go())
+    assert sorted(int(row[1]) for _, row in got) == [0, 1, 2, 3]
+    assert r.llen(k.rq_queue) == 0

@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Any
 
 import orjson
+from redis.exceptions import NoScriptError
 
 from genq.common.errors import reason_kind
 from genq.common.queue.keys import (
@@ -293,8 +294,18 @@ class ScriptRunner:
 
     async def pipelined(self, client: Any, calls: list[Call]) -> list[Any]:
         """Several Calls in one round trip on an asyncio client (a pipeline, not a
-        transaction: each script is atomic on its own)."""
+        transaction: each script is atomic on its own). By their sha alone: a pipeline of
+        registered scripts asks SCRIPT EXISTS first, a round trip more each time; a call
+        Redis answers NOSCRIPT (it restarted, its scripts gone) did not run, and runs again
+        on its own, loading its script."""
         pipe = client.pipeline(transaction=False)
         for call in calls:
-            await self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
-        return list(await pipe.execute())
+            pipe.evalsha(self._scripts[call.script].sha, len(call.keys), *call.keys, *call.args)
+        out = list(await pipe.execute(raise_on_error=False))
+        for n, got in enumerate(out):
+            if isinstance(got, NoScriptError):
+                out[n] = await self(calls[n])
+        for got in out:
+            if isinstance(got, Exception):
+                raise got
+        return out
