@@ -78,8 +78,10 @@ class Inflight:
 
 class TaskQueue:
     def __init__(self, client: aioredis.Redis, keys: RunKeys, *, server: str, worker: str,
-                 visibility_timeout: float, life: Callable[[], tuple[str, int]]) -> None:
+                 visibility_timeout: float, life: Callable[[], tuple[str, int]],
+                 conversations: bool = True) -> None:
         self.r, self.k, self.server, self.worker = client, keys, server, worker
+        self.conversations = conversations  # a --turns all run's (ack.lua's A.conv)
         self.life = life  # the run's (epoch, generation) as this consumer knows it
         self.stale = False  # a claim found the run in Redis another: look at it again
         self.vt, self.run_script = visibility_timeout, scripts.ScriptRunner(client)
@@ -119,7 +121,8 @@ class TaskQueue:
         SET_ASIDE (a redo issued since covers it: kept as the previous result); both requeued."""
         return [int(code) for code in
                 await self.run_script(scripts.ack_many_call(self.k, self.server, results,
-                                                            self.life_token()))]
+                                                            self.life_token(),
+                                                            self.conversations))]
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "",
                       unclaim: bool = False) -> bool:

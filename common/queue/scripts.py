@@ -167,8 +167,10 @@ class Result:
     cached: int = 0  # prompt tokens the server reported cached (0: none or not reported)
 
 
-def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
-    """Several results in one call: a code each (all refused if the run is not `life`)."""
+def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "",
+                  conversations: bool = True) -> Call:
+    """Several results in one call: a code each (all refused if the run is not `life`);
+    `conversations`: a `--turns all` run's, whose ended conversations' made turns go."""
     items = []
     for r in results:  # ack.lua's names for a result (see its header)
         code = finish_code(r.finish_reason)
@@ -179,7 +181,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
                       "cached": r.cached})
     return _call("ack", k, {"server": server, "result_ttl": RESULT_TTL_S, "now_iso": iso_now(),
                             **_prefixes(k), **_rate(k), "finished_keep": FINISHED_KEEP,
-                            "results": items, "life": life})
+                            "results": items, "life": life, "conv": conversations})
 
 
 def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: bool,
