@@ -33,6 +33,7 @@ class Lease:
     version: int
     tries: int = 0  # claims towards --max-claims, this one included
     gen: int = 0  # the run's generation it was claimed in (the records carry it)
+    kept: bool = True  # a conversation's made turns may be kept (False: claim.lua saw none)
 
     def gave_up(self, max_attempts: int, max_claims: int) -> str | None:
         """What this claim is past (attempts, or claims: a server failing it every time is
@@ -94,13 +95,13 @@ class TaskQueue:
     async def claim(self, n: int = 1) -> list[Lease]:
         gen = self.life()[1]
         call = scripts.claim_call(self.k, n, self.vt, self.server, self.worker,
-                                  secrets.token_hex(6), self.life_token())
+                                  secrets.token_hex(6), self.life_token(), self.conversations)
         version, *rows = await self.run_script(call)
         self.stale = version == 0
         return [Lease(job_id=jid.decode(), index=int(idx), exec_id=ex.decode(),
                       attempt=int(att), spent=int(spent), version=int(version), gen=gen,
-                      tries=int(tries))
-                for jid, idx, ex, att, spent, tries in rows]
+                      tries=int(tries), kept=bool(kept))
+                for jid, idx, ex, att, spent, tries, kept in rows]
 
     def life_token(self) -> str:
         """The run's life as the scripts check it, "epoch|generation"; "" (not checked) for a

@@ -132,8 +132,10 @@ class Conversations:
         if (fault := check.fault(row, prompt.tools)) is not None:  # before it costs a request
             raise BadTask(prompt.index, f"row {prompt.index}: {fault}")
         count = splice.count(row)
+        # Only a conversation with made turns kept reads them (claim.lua says which).
         standing = await c.retry(lambda: state.resume(c.redis, c.keys, lease.index,
-                                                      lease.version))
+                                                      lease.version)) if lease.kept \
+            else Standing()
         made, messages = standing.made[:count - 1], standing.messages[:count - 1]
         fig = standing.fig  # the made turns' sums, for status (turn.lua)
         if made:

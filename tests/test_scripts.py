@@ -428,3 +428,15 @@ def test_pipelined_calls_run_once_each_after_redis_lost_its_scripts(r, redis_url
     got = asyncio.run(go())
     assert sorted(int(row[1]) for _, row in got) == [0, 1, 2, 3]
     assert r.llen(k.rq_queue) == 0
+
+
+def test_a_conversations_claim_says_which_have_made_turns_kept(r, run_name):
+    """A --turns all consumer's claim tells it which conversations have no made turns kept (0),
+    so those begin without reading them; any other claim says 1 (look)."""
+    k, runner = setup_run(r, run_name, 3)
+    r.hset(k.conv, "1", orjson.dumps({"made": [[1, 1]]}))
+    _, *rows = runner(scripts.claim_call(k, 2, 30.0, "http://s:1", "w1", "ex",
+                                         conversations=True))
+    assert {int(row[1]): row[6] for row in rows} == {0: 0, 1: 1}
+    _, *rows = runner(scripts.claim_call(k, 1, 30.0, "http://s:1", "w1", "ex"))
+    assert [(int(row[1]), row[6]) for row in rows] == [(2, 1)]

@@ -30,7 +30,7 @@ from genq.common.queue.keys import (
 KEYS: dict[str, tuple[str, ...]] = {
     "claim": ("rq_queue", "rq_wip", "leases", "lease_owner", "claims", "spent", "done", "failed",
               "params_version", "pending", "errors", "rq_failed", "rq_finished", "fail_kind",
-              "fail_kinds", "meta", "tries"),
+              "fail_kinds", "meta", "tries", "conv"),
     "renew": ("leases", "lease_owner", "rq_wip"),
     "ack": ("leases", "lease_owner", "rq_wip", "done", "pending", "truncated", "counters",
             "length_hist", "acc_tokens", "acc_finish", "acc_version", "acc_attempt", "spent",
@@ -137,12 +137,14 @@ def _rate(k: RunKeys) -> dict[str, Any]:
 
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
-               life: str = "") -> Call:
-    """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
+               life: str = "", conversations: bool = False) -> Call:
+    """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs.
+    conversations: a --turns all consumer's claim, told which conversations have no made turns
+    kept (each claimed row's last field, 0), so those begin without a read."""
     return _call("claim", k, {"n": n, "vt": vt, "margin": WIP_MARGIN_S, "server": server,
                               "worker": worker, "exec_base": exec_base, "now_iso": iso_now(),
                               **_prefixes(k), "run": k.run, "finished_ttl": RESULT_TTL_S,
-                              "life": life})
+                              "life": life, "conv": conversations})
 
 
 def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
