@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import zlib
 from dataclasses import dataclass
 from importlib import resources
@@ -122,8 +123,13 @@ def _call(script: str, k: RunKeys, args: dict[str, Any], *blobs: bytes | str) ->
     """A Call with KEYS in the script's table order and its named arguments as one JSON
     argument; `blobs` (bytes JSON cannot carry) follow it, from ARGV[2] on, where `args`
     name them by ARGV index."""
-    return Call(script, [getattr(k, name) for name in KEYS[script]],
-                [orjson.dumps(args), *blobs])
+    return Call(script, list(_keys(script, k)), [orjson.dumps(args), *blobs])
+
+
+@functools.lru_cache(maxsize=256)
+def _keys(script: str, k: RunKeys) -> tuple[str, ...]:
+    """The script's KEYS of run `k`, derived once: a made turn's call named its 11 anew."""
+    return tuple(getattr(k, name) for name in KEYS[script])
 
 
 def _prefixes(k: RunKeys) -> dict[str, str]:
