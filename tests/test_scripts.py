@@ -440,3 +440,20 @@ def test_a_conversations_claim_says_which_have_made_turns_kept(r, run_name):
     assert {int(row[1]): row[6] for row in rows} == {0: 0, 1: 1}
     _, *rows = runner(scripts.claim_call(k, 1, 30.0, "http://s:1", "w1", "ex"))
     assert [(int(row[1]), row[6]) for row in rows] == [(2, 1)]
+
+
+def test_made_turns_count_in_a_rate_bucket_that_expires(r, run_name):
+    """turn.lua sets a rate bucket's TTL when its first generation makes it, not every turn:
+    turns alone (no ack yet) still leave a bucket that expires."""
+    from genq.common.turns.state import Standing
+
+    k, runner = setup_run(r, run_name, 1)
+    [(jid, idx, ex, _)] = claim(runner, k)
+    for made in (1, 2):
+        standing = Standing([[1, 1]] * made).encode()
+        assert runner(scripts.turn_call(k, jid, idx, ex, standing, b"", made, 0, tokens=16,
+                                        server="s", version=1)) == 1
+    [bucket] = r.scan_iter(k.rate_prefix + "*")
+    assert 0 < r.ttl(bucket) <= scripts.RATE_BUCKET_TTL_S
+    assert {f.decode(): int(v) for f, v in r.hgetall(bucket).items()} == {
+        "tok": 32, "tok|s": 32, "gen": 2, "gen|s": 2}
