@@ -215,7 +215,7 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("generations/s", "generations_per_s"),
         ("consumer CPU ms / generation", "cpu_ms_per_generation"),
         ("Redis CPU ms / generation", "redis_cpu_ms_per_generation"),
-        ("Redis commands / generation", "redis_commands_per_generation"),
+        ("Redis commands / generation (Lua's too)", "redis_commands_per_generation"),
         ("EVALSHA / generation", "evalsha_per_generation"),
         ("Lua ms / generation", "lua_ms_per_generation"),
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
