@@ -3,6 +3,7 @@
 # registry (a CI box, an air-gapped GPU host). Idempotent: every step is skipped when already done.
 #
 #   bash .ci/docker-engine.sh            # engine up + base image built (cached by name)
+#   bash .ci/docker-engine.sh prepare    # only the packages and the base image's files
 #   bash .ci/docker-engine.sh stop       # stop the engine this script started, undo its host
 #                                        # network changes (docker0, iptables chains, ip_forward)
 #
@@ -65,16 +66,17 @@ apt_mirror() {
   echo "$m"
 }
 
+make_rootfs() {
+  [ -x "$ROOTFS/usr/bin/python3" ] && return
+  rm -rf "$ROOTFS"
+  debootstrap --variant=minbase --include=python3,python3-venv,redis-server,ca-certificates \
+    bookworm "$ROOTFS" "$(apt_mirror)"
+}
 build_base() {
   if "$DOCKER" image inspect "$BASE" >/dev/null 2>&1; then
     echo "base image $BASE exists; reusing it"
   else
-    if [ ! -x "$ROOTFS/usr/bin/python3" ]; then
-      rm -rf "$ROOTFS"
-      debootstrap --variant=minbase \
-        --include=python3,python3-venv,redis-server,ca-certificates \
-        bookworm "$ROOTFS" "$(apt_mirror)"
-    fi
+    make_rootfs
     # The host's apt sources (bookworm, -updates, -security), so builds can install more.
     if [ -f /etc/apt/sources.list.d/debian.sources ]; then
       rm -f "$ROOTFS/etc/apt/sources.list"
@@ -136,6 +138,7 @@ clean_host_net() {
 
 case "${1:-up}" in
   up) install_packages; start_engine; build_base ;;
+  prepare) install_packages; make_rootfs ;;  # the slow downloads, no engine: .ci/run's background
   stop) stop_engine ;;
-  *) die "usage: $0 [up|stop]" ;;
+  *) die "usage: $0 [up|prepare|stop]" ;;
 esac

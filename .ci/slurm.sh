@@ -99,6 +99,7 @@ stop() {
 
 case ${1:-start} in
   start) start ;;
+  install) install_packages ;;  # the packages only: .ci/run's background
   stop) stop ;;
-  *) die "usage: $0 [start|stop]" ;;
+  *) die "usage: $0 [start|install|stop]" ;;
 esac

@@ -1,47 +1,19 @@
-"""The bare client of bench/throughput.py: the prompts in memory, one chat request per slot at a
-time over aiohttp, streamed (--whole: the whole answer at once, as genq asks by default), each
-answer parsed and kept (content and thinking joined, usage read), no Redis, no disk; genq's GC
-settings (consumer/cli.py quiet_gc) and interpreter, so it differs from genq only by what genq
-does. --retry: a refused request (503) is sent again after a short pause. Prints one JSON line
-of figures."""
+"""The bare client of bench/throughput.py and restart.py: prompts in memory, a chat request per
+slot over aiohttp, streamed (--whole: whole answers, genq's default), each answer parsed and
+kept; genq's GC settings, no Redis, no disk. --retry: a 503 is sent again shortly. Prints one
+JSON line of figures (the caller measures the process)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import gc
 import json
 import random
-import resource
-import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
-
-
-def cpu_s() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-class Stream:
-    """Sends a request and reads its answer's lines: (status, lines)."""
-
-    def __init__(self) -> None:
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                             timeout=aiohttp.ClientTimeout(total=None))
-
-    @contextlib.asynccontextmanager
-    async def post(self, url: str, body: bytes) -> AsyncIterator[tuple[int, Any]]:
-        headers = {"content-type": "application/json"}
-        async with self.session.post(url, data=body, headers=headers) as resp:
-            yield resp.status, resp.content
-
-    async def close(self) -> None:
-        await self.session.close()
 
 
 async def read_streamed(lines: Any) -> tuple[int, int]:
@@ -82,15 +54,17 @@ async def main(a: argparse.Namespace) -> dict:
     tokens = retries = chunks = 0
     todo = iter(range(len(rows)))
 
-    async def one(stream: Stream, index: int) -> int:
+    async def one(session: aiohttp.ClientSession, index: int) -> int:
         nonlocal retries, chunks
         row = rows[index]
         messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
         how = {} if a.whole else {"stream": True, "stream_options": {"include_usage": True}}
         body = orjson.dumps({"model": "default", "messages": messages,
-                             "max_tokens": a.max_tokens, **how})
+                             "max_tokens": 4096, **how})
         while True:
-            async with stream.post(url, body) as (status, lines):
+            async with session.post(url, data=body, headers={"content-type": "application/json"}
+                                    ) as resp:
+                status, lines = resp.status, resp.content
                 if status != 200:
                     if not a.retry:
                         raise RuntimeError(f"HTTP {status}")
@@ -101,20 +75,18 @@ async def main(a: argparse.Namespace) -> dict:
                 chunks += got
                 return tokens
 
-    async def slot(stream: Stream) -> None:
+    async def slot(session: aiohttp.ClientSession) -> None:
         nonlocal tokens
         for index in todo:
-            got = await one(stream, index)  # not `tokens += await ...`: a lost update
+            got = await one(session, index)  # not `tokens += await ...`: a lost update
             tokens += got
 
-    t0, c0 = time.monotonic(), cpu_s()
-    stream = Stream()
-    async with asyncio.TaskGroup() as tg:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session, \
+            asyncio.TaskGroup() as tg:
         for _ in range(min(a.concurrency, len(rows))):
-            tg.create_task(slot(stream))
-    await stream.close()
-    return {"n": len(rows), "tokens": tokens, "chunks": chunks, "retries": retries,
-            "wall_s": time.monotonic() - t0, "cpu_s": cpu_s() - c0}
+            tg.create_task(slot(session))
+    return {"n": len(rows), "tokens": tokens, "chunks": chunks, "retries": retries}
 
 
 if __name__ == "__main__":
@@ -123,7 +95,6 @@ if __name__ == "__main__":
     p.add_argument("--dataset", required=True)
     p.add_argument("--n", type=int, required=True)
     p.add_argument("--concurrency", type=int, required=True)
-    p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--retry", action="store_true")
     p.add_argument("--whole", action="store_true", help="ask for whole answers, not streamed")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

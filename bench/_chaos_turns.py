@@ -1,38 +1,30 @@
-"""The `--turns all` mode of the chaos soak (`python bench/chaos.py --turns all`): agentic coding
-conversations (bench/_conversations.py rows, and a few malformed rows that must fail alone with
-their reason), two samples each, with token ids, every shard shipped to S3 (moto's server). Its
-faults are the ones such a run meets: a consumer SIGKILLed or stopped with SIGTERM, Redis lost
-outright (killed, its AOF deleted) and rebuilt by `genq recover`, `genq requeue --inflight abort`,
-and a lost node (a consumer SIGKILLed and its --out deleted), repaired once the run settles by
-the command docs/SLURM.md gives (`genq requeue --redo missing --from-s3 URI`). The first faults
-are one of each kind, in that order. It ends with the checks: nothing lost, every
-conversation's turns 1..m once in the S3 export, `genq status` == the export's sums."""
+"""`python bench/chaos.py --turns all`: agentic conversations (bench/_conversations.py rows and
+a few malformed ones that must fail alone with their reason), two samples each, token ids, every
+shard shipped to S3 (moto). Faults: consumers SIGKILLed or SIGTERMed, Redis lost outright (AOF
+deleted) and rebuilt by `genq recover`, `genq requeue --inflight abort`, lost nodes (SIGKILL,
+--out deleted) repaired at the end by docs/SLURM.md's `genq requeue --redo missing --from-s3`.
+Checks: nothing lost, every conversation's turns 1..m once in the S3 export, `genq status` equal
+to the export's sums."""
 
 from __future__ import annotations
 
-import logging
-import os
 import re
 import shutil
 import sys
 import time
-from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 
 import _conversations as data
 import orjson
-from _chaos_checks import superseded
-from _common import genq
+from _chaos_kit import run_checks
+from _common import genq, moto_s3
 from chaos import RUN, STOP_BOUND_S, Soak
-from faultkit import bits
-from moto.server import ThreadedMotoServer
 from pipeline import read_jsonl
 from test_conversations import requests_served
 
-from genq.common.net import free_port
 from genq.common.queue.keys import RunKeys
 from genq.common.queue.run import failure_reasons
-from genq.common.report.status import read_status
 
 BUCKET = "genq-chaos"
 URI = f"s3://{BUCKET}/runs/chaos"
@@ -57,31 +49,12 @@ BROKEN = {
 FAULTS = {"consumer_kill": 3, "consumer_term": 2, "requeue": 1, "redis_loss": 1, "lost_node": 1}
 
 
-class S3:
-    """moto's S3 server on a real socket, a bucket in it, and AWS_* set for every genq process
-    started after it."""
-
-    def __init__(self) -> None:
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(),
-                                         verbose=False)
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line a request otherwise
-        self.server.start()
-        os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                          AWS_DEFAULT_REGION="us-east-1",
-                          AWS_ENDPOINT_URL=f"http://127.0.0.1:{self.server._port}")
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
 class TurnsSoak(Soak):
     FAULTS = FAULTS
 
     def __init__(self, a, workdir: Path) -> None:
-        self.s3 = S3()
+        self.s3 = ExitStack()
+        self.s3.enter_context(moto_s3(BUCKET))
         self.lost: list[str] = []  # output directories of lost nodes, deleted
         self.recovers: list[dict] = []
         self.repair = ""
@@ -125,9 +98,6 @@ class TurnsSoak(Soak):
                 return
         super().fire()
 
-    def redis_busy(self) -> bool:
-        return not self.redis.up or any(t is self.redis for _, _, t in self.later)
-
     def redis_loss(self) -> bool:
         """Redis killed and started empty (its AOF gone too); `genq recover` from the outputs
         that survive and what S3 holds (`--partial` once a node, and its directory, is lost)."""
@@ -144,18 +114,10 @@ class TurnsSoak(Soak):
         self.recovers.append({"rc": out.returncode, "said": (out.stdout + out.stderr)[-600:]})
         return True
 
-    def requeue(self) -> bool:
+    def requeue_change(self) -> tuple[str, str, list[str]]:
         """New parameters, aborting the requests running under the old ones."""
-        if self.redis_busy():
-            return False
-        change, at = f"temperature={round(self.rng.uniform(0.1, 1.0), 2)}", time.time()
-        out = genq("requeue", "--set", change, "--inflight", "abort", redis_url=self.redis.url,
-                   run=RUN, check=False)
-        if out.returncode != 0:
-            return False
-        version = int(out.stdout.split("parameters version ", 1)[1].split(":", 1)[0])
-        self.requeues.append({"version": version, "at": at, "redo": "none", "set": change})
-        return True
+        return f"temperature={round(self.rng.uniform(0.1, 1.0), 2)}", "none", ["--inflight",
+                                                                             "abort"]
 
     def lost_node(self) -> bool:
         """A consumer SIGKILLed and its --out deleted; a new node (a new, empty directory and
@@ -197,23 +159,9 @@ class TurnsSoak(Soak):
                 raise TimeoutError("not settled after the repair")
             time.sleep(0.2)
 
-    def report(self, timing: dict, stops: dict) -> dict:
-        checks, figures = self.checks()
-        terms = [*self.term_exits, *stops.values()]
-        checks["every_process_stopped_on_sigterm"] = all(t[0] == 0 for t in terms)
-        checks["every_recover_succeeded"] = all(rec["rc"] == 0 for rec in self.recovers)
-        return {"settings": {k: v for k, v in vars(self.a).items() if k not in ("json", "keep")},
-                "checks": checks, **figures, **timing, "faults": dict(self.fired),
-                "faults_total": sum(self.fired.values()), "requeues": self.requeues,
-                "recovers": self.recovers, "lost_nodes": len(self.lost), "repair": self.repair,
-                "restarts": {p.name: p.starts - 1 for p in [*self.consumers, self.redis]},
-                "sigterm_exit_s_max": max((t[1] for t in terms), default=0.0),
-                "sigterm_exits": [t for t in terms if t[0] != 0]}
-
     def checks(self) -> tuple[dict, dict]:
         """(checks: name -> passed, figures), on the S3 export and `genq status`."""
         k, r = RunKeys(RUN), self.r
-        done, failed = bits(r.get(k.done), self.tasks), bits(r.get(k.failed), self.tasks)
         out = self.dir / "export.jsonl"
         exported = genq("export", "--from-s3", URI, "--out", str(out), redis_url=self.redis.url,
                         run=RUN, check=False)
@@ -222,32 +170,19 @@ class TurnsSoak(Soak):
         for rec in records:
             chains.setdefault(rec["index"] * SAMPLES + rec.get("sample", 0), []).append(rec)
         whole = [task for task, chain in chains.items() if self.whole(task, chain)]
-        status = read_status(r, RUN)
+        done, failed, status, stale, checks = run_checks(r, k, self.tasks, records, self.requeues)
         reasons = dict(zip(sorted(failed), failure_reasons(r, k, sorted(failed)), strict=True))
         bad = {i * SAMPLES + s: re.sub(r"\d+", "N", words) for i, (_, words) in self.broken.items()
                for s in range(SAMPLES)}
-        switched = {h["version"]: h["at"]
-                    for h in map(orjson.loads, r.lrange(k.params_history, 0, -1))}
-        for q in self.requeues:  # the moment Redis switched, not when the command was started
-            q["at"] = switched.get(q["version"], q["at"])
-        stale = superseded(records, self.requeues)
-        checks = {
-            "nothing_lost": len(done | failed) == self.tasks and not done & failed,
+        checks |= {
             "export_whole_from_s3": exported.returncode == 0,
             "every_conversation_turns_1_to_m_once": sorted(chains) == sorted(done)
             and len(whole) == len(chains),
             "broken_rows_failed_alone_with_their_reason": failed == set(bad) and all(
                 bad[t] in str(reasons.get(t, "")) for t in bad),
-            "no_turn_under_superseded_parameters": not stale,
-            "status_equals_export": (
-                status["done"] == len(done) and status["failed"] == len(failed)
-                and status["conversations"]["generations"] == len(records)
-                and status["finish_reasons"] == dict(Counter(x["finish_reason"]
-                                                             for x in records))
-                and status["output_tokens_total"] == sum(x["completion_tokens"]
-                                                         for x in records)
-                and status["prompt_tokens_total"] == sum(x["prompt_tokens"] for x in records)),
-            "queue_and_leases_empty": r.llen(k.rq_queue) == 0 and r.zcard(k.leases) == 0,
+            "status_generations_equal_export": status["conversations"]["generations"]
+            == len(records),
+            "every_recover_succeeded": all(rec["rc"] == 0 for rec in self.recovers),
         }
         served = self.served
         probes = sum(c.starts for c in self.consumers)  # one a --token-ids consumer's start
@@ -262,6 +197,7 @@ class TurnsSoak(Soak):
             "export_said": (exported.stdout + exported.stderr)[-600:],
             "not_whole": sorted(set(chains) - set(whole))[:20], "superseded": stale[:20],
             "failure_reasons": {t: str(v)[:120] for t, v in list(reasons.items())[:10]},
+            "recovers": self.recovers, "lost_nodes": len(self.lost), "repair": self.repair,
         }
         return checks, figures
 
@@ -276,4 +212,4 @@ class TurnsSoak(Soak):
 
     def close(self) -> None:
         super().close()
-        self.s3.stop()
+        self.s3.close()

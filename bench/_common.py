@@ -1,15 +1,16 @@
-"""What the bench scripts share beyond the tests' fixtures (tests/conftest.py, faultkit.py,
-pipeline.py, sim_fixtures.py: a private redis-server, simulators on free ports, the data set,
-the genq command line): consumers, CPU and Redis INFO counters, the servers' load sampler, a
-table, the parser and the work directory."""
+"""What the bench scripts share beyond the tests' fixtures (a private redis-server, simulators,
+the data set, the genq command line): consumers, timings, CPU and Redis counters, moto's S3, the
+servers' load sampler, a table, the parser and the work directory."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import random
 import resource
-import shutil
+import string
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import orjson
 import redis
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,6 +39,7 @@ from faultkit import private_redis  # noqa: E402,F401 (the scripts import it fro
 from pipeline import write_dataset  # noqa: E402,F401
 from sim_fixtures import SimProcess, sim_flags  # noqa: E402,F401
 
+from genq.common.net import free_port, wait_port  # noqa: E402
 from genq.common.sglang.stream import parse_load  # noqa: E402
 
 
@@ -74,13 +77,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 @contextmanager
-def workdir(prefix: str = "genq-bench-") -> Iterator[Path]:
-    """A temporary directory, removed on the way out whatever happened."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
+def workdir() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="genq-bench-", ignore_cleanup_errors=True) as path:
+        yield Path(path)
 
 
 @contextmanager
@@ -96,22 +95,26 @@ def simulators(n: int, *flags: str) -> Iterator[list[SimProcess]]:
             sim.cleanup()
 
 
-def timed(args: list[str], env: dict, nofile: int | None = None, tree: Path = REPO) -> dict:
-    """A genq command to its end: wall s and peak RSS (MB), optionally under `ulimit -n`;
-    `tree`: the checkout whose genq runs (a baseline's)."""
+def timed(args: list[str], env: dict | None, nofile: int | None = None, tree: Path = REPO,
+          script: Path | None = None) -> dict:
+    """A genq command (or a bench `script`, then with its stdout) to its end: wall s, CPU s
+    (wait4), peak RSS MB, optionally under `ulimit -n`; `tree`: the checkout whose genq runs."""
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
     start = time.monotonic()
     if tree != REPO:
-        env = {**env, "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen([sys.executable, "-m", "genq", *args], cwd=tree, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=limit if nofile else None)
-    _, status, ru = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"genq {args[0]} failed: {proc.stderr.read().decode()[-2000:]}")
-    return {"wall_s": round(time.monotonic() - start, 2), "rss_mb": round(ru.ru_maxrss / 1024)}
+        env = {**(env or os.environ), "PYTHONPATH": str(tree)}
+    argv = [sys.executable, *([str(script)] if script else ["-m", "genq"]), *args]
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, cwd=tree, env=env, stdout=out, stderr=err,
+                                preexec_fn=limit if nofile else None)
+        _, status, ru = os.wait4(proc.pid, 0)
+        out.seek(0), err.seek(0)
+        if os.waitstatus_to_exitcode(status):
+            raise SystemExit(f"{argv[1:4]} failed: {err.read().decode()[-2000:]}")
+        return {"wall_s": round(time.monotonic() - start, 3), "cpu_s": ru.ru_utime + ru.ru_stime,
+                "rss_mb": round(ru.ru_maxrss / 1024), **({"stdout": out.read()} if script else {})}
 
 
 def latency(fetch) -> float:
@@ -127,34 +130,59 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def wait_rusage(proc, timeout: float) -> tuple[int, float]:
-    """Wait for a child and return (exit status, its user+system CPU seconds) via wait4."""
-    deadline = time.monotonic() + timeout
-    while True:
-        pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            proc.returncode = os.waitstatus_to_exitcode(status)
-            return proc.returncode, ru.ru_utime + ru.ru_stime
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise TimeoutError(f"{proc.args} did not exit within {timeout}s")
-        time.sleep(0.005)
-
-
 def reap(procs: list[subprocess.Popen], tick=None, period: float = 0.5) -> dict[int, tuple]:
-    """Wait for every process, calling `tick()` between looks: {pid: (exit code, CPU s)}, each
-    by wait4 (poll() would reap it first and lose its CPU)."""
+    """Wait for every process, calling `tick()` between looks: {pid: (exit code, CPU s, when
+    it exited)}, each by wait4 (poll() would reap it first and lose its CPU)."""
     got: dict[int, tuple] = {}
     while len(got) < len(procs):
         for proc in procs:
             pid, status, ru = os.wait4(proc.pid, os.WNOHANG) if proc.pid not in got else (0, 0, 0)
             if pid:
                 proc.returncode = os.waitstatus_to_exitcode(status)
-                got[pid] = (proc.returncode, ru.ru_utime + ru.ru_stime)
+                got[pid] = (proc.returncode, ru.ru_utime + ru.ru_stime, time.monotonic())
         if tick:
             tick()
         time.sleep(period)
     return got
+
+
+def synthetic_records(n: int) -> bytes:
+    """n completions of ~2.3k tokens (about 9 kB of random words each), as shard lines."""
+    rng = random.Random(0)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
+             for _ in range(5000)]
+    return b"".join(orjson.dumps({"index": i, "content": " ".join(rng.choices(words, k=1550)),
+                                  "finish_reason": "stop"}) + b"\n" for i in range(n))
+
+
+@contextmanager
+def moto_s3(bucket: str, own_process: bool = False) -> Iterator[int]:
+    """moto's S3 on a free port (in its own process: its CPU not ours), `bucket` made in it,
+    AWS_* set for this process and what it starts; yields the port."""
+    port = free_port()
+    if own_process:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                 str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(port, timeout=30)
+    else:
+        from moto.server import ThreadedMotoServer
+
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # a line a request otherwise
+        server.start()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}")
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    try:
+        yield port
+    finally:
+        if own_process:
+            proc.terminate()
+            proc.wait(10)
+        else:
+            server.stop()
 
 
 def machine_cpu() -> tuple[float, float]:

@@ -1,21 +1,10 @@
-"""Agentic-coding conversations at the seed's shape, for bench/conversations.py: a data set
-of JSON lines rows {"id", "messages", "tools"} (docs/CLI.md, "Data set").
-
-A row: a system prompt (one of a few, as a deployment has few), then 1-3 user requests; each
-request is worked through a tool chain of 1-20 calls and closed by a final assistant answer.
-Each tool-calling assistant turn makes exactly one call, to the row's first tool, followed by
-a `tool` message with its result. A request's chain is as long as the simulator's
-`--tool-chains` makes it (`chain_length` of the request's text and the seed, the simulators'
-`--seed`), so each regenerated turn calls the row's first tool where the row does and answers
-in text where the row does: `--turns all` splices the row's results in and runs every turn.
-About 8 assistant turns a row on average.
-
-Texts are words drawn from Python's own documentation (prose and code) with their frequencies,
-kept modest in length (tens of words a message) so a 2-core machine can regenerate every turn
-of 100,000 rows; the simulator's prompt cost grows with the words it tokenizes.
-
-Deterministic: row i depends only on (seed, i), so any prefix or slice of a data set is the
-same rows whatever N was asked for.
+"""Agentic-coding rows {"id", "messages", "tools"} at the seed's shape, for bench/conversations.py
+and chaos.py --turns all: a system prompt (one of a few), 1-3 user requests, each worked through
+a chain of 1-20 one-call tool turns (to the row's first tool, each followed by its result) and
+closed by an answer; ~8 assistant turns a row. A chain is as long as the simulator's
+`--tool-chains` makes it (`chain_length` of the request and the seed), so a regenerated turn
+calls where the row calls. Words from Python's documentation, tens a message. Row i depends
+only on (seed, i).
 """
 
 from __future__ import annotations
@@ -117,8 +106,7 @@ def write(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def shape(sample: list[dict[str, Any]]) -> dict[str, float]:
-    """What a data set looks like: per row, user requests, assistant turns (tool-calling and
-    final), the longest chain, and words; over a sample of its rows."""
+    """Per row of a sample: user requests, assistant turns, tool calls, words; the longest chain."""
     users = turns = calls = words = longest = 0
     for r in sample:
         chain = 0

@@ -1,11 +1,9 @@
-"""A seeded chaos soak: a real run (private Redis with AOF, simulators, consumers, the windowed
-producer and the monitor) while random faults hit it: consumers SIGKILLed, stopped with SIGTERM
-and paused; Redis SIGKILLed and restarted from its AOF; servers answering 503, resetting
-connections, hanging, or killed and restarted; parameters changed under it (`genq requeue`).
-It ends with the checks a user cares about, and exits 1 if any fails: nothing lost (every index
-done or failed), each index once in the export, no result under superseded parameters, `genq
-status` equal to the export, every process stopped on SIGTERM. The seed fixes the draws; a draw
-whose target is busy (down, paused) is drawn again, so the mix varies a little with timing.
+"""A seeded chaos soak: a real run (Redis with AOF, simulators, consumers, the windowed producer,
+the monitor) under random faults: consumers SIGKILLed, SIGTERMed and paused; Redis SIGKILLed and
+restarted from its AOF; servers answering 503, resetting, hanging or restarted; `genq requeue`.
+Then the checks, exit 1 if any fails: nothing lost, each index once in the export, no result
+under superseded parameters, `genq status` equal to the export, every process stopped on
+SIGTERM. The seed fixes the draws (a busy target is drawn again, so timing varies the mix).
 
     python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
     python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
@@ -24,8 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 import redis
-from _chaos_checks import final_checks
-from _chaos_procs import Proc, Redis, Simulator, genq_proc
+from _chaos_kit import Proc, Redis, Simulator, final_checks, genq_proc
 from _common import dump_json, genq, parser, sim_flags, write_dataset
 from faultkit import sim_kwargs
 
@@ -55,7 +52,6 @@ def parse(argv: list[str] | None):
     p.add_argument("--turns", choices=("last", "all"), default="last",
                    help="all: agentic conversations, 2 samples, token ids, shipped to S3, with "
                    "Redis lost and recovered and lost nodes repaired (bench/_chaos_turns.py)")
-    p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p.parse_args(argv)
 
 
@@ -91,8 +87,7 @@ class Soak:
         self.term_exits: list[tuple] = []  # (exit status, seconds, name)
 
     def write_data(self, data: Path) -> list[str]:
-        """Write the data set; the flags `genq produce` gets. Here: prompts, some of which
-        every server refuses (HTTP 400), at --max-tokens 300, as the fault tests."""
+        """Write the data set (prompts, some poison: HTTP 400); return `genq produce`'s flags."""
         self.poison = set(self.rng.sample(range(self.a.prompts), min(self.a.poison,
                                                                       self.a.prompts)))
         write_dataset(data, self.a.prompts, poison=tuple(self.poison))
@@ -144,11 +139,14 @@ class Soak:
             self.later.append((when, "cont", c))
         return c is not None
 
+    def redis_busy(self) -> bool:
+        return not self.redis.up or any(t is self.redis for _, _, t in self.later)
+
     def redis_kill(self) -> bool:
         # Redis (appendfsync everysec) may forget its last second of writes when killed; a
         # requeue forgotten that way would be Redis's loss, not genq's, so none is that recent.
         recent = self.requeues and time.time() - self.requeues[-1]["at"] < 2.5
-        if self.redis.up and not recent and not any(t is self.redis for _, _, t in self.later):
+        if not recent and not self.redis_busy():
             self.redis.kill()
             self.restart_later(self.redis, 0.5, 3)
             return True
@@ -167,16 +165,19 @@ class Soak:
             self.restart_later(s, 0.5, 2)
         return s is not None
 
-    def requeue(self) -> bool:
-        if not self.redis.up or any(t is self.redis for _, _, t in self.later):
-            return False
+    def requeue_change(self) -> tuple[str, str, list[str]]:
+        """The next requeue's (--set, --redo, flags): every third redoes truncated results."""
         if len(self.requeues) % 3 == 2:
-            change, redo = f"max_tokens={self.rng.randint(250, 350)}", "truncated"
-        else:
-            change, redo = f"temperature={round(self.rng.uniform(0.1, 1.0), 2)}", "none"
+            return f"max_tokens={self.rng.randint(250, 350)}", "truncated", ["--redo", "truncated"]
+        return f"temperature={round(self.rng.uniform(0.1, 1.0), 2)}", "none", ["--redo", "none"]
+
+    def requeue(self) -> bool:
+        if self.redis_busy():
+            return False
+        change, redo, flags = self.requeue_change()
         at = time.time()
-        out = genq("requeue", "--set", change, "--redo", redo, redis_url=self.redis.url,
-                   run=RUN, check=False)
+        out = genq("requeue", "--set", change, *flags, redis_url=self.redis.url, run=RUN,
+                   check=False)
         if out.returncode != 0:
             return False
         version = int(out.stdout.split("parameters version ", 1)[1].split(":", 1)[0])
@@ -239,31 +240,30 @@ class Soak:
     def finish(self) -> None:
         """What an operator does once the run settled, before the last checks: nothing here."""
 
+    def checks(self) -> tuple[dict, dict]:
+        checks, figures = final_checks(self.r, self.redis.url, RUN, self.a.prompts, self.dir,
+                                       self.requeues, self.out_dirs)
+        checks["poison_prompts_failed"] = all(self.r.getbit(self.k.failed, i) for i in self.poison)
+        return checks, figures
+
     def report(self, timing: dict, stops: dict) -> dict:
-        return report(self.a, self, timing, stops)
+        checks, figures = self.checks()
+        terms = [*self.term_exits, *stops.values()]
+        checks["every_process_stopped_on_sigterm"] = all(t[0] == 0 for t in terms)
+        return {
+            "settings": {k: v for k, v in vars(self.a).items() if k != "json"},
+            "checks": checks, **figures, **timing,
+            "prompts_per_s": round(self.a.prompts / timing["duration_s"], 1),
+            "faults": dict(self.fired), "faults_total": sum(self.fired.values()),
+            "requeues": self.requeues,
+            "restarts": {p.name: p.starts - 1 for p in [*self.consumers, *self.sims, self.redis]},
+            "sigterm_exit_s_max": max((t[1] for t in terms), default=0.0),
+            "sigterm_during_run": len(self.term_exits), "stops": stops}
 
     def close(self) -> None:
         for p in [*self.consumers, *self.others, *self.sims, self.redis]:
             p.signal(signal.SIGCONT)
             p.kill()
-
-
-def report(a, soak: Soak, timing: dict, stops: dict) -> dict:
-    checks, figures = final_checks(soak.r, soak.redis.url, RUN, a.prompts, soak.dir,
-                                   soak.requeues, soak.out_dirs)
-    terms = [*soak.term_exits, *stops.values()]
-    checks["every_process_stopped_on_sigterm"] = all(t[0] == 0 for t in terms)
-    checks["poison_prompts_failed"] = all(soak.r.getbit(soak.k.failed, i) for i in soak.poison)
-    return {
-        "settings": {k: v for k, v in vars(a).items() if k not in ("json", "keep")},
-        "checks": checks, **figures, **timing,
-        "prompts_per_s": round(a.prompts / timing["duration_s"], 1),
-        "faults": dict(soak.fired), "faults_total": sum(soak.fired.values()),
-        "requeues": soak.requeues,
-        "restarts": {p.name: p.starts - 1 for p in [*soak.consumers, *soak.sims, soak.redis]},
-        "sigterm_exit_s_max": max((t[1] for t in terms), default=0.0),
-        "sigterm_during_run": len(soak.term_exits), "stops": stops,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if soak is not None:
             soak.close()
-        if not a.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
     dump_json(a.json, result)
     for name, ok in result["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")

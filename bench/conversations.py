@@ -1,29 +1,19 @@
-"""Conversations at the seed's shape: every assistant turn regenerated in order (`genq produce
---turns all`) against a one-turn run of the same rows (`--turns last`, the baseline), side by
-side on the same Redis and simulators.
-
-The data set is bench/_conversations.py's (seeded agentic-coding rows, ~8 assistant turns each).
-The simulators answer fast (16-token answers, time scale 10000) with `--tool-chains --seed SEED
---enable-cache-report`, calling where the rows call, so every conversation runs all its turns.
-
-Each arm: the windowed producer, `genq consume --burst` per simulator, to the end or to
---deadline (then the consumers are stopped with SIGTERM and the figures are those of the
-prefix done, said in `complete`). Measured: Redis `used_memory` above the arm's start (mid-run
-and at the end, and peak), per conversation; consumers' CPU per generation (wait4); `genq
-status` wall mid-run; `genq export` and, after FLUSHALL, `genq recover` walls (peak RSS),
-checked against each other. Ratios are all/last. `--baseline TREE` also times export and
-recover from that checkout on the same shards, beside this tree's (the exports byte-compared).
-The genq arms also give Redis's CPU and commands per generation (INFO cpu, commandstats, over
-the consumers' run); arm `bare` runs bench/_bare_turns.py (one a simulator) on the same rows.
+"""Every assistant turn made in order (`--turns all`) against a one-turn run of the same rows
+(`--turns last`), on the same Redis and fast simulators (`--tool-chains`: they call where the
+rows call, so every conversation runs all its turns); bench/_conversations.py's rows. Each arm:
+the windowed producer and a `genq consume --burst` per simulator, to the end or --deadline (then
+SIGTERM; `complete` says which). Measured: Redis bytes per conversation (mid-run, peak, end),
+consumer CPU per generation, `genq status` mid-run, `genq export` and, after FLUSHALL, `genq
+recover` (checked against each other); for the genq arms also Redis's CPU and commands per
+generation (INFO cpu, commandstats), and arm `bare` runs bench/_bare_turns.py, one a simulator.
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
-    python bench/conversations.py --arms all --baseline /tmp/base    # export, recover: both
+    python bench/conversations.py --arms all                         # --turns all alone
 """
 
 from __future__ import annotations
 
-import filecmp
 import signal
 import statistics
 import subprocess
@@ -62,7 +52,6 @@ class Arm:
                                      run=self.run).stdout)
 
     def mid_run(self) -> None:
-        """`genq status` timed three times (median) and the Redis memory, while consumers run."""
         walls = [kit.latency(self.status) for _ in range(3)]
         self.figures["status_mid_s"] = statistics.median(walls)
         self.figures["redis_b_mid"] = self.used() - self.base
@@ -72,7 +61,6 @@ class Arm:
               f"{self.figures['redis_b_mid'] / 2**20:.1f} MB", file=sys.stderr, flush=True)
 
     def consume(self) -> None:
-        """Consumers to their end (or the deadline): their CPU by wait4, memory peaks."""
         outs = [self.work / f"out{n}" for n in range(len(self.sims))]
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
@@ -103,7 +91,7 @@ class Arm:
                                  for k, (c, u) in after.items()}
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
-                            consumer_cpu_s=round(sum(s for _, s in got.values()), 2))
+                            consumer_cpu_s=round(sum(g[1] for g in got.values()), 2))
         self.outs = outs
 
     def redis_use(self) -> dict[str, tuple[int, int]]:
@@ -122,11 +110,11 @@ class Arm:
                                   stdout=subprocess.PIPE) for i, sim in enumerate(self.sims)]
         start = time.monotonic()
         got = kit.reap(procs, period=0.25)
-        if any(code for code, _ in got.values()):
-            raise SystemExit(f"[bare] exited {[code for code, _ in got.values()]}")
+        if any(g[0] for g in got.values()):
+            raise SystemExit(f"[bare] exited {[g[0] for g in got.values()]}")
         outs = [orjson.loads(p.stdout.read()) for p in procs]
         f.update(wall_s=round(time.monotonic() - start, 1), complete=True,
-                 consumer_cpu_s=round(sum(s for _, s in got.values()), 2),
+                 consumer_cpu_s=round(sum(g[1] for g in got.values()), 2),
                  generations=sum(o["generations"] for o in outs),
                  stopped=sum(o["stopped"] for o in outs))
         gens = max(1, f["generations"])
@@ -135,47 +123,33 @@ class Arm:
                  generations_per_s=round(gens / f["wall_s"], 1))
         return f
 
-    def timed(self, *args: str, tree: Path = kit.REPO) -> dict:
-        """A genq command under `ulimit -n 256` as scale.py times it; where that fails (one
-        that opens every shard at once), the failure is kept and it runs unlimited."""
+    def timed(self, *args: str) -> dict:
+        """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
         try:
-            return kit.timed(list(args), self.env, nofile=256, tree=tree)
+            return kit.timed(list(args), self.env, nofile=256)
         except SystemExit as failed:
             print(f"[{self.turns}] under ulimit -n 256: {str(failed)[-300:]}", file=sys.stderr)
-            return {**kit.timed(list(args), self.env, tree=tree),
-                    "failed_at_256_files": str(failed)[-200:]}
+            return {**kit.timed(list(args), self.env), "failed_at_256_files": str(failed)[-200:]}
 
     def finish(self) -> None:
-        """Export, FLUSHALL, recover: walls, and the counts checked against each other; with
-        --baseline, the baseline's first each time, and its export byte-compared with ours."""
+        """Export, FLUSHALL, recover, checked."""
         f = self.figures
         f["redis_b_end"] = self.used() - self.base
         f["status_end"] = before = self.status()
         # Where the conversations ended (--turns all's status: "diverged", "truncated", ...).
         f["stopped"] = (before.get("conversations") or {}).get("stopped", "-")
-        trees = {**({"baseline_": Path(self.a.baseline).resolve()} if self.a.baseline else {}),
-                 "": kit.REPO}
-        for name, tree in trees.items():
-            f[f"{name}export"] = self.timed("export", "--out", str(self.work / f"{name}all.jsonl"),
-                                            "--overwrite", tree=tree)
+        f["export"] = self.timed("export", "--out", str(self.work / "all.jsonl"), "--overwrite")
         f["generations"] = sum(1 for _ in open(self.work / "all.jsonl", "rb"))
-        if self.a.baseline and not filecmp.cmp(self.work / "all.jsonl",
-                                               self.work / "baseline_all.jsonl", shallow=False):
-            raise SystemExit(f"[{self.turns}] the export differs from the baseline's")
-        for name, tree in trees.items():
-            self.r.flushall()  # what a restart without persistence leaves
-            f[f"{name}recover"] = self.timed("recover", "--shards", *map(str, self.outs),
-                                             tree=tree)
-            after = self.status()
-            for key in ("total", "done", "failed"):
-                if before.get(key) != after.get(key):
-                    raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
-                                     f"{after.get(key)} recovered by {name or 'this tree'}")
+        self.r.flushall()  # what a restart without persistence leaves
+        f["recover"] = self.timed("recover", "--shards", *map(str, self.outs))
+        after = self.status()
+        for key in ("total", "done", "failed"):
+            if before.get(key) != after.get(key):
+                raise SystemExit(f"[{self.turns}] {key}: {before.get(key)} before FLUSHALL, "
+                                 f"{after.get(key)} recovered")
         self.r.flushall()
 
     def registered(self, producer: Background) -> bool:
-        """Whether the run is registered; a producer that exited first (a refused setting)
-        ends the bench with its log."""
         if producer.proc.poll() is not None and not self.r.exists(self.k.done):
             raise SystemExit(f"[{self.turns}] genq produce exited: {producer.log()[-2000:]}")
         return bool(self.r.exists(self.k.done))
@@ -221,45 +195,24 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
         ("Redis B / conversation, end", "redis_b_per_conversation_end"),
-        ("genq status s, mid-run (median of 3)", "status_mid_s"))
+        ("genq status s, mid-run (median of 3)", "status_mid_s"),
+        ("genq export s (peak RSS MB)", "export"), ("genq recover s (peak RSS MB)", "recover"))
 
 
 def report(arms: dict[str, dict]) -> str:
     """A row a figure, a column an arm, and all/last where both ran."""
-    def ratio(a, b) -> str:
-        ok = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
-        return f"{a / b:.2f}" if ok and b else "-"
-
-    def cell(f: dict, key: str) -> object:
-        if key not in f:
-            return "-"
-        return f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if "export" in key \
-            or "recover" in key else f[key]
-
-    def against(f: dict, key: str) -> str:  # this tree / the baseline: wall (peak RSS)
-        ours, base = f[key], f[f"baseline_{key}"]
-        return f"{ratio(ours['wall_s'], base['wall_s'])} ({ratio(ours['rss_mb'], base['rss_mb'])})"
-
-    both = set(ARMS) <= set(arms)
-    rows = []
-    timings = [("genq export s (peak RSS MB)", "export"), ("genq recover s (peak RSS MB)",
-                                                           "recover")]
-    if any("baseline_export" in f for f in arms.values()):
-        timings += [("baseline's genq export s (peak RSS MB)", "baseline_export"),
-                    ("baseline's genq recover s (peak RSS MB)", "baseline_recover")]
-    for name, key in (*ROWS, *timings):
-        row = [name, *(cell(f, key) for f in arms.values())]
+    both, rows = set(ARMS) <= set(arms), []
+    for name, key in ROWS:
+        timed = key.endswith(("export", "recover"))
+        cells = ["-" if key not in f else f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if timed
+                 else f[key] for f in arms.values()]
         if both:
-            timed = "export" in key or "recover" in key
-            every, last = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ARMS[::-1])
-            row.append(ratio(every, last))
-        rows.append(tuple(row))
-    if any("baseline_export" in f for f in arms.values()):
-        rows += [(f"{what}: this tree / baseline, wall (peak RSS)",
-                  *(against(f, what) for f in arms.values()), *(("",) if both else ()))
-                 for what in ("export", "recover")]
-    heads = ("figure", *(f"--turns {t}" for t in arms), *(("all/last",) if both else ()))
-    return kit.table(rows, heads)
+            x, y = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ("all", "last"))
+            num = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (x, y))
+            cells.append(f"{x / y:.2f}" if num and y else "-")
+        rows.append((name, *cells))
+    return kit.table(rows, ("figure", *(f"--turns {t}" for t in arms),
+                            *(("all/last",) if both else ())))
 
 
 def main() -> int:
@@ -272,8 +225,6 @@ def main() -> int:
                    help="seconds an arm's consumers run before they are stopped (all 8 turns "
                    "of 100,000 took ~1,000 s on 2 cores)")
     p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
-    p.add_argument("--baseline", default=None,
-                   help="a checkout whose export and recover run beside this tree's")
     a = p.parse_args()
     sim = [*SIM, "--tool-chains", "--seed", str(a.seed)]
     figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}

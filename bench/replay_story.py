@@ -1,11 +1,8 @@
-"""The run genq is built for, replayed time-scaled on the simulator: 7 servers x 40 slots, the
-seed run's lengths (lognormal:2326:0.62; ~18 % truncated at max_tokens 4096), and the pivot to
-max_tokens 8192 a third of the way in, three ways, one after the other on fresh servers and
-Redis, same prompts. genq: one `genq requeue --set max_tokens=8192 --redo truncated` on the live
-run. continue: the same with `--continue` (each truncated answer goes on from its partial). By
-hand: SIGKILL every consumer, a human's pause, the same requeue as genq's, relaunch them all.
-Reports wall time to the finished data set, GPU-idle seconds around the pivot and over the run
-(from the servers' own running counts), and tokens generated and thrown away.
+"""The seed run replayed time-scaled: 7 servers x 40 slots, its lengths (lognormal:2326:0.62,
+~18 % truncated at 4096), the pivot to max_tokens 8192 a third of the way in, three ways on
+fresh servers and Redis: `genq requeue --set max_tokens=8192 --redo truncated` on the live run;
+the same with `--continue`; by hand (SIGKILL every consumer, a pause, the requeue, relaunch).
+Wall to the finished data set, GPU-idle seconds (the servers' running counts), tokens thrown away.
 
     python bench/replay_story.py                     # 4200 prompts, ~3 x 40 s
     python bench/replay_story.py --prompts 14000 --json out.json
@@ -32,9 +29,8 @@ PIVOT = ("requeue", "--set", "max_tokens=8192", "--redo", "truncated")
 
 
 def pivot(redis_url: str, *extra: str) -> float:
-    """`genq requeue ...` run in this process (the CLI's own code, imported beforehand): a
-    subprocess's 1-3 s of interpreter start-up would be minutes of a time-scaled run, during
-    which old-limit results keep coming. Returns how long the command took."""
+    """`genq requeue ...` in this process: a subprocess's start-up would be minutes of a
+    time-scaled run. Returns how long it took."""
     from genq.cli import main as genq_main
     t0 = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -45,8 +41,6 @@ def pivot(redis_url: str, *extra: str) -> float:
 
 
 class Fleet:
-    """One consumer process per server, all on one run."""
-
     def __init__(self, a, rs, sims: list, work: Path, tag: str) -> None:
         self.logs = [work / f"{tag}-consumer{i}.log" for i in range(len(sims))]
         self.procs = [kit.consumer(rs.url, "story", "--server", sim.url, "--burst", "--out",
@@ -69,12 +63,7 @@ class Fleet:
                 self.kill()
                 rc = "nothing (killed after the timeout)"
             if rc != 0:
-                text = log.read_text(errors="replace")
-                events = [x for x in text.splitlines()
-                          if x.startswith("{") and "tasks_acked" not in x]
-                stacks = text.partition('"shutdown_stuck"')[2].partition("Thread 0x")[0]
-                raise RuntimeError(f"consumer exited {rc}; its last events:\n"
-                                   + "\n".join(events[-25:]) + stacks[:4000])
+                raise RuntimeError(f"consumer exited {rc}:\n{log.read_text()[-4000:]}")
 
 
 def one_way(a, way: str, dataset: Path, work: Path) -> dict:
@@ -121,8 +110,7 @@ def figures(a, way: str, sampler: kit.LoadSampler, t_pivot: float,
             wall: float, kept: dict, stats: list[dict]) -> dict:
     lo, hi = t_pivot - a.around / 2, t_pivot + a.around
     idle_pivot = sum(kit.slot_seconds(s, a.slots, lo, hi)[0] for s in sampler.samples) / a.slots
-    # Over the whole run while work remained: from the first moment all slots of a server were
-    # busy to the last one (the final drain, when no prompt is left, is nobody's fault).
+    # While work remained: from the first moment a server was full to the last.
     idle_run = sum(kit.slot_seconds(s, a.slots, *kit.full_window(s, a.slots))[0]
                    for s in sampler.samples) / a.slots
     busy_slot_s = sum(running * (t1 - t0) for s in sampler.samples

@@ -1,9 +1,8 @@
-"""Restarts at every default: how long a server idles when its consumer is killed.
-
-(a) Kill -9 and the same command at once: seconds until the server is full again, and how much
-    later the run ends than an undisturbed one; beside it a plain client (_bare_stream.py).
-(b) A consumer killed for good at --visibility-timeout 6 beside another on a second server:
-    seconds until all its tasks are back in the queue."""
+"""How long a server idles when its consumer is killed: (a) kill -9 and relaunch at once, until
+the server is full again (beside a plain client, _bare_stream.py) and how much later the run
+ends; (b) a consumer killed for good at --visibility-timeout 6, until all its tasks are back.
+--idle: instead, the CPU of three waiting consumers: a finished run's, a spare, one with nothing
+to claim while a frozen consumer's leases run out."""
 
 from __future__ import annotations
 
@@ -16,6 +15,8 @@ from pathlib import Path
 import _common as kit
 import httpx
 from pipeline import wait_for
+
+from genq.common.queue.keys import RunKeys
 
 SIM = ["--length-dist", "fixed:256", "--max-running-requests", "32", "--ttft", "0.5"]
 
@@ -85,13 +86,47 @@ def tasks_back(tmp: Path, vt: float) -> float:
                 proc.kill()
 
 
+def idle(a) -> None:
+    with kit.workdir() as work, kit.private_redis() as rs, kit.simulators(
+            2, "--time-scale", "1000", "--ttft", "0", "--length-dist", "fixed:16") as sims:
+        r = rs.client()
+        for run in ("done", "held"):
+            kit.genq("produce", str(kit.write_dataset(work / f"{run}.jsonl", 50)), "--once",
+                     redis_url=rs.url, run=run)
+        finished = kit.consumer(rs.url, "done", "--server", sims[0].url, "--out", str(work / "a"))
+        wait_for(lambda: r.bitcount(RunKeys("done").done) == 50, timeout=60, what="run done")
+        spare = kit.consumer(rs.url, "done", "--server", sims[0].url, "--out", str(work / "b"))
+        holder = kit.consumer(rs.url, "held", "--server", sims[1].url, "--out", str(work / "c"),
+                              "--concurrency", "50", "--visibility-timeout", "600")
+        wait_for(lambda: r.zcard(RunKeys("held").leases) == 50, timeout=60, what="all leased")
+        holder.send_signal(signal.SIGSTOP)
+        starved = kit.consumer(rs.url, "held", "--server", sims[0].url, "--share-server",
+                               "--out", str(work / "d"))
+        procs = {"finished run": finished, "spare": spare, "nothing to claim": starved}
+        time.sleep(5)  # past every start-up
+        before = {name: kit.proc_cpu_s(proc.pid) for name, proc in procs.items()}
+        time.sleep(a.window)
+        shares = {name: (kit.proc_cpu_s(proc.pid) - before[name]) / a.window
+                  for name, proc in procs.items()}
+        for proc in [*procs.values(), holder]:
+            proc.kill()
+            proc.wait()
+    print(kit.table([(name, f"{100 * share:.2f}") for name, share in shares.items()],
+                    ("waiting consumer", "% of a core")))
+    kit.dump_json(a.json, {"window_s": a.window, "share_of_a_core": shares})
+
+
 def main() -> None:
     p = kit.parser(__doc__)
     p.add_argument("--n", type=int, default=400, help="prompts of 256 tokens, 32 slots")
     p.add_argument("--kill-at", type=float, default=15.0)
     p.add_argument("--visibility-timeout", type=float, default=6.0)
     p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--idle", action="store_true", help="instead: waiting consumers' CPU")
+    p.add_argument("--window", type=float, default=30.0, help="--idle: seconds measured")
     a = p.parse_args()
+    if a.idle:
+        return idle(a)
     SIM.extend(["--time-scale", str(a.time_scale)])
     with kit.workdir() as tmp:
         calm, killed = genq_run(tmp / "calm", a.n, None), genq_run(tmp / "kill", a.n, a.kill_at)

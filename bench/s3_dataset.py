@@ -1,13 +1,8 @@
-"""A data set read from S3 alone: `genq produce s3://…` and a consumer on a machine with an
-empty cache, on the seed's scale (914,000 agentic conversations: system prompt, task, a tool
-call, its result, an answer, a follow-up). S3 is moto's server on a free port; the figures are
-genq's side (download, fingerprint, index), not a real S3's bandwidth. Reports the producer's
-wall, the consumer's time from start to its first result and its peak memory (VmHWM) after
-`--seconds` of work. The producer's time to `run_registered` is the data set's opening
-(download, fingerprint, index); the rest of `--once` is queueing every row.
-
-`--baseline` first times three copies of the same object with genq's client: boto3's
-`download_file` in 16 MB parts by 4 threads, genq's `remote.local_copy`, one `get_object` stream.
+"""A data set in S3 alone (moto; genq's side, not S3's bandwidth), at the seed's scale (914,000
+agentic conversations): `genq produce s3://… --once`, its time to `run_registered` (download,
+fingerprint, index) and to its exit; a consumer on an empty cache, to its first result, and its
+peak memory (VmHWM) after `--seconds`. `--baseline` first times three copies of the object:
+boto3's `download_file` (16 MB parts, 4 threads), genq's `remote.local_copy`, one stream.
 
     python bench/s3_dataset.py [--rows 914000] [--format parquet|jsonl] [--data DIR]
                                [--baseline] [--json FILE]
@@ -15,7 +10,6 @@ wall, the consumer's time from start to its first result and its peak memory (Vm
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
@@ -29,7 +23,6 @@ from pathlib import Path
 import _common as kit
 import orjson
 
-from genq.common.net import free_port
 from genq.common.queue.keys import RunKeys
 
 BUCKET = "genq-bench"
@@ -147,23 +140,14 @@ def main() -> int:
     p.add_argument("--data", help="a folder where the generated data set is kept and reused "
                    "(generating 914k rows takes minutes)")
     a = p.parse_args()
-    from moto.server import ThreadedMotoServer
-
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's access log, a line a GET
-    moto.start()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1",
-                      AWS_ENDPOINT_URL=f"http://127.0.0.1:{moto._port}")
     import boto3
     from botocore.config import Config
 
-    # The bench's own client: moto assembles a big multipart upload slower than genq's timeout.
-    s3 = boto3.client("s3", config=Config(read_timeout=600))
-    s3.create_bucket(Bucket=BUCKET)
     f: dict = {"rows": a.rows, "format": a.format}
-    with kit.workdir() as tmp, kit.private_redis() as rs, \
+    with kit.moto_s3(BUCKET), kit.workdir() as tmp, kit.private_redis() as rs, \
             kit.simulators(1, "--time-scale", "400") as [sim]:
+        # Its own client: moto assembles a big multipart upload slower than genq's timeout.
+        s3 = boto3.client("s3", config=Config(read_timeout=600))
         local = generated(Path(a.data) if a.data else tmp, a.rows, a.format)
         f["mb"] = local.stat().st_size / 1e6
         s3.upload_file(str(local), BUCKET, local.name)
@@ -186,7 +170,6 @@ def main() -> int:
         c.send_signal(signal.SIGTERM)
         c.wait(60)
         f["load_after"] = os.getloadavg()
-    moto.stop()
     print(kit.table([(f"{a.rows:,} {a.format}", f"{f['mb']:.0f}", f"{f['registered_s']:.1f}",
                       f"{f['produce_s']:.1f}", f"{f['first_result_s']:.1f}", f["done"],
                       f"{f['consumer_peak_mb']:.0f}")],

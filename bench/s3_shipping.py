@@ -1,55 +1,78 @@
-"""Shipping shards to S3: upload throughput, the consumer's rate with and without shipping, and
-the backlog through an S3 outage and the time to drain it after. S3 is moto's server on a free
-port (`moto[server]`, a test extra) behind the tests' TCP fault proxy, so the outage is a real
-refused connection; the figures measure genq's side (compression, checksums, Redis marking),
-not a real S3's bandwidth.
+"""Shipping shards to S3 (moto behind the tests' fault proxy, so an outage refuses; genq's side,
+not S3's bandwidth): upload rate, the consumer's rate with and without shipping, the backlog
+through an outage and its drain. --ages: instead, by shard age (`--shard-minutes`), the results
+a lost node loses against the S3 requests and shipper CPU an hour (moto in its own process).
 
-    python bench/s3_shipping.py [--n 4000] [--rounds 1] [--outage 10] [--json FILE]
+    python bench/s3_shipping.py [--n 4000] [--outage 10]
+    python bench/s3_shipping.py --ages [0.0125,0.5,1,2,5,10] [--rate 1.34] [--gpus 8]
 """
 
 from __future__ import annotations
 
 import os
-import random
-import string
 import sys
 import time
 from pathlib import Path
 
 import _common as kit
-import orjson
 from faultkit import Background
 from faultproxy import FaultProxy
 
-from genq.common.net import free_port
 from genq.common.queue.keys import RunKeys
 from genq.common.store import s3 as store
 
 BUCKET = "genq-bench"
 SIM = ("--time-scale", "2000", "--ttft", "0", "--length-dist", "lognormal:2326:0.62",
        "--max-running-requests", "32")
+SHARD_RECORDS = 500  # genq consume's default --shard-records: a shard closes at this many too
 
 
-def upload_round(n_shards: int, records: int, uri: store.S3Uri) -> dict:
-    """Compress, upload and verify synthetic shards of `records` completions of ~2.3k tokens
-    (about 9 kB of random words from a 5000-word vocabulary), one after another, as one
-    shipper does."""
-    rng = random.Random(0)
-    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9)))
-             for _ in range(5000)]
-    raw = b"".join(orjson.dumps({"index": i, "content": " ".join(rng.choices(words, k=1550)),
-                                 "finish_reason": "stop"}) + b"\n" for i in range(records))
-    s3 = store.client()
-    started = time.monotonic()
-    sent = 0
+def ship(n_shards: int, raw: bytes, uri: store.S3Uri, tag: str) -> dict:
+    """Compress, upload and verify `n_shards` shards one after another, as one shipper does:
+    per shard CPU seconds and S3 requests, and wall and bytes sent."""
+    s3, sent, requests = store.client(), 0, [0]
+    s3.meta.events.register("before-send.s3", lambda **_: requests.__setitem__(0, requests[0] + 1))
+    started, cpu = time.monotonic(), time.process_time()
     for i in range(n_shards):
         body = store.compress(raw)
-        store.put_verified(s3, uri, uri.key("bench", "c", f"shard-{i:06d}{store.SUFFIX}"), body,
-                           {"records": str(records)})
+        store.put_verified(s3, uri, uri.key("bench", tag, f"shard-{i:06d}{store.SUFFIX}"), body,
+                           {"records": "n"})
         sent += len(body)
-    seconds = time.monotonic() - started
+    return {"cpu_s": (time.process_time() - cpu) / n_shards, "requests": requests[0] / n_shards,
+            "wall_s": time.monotonic() - started, "sent": sent}
+
+
+def upload_round(n_shards: int, uri: store.S3Uri) -> dict:
+    raw = kit.synthetic_records(SHARD_RECORDS)
+    got = ship(n_shards, raw, uri, "c")
+    seconds, sent = got["wall_s"], got["sent"]
     return {"shards_per_s": n_shards / seconds, "raw_mb_per_s": n_shards * len(raw) / seconds / 1e6,
             "sent_mb_per_s": sent / seconds / 1e6, "ratio": len(raw) * n_shards / sent}
+
+
+def ages(a) -> dict:
+    figures: dict = {"rate": a.rate, "gpus": a.gpus, "ages": []}
+    with kit.moto_s3(BUCKET, own_process=True):
+        uri = store.parse_uri(f"s3://{BUCKET}/bench")
+        for minutes in (float(m) for m in a.ages.split(",")):
+            per_shard = max(1, min(SHARD_RECORDS, round(a.rate * 60 * minutes)))
+            got = ship(a.shards, kit.synthetic_records(per_shard), uri, f"m{minutes:g}")
+            shards_h = a.rate * 3600 / per_shard  # a shard closes at its age or its records
+            figures["ages"].append({
+                "minutes": minutes, "records_per_shard": per_shard,
+                "cpu_ms_per_shard": got["cpu_s"] * 1e3, "requests_per_shard": got["requests"],
+                "requests_per_hour": shards_h * got["requests"],
+                "cpu_s_per_hour": shards_h * got["cpu_s"], "at_risk_per_node": per_shard * a.gpus})
+    print(f"one consumer at {a.rate:.2f} results/s; a node of {a.gpus} consumers; "
+          f"{a.shards} shards shipped per age:")
+    print(kit.table([(f"{x['minutes']:g}", x["records_per_shard"],
+                      f"{x['requests_per_shard']:.0f}", f"{x['requests_per_hour']:.0f}",
+                      f"{x['cpu_ms_per_shard']:.1f}", f"{x['cpu_s_per_hour']:.2f}",
+                      x["at_risk_per_node"]) for x in figures["ages"]],
+                    ("shard minutes", "records/shard", "S3 requests/shard",
+                     "S3 requests/h/consumer", "CPU ms/shard", "CPU s/h/consumer",
+                     "results at risk/node")))
+    return figures
 
 
 def consume(rs, sim, data: Path, run: str, *flags: str) -> float:
@@ -102,32 +125,35 @@ def outage_round(rs, sim, data: Path, n: int, proxy: FaultProxy, s3_uri: str,
 def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--n", type=int, default=4000, help="prompts per consumer run")
-    p.add_argument("--shards", type=int, default=20, help="shards in the upload round")
+    p.add_argument("--shards", type=int, help="shards shipped (default 20; --ages: 10 an age)")
     p.add_argument("--outage", type=float, default=10.0, help="seconds S3 is refused")
-    p.add_argument("--rounds", type=int, default=1, help="ABBA rounds of the rate comparison")
+    p.add_argument("--ages", nargs="?", const="0.0125,0.5,1,2,5,10",
+                   help="instead: these shard ages (minutes) compared; bare: 0.0125,0.5,1,2,5,10")
+    p.add_argument("--rate", type=float, default=9.4 / 7,
+                   help="--ages: results a second a consumer (one GPU) acknowledges (the seed: "
+                   "9.4 a second on 7 GPUs)")
+    p.add_argument("--gpus", type=int, default=8, help="--ages: consumers a node runs")
     a = p.parse_args()
-    from moto.server import ThreadedMotoServer
-
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    moto.start()
-    proxy = FaultProxy(moto._port).start()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=proxy.url("http", ""))
-    store.client().create_bucket(Bucket=BUCKET)
-    uri = store.parse_uri(f"s3://{BUCKET}/bench")
-    figures: dict = {"upload": upload_round(a.shards, 500, uri)}
-    with kit.workdir() as tmp, kit.private_redis() as rs, kit.simulators(1, *SIM) as [sim]:
-        data = kit.write_dataset(tmp / "data.jsonl", a.n)
-        # ABBA order, so a load change on a shared machine falls on both sides alike.
-        got: dict = {"plain": [], "ship": []}
-        for n, side in enumerate(("plain", "ship", "ship", "plain") * a.rounds):
-            flags = ("--s3-uri", str(uri)) if side == "ship" else ()
-            got[side].append(consume(rs, sim, data, f"{side}{n}", *flags))
-        figures.update(plain_s=sum(got["plain"]), shipping_s=sum(got["ship"]),
-                       runs_each=len(got["plain"]))
-        figures["outage"] = outage_round(rs, sim, data, a.n, proxy, str(uri), a.outage)
-    proxy.stop()
-    moto.stop()
+    a.shards = a.shards or (10 if a.ages else 20)
+    if a.ages:
+        kit.dump_json(a.json, ages(a))
+        return 0
+    with kit.moto_s3(BUCKET) as port:
+        proxy = FaultProxy(port).start()
+        os.environ["AWS_ENDPOINT_URL"] = proxy.url("http", "")
+        uri = store.parse_uri(f"s3://{BUCKET}/bench")
+        figures: dict = {"upload": upload_round(a.shards, uri)}
+        with kit.workdir() as tmp, kit.private_redis() as rs, kit.simulators(1, *SIM) as [sim]:
+            data = kit.write_dataset(tmp / "data.jsonl", a.n)
+            # ABBA order, so a load change on a shared machine falls on both sides alike.
+            got: dict = {"plain": [], "ship": []}
+            for n, side in enumerate(("plain", "ship", "ship", "plain")):
+                flags = ("--s3-uri", str(uri)) if side == "ship" else ()
+                got[side].append(consume(rs, sim, data, f"{side}{n}", *flags))
+            figures.update(plain_s=sum(got["plain"]), shipping_s=sum(got["ship"]),
+                           runs_each=len(got["plain"]))
+            figures["outage"] = outage_round(rs, sim, data, a.n, proxy, str(uri), a.outage)
+        proxy.stop()
     report(a, figures)
     kit.dump_json(a.json, figures)
     return 0

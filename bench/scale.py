@@ -1,24 +1,33 @@
-"""The seed's scale end to end: 914,000 prompts through the windowed `genq produce`, several
-`genq consume --burst` on fast simulators (16-token answers), default shard rotation (500
-records), a `genq monitor`. Measured: wall time, consumers' CPU per task, Redis memory (used
-above the empty server) at start, peak and end, `genq status` and the monitor's /api/status
-latency during the run and at its end, then `genq export` under `ulimit -n 256` (wall, peak
-RSS) and `genq recover` after FLUSHALL (wall, peak RSS), checked against the run.
+"""The seed's scale end to end: 914,000 prompts, the windowed producer, consumers on fast
+simulators, a monitor: wall, CPU per task, Redis above the empty server (start, peak, end;
+what is left, key by key),
+`genq status` and /api/status mid-run and at the end, `genq export` under `ulimit -n 256` and
+`genq recover` after FLUSHALL, checked against the run.
 
-    python bench/scale.py                          # 914,000 prompts (~15 min here)
-    python bench/scale.py --total 50000 --consumers 2
-    python bench/scale.py --samples 4 --profile status.prof   # 914,000 × 4 samples
+--baseline TREE: instead, once --warm tasks are done, that checkout's `genq status` (its own
+directory on PYTHONPATH, the same interpreter) and this tree's take turns, --rounds rounds: wall
+and CPU (wait4) of each call, median and worst; then the run stops.
 
---samples K: K samples a prompt, every figure per sample (task); --profile FILE: the mid-run
-`genq status` once more under cProfile, its stats to FILE (`python -m pstats FILE`).
+--produce W: instead, Redis used_memory above an empty server of `genq produce --once` of --total
+prompts against `--window W` once filled, each on a fresh Redis.
+
+    python bench/scale.py                          # 914,000 prompts
+    python bench/scale.py --samples 4              # 914,000 × 4 samples
+    git worktree add /tmp/base 30a5a45
+    python bench/scale.py --samples 4 --baseline /tmp/base --rounds 15 [--busy 4]
+    python bench/scale.py --produce 512 --total 1000000
 """
 
 from __future__ import annotations
 
+import re
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import defaultdict
+from pathlib import Path
 
 import _common as kit
 from faultkit import Background
@@ -27,7 +36,107 @@ from test_monitor import Monitor
 
 from genq.common.queue.keys import RunKeys
 
-RUN = "scale"
+RUN, MEM = "scale", "mem"
+MK = RunKeys(MEM)
+SIZE = {"list": "llen", "hash": "hlen", "zset": "zcard", "set": "scard", "stream": "xlen"}
+
+
+def by_pattern(r) -> list[dict]:
+    """What the run leaves, a row per kind of key (rq:job:scale-123 -> rq:job:scale-N)."""
+    rows: dict[str, dict] = defaultdict(lambda: {"keys": 0, "bytes": 0, "max_members": 0})
+    for raw in r.scan_iter(count=1000):
+        row = rows[re.sub(r"\d+", "N", raw.decode())]
+        row["keys"] += 1
+        row["bytes"] += int(r.memory_usage(raw, samples=0) or 0)
+        if (kind := r.type(raw).decode()) in SIZE:
+            row["max_members"] = max(row["max_members"], int(getattr(r, SIZE[kind])(raw)))
+    return sorted(({"pattern": p, **v} for p, v in rows.items()), key=lambda x: -x["bytes"])
+
+
+def status_rounds(a, trees: dict[str, Path], r, env: dict) -> int:
+    """Once --warm tasks are done, the trees' `genq status` taking turns, a round at a time."""
+    done, calls = RunKeys(RUN).done, {name: [] for name in trees}
+    wait_for(lambda: r.bitcount(done) >= a.warm, timeout=1800, what="the warm-up")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(a.busy)]
+    try:
+        cpu0, done_before = kit.machine_cpu(), r.bitcount(done)
+        for n in range(a.rounds):
+            for name, tree in list(trees.items())[::1 if n % 2 == 0 else -1]:
+                got = kit.timed(["status"], env, tree=tree)
+                calls[name].append((got["wall_s"], got["cpu_s"]))
+        cpu1, done_after = kit.machine_cpu(), r.bitcount(done)
+    finally:
+        for proc in spinners:
+            proc.terminate()
+    rows, med = [], {}
+    for name, got in calls.items():
+        walls, cpus = [w for w, _ in got], [c for _, c in got]
+        med[name] = statistics.median(walls), statistics.median(cpus)
+        rows.append((name, f"{med[name][0]:.3f}", f"{max(walls):.3f}", f"{med[name][1]:.3f}",
+                     f"{max(cpus):.3f}"))
+    rows.append(("this / baseline", f"{med['this tree'][0] / med['baseline'][0]:.2f}", "",
+                 f"{med['this tree'][1] / med['baseline'][1]:.2f}", ""))
+    print(f"{a.total:,} prompts × {a.samples}, {a.consumers} consumers, {a.busy} spinning; done "
+          f"{done_before:,} → {done_after:,} during the rounds, the machine "
+          f"{(cpu1[0] - cpu0[0]) / (cpu1[1] - cpu0[1]):.0%} busy")
+    print(kit.table(rows, ("genq status", "wall median s", "wall max s", "CPU median s",
+                           "CPU max s")))
+    kit.dump_json(a.json, {name: [{"wall_s": round(w, 3), "cpu_s": round(c, 3)} for w, c in got]
+                           for name, got in calls.items()})
+    return 0
+
+
+def used(r) -> int:
+    return int(r.info("memory")["used_memory"])
+
+
+def produce_once(dataset: Path) -> dict:
+    with kit.private_redis() as rs:
+        r = rs.client()
+        empty, t = used(r), time.monotonic()
+        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run=MEM)
+        took = time.monotonic() - t
+        return {"bytes": used(r) - empty, "queued": int(r.llen(MK.rq_queue)), "seconds": took,
+                "job_hash_bytes": int(r.memory_usage(MK.rq_job(0)) or 0),
+                "queue_list_bytes": int(r.memory_usage(MK.rq_queue) or 0)}
+
+
+def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
+    with kit.private_redis() as rs:
+        r = rs.client()
+        empty, t = used(r), time.monotonic()
+        producer = Background(rs.url, MEM, "produce", str(dataset), "--window", str(window))
+        try:
+            while int(r.llen(MK.rq_queue)) < window:
+                if producer.proc.poll() is not None or time.monotonic() - t > 300:
+                    raise RuntimeError(f"the window never filled:\n{producer.log()[-2000:]}")
+                time.sleep(0.05)
+            filled = time.monotonic() - t
+            time.sleep(settle_s)  # several top-up rounds: the queue must stay at the window
+            got = {"bytes": used(r) - empty, "queued": int(r.llen(MK.rq_queue)), "fill_s": filled}
+            producer.stop()
+        finally:
+            producer.cleanup()
+    return got
+
+
+def memory(a) -> dict:
+    with kit.workdir() as work:
+        dataset = kit.write_dataset(work / "prompts.jsonl", a.total)
+        got = {"total": a.total, "window": produce_window(dataset, a.produce, a.settle),
+               "once": produce_once(dataset)}
+    once, window, mb = got["once"], got["window"], 1e6
+    print(f"\nRedis used_memory above an empty server, {a.total}-prompt data set\n")
+    print(kit.table([
+        (f"(a) produce --once: {once['queued']} jobs queued", f"{once['bytes'] / mb:.1f}",
+         f"{once['bytes'] / max(1, once['queued']):.0f}", f"{once['bytes'] / window['bytes']:.0f}"),
+        (f"(b) produce --window {a.produce}: {window['queued']} jobs queued",
+         f"{window['bytes'] / mb:.2f}", f"{window['bytes'] / max(1, window['queued']):.0f}", "1")],
+        ("state", "MB", "bytes/job queued", "ratio to (b)")))
+    print(f"\n(a) took {once['seconds']:.1f} s; one queued rq:job hash is "
+          f"{once['job_hash_bytes']} B, the queue list {once['queue_list_bytes'] / mb:.1f} MB")
+    return got
 
 
 def main() -> int:
@@ -35,8 +144,22 @@ def main() -> int:
     p.add_argument("--total", type=int, default=914_000)
     p.add_argument("--consumers", type=int, default=3)
     p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--profile", help="cProfile the mid-run `genq status` into this file")
+    p.add_argument("--baseline", type=Path, help="instead: this checkout's `genq status` and "
+                   "this tree's taking turns mid-run")
+    p.add_argument("--rounds", type=int, default=15, help="--baseline: rounds of status calls")
+    p.add_argument("--busy", type=int, default=0, help="--baseline: processes spinning beside")
+    p.add_argument("--warm", type=int, default=50_000, help="--baseline: tasks done first")
+    p.add_argument("--produce", type=int, metavar="W", help="instead: produce's Redis memory")
+    p.add_argument("--settle", type=float, default=3.0,
+                   help="--produce: seconds the windowed producer runs after filling its window")
     a = p.parse_args()
+    if a.produce:
+        kit.dump_json(a.json, memory(a))
+        return 0
+    if a.baseline:
+        trees = {"baseline": a.baseline.resolve(), "this tree": kit.REPO}
+        if not (trees["baseline"] / "genq" / "__main__.py").exists():
+            raise SystemExit(f"{a.baseline} is not a genq checkout")
     tasks = a.total * a.samples
     k, lat = RunKeys(RUN), {}
     with kit.workdir() as work, kit.private_redis() as srv, \
@@ -56,6 +179,15 @@ def main() -> int:
         started, cpu0 = time.monotonic(), kit.machine_cpu()
         procs = [kit.consumer(srv.url, RUN, "--server", sim.url, "--burst", "--out", str(out))
                  for sim, out in zip(sims, outs, strict=True)]
+        if a.baseline:
+            try:
+                return status_rounds(a, trees, r, env)
+            finally:
+                for proc in procs:
+                    proc.terminate()
+                    proc.wait(timeout=60)
+                producer.stop()
+                monitor.proc.terminate()
         half = False
 
         def tick() -> None:
@@ -68,19 +200,15 @@ def main() -> int:
                 print(f"mid-run ({r.bitcount(k.done):,} of {tasks:,} done, load average "
                       f"{kit.load_average()}): genq status {lat['status_mid_s']} s, /api/status "
                       f"{lat['api_mid_s']} s", file=sys.stderr, flush=True)
-                if a.profile:
-                    subprocess.run([sys.executable, "-m", "cProfile", "-o", a.profile, "-m",
-                                    "genq", "status"], cwd=kit.REPO, env=env, check=True,
-                                   stdout=subprocess.DEVNULL)
             peak_mb = max(peak_mb, used_mb())
 
-        cpu = {pid: s for pid, (_, s) in kit.reap(procs, tick).items()}
+        cpu = {pid: g[1] for pid, g in kit.reap(procs, tick).items()}
         wall, (busy, total) = time.monotonic() - started, kit.machine_cpu()
         lat["status_end_s"] = kit.latency(lambda: kit.genq("status", redis_url=srv.url, run=RUN))
         lat["api_end_s"] = kit.latency(lambda: urllib.request.urlopen(monitor.url + "/api/status"))
         producer.stop()
         monitor.proc.terminate()
-        end_mb, done = used_mb(), r.bitcount(k.done)
+        end_mb, done, keys = used_mb(), r.bitcount(k.done), by_pattern(r)
         shards = sum(len(list(out.glob("*.jsonl"))) for out in outs)
         export = kit.timed(["export", "--out", str(work / "all.jsonl")], env, nofile=256)
         exported = sum(1 for _ in open(work / "all.jsonl", "rb"))
@@ -98,7 +226,9 @@ def main() -> int:
         "redis_mb_end": round(end_mb, 1), "redis_b_per_task": round(end_mb * 2**20 / tasks, 1),
         **lat, "export": export, "recover": recover}
     print(kit.table([(key, str(value)) for key, value in figures.items()], ("figure", "value")))
-    kit.dump_json(a.json, figures)
+    print(kit.table([(x["pattern"], x["keys"], f"{x['bytes'] / 1e3:.1f}", x["max_members"])
+                     for x in keys[:15]], ("key left", "keys", "KB", "most members")))
+    kit.dump_json(a.json, {**figures, "keys": keys})
     return 0
 
 

@@ -1,17 +1,18 @@
-"""genq's consumer against a bare aiohttp client (bench/_bare_stream.py) asking for its answers
-the same way (whole, genq's default; --stream: both streamed), side by side on one simulator, at
-the shape users have: thinking answers split by a reasoning parser, lognormal lengths around
-2,326 tokens, max_tokens 4,096, one SSE chunk per token, 40 slots, near real speed. Same
-interpreter, GC settings, server and concurrency; whole processes are measured, each one's
-start-up CPU (an empty run) reported apart and subtracted per token. Redis commands are counted
-for genq (those inside scripts included).
+"""genq's consumer against a bare aiohttp client (bench/_bare_stream.py) asking the same way
+(whole answers; --stream: both streamed) on one simulator, whole processes measured, start-up
+CPU subtracted per token. The seed's shape: thinking answers around 2,326 tokens, 40 slots.
 
     python bench/throughput.py                  # the seed's shape (a few minutes)
     python bench/throughput.py --shape short    # 400-token answers, coarse chunks, 32 slots
-    python bench/throughput.py --shape errors   # the same with 5 % of requests answered 503
-    python bench/throughput.py --shape fast     # 16-token answers as fast as the simulator goes
+    python bench/throughput.py --shape errors   # the same with 5 % answered 503
+    python bench/throughput.py --shape fast     # 16-token answers as fast as it goes
     python bench/throughput.py --shape paced    # 160 requests/s: 32 slots, 0.2 s each
-    python bench/throughput.py --stream         # both stream their answers (genq --stream)
+
+--servers N: instead, N servers x --slots from one machine, a `genq consume --burst` each on one
+run: per server its consumer's CPU, how full it kept the server against its ideal rate.
+
+    python bench/throughput.py --servers 8                 # 64 slots, 1.2 s requests, ~30 s
+    python bench/throughput.py --servers 4 --slots 32 --request-s 0.2 --per-server 3000
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from __future__ import annotations
 import compileall
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import _common as kit
 
+DECODE_TPS, TTFT = 87.5, 0.5  # the simulator's defaults
 SHORT = ["--length-dist", "fixed:400", "--stream-interval", "16", "--time-scale", "10",
          "--ttft", "0"]
 SHAPES = {  # name: (simulator flags, slots, prompts, the bare client retries refusals)
@@ -40,25 +41,12 @@ SHAPES = {  # name: (simulator flags, slots, prompts, the bare client retries re
 }
 
 
-def timed(args: list[str], env: dict | None = None) -> tuple[float, float, bytes]:
-    """Run a process to its end: (wall s, CPU s, its stdout)."""
-    t0 = time.monotonic()
-    proc = subprocess.Popen(args, cwd=kit.REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
-    rc, cpu = kit.wait_rusage(proc, timeout=3600)
-    if rc != 0:
-        raise RuntimeError(f"{args[1:4]} exited {rc}:\n{proc.stderr.read().decode()[-3000:]}")
-    return time.monotonic() - t0, cpu, proc.stdout.read()
-
-
 def consume(rs, sim, run: str, out: Path, stream: bool = False) -> dict:
     """One `genq consume --burst` over the run as it stands: wall, CPU, tokens written."""
-    wall, cpu, _ = timed([sys.executable, "-m", "genq", "consume", "--server", sim.url,
-                          "--burst", "--out", str(out), *(["--stream"] if stream else [])],
-                         kit.genq_env(rs.url, run))
-    tokens = sum(json.loads(line)["completion_tokens"]
-                 for p in out.glob("*.jsonl") for line in open(p, "rb"))
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": tokens}
+    got = kit.timed(["consume", "--server", sim.url, "--burst", "--out", str(out),
+                     *(["--stream"] if stream else [])], kit.genq_env(rs.url, run))
+    return {**got, "tokens": sum(json.loads(line)["completion_tokens"]
+                                 for p in out.glob("*.jsonl") for line in open(p, "rb"))}
 
 
 def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict:
@@ -79,17 +67,17 @@ def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict
 
 
 def bare_round(sim, dataset: Path, n: int, slots: int, retry: bool, stream: bool) -> dict:
-    def run(count: int) -> tuple[float, float, bytes]:
-        return timed([sys.executable, str(kit.REPO / "bench" / "_bare_stream.py"), "--server",
-                      sim.url, "--dataset", str(dataset), "--n", str(count), "--concurrency",
-                      str(slots), *(["--retry"] if retry else []),
-                      *([] if stream else ["--whole"])])
+    def run(count: int) -> dict:
+        return kit.timed(["--server", sim.url, "--dataset", str(dataset), "--n", str(count),
+                          "--concurrency", str(slots), *(["--retry"] if retry else []),
+                          *([] if stream else ["--whole"])], None,
+                         script=kit.REPO / "bench" / "_bare_stream.py")
 
     sim0 = kit.proc_cpu_s(sim.proc.pid)
-    wall, cpu, out = run(n)
-    sim_cpu, got = kit.proc_cpu_s(sim.proc.pid) - sim0, json.loads(out)
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": got["tokens"], "sim_cpu_s": sim_cpu,
-            "startup_cpu_s": run(0)[1], "retries": got["retries"]}
+    got = run(n)
+    sim_cpu, out = kit.proc_cpu_s(sim.proc.pid) - sim0, json.loads(got["stdout"])
+    return {"wall_s": got["wall_s"], "cpu_s": got["cpu_s"], "tokens": out["tokens"],
+            "sim_cpu_s": sim_cpu, "startup_cpu_s": run(0)["cpu_s"], "retries": out["retries"]}
 
 
 def report(a, g: dict, b: dict, n: int) -> None:
@@ -115,21 +103,116 @@ def report(a, g: dict, b: dict, n: int) -> None:
     print(kit.table(rows, ("figure", "genq consume", "bare aiohttp", "genq/bare")))
 
 
+def servers_run(a, work: Path) -> dict:
+    n = a.servers * a.per_server
+    dataset = kit.write_dataset(work / "prompts.jsonl", n)
+    if a.request_s:  # every request takes request_s: 16 tokens streamed over that time
+        flags = ["--time-scale", "1", "--ttft", "0", "--length-dist", "fixed:16",
+                 "--decode-tps", str(16 / a.request_s)]
+    else:
+        flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}"]
+    flags += ["--max-running-requests", str(a.slots)]
+    with kit.simulators(a.servers, *flags) as sims, kit.private_redis() as rs:
+        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
+        r = rs.client()
+        rcpu0, (busy0, all0) = kit.redis_cpu_s(r), kit.machine_cpu()
+        cmds0 = sum(kit.commandstats(r).values())
+        sim0 = [kit.proc_cpu_s(s.proc.pid) for s in sims]
+        t0 = time.monotonic()
+        with kit.LoadSampler([s.url for s in sims], period=a.sample) as sampler:
+            procs = [kit.consumer(rs.url, "many", "--server", sim.url, "--burst", "--out",
+                                  str(work / f"out{i}"), "--name", f"c{i}",
+                                  log=work / f"consumer{i}.log") for i, sim in enumerate(sims)]
+            first: dict[int, tuple[float, float]] = {}  # the moment and CPU of a first result
+
+            def tick() -> None:
+                for i, proc in enumerate(procs):
+                    if i not in first and proc.returncode is None and any(
+                            f.stat().st_size for f in (work / f"out{i}").glob("*.jsonl")):
+                        first[i] = (time.monotonic() - t0, kit.proc_cpu_s(proc.pid))
+
+            got = kit.reap(procs, tick, period=0.01)
+            consumers = [{"rc": rc, "cpu_s": cpu, "wall_s": at - t0, "first_s": t, "first_cpu_s": c}
+                         for i, (rc, cpu, at) in enumerate(got[p.pid] for p in procs)
+                         for t, c in [first.get(i, (0.0, 0.0))]]
+        busy1, all1 = kit.machine_cpu()
+        done = int(r.bitcount("genq:many:done"))
+        redis_cpu = kit.redis_cpu_s(r) - rcpu0
+        redis_cmds = sum(kit.commandstats(r).values()) - cmds0  # the sampler's own: none
+        r.close()
+        for i, c in enumerate(consumers):
+            if c["rc"] != 0:
+                log = (work / f"consumer{i}.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"consumer {i} exited {c['rc']}:\n{log}")
+            c["tasks"] = sum(1 for p in (work / f"out{i}").glob("*.jsonl") for _ in open(p, "rb"))
+            c["sim_cpu_s"] = kit.proc_cpu_s(sims[i].proc.pid) - sim0[i]
+            lo, hi = kit.full_window(sampler.samples[i], a.slots)
+            idle, waiting = kit.slot_seconds(sampler.samples[i], a.slots, lo, hi)
+            c.update(steady_s=hi - lo, idle_slot_s=idle, waiting_req_s=waiting)
+    if done != n:
+        raise RuntimeError(f"done={done}, expected {n}")
+    return {"consumers": consumers, "redis_cpu_s": redis_cpu, "redis_cmds": redis_cmds,
+            "machine_busy_s": busy1 - busy0, "machine_all_s": all1 - all0,
+            "wall_s": max(c["wall_s"] for c in consumers), "n": n}
+
+
+def servers_report(a, got: dict) -> None:
+    d = a.request_s or (TTFT + a.tokens / DECODE_TPS) / a.time_scale
+    ideal = a.slots / d
+    rows = []
+    for i, c in enumerate(got["consumers"]):
+        # From its first result to its exit: start-up (imports, probes) is left out.
+        wall, cpu = c["wall_s"] - c["first_s"], c["cpu_s"] - c["first_cpu_s"]
+        share = cpu / wall if wall > 0 else 0.0
+        occupancy = (1 - c["idle_slot_s"] / (a.slots * c["steady_s"])) if c["steady_s"] else 0
+        rows.append((i, c["tasks"], f"{c['tasks'] / wall:.1f}", f"{c['tasks'] / wall / ideal:.2f}",
+                     f"{100 * occupancy:.1f}", f"{c['waiting_req_s']:.1f}",
+                     f"{100 * share:.1f}", f"{1000 * cpu / max(1, c['tasks']):.2f}",
+                     f"{1 / share:.1f}" if share else "-",
+                     f"{c['tasks'] / cpu:.0f}" if cpu > 0 else "-"))
+    print(f"\n{a.servers} servers x {a.slots} slots ({os.cpu_count()} cores), {a.per_server} "
+          f"prompts each, {d:.2f} s requests (ideal {ideal:.1f} req/s a server); load "
+          f"{a.load_before}; tasks/s and CPU from a consumer's first result to its exit\n")
+    print(kit.table(rows, ("server", "tasks", "tasks/s", "of ideal", "slots busy % (steady)",
+                           "waiting req-s", "consumer CPU % of a core", "CPU ms/task",
+                           "servers like it per core", "tasks/s a core could take")))
+    cons, sims = (sum(c[k] for c in got["consumers"]) for k in ("cpu_s", "sim_cpu_s"))
+    wall, busy = got["wall_s"], got["machine_busy_s"] / got["machine_all_s"]
+    share = 100 * cons / wall / (os.cpu_count() or 1)
+    n = got["n"]
+    print(f"\nwall {wall:.1f} s; CPU s: consumers {cons:.1f} ({share:.1f} % of the machine), "
+          f"simulators {sims:.1f}, Redis {got['redis_cpu_s']:.1f} ({got['redis_cmds'] / n:.1f} "
+          f"commands, {1000 * got['redis_cpu_s'] / n:.3f} ms a task); machine {100 * busy:.0f} % "
+          f"busy; load after {kit.load_average()}")
+
+
 def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="seed")
     p.add_argument("--n", type=int, help="prompts (default: the shape's)")
-    p.add_argument("--time-scale", type=float, help="override the shape's simulator speed")
     p.add_argument("--stream", action="store_true",
                    help="both stream their answers (default: both ask for whole answers)")
+    p.add_argument("--servers", type=int, help="instead: this many servers, a consumer each")
+    p.add_argument("--slots", type=int, default=64, help="--servers: slots per server")
+    p.add_argument("--per-server", type=int, default=1000, help="--servers: prompts per server")
+    p.add_argument("--tokens", type=int, default=2000, help="--servers: tokens per completion")
+    p.add_argument("--time-scale", type=float, default=20.0,
+                   help="--servers: simulator speed-up: 1.2 s requests, ~55 req/s a server at 20")
+    p.add_argument("--request-s", type=float, help="--servers, instead of --tokens and "
+                   "--time-scale: every request takes this long")
+    p.add_argument("--sample", type=float, default=0.2, help="--servers: load sampling period, s")
     a = p.parse_args()
+    if a.servers:
+        a.load_before = kit.load_average()
+        with kit.workdir() as work:
+            got = servers_run(a, work)
+        servers_report(a, got)
+        kit.dump_json(a.json, got)
+        return 0
     flags, a.slots, n, retry = SHAPES[a.shape]
     n = a.n or n
-    if a.time_scale:
-        flags = [*flags, "--time-scale", str(a.time_scale)]
     a.load_before = kit.load_average()
-    # Both start from compiled bytecode, as an installed package does: where the environment
-    # says never to write it, each start would compile genq's sources again.
+    # Both start from compiled bytecode, as an installed package does.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     for package in ("common", "consumer", "genq", "bench"):
         compileall.compile_dir(kit.REPO / package, quiet=1)

@@ -1,14 +1,6 @@
-"""What `genq produce --token-ids` costs, at the seed's shape: bytes per record (JSONL on disk,
-zstd on S3, as genq ships shards), a `requeue --continue` partial's bytes in Redis (zstd, as
-common/sglang/continuation.py keeps it), and the consumer's CPU per task (parse the server's answer,
-build the record, encode its line), ids off and on side by side on the same answers.
-
-Records have the seed's shape: agentic-coding prompts of thousands of tokens (lognormal, median
---prompt-median) and answers of the seed's lengths (median 2,326 tokens, capped at 4,096),
-text drawn word by word from Python's own documentation with the words' frequencies (prose and
-code, ~0.75 words a token), so no two records share a passage zstd could find. Token ids are
-drawn uniformly from a 151,669-token vocabulary (Qwen3's): real ids favour small numbers, so
-the bytes are an upper bound.
+"""What `genq produce --token-ids` costs, ids off and on on the same answers of the seed's shape:
+bytes per record (JSONL, zstd shards) and per `requeue --continue` partial in Redis, consumer
+CPU per task. Ids are uniform over Qwen3's 151,669 (real ones favour small numbers: an upper bound).
 
     python bench/token_ids.py [--records 2000] [--prompt-median 3000]
 """

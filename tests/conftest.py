@@ -110,6 +110,14 @@ def producer_marks():
     shutil.rmtree(directory, ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_real_servers():
+    """The real tier's shared SGLang servers (tests/sglang_servers.py), stopped at the end."""
+    yield
+    if "sglang_servers" in sys.modules:
+        sys.modules["sglang_servers"].stop_shared()
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     directory = Path(tempfile.mkdtemp(prefix="genq-redis-"))

@@ -154,8 +154,45 @@ class RealServer(Server):
         self._script("stop", self.mode)
 
 
-def start_server(kind: str, mode: str) -> Server:
-    return SimServer(mode) if kind == "sim" else RealServer(mode)
+class SharedRealServer(RealServer):
+    """The session's real server of a mode: a start costs ~30 s of the real tier's two cores,
+    and most scenarios only send it requests. Handed out idle, with its prefix cache flushed;
+    `close` leaves it running for the next test (tests/conftest.py stops it at the session's
+    end). A test that kills or restarts its server starts its own (`own=True`)."""
+
+    def close(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        super().close()
+
+    def quiet(self, timeout: float = 120) -> SharedRealServer:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            load = httpx.get(self.url + "/v1/loads", timeout=10).json()["loads"]
+            busy = sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in load)
+            if not busy and httpx.post(self.url + "/flush_cache", timeout=10).is_success:
+                return self
+            time.sleep(0.2)
+        pytest.fail(f"the shared real server on {self.url} still busy after {timeout} s")
+
+
+SHARED: dict[str, SharedRealServer] = {}
+
+
+def start_server(kind: str, mode: str, own: bool = False) -> Server:
+    if kind == "sim":
+        return SimServer(mode)
+    if own:
+        return RealServer(mode)
+    if mode not in SHARED:
+        SHARED[mode] = SharedRealServer(mode)
+    return SHARED[mode].quiet()
+
+
+def stop_shared() -> None:
+    while SHARED:
+        SHARED.popitem()[1].stop()
 
 
 # Each scenario runs against both; the real ones only in the real-server tier.

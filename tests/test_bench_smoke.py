@@ -15,21 +15,20 @@ REPO = Path(__file__).resolve().parent.parent
 
 SCRIPTS = {
     "throughput.py": ["--shape", "short", "--n", "40"],
-    "idle.py": ["--window", "1"],
-    "many_servers.py": ["--servers", "2", "--slots", "4", "--per-server", "30",
-                        "--time-scale", "400", "--sample", "0.05"],
+    "restart.py --idle": ["--window", "1"],
+    "throughput.py --servers": ["2", "--slots", "4", "--per-server", "30", "--time-scale",
+                                "400", "--sample", "0.05"],
     "replay_story.py": ["--prompts", "60", "--servers", "2", "--slots", "4",
                         "--time-scale", "400", "--hand-delay", "0.2", "--around", "1",
                         "--visibility-timeout", "2", "--sample", "0.05", "--timeout", "60"],
-    "redis_memory.py": ["--total", "5000", "--window", "64", "--settle", "0.5",
-                        "--after-run", "200"],
+    "scale.py --produce": ["64", "--total", "5000", "--settle", "0.5"],
     "scale.py": ["--total", "2000", "--consumers", "2"],
-    "status_start.py": ["--baseline", str(REPO), "--total", "2000", "--consumers", "1",
-                        "--warm", "200", "--rounds", "2", "--busy", "1"],
+    "scale.py --baseline": [str(REPO), "--total", "2000", "--samples", "4",
+                            "--consumers", "1", "--warm", "200", "--rounds", "2", "--busy", "1"],
     "restart.py": ["--n", "400", "--kill-at", "1.5", "--visibility-timeout", "2",
                    "--time-scale", "10"],
     "s3_shipping.py": ["--n", "300", "--shards", "2", "--outage", "1"],
-    "ship_window.py": ["--shards", "2", "--minutes", "0.5,1"],
+    "s3_shipping.py --ages": ["0.5,1", "--shards", "2"],
     "token_ids.py": ["--records", "60"],
     "s3_dataset.py": ["--rows", "2000", "--seconds", "1"],
     "conversations.py": ["--conversations", "50", "--deadline", "60"],
@@ -47,22 +46,22 @@ def run_bench(name: str, *args: str, timeout: float = 150) -> subprocess.Complet
 
 
 # Runs against a real SGLang server: smoke-run in the real-server tier, below.
-REAL_TIER = {"real_stream_cost.py", "real_samples.py"}
+REAL_TIER = {"real_sglang.py"}
 
 
 def test_every_bench_script_is_smoke_run() -> None:
     scripts = {p.name for p in (REPO / "bench").glob("*.py") if not p.name.startswith("_")}
-    assert scripts == set(SCRIPTS) | REAL_TIER
+    assert scripts == {name.split()[0] for name in SCRIPTS} | REAL_TIER
 
 
 @pytest.mark.real_sglang
 def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
-    from sglang_servers import RealServer
+    from sglang_servers import start_server
 
-    server = RealServer("tuned")
+    server = start_server("real", "tuned")
     try:
         out = tmp_path / "figures.json"
-        run_bench("real_stream_cost.py", "--port", str(server.port), "--n", "8",
+        run_bench("real_sglang.py", "stream-cost", "--port", str(server.port), "--n", "8",
                   "--concurrency", "4", "--max-tokens", "32", "--rounds", "1",
                   "--json", str(out), timeout=600)
         figures = json.loads(out.read_text())
@@ -73,13 +72,14 @@ def test_real_stream_cost_runs_against_a_real_server(tmp_path: Path) -> None:
 
 @pytest.mark.real_sglang
 def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
-    from sglang_servers import RealServer
+    from sglang_servers import start_server
 
-    server = RealServer("tuned")
+    server = start_server("real", "tuned")
     try:
         out = tmp_path / "figures.json"
-        run_bench("real_samples.py", "--port", str(server.port), "--prompts", "2", "--k", "2",
-                  "--max-tokens", "16", "--tries", "2", "--json", str(out), timeout=600)
+        run_bench("real_sglang.py", "samples", "--port", str(server.port), "--prompts", "2",
+                  "--k", "2", "--max-tokens", "16", "--tries", "2", "--json", str(out),
+                  timeout=600)
         figures = json.loads(out.read_text())
         assert figures["arms"] and "reproducible" in figures
     finally:
@@ -91,7 +91,7 @@ def test_real_samples_runs_against_a_real_server(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_bench_script_runs_and_reports(name: str, tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
-    proc = run_bench(name, *SCRIPTS[name], "--json", str(out))
+    proc = run_bench(*name.split(), *SCRIPTS[name], "--json", str(out))
     figures = json.loads(out.read_text())
     assert "|" in proc.stdout or name == "chaos.py"  # the table (chaos prints its checks)
     CHECKS[name](figures)
@@ -123,8 +123,6 @@ def check_story(f: dict) -> None:
 
 def check_memory(f: dict) -> None:
     assert f["once"]["queued"] == 5000 and f["window"]["queued"] >= 64
-    run = f["after_run"]
-    assert run["done"] == 200 and run["per_index_bytes"] > 0 and run["keys"]
 
 
 def check_s3(f: dict) -> None:
@@ -153,13 +151,14 @@ def check_conversations(f: dict) -> None:
 
 CHECKS = {
     "throughput.py": check_throughput,
-    "idle.py": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
+    "restart.py --idle": lambda f: set(f["share_of_a_core"]) == {"finished run", "spare",
                                                         "nothing to claim"} or pytest.fail(f),
-    "many_servers.py": check_many,
+    "throughput.py --servers": check_many,
     "replay_story.py": check_story,
-    "redis_memory.py": check_memory,
-    "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 or pytest.fail(f),
-    "status_start.py": lambda f: (set(f) == {"baseline", "this tree"} and all(
+    "scale.py --produce": check_memory,
+    "scale.py": lambda f: f["shards"] >= 2 and f["redis_mb_peak"] > 0 and f["keys"]
+    or pytest.fail(f),
+    "scale.py --baseline": lambda f: (set(f) == {"baseline", "this tree"} and all(
         len(calls) == 2 and all(c["cpu_s"] > 0 for c in calls) for calls in f.values())
                                   ) or pytest.fail(f),
     "restart.py": lambda f: (f["killed"]["full_again_s"] > 0 and f["tasks_back_s"] > 0
@@ -167,7 +166,7 @@ CHECKS = {
     "s3_shipping.py": check_s3,
     "s3_dataset.py": lambda f: (f["done"] > 0 and f["consumer_peak_mb"] > 0) or pytest.fail(f),
     # Two ages: the shorter ships more requests an hour and risks fewer results.
-    "ship_window.py": lambda f: (
+    "s3_shipping.py --ages": lambda f: (
         [a["minutes"] for a in f["ages"]] == [0.5, 1.0]
         and f["ages"][0]["requests_per_hour"] > f["ages"][1]["requests_per_hour"] > 0
         and 0 < f["ages"][0]["at_risk_per_node"] < f["ages"][1]["at_risk_per_node"]

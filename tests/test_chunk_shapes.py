@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 from conftest import REPO
-from sglang_servers import CONTEXT, RealServer
+from sglang_servers import CONTEXT, start_server
 from sim_fixtures import SimProcess, sim_flags
 
 RECORDED = REPO / "tests" / "data" / "sglang-0.5.23" / "stream_parser_thinking.txt"
@@ -261,7 +261,7 @@ def draw_real(url: str, case: Case, tries: int = 80) -> Stream:
 
 @pytest.fixture(scope="module")
 def real_streams() -> Any:
-    server = RealServer("tuned")  # --reasoning-parser qwen3, as scripts/real-sglang.sh's default
+    server = start_server("real", "tuned")  # --reasoning-parser qwen3, the script's default
     try:
         yield {case: draw_real(server.url, case) for case in CASES}
     finally:

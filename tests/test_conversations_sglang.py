@@ -21,7 +21,7 @@ import pytest
 import redis
 from conftest import genq
 from pipeline import continue_truncated, one_at_a_time, redone_chains
-from sglang_servers import RealServer
+from sglang_servers import start_server
 from test_conversations import PROBE
 from test_token_ids_sglang import rendered_by_the_models_tokenizer
 
@@ -60,7 +60,7 @@ def chain(i: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def server():
-    started = RealServer("tools")
+    started = start_server("real", "tools")
     yield started
     started.close()
 

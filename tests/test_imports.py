@@ -145,7 +145,7 @@ def imported_by(*args: str, redis_url: str, run: str) -> set[str]:
 @pytest.mark.parametrize("flags", [(), ("--json",)], ids=["table", "json"])
 def test_status_starts_without_what_it_does_not_use(tmp_path, redis_url, run_name, flags):
     """`genq status` is a fresh interpreter each time, so what it imports is most of its time on
-    a machine the consumers keep busy (bench/status_start.py): no logging framework, and with
+    a machine the consumers keep busy (bench/scale.py --baseline): no logging framework, and with
     --json no table library either."""
     data = tmp_path / "d.jsonl"
     data.write_text("".join(orjson.dumps({"prompt": f"p {i}"}).decode() + "\n" for i in range(5)))

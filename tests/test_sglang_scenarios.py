@@ -39,7 +39,7 @@ def tuned(kind):
 
 @pytest.fixture(scope="module")
 def plain(kind):
-    server = start_server(kind, "plain")
+    server = start_server(kind, "plain", own=True)  # killed and restarted in another mode
     yield server
     server.close()
 
