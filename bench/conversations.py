@@ -65,7 +65,7 @@ class Arm:
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
         self.started, peak, mid, stopped = time.monotonic(), 0, False, False
-        redis_before = self.redis_use()
+        redis = self.redis_use()
 
         def tick() -> None:
             nonlocal peak, mid, stopped
@@ -85,43 +85,30 @@ class Arm:
             peak = max(peak, self.used() - self.base)
 
         got = kit.reap(procs, tick, period=0.25)
-        after = self.redis_use()
-        self.figures["redis"] = {k: [c - redis_before.get(k, (0, 0))[0],
-                                     u - redis_before.get(k, (0, 0))[1]]
-                                 for k, (c, u) in after.items()}
+        self.figures["redis"] = [b - a for a, b in zip(redis, self.redis_use(), strict=True)]
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
                             consumer_cpu_s=round(sum(g[1] for g in got.values()), 2))
         self.outs = outs
 
-    def redis_use(self) -> dict[str, tuple[int, int]]:
-        """Redis's CPU so far (as "cpu": usec) and per command, but INFO: (calls, usec)."""
+    def redis_use(self) -> tuple[float, int, int]:
+        """Redis's CPU s, commands (but INFO; Lua's own count) and EVALSHAs so far."""
         stats = self.r.info("commandstats")
-        return {"cpu": (0, round(1e6 * kit.redis_cpu_s(self.r))),
-                **{k.removeprefix("cmdstat_"): (int(v["calls"]), int(v["usec"]))
-                   for k, v in stats.items() if k != "cmdstat_info"}}
+        return (kit.redis_cpu_s(self.r), sum(v["calls"] for k, v in stats.items()
+                                             if k != "cmdstat_info"),
+                stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
     def bare(self) -> dict:
-        """bench/_bare_turns.py, one a simulator, on the data set's rows split between them."""
-        n, f = len(self.sims), self.figures
-        procs = [subprocess.Popen([sys.executable, str(BARE), "--server", sim.url, "--dataset",
-                                   str(self.dataset), "--part", str(i), "--of", str(n),
-                                   "--max-tokens", str(self.a.max_tokens)],
+        """bench/_bare_turns.py, one a simulator, the rows split between them."""
+        procs = [subprocess.Popen([sys.executable, str(BARE), sim.url, str(self.dataset), str(i),
+                                   str(len(self.sims)), str(self.a.max_tokens)],
                                   stdout=subprocess.PIPE) for i, sim in enumerate(self.sims)]
-        start = time.monotonic()
-        got = kit.reap(procs, period=0.25)
-        if any(g[0] for g in got.values()):
-            raise SystemExit(f"[bare] exited {[g[0] for g in got.values()]}")
-        outs = [orjson.loads(p.stdout.read()) for p in procs]
-        f.update(wall_s=round(time.monotonic() - start, 1), complete=True,
-                 consumer_cpu_s=round(sum(g[1] for g in got.values()), 2),
-                 generations=sum(o["generations"] for o in outs),
-                 stopped=sum(o["stopped"] for o in outs))
-        gens = max(1, f["generations"])
-        f.update(cpu_ms_per_generation=round(1000 * f["consumer_cpu_s"] / gens, 3),
-                 generations_per_conversation=round(gens / self.a.conversations, 2),
-                 generations_per_s=round(gens / f["wall_s"], 1))
-        return f
+        start, got = time.monotonic(), kit.reap(procs, period=0.25)
+        outs = [orjson.loads(p.stdout.read()) for p in procs]  # one that failed has no line
+        gens, wall = max(1, sum(o["generations"] for o in outs)), time.monotonic() - start
+        return {**self.figures, "generations": gens, "wall_s": round(wall, 1), "complete": True,
+                "stopped": sum(o["stopped"] for o in outs), "generations_per_s": round(gens / wall),
+                "cpu_ms_per_generation": round(1000 * sum(g[1] for g in got.values()) / gens, 3)}
 
     def timed(self, *args: str) -> dict:
         """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
@@ -175,12 +162,9 @@ class Arm:
                  redis_b_per_conversation_mid=round(f["redis_b_mid"] / n, 1),
                  redis_b_per_conversation_end=round(f["redis_b_end"] / n, 1),
                  redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1),
-                 redis_cpu_ms_per_generation=round(f["redis"]["cpu"][1] / 1000 / gens, 3),
-                 redis_commands_per_generation=round(sum(
-                     c for k, (c, _) in f["redis"].items() if k != "cpu") / gens, 2),
-                 evalsha_per_generation=round(f["redis"].get("evalsha", (0, 0))[0] / gens, 2),
-                 lua_ms_per_generation=round(f["redis"].get("evalsha", (0, 0))[1] / 1000 / gens,
-                                             3))
+                 redis_cpu_ms=round(1000 * f["redis"][0] / gens, 3),
+                 redis_commands=round(f["redis"][1] / gens, 2),
+                 evalsha=round(f["redis"][2] / gens, 2))
         return f
 
 
@@ -188,10 +172,8 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("complete", "complete"), ("conversations stopped", "stopped"), ("wall s", "wall_s"),
         ("generations/s", "generations_per_s"),
         ("consumer CPU ms / generation", "cpu_ms_per_generation"),
-        ("Redis CPU ms / generation", "redis_cpu_ms_per_generation"),
-        ("Redis commands / generation (Lua's too)", "redis_commands_per_generation"),
-        ("EVALSHA / generation", "evalsha_per_generation"),
-        ("Lua ms / generation", "lua_ms_per_generation"),
+        ("Redis CPU ms / generation", "redis_cpu_ms"), ("EVALSHA / generation", "evalsha"),
+        ("Redis commands / generation (Lua's too)", "redis_commands"),
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
         ("Redis B / conversation, end", "redis_b_per_conversation_end"),
