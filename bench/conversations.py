@@ -4,7 +4,8 @@ rows call, so every conversation runs all its turns); bench/_conversations.py's 
 the windowed producer and a `genq consume --burst` per simulator, to the end or --deadline (then
 SIGTERM; `complete` says which). Measured: Redis bytes per conversation (mid-run, peak, end),
 consumer CPU per generation, `genq status` mid-run, `genq export` and, after FLUSHALL, `genq
-recover` (checked against each other).
+recover` (checked against each other); for the genq arms also Redis's CPU and commands per
+generation (INFO cpu, commandstats), and arm `bare` runs bench/_bare_turns.py, one a simulator.
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,6 +31,7 @@ from genq.common.queue.keys import RunKeys
 
 SIM = [*kit.FAST_SIM, "--enable-cache-report"]
 ARMS = ("last", "all")
+BARE = Path(__file__).resolve().parent / "_bare_turns.py"
 
 
 class Arm:
@@ -62,6 +65,7 @@ class Arm:
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
         self.started, peak, mid, stopped = time.monotonic(), 0, False, False
+        redis = self.redis_use()
 
         def tick() -> None:
             nonlocal peak, mid, stopped
@@ -81,10 +85,30 @@ class Arm:
             peak = max(peak, self.used() - self.base)
 
         got = kit.reap(procs, tick, period=0.25)
+        self.figures["redis"] = [b - a for a, b in zip(redis, self.redis_use(), strict=True)]
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
                             consumer_cpu_s=round(sum(g[1] for g in got.values()), 2))
         self.outs = outs
+
+    def redis_use(self) -> tuple[float, int, int]:
+        """Redis's CPU s, commands (but INFO; Lua's own count) and EVALSHAs so far."""
+        stats = self.r.info("commandstats")
+        return (kit.redis_cpu_s(self.r), sum(v["calls"] for k, v in stats.items()
+                                             if k != "cmdstat_info"),
+                stats.get("cmdstat_evalsha", {}).get("calls", 0))
+
+    def bare(self) -> dict:
+        """bench/_bare_turns.py, one a simulator, the rows split between them."""
+        procs = [subprocess.Popen([sys.executable, str(BARE), sim.url, str(self.dataset), str(i),
+                                   str(len(self.sims)), str(self.a.max_tokens)],
+                                  stdout=subprocess.PIPE) for i, sim in enumerate(self.sims)]
+        start, got = time.monotonic(), kit.reap(procs, period=0.25)
+        outs = [orjson.loads(p.stdout.read()) for p in procs]  # one that failed has no line
+        gens, wall = max(1, sum(o["generations"] for o in outs)), time.monotonic() - start
+        return {**self.figures, "generations": gens, "wall_s": round(wall, 1), "complete": True,
+                "stopped": sum(o["stopped"] for o in outs), "generations_per_s": round(gens / wall),
+                "cpu_ms_per_generation": round(1000 * sum(g[1] for g in got.values()) / gens, 3)}
 
     def timed(self, *args: str) -> dict:
         """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
@@ -118,6 +142,8 @@ class Arm:
         return bool(self.r.exists(self.k.done))
 
     def measure(self) -> dict:
+        if self.turns == "bare":
+            return self.bare()
         self.work.mkdir()
         self.base = self.used()
         producer = Background(self.srv.url, self.run, "produce", str(self.dataset), "--turns",
@@ -135,7 +161,10 @@ class Arm:
                  generations_per_s=round(gens / f["wall_s"], 1),
                  redis_b_per_conversation_mid=round(f["redis_b_mid"] / n, 1),
                  redis_b_per_conversation_end=round(f["redis_b_end"] / n, 1),
-                 redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1))
+                 redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1),
+                 redis_cpu_ms=round(1000 * f["redis"][0] / gens, 3),
+                 redis_commands=round(f["redis"][1] / gens, 2),
+                 evalsha=round(f["redis"][2] / gens, 2))
         return f
 
 
@@ -143,6 +172,8 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
         ("complete", "complete"), ("conversations stopped", "stopped"), ("wall s", "wall_s"),
         ("generations/s", "generations_per_s"),
         ("consumer CPU ms / generation", "cpu_ms_per_generation"),
+        ("Redis CPU ms / generation", "redis_cpu_ms"), ("EVALSHA / generation", "evalsha"),
+        ("Redis commands / generation (Lua's too)", "redis_commands"),
         ("Redis B / conversation, mid-run", "redis_b_per_conversation_mid"),
         ("Redis B / conversation, peak", "redis_b_per_conversation_peak"),
         ("Redis B / conversation, end", "redis_b_per_conversation_end"),
@@ -155,8 +186,8 @@ def report(arms: dict[str, dict]) -> str:
     both, rows = set(ARMS) <= set(arms), []
     for name, key in ROWS:
         timed = key.endswith(("export", "recover"))
-        cells = [f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if timed else f[key]
-                 for f in arms.values()]
+        cells = ["-" if key not in f else f"{f[key]['wall_s']} ({f[key]['rss_mb']})" if timed
+                 else f[key] for f in arms.values()]
         if both:
             x, y = (arms[t][key]["wall_s"] if timed else arms[t][key] for t in ("all", "last"))
             num = all(isinstance(v, int | float) and not isinstance(v, bool) for v in (x, y))

@@ -33,6 +33,7 @@ class Lease:
     version: int
     tries: int = 0  # claims towards --max-claims, this one included
     gen: int = 0  # the run's generation it was claimed in (the records carry it)
+    kept: bool = True  # a conversation's made turns may be kept (False: claim.lua saw none)
 
     def gave_up(self, max_attempts: int, max_claims: int) -> str | None:
         """What this claim is past (attempts, or claims: a server failing it every time is
@@ -78,8 +79,10 @@ class Inflight:
 
 class TaskQueue:
     def __init__(self, client: aioredis.Redis, keys: RunKeys, *, server: str, worker: str,
-                 visibility_timeout: float, life: Callable[[], tuple[str, int]]) -> None:
+                 visibility_timeout: float, life: Callable[[], tuple[str, int]],
+                 conversations: bool = True) -> None:
         self.r, self.k, self.server, self.worker = client, keys, server, worker
+        self.conversations = conversations  # a --turns all run's (ack.lua's A.conv)
         self.life = life  # the run's (epoch, generation) as this consumer knows it
         self.stale = False  # a claim found the run in Redis another: look at it again
         self.vt, self.run_script = visibility_timeout, scripts.ScriptRunner(client)
@@ -92,13 +95,13 @@ class TaskQueue:
     async def claim(self, n: int = 1) -> list[Lease]:
         gen = self.life()[1]
         call = scripts.claim_call(self.k, n, self.vt, self.server, self.worker,
-                                  secrets.token_hex(6), self.life_token())
+                                  secrets.token_hex(6), self.life_token(), self.conversations)
         version, *rows = await self.run_script(call)
         self.stale = version == 0
         return [Lease(job_id=jid.decode(), index=int(idx), exec_id=ex.decode(),
                       attempt=int(att), spent=int(spent), version=int(version), gen=gen,
-                      tries=int(tries))
-                for jid, idx, ex, att, spent, tries in rows]
+                      tries=int(tries), kept=bool(kept))
+                for jid, idx, ex, att, spent, tries, kept in rows]
 
     def life_token(self) -> str:
         """The run's life as the scripts check it, "epoch|generation"; "" (not checked) for a
@@ -119,7 +122,8 @@ class TaskQueue:
         SET_ASIDE (a redo issued since covers it: kept as the previous result); both requeued."""
         return [int(code) for code in
                 await self.run_script(scripts.ack_many_call(self.k, self.server, results,
-                                                            self.life_token()))]
+                                                            self.life_token(),
+                                                            self.conversations))]
 
     async def release(self, lease: Lease, *, refund: bool, reason: str = "",
                       unclaim: bool = False) -> bool:

@@ -132,16 +132,19 @@ class Conversations:
         if (fault := check.fault(row, prompt.tools)) is not None:  # before it costs a request
             raise BadTask(prompt.index, f"row {prompt.index}: {fault}")
         count = splice.count(row)
+        # Only a conversation with made turns kept reads them (claim.lua says which).
         standing = await c.retry(lambda: state.resume(c.redis, c.keys, lease.index,
-                                                      lease.version))
+                                                      lease.version)) if lease.kept \
+            else Standing()
         made, messages = standing.made[:count - 1], standing.messages[:count - 1]
         fig = standing.fig  # the made turns' sums, for status (turn.lua)
         if made:
             logger.debug("conversation_resumed", turn=len(made) + 1, of=count)
         ids: list[int] | None = None  # the turn before's prompt + completion ids, if known
         ask, first = functools.partial(_ask, c, inflight), len(made) + 1
+        at = splice.assistant_turns(row)
+        before = splice.prompt(row, first, messages)  # then extended turn by turn
         for turn in range(first, count + 1):
-            before = splice.prompt(row, turn, messages)
             if not before:
                 raise unpromptable(prompt.index)
             if inflight.abort or c.stop.is_set():  # between turns: the made ones are kept
@@ -168,8 +171,8 @@ class Conversations:
             # A continued turn's entry keeps its partial's tokens: turn.lua takes its count
             # back if a redo of all sets it aside.
             entry = [lease.version, lease.attempt, *([kept] if kept else [])]
-            follow = splice.after(row, turn, completion.finish_reason, completion.tool_calls) \
-                if turn < count else None
+            follow = splice.after(row, turn, completion.finish_reason, completion.tool_calls,
+                                  at) if turn < count else None
             if follow is None or isinstance(follow, splice.Stop):
                 if isinstance(follow, splice.Stop):
                     record.update(stopped=follow.reason, stopped_detail=follow.detail)
@@ -181,7 +184,9 @@ class Conversations:
                 inflight.then = self.call(inflight, Standing(made, end=end, last=turn, fig=fig),
                                           b"", unstable, checked, 0, record=record)
                 return record, completion
-            made, messages = [*made, entry], [*messages, splice.message_of(record)]
+            message = splice.message_of(record)
+            made, messages = [*made, entry], [*messages, message]
+            before = splice.extend(row, turn, before, message, follow, at)
             fig = state.counted(fig, completion.prompt_tokens, completion.completion_tokens,
                                 completion.cached_tokens or 0, completion.finish_reason)
             if not await self.record(inflight, Standing(made, fig=fig), state.pack(messages),

@@ -67,7 +67,8 @@ class Consumer:
         self.sync, self.sync_scripts, self.runstate = sync, ScriptRunner(sync), runstate
         self.queue = TaskQueue(client, keys, server=s.server_id, worker=s.name,
                                visibility_timeout=s.visibility_timeout,
-                               life=lambda: (runstate.epoch, runstate.gen))
+                               life=lambda: (runstate.epoch, runstate.gen),
+                               conversations=turns == ALL)
         self.follower = Follower(server, capacity=capacity, context_length=context_length,
                                  fixed=bool(s.concurrency))
         self.lease_held = lease_held  # our server lease is surely ours (consumer/servers.py)

@@ -84,7 +84,7 @@ class QueueMachine(RuleBasedStateMachine):
     def claim(self, consumer: str, n: int) -> None:
         version, *rows = self.run(scripts.claim_call(self.k, n, VT, f"http://{consumer}", consumer,
                                                      uuid.uuid4().hex[:6]))
-        for jid, idx, ex, attempt, spent, _tries in rows:
+        for jid, idx, ex, attempt, spent, _tries, _kept in rows:
             idx = int(idx)
             assert idx not in self.owner and idx not in self.done | self.failed
             assert int(attempt) == self.attempts[idx] + 1

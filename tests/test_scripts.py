@@ -402,3 +402,58 @@ def test_scripts_read_their_keys_and_arguments_by_name():
         assert set(re.findall(r"\bA\.(\w+)", body)) <= set(sent), name
         for field in re.findall(r"ARGV\[A\.(\w+)\]", body):  # bytes after the JSON
             assert 2 <= sent[field] <= len(call.args), (name, field)
+
+
+def test_pipelined_calls_run_once_each_after_redis_lost_its_scripts(r, redis_url, run_name):
+    """pipelined sends the scripts by sha alone (no SCRIPT EXISTS round trip first); after a
+    SCRIPT FLUSH (what a restart leaves) each call still runs, once."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    k, _ = setup_run(r, run_name, 4)
+
+    async def go() -> list:
+        client = aioredis.Redis.from_url(redis_url)
+        try:
+            runner = scripts.ScriptRunner(client)
+            calls = [scripts.claim_call(k, 1, 30.0, "http://s:1", "w1", f"ex{n}")
+                     for n in range(2)]
+            first = await runner.pipelined(client, calls)
+            await client.script_flush()
+            return [*first, *await runner.pipelined(client, calls)]
+        finally:
+            await client.aclose()
+
+    got = asyncio.run(go())
+    assert sorted(int(row[1]) for _, row in got) == [0, 1, 2, 3]
+    assert r.llen(k.rq_queue) == 0
+
+
+def test_a_conversations_claim_says_which_have_made_turns_kept(r, run_name):
+    """A --turns all consumer's claim tells it which conversations have no made turns kept (0),
+    so those begin without reading them; any other claim says 1 (look)."""
+    k, runner = setup_run(r, run_name, 3)
+    r.hset(k.conv, "1", orjson.dumps({"made": [[1, 1]]}))
+    _, *rows = runner(scripts.claim_call(k, 2, 30.0, "http://s:1", "w1", "ex",
+                                         conversations=True))
+    assert {int(row[1]): row[6] for row in rows} == {0: 0, 1: 1}
+    _, *rows = runner(scripts.claim_call(k, 1, 30.0, "http://s:1", "w1", "ex"))
+    assert [(int(row[1]), row[6]) for row in rows] == [(2, 1)]
+
+
+def test_made_turns_count_in_a_rate_bucket_that_expires(r, run_name):
+    """turn.lua sets a rate bucket's TTL when its first generation makes it, not every turn:
+    turns alone (no ack yet) still leave a bucket that expires."""
+    from genq.common.turns.state import Standing
+
+    k, runner = setup_run(r, run_name, 1)
+    [(jid, idx, ex, _)] = claim(runner, k)
+    for made in (1, 2):
+        standing = Standing([[1, 1]] * made).encode()
+        assert runner(scripts.turn_call(k, jid, idx, ex, standing, b"", made, 0, tokens=16,
+                                        server="s", version=1)) == 1
+    [bucket] = r.scan_iter(k.rate_prefix + "*")
+    assert 0 < r.ttl(bucket) <= scripts.RATE_BUCKET_TTL_S
+    assert {f.decode(): int(v) for f, v in r.hgetall(bucket).items()} == {
+        "tok": 32, "tok|s": 32, "gen": 2, "gen|s": 2}

@@ -191,3 +191,35 @@ def test_how_a_conversation_ended_reads_the_same_in_a_bitfield_an_older_genq_wro
         assert (END_NAMES[old >> TURN_BITS], old & ((1 << TURN_BITS) - 1)) == (end, 7)
     ended = Standing(end="unanswered", last=7).ended()
     assert END_NAMES[ended >> TURN_BITS] == "unanswered" and ended & 0x1FFF == 7
+
+
+def test_a_prompt_extended_turn_by_turn_is_the_one_spliced_from_the_row() -> None:
+    """The consumer extends each turn's prompt from the one before (splice.extend) rather than
+    splicing every made turn again: the same prompt as splice.prompt's, on rows with tool
+    chains, several calls a turn, results not right after their turn, and a trailing user
+    message."""
+    def call(name: str, id_: str) -> dict:
+        return {"id": id_, "type": "function",
+                "function": {"name": name, "arguments": json.dumps({"cmd": id_})}}
+
+    row = [{"role": "system", "content": "s"}, {"role": "user", "content": "u1"},
+           {"role": "assistant", "content": None, "tool_calls": [call("run_shell", "a")]},
+           {"role": "tool", "tool_call_id": "a", "content": "ra"},
+           {"role": "assistant", "content": None,
+            "tool_calls": [call("run_shell", "b"), call("read_file", "c")]},
+           {"role": "tool", "tool_call_id": "c", "content": "rc"},
+           {"role": "tool", "tool_call_id": "b", "content": "rb"},
+           {"role": "user", "content": "u2"},
+           {"role": "assistant", "content": "done"}, {"role": "user", "content": "u3"}]
+    made: list[dict] = []
+    before = turns.prompt(row, 1, [])
+    for turn in range(1, turns.count(row)):
+        asked = row[turns.assistant_turns(row)[turn - 1]].get("tool_calls") or []
+        calls = [call(c["function"]["name"], f"m{turn}{n}") for n, c in enumerate(asked)]
+        message = {"role": "assistant", "content": f"made {turn}",
+                   **({"tool_calls": calls} if calls else {})}
+        follow = turns.after(row, turn, "tool_calls" if calls else "stop", calls or None)
+        assert isinstance(follow, list)
+        before = turns.extend(row, turn, before, message, follow)
+        made.append(message)
+        assert before == turns.prompt(row, turn + 1, made)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
 import zlib
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import orjson
+from redis.exceptions import NoScriptError
 
 from genq.common.errors import reason_kind
 from genq.common.queue.keys import (
@@ -29,7 +31,7 @@ from genq.common.queue.keys import (
 KEYS: dict[str, tuple[str, ...]] = {
     "claim": ("rq_queue", "rq_wip", "leases", "lease_owner", "claims", "spent", "done", "failed",
               "params_version", "pending", "errors", "rq_failed", "rq_finished", "fail_kind",
-              "fail_kinds", "meta", "tries"),
+              "fail_kinds", "meta", "tries", "conv"),
     "renew": ("leases", "lease_owner", "rq_wip"),
     "ack": ("leases", "lease_owner", "rq_wip", "done", "pending", "truncated", "counters",
             "length_hist", "acc_tokens", "acc_finish", "acc_version", "acc_attempt", "spent",
@@ -121,8 +123,13 @@ def _call(script: str, k: RunKeys, args: dict[str, Any], *blobs: bytes | str) ->
     """A Call with KEYS in the script's table order and its named arguments as one JSON
     argument; `blobs` (bytes JSON cannot carry) follow it, from ARGV[2] on, where `args`
     name them by ARGV index."""
-    return Call(script, [getattr(k, name) for name in KEYS[script]],
-                [orjson.dumps(args), *blobs])
+    return Call(script, list(_keys(script, k)), [orjson.dumps(args), *blobs])
+
+
+@functools.lru_cache(maxsize=256)
+def _keys(script: str, k: RunKeys) -> tuple[str, ...]:
+    """The script's KEYS of run `k`, derived once: a made turn's call named its 11 anew."""
+    return tuple(getattr(k, name) for name in KEYS[script])
 
 
 def _prefixes(k: RunKeys) -> dict[str, str]:
@@ -136,12 +143,14 @@ def _rate(k: RunKeys) -> dict[str, Any]:
 
 
 def claim_call(k: RunKeys, n: int, vt: float, server: str, worker: str, exec_base: str,
-               life: str = "") -> Call:
-    """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs."""
+               life: str = "", conversations: bool = False) -> Call:
+    """life: "epoch|generation" as the caller knows the run; claims nothing if Redis's differs.
+    conversations: a --turns all consumer's claim, told which conversations have no made turns
+    kept (each claimed row's last field, 0), so those begin without a read."""
     return _call("claim", k, {"n": n, "vt": vt, "margin": WIP_MARGIN_S, "server": server,
                               "worker": worker, "exec_base": exec_base, "now_iso": iso_now(),
                               **_prefixes(k), "run": k.run, "finished_ttl": RESULT_TTL_S,
-                              "life": life})
+                              "life": life, "conv": conversations})
 
 
 def renew_call(k: RunKeys, vt: float, held: list[tuple[str, str]]) -> Call:
@@ -166,8 +175,10 @@ class Result:
     cached: int = 0  # prompt tokens the server reported cached (0: none or not reported)
 
 
-def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "") -> Call:
-    """Several results in one call: a code each (all refused if the run is not `life`)."""
+def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = "",
+                  conversations: bool = True) -> Call:
+    """Several results in one call: a code each (all refused if the run is not `life`);
+    `conversations`: a `--turns all` run's, whose ended conversations' made turns go."""
     items = []
     for r in results:  # ack.lua's names for a result (see its header)
         code = finish_code(r.finish_reason)
@@ -178,7 +189,7 @@ def ack_many_call(k: RunKeys, server: str, results: list[Result], life: str = ""
                       "cached": r.cached})
     return _call("ack", k, {"server": server, "result_ttl": RESULT_TTL_S, "now_iso": iso_now(),
                             **_prefixes(k), **_rate(k), "finished_keep": FINISHED_KEEP,
-                            "results": items, "life": life})
+                            "results": items, "life": life, "conv": conversations})
 
 
 def release_call(k: RunKeys, job_id: str, index: int, exec_id: str, *, refund: bool,
@@ -293,8 +304,18 @@ class ScriptRunner:
 
     async def pipelined(self, client: Any, calls: list[Call]) -> list[Any]:
         """Several Calls in one round trip on an asyncio client (a pipeline, not a
-        transaction: each script is atomic on its own)."""
+        transaction: each script is atomic on its own). By their sha alone: a pipeline of
+        registered scripts asks SCRIPT EXISTS first, a round trip more each time; a call
+        Redis answers NOSCRIPT (it restarted, its scripts gone) did not run, and runs again
+        on its own, loading its script."""
         pipe = client.pipeline(transaction=False)
         for call in calls:
-            await self._scripts[call.script](keys=call.keys, args=call.args, client=pipe)
-        return list(await pipe.execute())
+            pipe.evalsha(self._scripts[call.script].sha, len(call.keys), *call.keys, *call.args)
+        out = list(await pipe.execute(raise_on_error=False))
+        for n, got in enumerate(out):
+            if isinstance(got, NoScriptError):
+                out[n] = await self(calls[n])
+        for got in out:
+            if isinstance(got, Exception):
+                raise got
+        return out

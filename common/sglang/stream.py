@@ -131,12 +131,11 @@ def whole_answer(body: bytes, url: str, *, thinking: bool) -> Completion:
         message = choice.get("message") or {}
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
         raise ServerUnavailable(f"{url}: malformed answer {body[:200]!r}") from None
+    matched = choice.get("matched_stop")
     done = finished(url, choice.get("finish_reason"), message.get("content") or "",
                     message.get("reasoning_content"), usage, thinking=thinking,
-                    tool_calls=message.get("tool_calls") or None)
-    matched = choice.get("matched_stop")
-    if type(matched) in (int, str):
-        done = replace(done, matched_stop=matched)
+                    tool_calls=message.get("tool_calls") or None,
+                    matched_stop=matched if type(matched) in (int, str) else None)
     if "response_token_ids" not in choice:
         return done
     prompt_ids, ids = choice.get("prompt_token_ids"), choice.get("response_token_ids")
@@ -155,7 +154,8 @@ def token_ids(value: Any) -> bool:
 
 def finished(url: str, finish: str | None, content: str, reasoning: str | None,
              usage: dict[str, Any], *, thinking: bool,
-             tool_calls: list[dict[str, Any]] | None = None) -> Completion:
+             tool_calls: list[dict[str, Any]] | None = None,
+             matched_stop: int | str | None = None) -> Completion:
     """The result of an answer, or the error that says why there is none."""
     if finish == "abort":
         raise ServerAborted(f"{url}: the server aborted the generation (finish_reason abort)")
@@ -167,7 +167,7 @@ def finished(url: str, finish: str | None, content: str, reasoning: str | None,
         finish_reason=finish, content=content, reasoning_content=reasoning,
         prompt_tokens=token_count(usage, "prompt_tokens", url),
         completion_tokens=token_count(usage, "completion_tokens", url), tool_calls=tool_calls,
-        cached_tokens=cached_count(usage, url))
+        cached_tokens=cached_count(usage, url), matched_stop=matched_stop)
 
 
 def token_count(usage: Any, key: str, url: str) -> int:

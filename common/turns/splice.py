@@ -84,6 +84,16 @@ def prompt(messages: Sequence[Message], turn: int,
     return out
 
 
+def extend(messages: Sequence[Message], turn: int, before: Sequence[Message], made: Message,
+           follow: Sequence[Message], at: Sequence[int] | None = None) -> list[Message]:
+    """Turn `turn + 1`'s prompt from turn `turn`'s (`before`), its made turn `made` and the
+    results `after` let through (`follow`): what `prompt` gives, in one step rather than
+    splicing every turn before again. `at`: the row's assistant_turns, if known."""
+    at = assistant_turns(messages) if at is None else at
+    rest = messages[at[turn - 1] + 1:at[turn] if turn < len(at) else len(messages)]
+    return [*before, made, *follow, *rest[len(_results(messages, at[turn - 1])):]]
+
+
 def last(messages: Sequence[Message]) -> tuple[list[Message], int]:
     """`--turns last`: (the prompt, the turn it makes): the row as it is, up to that turn. A
     row ending with an assistant turn has that turn made anew, so genq never answers after an
@@ -94,11 +104,12 @@ def last(messages: Sequence[Message]) -> tuple[list[Message], int]:
 
 
 def after(messages: Sequence[Message], turn: int, finish_reason: str | None,
-          tool_calls: Sequence[Message] | None) -> list[Message] | Stop:
+          tool_calls: Sequence[Message] | None, at: Sequence[int] | None = None
+          ) -> list[Message] | Stop:
     """What follows regenerated turn `turn`: the row's results for its calls (tools are not
     run), when they call the same tools as the row's turn, as many times; otherwise a Stop. A
     turn cut at max_tokens stops the conversation, since the next turn needs its end; so does
-    a call the row has no result for."""
+    a call the row has no result for. `at`: the row's assistant_turns, if known."""
     if finish_reason == "length":
         return Stop(TRUNCATED, f"turn {turn} reached max_tokens")
     for call in tool_calls or ():
@@ -106,7 +117,8 @@ def after(messages: Sequence[Message], turn: int, finish_reason: str | None,
             name = (call.get("function") or {}).get("name")
             return Stop(DIVERGED, f"turn {turn} called {name} with arguments that are not a "
                         "JSON object")
-    return _spliced(messages, assistant_turns(messages)[turn - 1], turn, tool_calls)
+    at = assistant_turns(messages) if at is None else at
+    return _spliced(messages, at[turn - 1], turn, tool_calls)
 
 
 def _spliced(messages: Sequence[Message], at: int, turn: int,
@@ -160,6 +172,8 @@ def _answered(calls: Sequence[Message], results: Sequence[Message]) -> list[Mess
 def _match(made: Sequence[Message], asked: Sequence[Message]) -> list[int]:
     """For each made call, which of the row's calls (of as many of each name) it is: the same
     name and arguments first, then the same name, in order."""
+    if len(made) == 1 == len(asked):  # a tool chain's one call: its arguments decide nothing
+        return [0]
     free, out = list(range(len(asked))), [-1] * len(made)
     for same_arguments in (True, False):
         for n, call in enumerate(made):

@@ -165,9 +165,10 @@ redis.call('HDEL', K.errors, unpack(indices))
 redis.call('HDEL', K.partials, unpack(indices))  -- a partial is continued once at most
 -- The prompt ended: an answer it once failed its schema with is no longer export's to show.
 redis.call('HDEL', K.invalid, unpack(indices))
--- A conversation (--turns all) needs its made turns again only if a redo goes on from its end.
+-- A conversation (--turns all) needs its made turns again only if a redo goes on from its end
+-- (A.conv: a --turns all run's; a one-turn run has none to drop).
 local ended = {}
-for _, it in ipairs(accept) do
+for _, it in ipairs(A.conv and accept or {}) do
   if it.fname ~= 'length' then ended[#ended + 1] = it.idx end
 end
 if #ended > 0 then redis.call('HDEL', K.conv_msgs, unpack(ended)) end

@@ -9,8 +9,11 @@
 -- A: n, vt (visibility timeout s), margin (wip margin s), server, worker (name), exec_base (exec
 --    id base), now_iso (display only), job_prefix, exec_prefix (execution key), execs_prefix
 --    (executions key), run (name), finished_ttl (s), life (the run's life the caller knows,
---    "epoch|generation"; '': not checked)
--- Returns {params_version, {job_id, index, exec_id, attempt, spent, tries}...}, or {0} when
+--    "epoch|generation"; '': not checked), conv (a --turns all consumer's claim: say whether
+--    each conversation has made turns kept)
+-- Returns {params_version, {job_id, index, exec_id, attempt, spent, tries, kept}...} (kept: 0
+-- when a conv claim's conversation has no made turns kept, so it begins without reading
+-- them; else 1), or {0} when
 -- the run is not the life the caller knows (another run, or recovered since): it looks again
 -- first.
 if A.life ~= '' and life(K.meta) ~= A.life then return {0} end
@@ -84,7 +87,8 @@ for j, job in ipairs(run) do
   redis.call('ZADD', A.execs_prefix .. jid, deadline + margin, exec)
   -- rq's own sweeps must never reap a live lease: its wip score sits past ours by a margin.
   wip[#wip + 1] = deadline + margin; wip[#wip + 1] = jid .. ':' .. exec
-  out[#out + 1] = {jid, idx, exec, attempt, spents[j], tries[j]}
+  local kept = A.conv and redis.call('HEXISTS', K.conv, idx) or 1
+  out[#out + 1] = {jid, idx, exec, attempt, spents[j], tries[j], kept}
 end
 redis.call('ZADD', K.leases, unpack(leases))
 redis.call('HSET', K.lease_owner, unpack(owners))

@@ -48,9 +48,10 @@ if A.tokens ~= 0 then  -- the rate's buckets, as ack.lua keeps them: tokens, gen
   local key = A.rate_prefix .. math.floor(tonumber(t[1]) / A.bucket_s)
   redis.call('HINCRBY', key, 'tok', A.tokens)
   redis.call('HINCRBY', key, 'tok|' .. A.server, A.tokens)
-  redis.call('HINCRBY', key, 'gen', 1)
   redis.call('HINCRBY', key, 'gen|' .. A.server, 1)
-  redis.call('EXPIRE', key, A.bucket_ttl)
+  -- Its first generation made the bucket, or found it made by ack.lua (which sets its TTL
+  -- then): its TTL is set once, not a command more every turn.
+  if redis.call('HINCRBY', key, 'gen', 1) == 1 then redis.call('EXPIRE', key, A.bucket_ttl) end
 end
 if A.continued ~= 0 then  -- as ack.lua counts a continued answer, and drops its partial
   redis.call('HINCRBY', K.counters, 'continued|' .. A.version, 1)
