@@ -1,6 +1,5 @@
 """What the bench scripts share beyond the tests' fixtures (a private redis-server, simulators,
-the data set, the genq command line): consumers, timings, CPU and Redis counters, moto's S3, the
-servers' load sampler, a table, the parser and the work directory."""
+the data set, the genq command line): consumers, timings, counters, moto's S3, a table, a parser."""
 
 from __future__ import annotations
 
@@ -44,8 +43,11 @@ from genq.common.sglang.stream import parse_load  # noqa: E402
 
 
 def genq(*args: str, redis_url: str, run: str, timeout: float = 1800, **kw):
-    """The real `genq` command line (the tests' helper), with a bench's longer timeout."""
     return _genq(*args, redis_url=redis_url, run=run, timeout=timeout, **kw)
+
+
+def produce_once(redis_url: str, run: str, dataset: Path, *flags: str) -> None:
+    genq("produce", str(dataset), "--once", *flags, redis_url=redis_url, run=run)
 
 
 def consumer(redis_url: str, run: str, *args: str, log: Path | None = None,
@@ -61,16 +63,13 @@ def consumer(redis_url: str, run: str, *args: str, log: Path | None = None,
             out.close()
 
 
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """The docstring as written; every default there is."""
-
+class _Help(argparse.RawDescriptionHelpFormatter):  # the docstring as written, defaults
     def _get_help_string(self, action: argparse.Action) -> str:
         unset = any(action.default is x for x in (None, False, argparse.SUPPRESS))
         return (action.help or "") + ("" if unset else " (default: %(default)s)")
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
-    """A script's parser: its docstring as the description, and --json."""
     p = argparse.ArgumentParser(description=doc, formatter_class=_Help)
     p.add_argument("--json", help="also write every figure, raw, to this file")
     return p
@@ -84,7 +83,6 @@ def workdir() -> Iterator[Path]:
 
 @contextmanager
 def simulators(n: int, *flags: str) -> Iterator[list[SimProcess]]:
-    """n `python -m genq.simulator` processes, healthy, stopped on exit."""
     sims = [SimProcess(*flags) for _ in range(n)]
     try:
         for sim in sims:
@@ -193,14 +191,16 @@ def machine_cpu() -> tuple[float, float]:
     return (sum(fields) - idle) / CLK_TCK, sum(fields) / CLK_TCK
 
 
-def redis_cpu_s(r: redis.Redis) -> float:
-    info = r.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+def used_memory(r: redis.Redis) -> int:
+    return int(r.info("memory")["used_memory"])
 
 
-def commandstats(r: redis.Redis) -> dict[str, int]:
-    return {name.removeprefix("cmdstat_"): int(v["calls"])
-            for name, v in r.info("commandstats").items()}
+def redis_use(r: redis.Redis) -> tuple[float, int, int]:
+    """Redis's CPU s, commands (but INFO; Lua's own count) and EVALSHAs so far."""
+    cpu, stats = r.info("cpu"), r.info("commandstats")
+    return (float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
+            sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info"),
+            stats.get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 def load_average() -> str:
@@ -224,8 +224,7 @@ def dump_json(path: str | None, data: dict) -> None:
 
 
 class LoadSampler:
-    """Polls each server's /v1/loads every `period` seconds from a thread: (t since start,
-    running, waiting) per server, the GPU-side view of a run (the simulator counts as a GPU)."""
+    """Each server's /v1/loads every `period` s from a thread: (t, running, waiting) each."""
 
     def __init__(self, urls: list[str], period: float = 0.1) -> None:
         self.urls, self.period = urls, period
@@ -257,8 +256,7 @@ class LoadSampler:
 
 def slot_seconds(samples: list[tuple[float, int, int]], slots: int, t0: float, t1: float,
                  ) -> tuple[float, float]:
-    """(idle slot-seconds, waiting request-seconds) between t0 and t1, each sample held until
-    the next one."""
+    """(idle slot-seconds, waiting request-seconds) between t0 and t1, a sample to the next."""
     idle = waiting = 0.0
     for (t, running, queued), (t_next, _, _) in zip(samples, samples[1:], strict=False):
         lo, hi = max(t, t0), min(t_next, t1)
@@ -269,7 +267,6 @@ def slot_seconds(samples: list[tuple[float, int, int]], slots: int, t0: float, t
 
 
 def full_window(samples: list[tuple[float, int, int]], slots: int) -> tuple[float, float]:
-    """From the first to the last moment the server was full: start-up and the final drain
-    (when no work is left for its slots) are outside it."""
+    """From the first to the last moment the server was full: no start-up, no final drain."""
     full = [t for t, running, _ in samples if running >= slots]
     return (full[0], full[-1]) if len(full) > 1 else (0.0, 0.0)

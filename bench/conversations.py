@@ -1,11 +1,7 @@
-"""Every assistant turn made in order (`--turns all`) against a one-turn run of the same rows
-(`--turns last`), on the same Redis and fast simulators (`--tool-chains`: they call where the
-rows call, so every conversation runs all its turns); bench/_conversations.py's rows. Each arm:
-the windowed producer and a `genq consume --burst` per simulator, to the end or --deadline (then
-SIGTERM; `complete` says which). Measured: Redis bytes per conversation (mid-run, peak, end),
-consumer CPU per generation, `genq status` mid-run, `genq export` and, after FLUSHALL, `genq
-recover` (checked against each other); for the genq arms also Redis's CPU and commands per
-generation (INFO cpu, commandstats), and arm `bare` runs bench/_bare_turns.py, one a simulator.
+"""`--turns all` against `--turns last` on the same rows (bench/_conversations.py), Redis and
+fast simulators (`--tool-chains`: they call where the rows call); each arm the windowed producer
+and a `genq consume --burst` a simulator, to the end or --deadline (then SIGTERM). Arm `bare`:
+bench/_bare_turns.py, one a simulator.
 
     python bench/conversations.py                          # 100,000 conversations
     python bench/conversations.py --conversations 50 --deadline 60   # a smoke run
@@ -35,7 +31,6 @@ BARE = Path(__file__).resolve().parent / "_bare_turns.py"
 
 
 class Arm:
-    """One run of the data set with `--turns TURNS`, on the shared Redis and simulators."""
 
     def __init__(self, turns: str, a, srv, sims, work: Path, dataset: Path) -> None:
         self.turns, self.a, self.srv, self.sims = turns, a, srv, sims
@@ -44,9 +39,6 @@ class Arm:
         self.env = kit.genq_env(srv.url, self.run)
         self.figures: dict = {"turns": turns}
 
-    def used(self) -> int:
-        return int(self.r.info("memory")["used_memory"])
-
     def status(self) -> dict:
         return orjson.loads(kit.genq("status", "--json", redis_url=self.srv.url,
                                      run=self.run).stdout)
@@ -54,7 +46,7 @@ class Arm:
     def mid_run(self) -> None:
         walls = [kit.latency(self.status) for _ in range(3)]
         self.figures["status_mid_s"] = statistics.median(walls)
-        self.figures["redis_b_mid"] = self.used() - self.base
+        self.figures["redis_b_mid"] = kit.used_memory(self.r) - self.base
         self.figures["mid_status"] = self.status()
         print(f"[{self.turns}] mid-run at {time.monotonic() - self.started:.0f} s (load average "
               f"{kit.load_average()}): genq status {self.figures['status_mid_s']} s, Redis "
@@ -65,7 +57,7 @@ class Arm:
         procs = [kit.consumer(self.srv.url, self.run, "--server", sim.url, "--burst", "--out",
                               str(out)) for sim, out in zip(self.sims, outs, strict=True)]
         self.started, peak, mid, stopped = time.monotonic(), 0, False, False
-        redis = self.redis_use()
+        redis = kit.redis_use(self.r)
 
         def tick() -> None:
             nonlocal peak, mid, stopped
@@ -82,24 +74,17 @@ class Arm:
                 for proc in procs:
                     if proc.returncode is None:
                         proc.send_signal(signal.SIGTERM)
-            peak = max(peak, self.used() - self.base)
+            peak = max(peak, kit.used_memory(self.r) - self.base)
 
         got = kit.reap(procs, tick, period=0.25)
-        self.figures["redis"] = [b - a for a, b in zip(redis, self.redis_use(), strict=True)]
+        self.figures["redis"] = [b - a for a, b in zip(redis, kit.redis_use(self.r),
+                                                       strict=True)]
         self.figures.update(wall_s=round(time.monotonic() - self.started, 1),
                             complete=not stopped, redis_b_peak=peak,
                             consumer_cpu_s=round(sum(g[1] for g in got.values()), 2))
         self.outs = outs
 
-    def redis_use(self) -> tuple[float, int, int]:
-        """Redis's CPU s, commands (but INFO; Lua's own count) and EVALSHAs so far."""
-        stats = self.r.info("commandstats")
-        return (kit.redis_cpu_s(self.r), sum(v["calls"] for k, v in stats.items()
-                                             if k != "cmdstat_info"),
-                stats.get("cmdstat_evalsha", {}).get("calls", 0))
-
     def bare(self) -> dict:
-        """bench/_bare_turns.py, one a simulator, the rows split between them."""
         procs = [subprocess.Popen([sys.executable, str(BARE), sim.url, str(self.dataset), str(i),
                                    str(len(self.sims)), str(self.a.max_tokens)],
                                   stdout=subprocess.PIPE) for i, sim in enumerate(self.sims)]
@@ -119,11 +104,9 @@ class Arm:
             return {**kit.timed(list(args), self.env), "failed_at_256_files": str(failed)[-200:]}
 
     def finish(self) -> None:
-        """Export, FLUSHALL, recover, checked."""
         f = self.figures
-        f["redis_b_end"] = self.used() - self.base
+        f["redis_b_end"] = kit.used_memory(self.r) - self.base
         f["status_end"] = before = self.status()
-        # Where the conversations ended (--turns all's status: "diverged", "truncated", ...).
         f["stopped"] = (before.get("conversations") or {}).get("stopped", "-")
         f["export"] = self.timed("export", "--out", str(self.work / "all.jsonl"), "--overwrite")
         f["generations"] = sum(1 for _ in open(self.work / "all.jsonl", "rb"))
@@ -145,7 +128,7 @@ class Arm:
         if self.turns == "bare":
             return self.bare()
         self.work.mkdir()
-        self.base = self.used()
+        self.base = kit.used_memory(self.r)
         producer = Background(self.srv.url, self.run, "produce", str(self.dataset), "--turns",
                               self.turns, "--max-tokens", str(self.a.max_tokens))
         try:
@@ -159,9 +142,8 @@ class Arm:
         f.update(cpu_ms_per_generation=round(1000 * f["consumer_cpu_s"] / gens, 3),
                  generations_per_conversation=round(gens / n, 2),
                  generations_per_s=round(gens / f["wall_s"], 1),
-                 redis_b_per_conversation_mid=round(f["redis_b_mid"] / n, 1),
-                 redis_b_per_conversation_end=round(f["redis_b_end"] / n, 1),
-                 redis_b_per_conversation_peak=round(f["redis_b_peak"] / n, 1),
+                 **{f"redis_b_per_conversation_{w}": round(f[f"redis_b_{w}"] / n, 1)
+                    for w in ("mid", "end", "peak")},
                  redis_cpu_ms=round(1000 * f["redis"][0] / gens, 3),
                  redis_commands=round(f["redis"][1] / gens, 2),
                  evalsha=round(f["redis"][2] / gens, 2))
@@ -182,7 +164,6 @@ ROWS = (("generations", "generations"), ("per conversation", "generations_per_co
 
 
 def report(arms: dict[str, dict]) -> str:
-    """A row a figure, a column an arm, and all/last where both ran."""
     both, rows = set(ARMS) <= set(arms), []
     for name, key in ROWS:
         timed = key.endswith(("export", "recover"))
@@ -203,10 +184,8 @@ def main() -> int:
     p.add_argument("--consumers", type=int, default=2, help="each on its own simulator")
     p.add_argument("--seed", type=int, default=0, help="the data set's")
     p.add_argument("--max-tokens", type=int, default=4096)
-    p.add_argument("--deadline", type=float, default=2400,
-                   help="seconds an arm's consumers run before they are stopped (all 8 turns "
-                   "of 100,000 took ~1,000 s on 2 cores)")
-    p.add_argument("--arms", default=",".join(ARMS), help="which --turns to run, in order")
+    p.add_argument("--deadline", type=float, default=2400, help="seconds an arm's consumers run")
+    p.add_argument("--arms", default=",".join(ARMS), help="last, all, bare: in order")
     a = p.parse_args()
     sim = [*SIM, "--tool-chains", "--seed", str(a.seed)]
     figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}

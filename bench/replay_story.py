@@ -29,8 +29,7 @@ PIVOT = ("requeue", "--set", "max_tokens=8192", "--redo", "truncated")
 
 
 def pivot(redis_url: str, *extra: str) -> float:
-    """`genq requeue ...` in this process: a subprocess's start-up would be minutes of a
-    time-scaled run. Returns how long it took."""
+    """`genq requeue` in this process (a subprocess's start-up: minutes of a time-scaled run)."""
     from genq.cli import main as genq_main
     t0 = time.monotonic()
     with contextlib.redirect_stdout(io.StringIO()):
@@ -70,8 +69,7 @@ def one_way(a, way: str, dataset: Path, work: Path) -> dict:
     flags = ["--time-scale", str(a.time_scale), "--length-dist", "lognormal:2326:0.62",
              "--max-running-requests", str(a.slots), "--reasoning-parser", "qwen3"]
     with kit.simulators(a.servers, *flags) as sims, kit.private_redis() as rs:
-        kit.genq("produce", str(dataset), "--once", "--max-tokens", "4096",
-                 redis_url=rs.url, run="story")
+        kit.produce_once(rs.url, "story", dataset, "--max-tokens", "4096")
         r = rs.client()
         with kit.LoadSampler([s.url for s in sims], period=a.sample) as sampler:
             t0 = time.monotonic()
@@ -110,7 +108,6 @@ def figures(a, way: str, sampler: kit.LoadSampler, t_pivot: float,
             wall: float, kept: dict, stats: list[dict]) -> dict:
     lo, hi = t_pivot - a.around / 2, t_pivot + a.around
     idle_pivot = sum(kit.slot_seconds(s, a.slots, lo, hi)[0] for s in sampler.samples) / a.slots
-    # While work remained: from the first moment a server was full to the last.
     idle_run = sum(kit.slot_seconds(s, a.slots, *kit.full_window(s, a.slots))[0]
                    for s in sampler.samples) / a.slots
     busy_slot_s = sum(running * (t1 - t0) for s in sampler.samples
@@ -164,32 +161,26 @@ def report(a, g: dict, c: dict, h: dict) -> None:
 
 def main() -> int:
     p = kit.parser(__doc__)
-    p.add_argument("--prompts", type=int, default=4200, help="prompts")
-    p.add_argument("--servers", type=int, default=7, help="servers")
+    p.add_argument("--prompts", type=int, default=4200)
+    p.add_argument("--servers", type=int, default=7)
     p.add_argument("--slots", type=int, default=40, help="slots per server")
-    p.add_argument("--time-scale", type=float, default=20.0,
-                   help="simulator speed-up: a median request takes ~1.4 s at 20")
-    p.add_argument("--hand-delay", type=float, default=6.0, help="seconds between killing and "
-                   "relaunching by hand: 6 is two real minutes at time scale 20")
-    p.add_argument("--visibility-timeout", type=float, default=10.0,
-                   help="consumers' lease length, both ways")
-    p.add_argument("--around", type=float, default=10.0,
-                   help="seconds after the pivot counted as around it (half of it before)")
+    p.add_argument("--time-scale", type=float, default=20.0, help="simulator speed-up")
+    p.add_argument("--hand-delay", type=float, default=6.0, help="seconds killed, by hand")
+    p.add_argument("--visibility-timeout", type=float, default=10.0)
+    p.add_argument("--around", type=float, default=10.0, help="s after the pivot (half before)")
     p.add_argument("--sample", type=float, default=0.1, help="load sampling period, s")
-    p.add_argument("--timeout", type=float, default=1800, help="give up on a way after this, s")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds a way may take")
     a = p.parse_args()
     a.load_before = kit.load_average()
     import genq.producer.requeue  # noqa: F401  (imported now, not at the pivot)
     with kit.workdir() as work:
         dataset = kit.write_dataset(work / "prompts.jsonl", a.prompts)
-        g = one_way(a, "genq", dataset, work)
-        print(f"genq: {g['wall_s']:.1f} s", file=sys.stderr)
-        c = one_way(a, "continue", dataset, work)
-        print(f"continue: {c['wall_s']:.1f} s", file=sys.stderr)
-        h = one_way(a, "hand", dataset, work)
-        print(f"by hand: {h['wall_s']:.1f} s", file=sys.stderr)
-    report(a, g, c, h)
-    kit.dump_json(a.json, {"genq": g, "continue": c, "hand": h, "args": vars(a)})
+        ways: dict = {}
+        for way in ("genq", "continue", "hand"):
+            ways[way] = one_way(a, way, dataset, work)
+            print(f"{way}: {ways[way]['wall_s']:.1f} s", file=sys.stderr)
+    report(a, *ways.values())
+    kit.dump_json(a.json, {**ways, "args": vars(a)})
     return 0
 
 

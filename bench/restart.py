@@ -1,8 +1,6 @@
-"""How long a server idles when its consumer is killed: (a) kill -9 and relaunch at once, until
-the server is full again (beside a plain client, _bare_stream.py) and how much later the run
-ends; (b) a consumer killed for good at --visibility-timeout 6, until all its tasks are back.
---idle: instead, the CPU of three waiting consumers: a finished run's, a spare, one with nothing
-to claim while a frozen consumer's leases run out."""
+"""How long a server idles when its consumer is killed: kill -9 and relaunch (against a plain
+client, _bare_stream.py); a consumer killed for good, until all its tasks are back. --idle:
+instead, the CPU of waiting consumers (one has nothing to claim: a frozen one holds the leases)."""
 
 from __future__ import annotations
 
@@ -22,14 +20,12 @@ SIM = ["--length-dist", "fixed:256", "--max-running-requests", "32", "--ttft", "
 
 
 def full_again(url: str, since: float) -> float:
-    """Seconds from `since` until the server runs all its 32 slots again."""
     wait_for(lambda: httpx.get(url + "/_sim/stats", timeout=5).json()["running"] >= 32, 60,
              interval=0.05, what="the server full again")
     return time.monotonic() - since
 
 
 def relaunched(start, url: str, kill_at: float | None) -> tuple[float | None, object]:
-    """Start, kill -9 at kill_at and start again at once: (seconds to full, the last process)."""
     proc = start()
     if kill_at is None:
         return None, proc
@@ -44,8 +40,7 @@ def relaunched(start, url: str, kill_at: float | None) -> tuple[float | None, ob
 def genq_run(tmp: Path, n: int, kill_at: float | None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     with kit.private_redis() as rs, kit.simulators(1, *SIM) as [sim]:
-        kit.genq("produce", str(kit.write_dataset(tmp / "d.jsonl", n)), "--once",
-                 redis_url=rs.url, run="r")
+        kit.produce_once(rs.url, "r", kit.write_dataset(tmp / "d.jsonl", n))
         t0 = time.monotonic()
         full_s, proc = relaunched(lambda: kit.consumer(rs.url, "r", "--server", sim.url,
                                                        "--burst", "--out", str(tmp / "out")),
@@ -68,8 +63,7 @@ def bare_full_again(tmp: Path, n: int, kill_at: float) -> float:
 def tasks_back(tmp: Path, vt: float) -> float:
     with kit.private_redis() as rs, kit.simulators(2, *SIM) as sims:
         r = rs.client()
-        kit.genq("produce", str(kit.write_dataset(tmp / "v.jsonl", 2000)), "--once",
-                 redis_url=rs.url, run="v")
+        kit.produce_once(rs.url, "v", kit.write_dataset(tmp / "v.jsonl", 2000))
         procs = [kit.consumer(rs.url, "v", "--server", s.url, "--out", str(tmp / f"o{i}"),
                               "--visibility-timeout", str(vt)) for i, s in enumerate(sims)]
 
@@ -91,8 +85,7 @@ def idle(a) -> None:
             2, "--time-scale", "1000", "--ttft", "0", "--length-dist", "fixed:16") as sims:
         r = rs.client()
         for run in ("done", "held"):
-            kit.genq("produce", str(kit.write_dataset(work / f"{run}.jsonl", 50)), "--once",
-                     redis_url=rs.url, run=run)
+            kit.produce_once(rs.url, run, kit.write_dataset(work / f"{run}.jsonl", 50))
         finished = kit.consumer(rs.url, "done", "--server", sims[0].url, "--out", str(work / "a"))
         wait_for(lambda: r.bitcount(RunKeys("done").done) == 50, timeout=60, what="run done")
         spare = kit.consumer(rs.url, "done", "--server", sims[0].url, "--out", str(work / "b"))

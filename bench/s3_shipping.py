@@ -1,7 +1,5 @@
 """Shipping shards to S3 (moto behind the tests' fault proxy, so an outage refuses; genq's side,
-not S3's bandwidth): upload rate, the consumer's rate with and without shipping, the backlog
-through an outage and its drain. --ages: instead, by shard age (`--shard-minutes`), the results
-a lost node loses against the S3 requests and shipper CPU an hour (moto in its own process).
+not S3's bandwidth). --ages: instead, by shard age (`--shard-minutes`), moto in its own process.
 
     python bench/s3_shipping.py [--n 4000] [--outage 10]
     python bench/s3_shipping.py --ages [0.0125,0.5,1,2,5,10] [--rate 1.34] [--gpus 8]
@@ -28,8 +26,7 @@ SHARD_RECORDS = 500  # genq consume's default --shard-records: a shard closes at
 
 
 def ship(n_shards: int, raw: bytes, uri: store.S3Uri, tag: str) -> dict:
-    """Compress, upload and verify `n_shards` shards one after another, as one shipper does:
-    per shard CPU seconds and S3 requests, and wall and bytes sent."""
+    """Shards compressed, uploaded and verified one after another, as one shipper does."""
     s3, sent, requests = store.client(), 0, [0]
     s3.meta.events.register("before-send.s3", lambda **_: requests.__setitem__(0, requests[0] + 1))
     started, cpu = time.monotonic(), time.process_time()
@@ -76,7 +73,7 @@ def ages(a) -> dict:
 
 
 def consume(rs, sim, data: Path, run: str, *flags: str) -> float:
-    kit.genq("produce", str(data), "--once", redis_url=rs.url, run=run)
+    kit.produce_once(rs.url, run, data)
     started = time.monotonic()
     kit.genq("consume", "--server", sim.url, "--out", str(data.parent / run), "--burst", *flags,
              redis_url=rs.url, run=run)
@@ -85,10 +82,9 @@ def consume(rs, sim, data: Path, run: str, *flags: str) -> float:
 
 def outage_round(rs, sim, data: Path, n: int, proxy: FaultProxy, s3_uri: str,
                  outage: float) -> dict:
-    """A consumer shipping every 50 records; S3 refused for `outage` seconds mid-run."""
     run, r = "outage", rs.client()
     k = RunKeys(run)
-    kit.genq("produce", str(data), "--once", redis_url=rs.url, run=run)
+    kit.produce_once(rs.url, run, data)
     consumer = Background(rs.url, run, "consume", "--server", sim.url, "--out",
                           str(data.parent / run), "--burst", "--s3-uri", s3_uri,
                           "--shard-records", "50")
@@ -128,10 +124,9 @@ def main() -> int:
     p.add_argument("--shards", type=int, help="shards shipped (default 20; --ages: 10 an age)")
     p.add_argument("--outage", type=float, default=10.0, help="seconds S3 is refused")
     p.add_argument("--ages", nargs="?", const="0.0125,0.5,1,2,5,10",
-                   help="instead: these shard ages (minutes) compared; bare: 0.0125,0.5,1,2,5,10")
+                   help="instead: these shard ages (minutes) compared")
     p.add_argument("--rate", type=float, default=9.4 / 7,
-                   help="--ages: results a second a consumer (one GPU) acknowledges (the seed: "
-                   "9.4 a second on 7 GPUs)")
+                   help="--ages: results a second a GPU (the seed: 9.4 a second on 7 GPUs)")
     p.add_argument("--gpus", type=int, default=8, help="--ages: consumers a node runs")
     a = p.parse_args()
     a.shards = a.shards or (10 if a.ages else 20)

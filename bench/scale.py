@@ -1,18 +1,10 @@
-"""The seed's scale end to end: 914,000 prompts, the windowed producer, consumers on fast
-simulators, a monitor: wall, CPU per task, Redis above the empty server (start, peak, end;
-what is left, key by key),
-`genq status` and /api/status mid-run and at the end, `genq export` under `ulimit -n 256` and
-`genq recover` after FLUSHALL, checked against the run.
+"""The seed's scale end to end: the windowed producer, consumers on fast simulators, a monitor;
+`genq export` under `ulimit -n 256`, `genq recover` after FLUSHALL, checked against the run.
+--baseline TREE: instead, once --warm tasks are done, that checkout's `genq status` (its directory
+on PYTHONPATH) and this tree's take turns, --rounds rounds; then the run stops. --produce W:
+instead, Redis memory of `produce --once` against `--window W`, each on a fresh Redis.
 
---baseline TREE: instead, once --warm tasks are done, that checkout's `genq status` (its own
-directory on PYTHONPATH, the same interpreter) and this tree's take turns, --rounds rounds: wall
-and CPU (wait4) of each call, median and worst; then the run stops.
-
---produce W: instead, Redis used_memory above an empty server of `genq produce --once` of --total
-prompts against `--window W` once filled, each on a fresh Redis.
-
-    python bench/scale.py                          # 914,000 prompts
-    python bench/scale.py --samples 4              # 914,000 × 4 samples
+    python bench/scale.py [--samples 4]            # 914,000 prompts (× 4 samples)
     git worktree add /tmp/base 30a5a45
     python bench/scale.py --samples 4 --baseline /tmp/base --rounds 15 [--busy 4]
     python bench/scale.py --produce 512 --total 1000000
@@ -54,7 +46,6 @@ def by_pattern(r) -> list[dict]:
 
 
 def status_rounds(a, trees: dict[str, Path], r, env: dict) -> int:
-    """Once --warm tasks are done, the trees' `genq status` taking turns, a round at a time."""
     done, calls = RunKeys(RUN).done, {name: [] for name in trees}
     wait_for(lambda: r.bitcount(done) >= a.warm, timeout=1800, what="the warm-up")
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -87,25 +78,21 @@ def status_rounds(a, trees: dict[str, Path], r, env: dict) -> int:
     return 0
 
 
-def used(r) -> int:
-    return int(r.info("memory")["used_memory"])
-
-
 def produce_once(dataset: Path) -> dict:
     with kit.private_redis() as rs:
         r = rs.client()
-        empty, t = used(r), time.monotonic()
-        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run=MEM)
+        empty, t = kit.used_memory(r), time.monotonic()
+        kit.produce_once(rs.url, MEM, dataset)
         took = time.monotonic() - t
-        return {"bytes": used(r) - empty, "queued": int(r.llen(MK.rq_queue)), "seconds": took,
-                "job_hash_bytes": int(r.memory_usage(MK.rq_job(0)) or 0),
+        return {"bytes": kit.used_memory(r) - empty, "queued": int(r.llen(MK.rq_queue)),
+                "seconds": took, "job_hash_bytes": int(r.memory_usage(MK.rq_job(0)) or 0),
                 "queue_list_bytes": int(r.memory_usage(MK.rq_queue) or 0)}
 
 
 def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
     with kit.private_redis() as rs:
         r = rs.client()
-        empty, t = used(r), time.monotonic()
+        empty, t = kit.used_memory(r), time.monotonic()
         producer = Background(rs.url, MEM, "produce", str(dataset), "--window", str(window))
         try:
             while int(r.llen(MK.rq_queue)) < window:
@@ -114,7 +101,8 @@ def produce_window(dataset: Path, window: int, settle_s: float) -> dict:
                 time.sleep(0.05)
             filled = time.monotonic() - t
             time.sleep(settle_s)  # several top-up rounds: the queue must stay at the window
-            got = {"bytes": used(r) - empty, "queued": int(r.llen(MK.rq_queue)), "fill_s": filled}
+            got = {"bytes": kit.used_memory(r) - empty, "queued": int(r.llen(MK.rq_queue)),
+                   "fill_s": filled}
             producer.stop()
         finally:
             producer.cleanup()
@@ -144,14 +132,12 @@ def main() -> int:
     p.add_argument("--total", type=int, default=914_000)
     p.add_argument("--consumers", type=int, default=3)
     p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--baseline", type=Path, help="instead: this checkout's `genq status` and "
-                   "this tree's taking turns mid-run")
+    p.add_argument("--baseline", type=Path, help="instead: this checkout's `genq status`")
     p.add_argument("--rounds", type=int, default=15, help="--baseline: rounds of status calls")
     p.add_argument("--busy", type=int, default=0, help="--baseline: processes spinning beside")
     p.add_argument("--warm", type=int, default=50_000, help="--baseline: tasks done first")
     p.add_argument("--produce", type=int, metavar="W", help="instead: produce's Redis memory")
-    p.add_argument("--settle", type=float, default=3.0,
-                   help="--produce: seconds the windowed producer runs after filling its window")
+    p.add_argument("--settle", type=float, default=3.0, help="--produce: seconds after filling")
     a = p.parse_args()
     if a.produce:
         kit.dump_json(a.json, memory(a))
@@ -166,10 +152,10 @@ def main() -> int:
             kit.simulators(a.consumers, *kit.FAST_SIM) as sims:
         r, env = srv.client(), kit.genq_env(srv.url, RUN)
         data = kit.write_dataset(work / "d.jsonl", a.total)
-        base = int(r.info("memory")["used_memory"])
+        base = kit.used_memory(r)
 
         def used_mb() -> float:  # above the empty server's
-            return (int(r.info("memory")["used_memory"]) - base) / 2**20
+            return (kit.used_memory(r) - base) / 2**20
 
         producer = Background(srv.url, RUN, "produce", str(data), "--samples", str(a.samples))
         wait_for(lambda: r.exists(k.done), timeout=600, what="the run registered")

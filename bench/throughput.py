@@ -1,17 +1,8 @@
 """genq's consumer against a bare aiohttp client (bench/_bare_stream.py) asking the same way
-(whole answers; --stream: both streamed) on one simulator, whole processes measured, start-up
-CPU subtracted per token. The seed's shape: thinking answers around 2,326 tokens, 40 slots.
+(whole answers; --stream: both streamed) on one simulator, start-up CPU subtracted per token.
+--servers N: instead, N servers x --slots, a `genq consume --burst` each on one run.
 
-    python bench/throughput.py                  # the seed's shape (a few minutes)
-    python bench/throughput.py --shape short    # 400-token answers, coarse chunks, 32 slots
-    python bench/throughput.py --shape errors   # the same with 5 % answered 503
-    python bench/throughput.py --shape fast     # 16-token answers as fast as it goes
-    python bench/throughput.py --shape paced    # 160 requests/s: 32 slots, 0.2 s each
-
---servers N: instead, N servers x --slots from one machine, a `genq consume --burst` each on one
-run: per server its consumer's CPU, how full it kept the server against its ideal rate.
-
-    python bench/throughput.py --servers 8                 # 64 slots, 1.2 s requests, ~30 s
+    python bench/throughput.py [--shape seed|short|errors|fast|paced] [--stream] [--n N]
     python bench/throughput.py --servers 4 --slots 32 --request-s 0.2 --per-server 3000
 """
 
@@ -42,7 +33,6 @@ SHAPES = {  # name: (simulator flags, slots, prompts, the bare client retries re
 
 
 def consume(rs, sim, run: str, out: Path, stream: bool = False) -> dict:
-    """One `genq consume --burst` over the run as it stands: wall, CPU, tokens written."""
     got = kit.timed(["consume", "--server", sim.url, "--burst", "--out", str(out),
                      *(["--stream"] if stream else [])], kit.genq_env(rs.url, run))
     return {**got, "tokens": sum(json.loads(line)["completion_tokens"]
@@ -50,15 +40,12 @@ def consume(rs, sim, run: str, out: Path, stream: bool = False) -> dict:
 
 
 def genq_round(rs, sim, dataset: Path, n: int, work: Path, stream: bool) -> dict:
-    run = "seed"
-    kit.genq("produce", str(dataset), "--once", "--max-tokens", "4096", redis_url=rs.url,
-             run=run)
-    r = rs.client()
-    sim0, cmds0 = kit.proc_cpu_s(sim.proc.pid), kit.commandstats(r)
+    run, r = "seed", rs.client()
+    kit.produce_once(rs.url, run, dataset, "--max-tokens", "4096")
+    sim0, cmds0 = kit.proc_cpu_s(sim.proc.pid), kit.redis_use(r)[1]
     got = consume(rs, sim, run, work / "out", stream)
     got["sim_cpu_s"] = kit.proc_cpu_s(sim.proc.pid) - sim0
-    cmds1 = kit.commandstats(r)
-    got["redis_cmds"] = sum(n - cmds0.get(c, 0) for c, n in cmds1.items() if c != "info")
+    got["redis_cmds"] = kit.redis_use(r)[1] - cmds0
     # Start-up alone: the same command on the run now settled (it exits at once).
     got["startup_cpu_s"] = consume(rs, sim, run, work / "empty")["cpu_s"]
     if (done := int(r.bitcount(f"genq:{run}:done"))) != n:
@@ -113,10 +100,9 @@ def servers_run(a, work: Path) -> dict:
         flags = ["--time-scale", str(a.time_scale), "--length-dist", f"fixed:{a.tokens}"]
     flags += ["--max-running-requests", str(a.slots)]
     with kit.simulators(a.servers, *flags) as sims, kit.private_redis() as rs:
-        kit.genq("produce", str(dataset), "--once", redis_url=rs.url, run="many")
+        kit.produce_once(rs.url, "many", dataset)
         r = rs.client()
-        rcpu0, (busy0, all0) = kit.redis_cpu_s(r), kit.machine_cpu()
-        cmds0 = sum(kit.commandstats(r).values())
+        use0, (busy0, all0) = kit.redis_use(r), kit.machine_cpu()
         sim0 = [kit.proc_cpu_s(s.proc.pid) for s in sims]
         t0 = time.monotonic()
         with kit.LoadSampler([s.url for s in sims], period=a.sample) as sampler:
@@ -137,8 +123,7 @@ def servers_run(a, work: Path) -> dict:
                          for t, c in [first.get(i, (0.0, 0.0))]]
         busy1, all1 = kit.machine_cpu()
         done = int(r.bitcount("genq:many:done"))
-        redis_cpu = kit.redis_cpu_s(r) - rcpu0
-        redis_cmds = sum(kit.commandstats(r).values()) - cmds0  # the sampler's own: none
+        redis_cpu, redis_cmds = (b - a for a, b in zip(use0[:2], kit.redis_use(r), strict=False))
         r.close()
         for i, c in enumerate(consumers):
             if c["rc"] != 0:
@@ -161,7 +146,6 @@ def servers_report(a, got: dict) -> None:
     ideal = a.slots / d
     rows = []
     for i, c in enumerate(got["consumers"]):
-        # From its first result to its exit: start-up (imports, probes) is left out.
         wall, cpu = c["wall_s"] - c["first_s"], c["cpu_s"] - c["first_cpu_s"]
         share = cpu / wall if wall > 0 else 0.0
         occupancy = (1 - c["idle_slot_s"] / (a.slots * c["steady_s"])) if c["steady_s"] else 0
@@ -190,20 +174,17 @@ def main() -> int:
     p = kit.parser(__doc__)
     p.add_argument("--shape", choices=sorted(SHAPES), default="seed")
     p.add_argument("--n", type=int, help="prompts (default: the shape's)")
-    p.add_argument("--stream", action="store_true",
-                   help="both stream their answers (default: both ask for whole answers)")
+    p.add_argument("--stream", action="store_true", help="both stream their answers")
     p.add_argument("--servers", type=int, help="instead: this many servers, a consumer each")
     p.add_argument("--slots", type=int, default=64, help="--servers: slots per server")
     p.add_argument("--per-server", type=int, default=1000, help="--servers: prompts per server")
     p.add_argument("--tokens", type=int, default=2000, help="--servers: tokens per completion")
-    p.add_argument("--time-scale", type=float, default=20.0,
-                   help="--servers: simulator speed-up: 1.2 s requests, ~55 req/s a server at 20")
-    p.add_argument("--request-s", type=float, help="--servers, instead of --tokens and "
-                   "--time-scale: every request takes this long")
+    p.add_argument("--time-scale", type=float, default=20.0, help="--servers: simulator speed-up")
+    p.add_argument("--request-s", type=float, help="--servers: every request this long instead")
     p.add_argument("--sample", type=float, default=0.2, help="--servers: load sampling period, s")
     a = p.parse_args()
+    a.load_before = kit.load_average()
     if a.servers:
-        a.load_before = kit.load_average()
         with kit.workdir() as work:
             got = servers_run(a, work)
         servers_report(a, got)
@@ -211,7 +192,6 @@ def main() -> int:
         return 0
     flags, a.slots, n, retry = SHAPES[a.shape]
     n = a.n or n
-    a.load_before = kit.load_average()
     # Both start from compiled bytecode, as an installed package does.
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     for package in ("common", "consumer", "genq", "bench"):
