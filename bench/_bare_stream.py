@@ -91,10 +91,8 @@ async def main(a: argparse.Namespace) -> dict:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("--server", required=True)
-    p.add_argument("--dataset", required=True)
-    p.add_argument("--n", type=int, required=True)
-    p.add_argument("--concurrency", type=int, required=True)
-    p.add_argument("--retry", action="store_true")
-    p.add_argument("--whole", action="store_true", help="ask for whole answers, not streamed")
+    for name, kind in (("--server", str), ("--dataset", str), ("--n", int), ("--concurrency", int)):
+        p.add_argument(name, type=kind, required=True)
+    for flag in ("--retry", "--whole"):  # --whole: whole answers, not streamed
+        p.add_argument(flag, action="store_true")
     print(json.dumps(asyncio.run(main(p.parse_args()))))

@@ -1,9 +1,6 @@
-"""The bare conversation loop, conversations.py's `bare` arm: rows in memory, a slot a
-conversation (64) over aiohttp, each assistant turn asked in order with the model's answers in
-place of the row's and the row's tool results after its calls (their ids the model's); it stops
-where the calls are not the row's (by name) or an answer hits max_tokens, as genq's does. Whole
-answers, no Redis, no disk, genq's GC settings. Args: SERVER DATASET PART OF MAX_TOKENS (rows
-n % OF == PART). Prints {"generations", "stopped"}; the caller measures CPU and wall."""
+"""conversations.py's `bare` arm: rows in memory, 64 slots over aiohttp, each assistant turn asked
+in order with the model's answers in place of the row's, stopping where genq's does; no Redis, no
+disk, genq's GC settings. Args: SERVER DATASET PART OF MAX_TOKENS (rows n % OF == PART)."""
 
 from __future__ import annotations
 

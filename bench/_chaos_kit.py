@@ -1,6 +1,5 @@
-"""What a chaos soak is made of: its processes, each of which can be killed, stopped, paused and
-started again on the same port and directory (the run sees a restart, not a new deployment),
-and the checks it ends with on the run's final state."""
+"""A chaos soak's processes, each restartable on the same port and directory (the run sees a
+restart, not a new deployment), and the checks it ends with on the run's final state."""
 
 from __future__ import annotations
 
@@ -165,8 +164,7 @@ def shard_lines(out_dirs: list[Path], run: str) -> Counter:
 
 def run_checks(r: redis.Redis, k: RunKeys, total: int, records: list[dict],
                requeues: list[dict]) -> tuple[set, set, dict, list[int], dict]:
-    """What every soak checks of the run's end and its export: (done, failed, status,
-    superseded indices, checks: name -> passed)."""
+    """What every soak checks of the run's end and its export."""
     done, failed = bits(r.get(k.done), total), bits(r.get(k.failed), total)
     status, stale = read_status(r, k.run), superseded(r, k, records, requeues)
     finish = Counter(rec["finish_reason"] if rec["finish_reason"] in FINISH_NAMES.values()
@@ -185,7 +183,6 @@ def run_checks(r: redis.Redis, k: RunKeys, total: int, records: list[dict],
 
 def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: Path,
                  requeues: list[dict], out_dirs: list[Path]) -> tuple[dict, dict]:
-    """(checks: name -> passed, figures)."""
     k = RunKeys(run)
     genq("export", "--out", str(workdir / "export.jsonl"), redis_url=redis_url, run=run)
     records = read_jsonl(workdir / "export.jsonl")
@@ -196,8 +193,7 @@ def final_checks(r: redis.Redis, redis_url: str, run: str, total: int, workdir: 
     errors = Counter((v or b"?").decode(errors="replace")[:80] for v in reasons)
     figures = {
         "done": len(done), "failed": len(failed), "superseded": stale[:20],
-        "duplicate_shard_lines": sum(c for i, c in lines.items() if i != "torn") - len(
-            [i for i in lines if i != "torn"]),
+        "duplicate_shard_lines": sum(c - 1 for i, c in lines.items() if i != "torn"),
         "torn_shard_lines": lines.get("torn", 0),
         "top_failure_reasons": errors.most_common(5),
         "params_version": status["params_version"],

@@ -1,10 +1,6 @@
-"""`python bench/chaos.py --turns all`: agentic conversations (bench/_conversations.py rows and
-a few malformed ones that must fail alone with their reason), two samples each, token ids, every
-shard shipped to S3 (moto). Faults: consumers SIGKILLed or SIGTERMed, Redis lost outright (AOF
-deleted) and rebuilt by `genq recover`, `genq requeue --inflight abort`, lost nodes (SIGKILL,
---out deleted) repaired at the end by docs/SLURM.md's `genq requeue --redo missing --from-s3`.
-Checks: nothing lost, every conversation's turns 1..m once in the S3 export, `genq status` equal
-to the export's sums."""
+"""`python bench/chaos.py --turns all` (docs/RELIABILITY.md): bench/_conversations.py rows and a
+few malformed ones that must fail alone with their reason, two samples each, token ids, every
+shard shipped to S3 (moto); lost nodes repaired by `genq requeue --redo missing --from-s3`."""
 
 from __future__ import annotations
 
@@ -60,9 +56,7 @@ class TurnsSoak(Soak):
         self.repair = ""
         super().__init__(a, workdir)
 
-    # --- the data set and the processes --------------------------------------------------
     def write_data(self, path: Path) -> list[str]:
-        """bench/_conversations.py rows with the broken rows spread among them."""
         lines = [orjson.dumps(row) for row in data.rows(self.a.prompts, self.a.seed)]
         self.broken: dict[int, tuple[str, str]] = {}
         at = sorted(self.rng.sample(range(len(lines)), min(len(BROKEN), len(lines))))
@@ -87,7 +81,6 @@ class TurnsSoak(Soak):
     def consumer_extra(self) -> list[str]:
         return ["--s3-uri", URI, "--shard-records", "50"]
 
-    # --- faults --------------------------------------------------------------------------
     def fire(self) -> None:
         """One of each kind first, in FAULTS' order (a lost node after a Redis loss, whose
         `recover --partial` would run its lost turns again: the repair has them to do), then
@@ -115,13 +108,11 @@ class TurnsSoak(Soak):
         return True
 
     def requeue_change(self) -> tuple[str, str, list[str]]:
-        """New parameters, aborting the requests running under the old ones."""
         return f"temperature={round(self.rng.uniform(0.1, 1.0), 2)}", "none", ["--inflight",
                                                                              "abort"]
 
     def lost_node(self) -> bool:
-        """A consumer SIGKILLed and its --out deleted; a new node (a new, empty directory and
-        name) takes its place."""
+        """A consumer SIGKILLed and its --out deleted; a new node (directory, name) replaces it."""
         if not (c := self.free(self.consumers)):
             return False
         c.kill()
@@ -135,7 +126,6 @@ class TurnsSoak(Soak):
         self.restart_later(c, 0.5, 3)
         return True
 
-    # --- the end -------------------------------------------------------------------------
     def finish(self) -> None:
         """Once settled: the consumers stopped (SIGTERM: they ship what they hold), then the
         lost nodes' turns made again by the documented repair, and the run settled again."""
@@ -160,7 +150,6 @@ class TurnsSoak(Soak):
             time.sleep(0.2)
 
     def checks(self) -> tuple[dict, dict]:
-        """(checks: name -> passed, figures), on the S3 export and `genq status`."""
         k, r = RunKeys(RUN), self.r
         out = self.dir / "export.jsonl"
         exported = genq("export", "--from-s3", URI, "--out", str(out), redis_url=self.redis.url,

@@ -1,11 +1,7 @@
-"""Agentic-coding rows {"id", "messages", "tools"} at the seed's shape, for bench/conversations.py
-and chaos.py --turns all: a system prompt (one of a few), 1-3 user requests, each worked through
-a chain of 1-20 one-call tool turns (to the row's first tool, each followed by its result) and
-closed by an answer; ~8 assistant turns a row. A chain is as long as the simulator's
-`--tool-chains` makes it (`chain_length` of the request and the seed), so a regenerated turn
-calls where the row calls. Words from Python's documentation, tens a message. Row i depends
-only on (seed, i).
-"""
+"""Agentic-coding rows {"id", "messages", "tools"} at the seed's shape (conversations.py, chaos.py
+--turns all): 1-3 user requests, each a chain of 1-20 calls to the row's first tool, then an
+answer. A chain is as long as the simulator's `--tool-chains` makes it (`chain_length`), so a
+regenerated turn calls where the row calls. Row i depends only on (seed, i)."""
 
 from __future__ import annotations
 
@@ -73,7 +69,6 @@ def system_prompt(seed: int, which: int) -> str:
 
 
 def row(seed: int, index: int) -> dict[str, Any]:
-    """Row `index` of the data set of this seed."""
     rng = random.Random(f"{seed}:{index}")
     names = rng.sample(sorted(TOOLS), k=rng.randint(2, len(TOOLS)))
     messages: list[dict[str, Any]] = [
@@ -98,7 +93,6 @@ def rows(n: int, seed: int = 0) -> Iterator[dict[str, Any]]:
 
 
 def write(path: Path, n: int, seed: int = 0) -> Path:
-    """The data set of n rows, as JSON lines."""
     with open(path, "wb") as f:
         for r in rows(n, seed):
             f.write(orjson.dumps(r) + b"\n")

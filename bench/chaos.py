@@ -1,12 +1,8 @@
-"""A seeded chaos soak: a real run (Redis with AOF, simulators, consumers, the windowed producer,
-the monitor) under random faults: consumers SIGKILLed, SIGTERMed and paused; Redis SIGKILLed and
-restarted from its AOF; servers answering 503, resetting, hanging or restarted; `genq requeue`.
-Then the checks, exit 1 if any fails: nothing lost, each index once in the export, no result
-under superseded parameters, `genq status` equal to the export, every process stopped on
-SIGTERM. The seed fixes the draws (a busy target is drawn again, so timing varies the mix).
+"""A seeded chaos soak (docs/RELIABILITY.md): a real run (Redis with AOF, simulators, consumers,
+the windowed producer, the monitor) under random faults, then the checks; exit 1 if any fails.
+The seed fixes the draws (a busy target is drawn again, so timing varies the mix).
 
     python bench/chaos.py --prompts 20000 --faults 60 --seed 1 --json chaos.json
-    python bench/chaos.py --prompts 500 --faults 5 --fault-every 1   # the CI smoke
     python bench/chaos.py --turns all --prompts 300 --faults 25   # bench/_chaos_turns.py
 """
 
@@ -31,6 +27,7 @@ from genq.common.queue.keys import RunKeys
 
 RUN = "chaos"
 STOP_BOUND_S = 30.0  # a consumer: --grace 2, then at most 5 s for slots stuck on Redis
+POISON, VT = 5, 4.0  # rows every server refuses (HTTP 400); consumers' visibility timeout
 FAULTS = {"consumer_kill": 3, "consumer_term": 2, "consumer_pause": 1, "redis_kill": 2,
           "sim_503": 1, "sim_reset": 1, "sim_hang": 1, "sim_restart": 1, "requeue": 1}
 SIM_FAULTS = {"sim_503": ({"status": 503}, 4), "sim_reset": ({"reset": True}, 3),
@@ -46,12 +43,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--slots", type=int, default=16, help="max_running_requests per server")
     p.add_argument("--request-s", type=float, default=0.1, help="mean request time, seconds")
     p.add_argument("--fault-every", type=float, default=3.0, help="seconds between faults")
-    p.add_argument("--poison", type=int, default=5, help="rows every server refuses (HTTP 400)")
-    p.add_argument("--vt", type=float, default=4.0, help="consumer visibility timeout")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--turns", choices=("last", "all"), default="last",
-                   help="all: agentic conversations, 2 samples, token ids, shipped to S3, with "
-                   "Redis lost and recovered and lost nodes repaired (bench/_chaos_turns.py)")
+                   help="all: agentic conversations shipped to S3 (bench/_chaos_turns.py)")
     return p.parse_args(argv)
 
 
@@ -73,7 +67,7 @@ class Soak:
         self.out_dirs = [workdir / f"out{i}" for i in range(a.servers)]
         self.consumers = [self.service(f"consumer{i}", [
             "consume", "--server", sim.url, "--out", str(self.out_dirs[i]), "--name", f"c{i}",
-            "--visibility-timeout", str(a.vt), "--grace", "2", "--request-timeout", "10",
+            "--visibility-timeout", str(VT), "--grace", "2", "--request-timeout", "10",
             "--max-attempts", "10", *self.consumer_extra()]) for i, sim in enumerate(self.sims)]
         self.others = [self.service("producer", ["produce", str(data), *produce]),
                        self.service("monitor", [
@@ -87,9 +81,7 @@ class Soak:
         self.term_exits: list[tuple] = []  # (exit status, seconds, name)
 
     def write_data(self, data: Path) -> list[str]:
-        """Write the data set (prompts, some poison: HTTP 400); return `genq produce`'s flags."""
-        self.poison = set(self.rng.sample(range(self.a.prompts), min(self.a.poison,
-                                                                      self.a.prompts)))
+        self.poison = set(self.rng.sample(range(self.a.prompts), min(POISON, self.a.prompts)))
         write_dataset(data, self.a.prompts, poison=tuple(self.poison))
         return ["--max-tokens", "300"]
 
@@ -103,7 +95,6 @@ class Soak:
         marker = b'"consumer_started"' if name.startswith("consumer") else b""
         return genq_proc(name, args, self.dir, self.redis.url, RUN, marker)
 
-    # --- faults --------------------------------------------------------------------------
     def fire(self) -> None:
         kinds, weights = zip(*self.FAULTS.items(), strict=True)
         for _ in range(20):  # a kind whose target is busy (down, paused) is drawn again
@@ -135,7 +126,7 @@ class Soak:
     def consumer_pause(self) -> bool:
         if c := self.free(self.consumers):
             c.signal(signal.SIGSTOP)
-            when = time.monotonic() + self.a.vt + self.rng.uniform(1, 3)
+            when = time.monotonic() + VT + self.rng.uniform(1, 3)
             self.later.append((when, "cont", c))
         return c is not None
 
@@ -191,7 +182,6 @@ class Soak:
             _, what, proc = item
             proc.signal(signal.SIGCONT) if what == "cont" else proc.start()
 
-    # --- the run -------------------------------------------------------------------------
     def settled(self) -> bool:
         try:
             pipe = self.r.pipeline(transaction=False)
@@ -237,8 +227,8 @@ class Soak:
         return {p.name: p.stop(STOP_BOUND_S) for p in [*self.consumers, *self.others,
                                                         *self.sims]}
 
-    def finish(self) -> None:
-        """What an operator does once the run settled, before the last checks: nothing here."""
+    def finish(self) -> None:  # what an operator does once settled (_chaos_turns.py)
+        pass
 
     def checks(self) -> tuple[dict, dict]:
         checks, figures = final_checks(self.r, self.redis.url, RUN, self.a.prompts, self.dir,

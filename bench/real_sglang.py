@@ -1,8 +1,7 @@
-"""A real SGLang 0.5.23 server (scripts/real-sglang.sh start). stream-cost: the same requests
-with `stream: true` and without, alternating: the server's tokens/s (/metrics) and its process
-group's CPU. samples: K seeded requests a prompt (genq's `--samples`) against one with `n=K`:
-prompt, cached and generated tokens, tokens/s; and whether a seeded request asked again at
-temperature 0.6 gives the same answer, alone and beside other traffic.
+"""A real SGLang 0.5.23 server (scripts/real-sglang.sh start; figures in docs/SGLANG.md).
+stream-cost: the same requests with `stream: true` and without, alternating. samples: K seeded
+requests a prompt against one with `n=K`, and whether a seeded request asked again (temperature
+0.6) gives the same answer, alone and beside other traffic.
 
     PORT=31555 scripts/real-sglang.sh start && python bench/real_sglang.py stream-cost --port 31555
     python bench/real_sglang.py samples --port 31555 [--k 4] [--prompts 4]
@@ -102,7 +101,6 @@ async def arm(url: str, a, n_mode: bool) -> dict:
 
 
 async def reproduce(url: str, max_tokens: int, tries: int) -> dict:
-    """The same seeded request `tries` times, alone and then beside other traffic."""
     async with httpx.AsyncClient(timeout=None) as client:
         async def one(b: dict) -> str:
             return (await ask(client, url, b))[0]

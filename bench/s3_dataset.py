@@ -1,11 +1,8 @@
-"""A data set in S3 alone (moto; genq's side, not S3's bandwidth), at the seed's scale (914,000
-agentic conversations): `genq produce s3://… --once`, its time to `run_registered` (download,
-fingerprint, index) and to its exit; a consumer on an empty cache, to its first result, and its
-peak memory (VmHWM) after `--seconds`. `--baseline` first times three copies of the object:
-boto3's `download_file` (16 MB parts, 4 threads), genq's `remote.local_copy`, one stream.
+"""A data set of agentic conversations in S3 alone (moto; genq's side, not S3's bandwidth):
+`genq produce s3://… --once` to `run_registered` and to its exit; a consumer on an empty cache to
+its first result, its peak memory (VmHWM) after `--seconds`. `--baseline`: three copies first.
 
-    python bench/s3_dataset.py [--rows 914000] [--format parquet|jsonl] [--data DIR]
-                               [--baseline] [--json FILE]
+    python bench/s3_dataset.py [--rows 914000] [--format parquet|jsonl] [--data DIR] [--baseline]
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ def row(i: int) -> dict:
 
 
 def write(path, rows: int, fmt: str) -> None:
-    """The data set, 10,000 rows at a time (Parquet: one row group each)."""
+    """10,000 rows at a time (Parquet: a row group each)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -66,7 +63,6 @@ def write(path, rows: int, fmt: str) -> None:
 
 
 def generated(folder: Path, rows: int, fmt: str) -> Path:
-    """The data set of `rows` rows in `folder`, written unless a whole one is there already."""
     path = folder / f"prompts-{rows}.{fmt}"
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -92,7 +88,6 @@ def produce(uri: str, redis_url: str) -> tuple[float, float]:
 
 
 def copies(uri: str, tmp: Path) -> dict[str, float]:
-    """Seconds to copy the object to local disk, three ways, each file removed after."""
     from boto3.s3.transfer import TransferConfig
 
     from genq.common.data import remote
@@ -135,10 +130,8 @@ def main() -> int:
     p.add_argument("--rows", type=int, default=914_000)
     p.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     p.add_argument("--seconds", type=float, default=20, help="consumer's work before its stop")
-    p.add_argument("--baseline", action="store_true",
-                   help="also time the copy against boto3's download_file and one stream")
-    p.add_argument("--data", help="a folder where the generated data set is kept and reused "
-                   "(generating 914k rows takes minutes)")
+    p.add_argument("--baseline", action="store_true", help="also time three copies")
+    p.add_argument("--data", help="a folder keeping the generated data set for the next run")
     a = p.parse_args()
     import boto3
     from botocore.config import Config

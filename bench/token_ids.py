@@ -1,6 +1,5 @@
-"""What `genq produce --token-ids` costs, ids off and on on the same answers of the seed's shape:
-bytes per record (JSONL, zstd shards) and per `requeue --continue` partial in Redis, consumer
-CPU per task. Ids are uniform over Qwen3's 151,669 (real ones favour small numbers: an upper bound).
+"""What `genq produce --token-ids` costs (docs/DEPLOY.md), ids off and on, on the same answers.
+Ids are uniform over Qwen3's 151,669 (real ones favour small numbers: an upper bound).
 
     python bench/token_ids.py [--records 2000] [--prompt-median 3000]
 """
@@ -69,7 +68,6 @@ def lines(bodies: list[bytes]) -> tuple[list[bytes], float]:
 
 
 def shipped(records: list[bytes]) -> int:
-    """zstd bytes of the records shipped in shards of SHARD lines."""
     packer = zstandard.ZstdCompressor(level=3)
     return sum(len(packer.compress(b"".join(records[i:i + SHARD])))
                for i in range(0, len(records), SHARD))
