@@ -98,6 +98,7 @@ def test_a_server_without_cache_report_leaves_the_field_out(
     assert all("cached_tokens" not in rec for rec in _run(tmp_path, redis_url, run_name, sim))
 
 
+@pytest.mark.slow  # a Redis loss and recover
 def test_status_shows_the_cache_hit_share_through_a_redo_and_a_recover(
         tmp_path, redis_url, run_name, sim_factory):
     sim = sim_factory(time_scale=400, length_dist="lognormal:60:0.8", enable_cache_report=True)

@@ -42,6 +42,7 @@ def first_pass(tmp_path, redis_url, run, sim, n: int, **data) -> dict[int, dict]
     return {i: rec for i, rec in first.items() if rec["finish_reason"] == "length"}
 
 
+@pytest.mark.slow  # three requeues, run to the end each
 @pytest.mark.timeout(300)
 def test_a_later_requeue_drops_the_partials_and_never_continues_them(
         tmp_path, redis_url, r, run_name, sim_factory):
@@ -185,6 +186,7 @@ def continued(redis_url, run) -> dict:
     return orjson.loads(genq("status", "--json", redis_url=redis_url, run=run).stdout)["continued"]
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(300)
 def test_recover_rebuilds_the_continued_counters(tmp_path, redis_url, r, run_name, sim_factory):
     sim, n, k = sim_factory(**SIM), 20, RunKeys(run_name)
@@ -198,6 +200,7 @@ def test_recover_rebuilds_the_continued_counters(tmp_path, redis_url, r, run_nam
     assert continued(redis_url, run_name) == before
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(300)
 def test_recover_keeps_what_pending_continuations_need(tmp_path, redis_url, r, run_name,
                                                        sim_factory):

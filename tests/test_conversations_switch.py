@@ -131,6 +131,7 @@ def test_a_frozen_consumer_across_an_aborting_requeue_then_redis_lost_recovers_t
         r.close()
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(240)
 def test_recover_rebuilds_the_continued_count(tmp_path, run_name, sim_factory):
     """Turns continued by `requeue --redo truncated --continue`, the last of a conversation or

@@ -350,6 +350,7 @@ def test_a_slow_trickle_still_ships_by_shard_age(tmp_path, redis_url, r, run_nam
     assert not list(tmp_path.glob("*.jsonl"))  # shipped, verified, and removed as asked
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(150)
 def test_recover_from_s3_alone_restores_the_run_exactly(
         tmp_path, redis_url, r, run_name, sim_factory, s3):
@@ -524,6 +525,7 @@ def test_continue_reads_the_truncated_answers_from_s3_alone(
     assert f"partials kept for --continue: {len(truncated)}" in out
 
 
+@pytest.mark.slow  # a Redis loss and recover
 @pytest.mark.timeout(150)
 def test_recover_from_s3_alone_keeps_what_pending_continuations_need(
         tmp_path, redis_url, r, run_name, sim_factory, s3):

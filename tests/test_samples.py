@@ -31,6 +31,7 @@ def answer(rec: dict) -> tuple:
     return rec["finish_reason"], rec["completion_tokens"], rec["content"]
 
 
+@pytest.mark.slow  # three runs to the end and a Redis loss and recover
 @pytest.mark.timeout(240)
 def test_samples_are_distinct_reproducible_and_per_sample(tmp_path, redis_url, r, run_name,
                                                            sim_factory):
