@@ -33,18 +33,15 @@ SIM = [*kit.FAST_SIM, "--enable-cache-report"]
 ARMS = ("last", "all")
 BARE = Path(__file__).resolve().parent / "_bare_turns.py"
 # Arm `speculators`: its regenerate-responses, offline, given vLLM's names for SGLang's ids.
-SPECULATORS = """import os, sys
-os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+SPECULATORS = """import os, sys; os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
 from speculators.__main__ import app
-regen = sys.modules["speculators.cli.regenerate_responses"]
-post = regen._post_chat
+regen = sys.modules["speculators.cli.regenerate_responses"]; post = regen._post_chat
 async def vllm_names(*args, **kwargs):
     data = await post(*args, **kwargs)
     data["prompt_token_ids"] = (c := data["choices"][0])["prompt_token_ids"]
     c["token_ids"] = c["response_token_ids"]
     return data
-regen._post_chat = vllm_names
-app()"""
+regen._post_chat = vllm_names; app()"""
 
 
 class Arm:
@@ -130,8 +127,7 @@ class Arm:
     def speculators(self) -> dict:
         """SPECULATORS (start-up included), 64 conversations at once on the first simulator."""
         tok, out = self.work.with_name("qwen-tok"), self.work.with_name("speculators.jsonl")
-        from test_drafter_pipelines import qwen_tokenizer
-        qwen_tokenizer().save_pretrained(tok)
+        __import__("test_drafter_pipelines").qwen_tokenizer().save_pretrained(tok)
         proc = subprocess.Popen([sys.executable, "-c", SPECULATORS, "regenerate-responses",
                                  "--endpoint", f"{self.sims[0].url}/v1/chat/completions",
                                  "--model", str(tok), "--dataset", str(self.dataset),
