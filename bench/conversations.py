@@ -28,6 +28,16 @@ from genq.common.queue.keys import RunKeys
 SIM = [*kit.FAST_SIM, "--enable-cache-report"]
 ARMS = ("last", "all")
 BARE = Path(__file__).resolve().parent / "_bare_turns.py"
+# Arm `speculators`: its regenerate-responses, offline, given vLLM's names for SGLang's ids.
+SPECULATORS = """import os, sys; os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+from speculators.__main__ import app
+regen = sys.modules["speculators.cli.regenerate_responses"]; post = regen._post_chat
+async def vllm_names(*args, **kwargs):
+    data = await post(*args, **kwargs)
+    data["prompt_token_ids"] = (c := data["choices"][0])["prompt_token_ids"]
+    c["token_ids"] = c["response_token_ids"]
+    return data
+regen._post_chat = vllm_names; app()"""
 
 
 class Arm:
@@ -90,10 +100,26 @@ class Arm:
                                   stdout=subprocess.PIPE) for i, sim in enumerate(self.sims)]
         start, got = time.monotonic(), kit.reap(procs, period=0.25)
         outs = [orjson.loads(p.stdout.read()) for p in procs]  # one that failed has no line
-        gens, wall = max(1, sum(o["generations"] for o in outs)), time.monotonic() - start
+        return self.client(start, got, sum(o["generations"] for o in outs),
+                           sum(o["stopped"] for o in outs))
+
+    def client(self, start: float, got: dict, gens: int, stopped) -> dict:
+        gens, wall = max(1, gens), time.monotonic() - start
         return {**self.figures, "generations": gens, "wall_s": round(wall, 1), "complete": True,
-                "stopped": sum(o["stopped"] for o in outs), "generations_per_s": round(gens / wall),
+                "stopped": stopped, "generations_per_s": round(gens / wall),
                 "cpu_ms_per_generation": round(1000 * sum(g[1] for g in got.values()) / gens, 3)}
+
+    def speculators(self) -> dict:
+        """SPECULATORS (start-up included), 64 conversations at once on the first simulator."""
+        tok, out = self.work.with_name("qwen-tok"), self.work.with_name("speculators.jsonl")
+        __import__("test_drafter_pipelines").qwen_tokenizer().save_pretrained(tok)
+        proc = subprocess.Popen([sys.executable, "-c", SPECULATORS, "regenerate-responses",
+                                 "--endpoint", f"{self.sims[0].url}/v1/chat/completions",
+                                 "--model", str(tok), "--dataset", str(self.dataset),
+                                 "--max-tokens", str(self.a.max_tokens), "--outfile", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start, got = time.monotonic(), kit.reap([proc], period=0.25)
+        return self.client(start, got, sum(1 for _ in open(out, "rb")), "-")
 
     def timed(self, *args: str) -> dict:
         """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
@@ -125,12 +151,13 @@ class Arm:
         return bool(self.r.exists(self.k.done))
 
     def measure(self) -> dict:
-        if self.turns == "bare":
-            return self.bare()
+        if self.turns in ("bare", "speculators"):  # clients of their own: no genq run
+            return getattr(self, self.turns)()
         self.work.mkdir()
         self.base = kit.used_memory(self.r)
         producer = Background(self.srv.url, self.run, "produce", str(self.dataset), "--turns",
-                              self.turns, "--max-tokens", str(self.a.max_tokens))
+                              self.turns, "--max-tokens", str(self.a.max_tokens),
+                              *["--token-ids"][:self.a.token_ids])
         try:
             wait_for(lambda: self.registered(producer), timeout=600, what="the run registered")
             self.consume()
@@ -185,7 +212,8 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0, help="the data set's")
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--deadline", type=float, default=2400, help="seconds an arm's consumers run")
-    p.add_argument("--arms", default=",".join(ARMS), help="last, all, bare: in order")
+    p.add_argument("--token-ids", action="store_true", help="genq arms: produce --token-ids")
+    p.add_argument("--arms", default=",".join(ARMS), help="last, all, bare, speculators: in order")
     a = p.parse_args()
     sim = [*SIM, "--tool-chains", "--seed", str(a.seed)]
     figures: dict = {"load_average_before": kit.load_average(), "args": vars(a)}
