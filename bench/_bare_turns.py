@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import sys
 from typing import Any
 
@@ -75,4 +74,4 @@ async def main(server: str, dataset: str, part: int, of: int, max_tokens: int) -
 
 if __name__ == "__main__":
     server, dataset, *numbers = sys.argv[1:]
-    print(json.dumps(asyncio.run(main(server, dataset, *map(int, numbers)))))
+    print(orjson.dumps(asyncio.run(main(server, dataset, *map(int, numbers)))).decode())

@@ -121,8 +121,7 @@ class Arm:
         start, got = time.monotonic(), kit.reap([proc], period=0.25)
         return self.client(start, got, sum(1 for _ in open(out, "rb")), "-")
 
-    def timed(self, *args: str) -> dict:
-        """Under `ulimit -n 256` as scale.py; where that fails, the failure kept, unlimited."""
+    def timed(self, *args: str) -> dict:  # under `ulimit -n 256`; failing there, unlimited
         try:
             return kit.timed(list(args), self.env, nofile=256)
         except SystemExit as failed:
