@@ -26,10 +26,12 @@ FLAGS = ("--poll", "0.05", "--server-wait", "60", "--visibility-timeout", "30", 
 
 @pytest.fixture
 def busy_run(sim_factory, redis_url, run_name, tmp_path, monkeypatch):
-    """A 16-slot simulator kept full by one consumer: 1,000-token answers of ~2 s each."""
+    """A 16-slot simulator kept full by one consumer: 1,000-token answers of ~2 s each, more
+    than a loaded machine gets through before the test ends (600 once ran out: the run's tail,
+    fewer than 16 running, took the advice back before the page was read)."""
     monkeypatch.setenv("GENQ_ADVICE_WINDOW_S", WINDOW_S)
     sim = sim_factory(max_running_requests=16, time_scale=5, length_dist="fixed:1000")
-    data = write_dataset(tmp_path / "d.jsonl", 600)
+    data = write_dataset(tmp_path / "d.jsonl", 3000)
     genq("produce", str(data), "--once", "--max-tokens", "2000", redis_url=redis_url,
          run=run_name)
     consumer = ConsumerProcess(redis_url, run_name, sim.url, tmp_path / "out", *FLAGS)
