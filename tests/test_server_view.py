@@ -96,7 +96,10 @@ def test_busy_server_with_free_kv_is_advised_to_raise(busy_run, r, run_name, red
     assert len(capacity) == 1  # logged once, not once per tick
 
 
-def _page_row(monitor, server: str) -> str:
+def _page_row(monitor, server: str, want: str = "raise", timeout: float = 30) -> str:
+    """The server's row on the page once its advice cell says `want` (the last row read, if it
+    never does). The advice follows the live load: on a loaded machine the browser's own start
+    has starved the consumer long enough to take it back for a few seconds."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -104,9 +107,16 @@ def _page_row(monitor, server: str) -> str:
         with contextlib.closing(browser):
             page = browser.new_page()
             page.goto(monitor.url + "/")
-            selector = f'#server-view tr[data-server="{server}"] td.advice'
-            page.wait_for_selector(selector)
-            return page.text_content(f'#server-view tr[data-server="{server}"]')
+            row = f'#server-view tr[data-server="{server}"]'
+            deadline = time.monotonic() + timeout
+            while True:
+                page.wait_for_selector(row + " td.advice")
+                text = page.text_content(row) or ""
+                if want in (page.text_content(row + " td.advice") or "") or \
+                        time.monotonic() > deadline:
+                    return text
+                time.sleep(1)
+                page.reload()
 
 
 def test_a_server_restarted_with_more_slots_is_followed(sim_factory, redis_url, run_name,
