@@ -33,7 +33,10 @@ def test_conversations_keep_every_promise_through_every_fault(tmp_path):
                                      "lost_node"}, result["faults"]
     assert len(result["recovers"]) >= 1 and result["lost_nodes"] >= 1
     again = re.search(r"redo missing: (\d+) conversations made again", result["repair"])
-    assert again and int(again[1]) >= 1, result["repair"]  # the lost node's turns, S3 lacks
+    # The repair ran; what it makes again is what the lost node had not shipped, which timing
+    # decides (0 in one CI run: all shipped). tests/test_conversations_lost_node.py loses some
+    # for sure; here the checks above (every conversation whole) are the promise.
+    assert again, result["repair"]
     # 33 rows (30 and 3 malformed) x 2 samples: the malformed ones' 6 failed, nothing else.
     assert (result["done"], result["failed"]) == (60, 6)
     assert result["generations"] == result["status"]["generations"] > 60
