@@ -244,14 +244,17 @@ def test_a_fresh_monitor_agrees_with_a_running_one(monitor, redis_url, run_name,
     time.sleep(1.0)  # the first monitor has been up for a while
     fresh = Monitor(redis_url, run_name, tmp_path)
     try:
-        a, b = monitor.status(), fresh.status()
+        # The running monitor read before and after the fresh one: rates of a finished past
+        # move with the clock, and on a loaded machine the reads are a second or more apart.
+        a, b, a_after = monitor.status(), fresh.status(), monitor.status()
     finally:
         fresh.stop()
     for window in ("1m", "5m", "15m"):
-        assert b["rates"][window]["req_per_s"] == pytest.approx(
-            a["rates"][window]["req_per_s"], rel=0.02
-        )
-    assert b["eta_s"] == pytest.approx(a["eta_s"], rel=0.02)
+        got, ends = b["rates"][window]["req_per_s"], sorted(
+            (a["rates"][window]["req_per_s"], a_after["rates"][window]["req_per_s"]))
+        assert ends[0] * 0.98 <= got <= ends[1] * 1.02, (window, got, ends)
+    etas = sorted((a["eta_s"], a_after["eta_s"]))
+    assert etas[0] * 0.98 <= b["eta_s"] <= etas[1] * 1.02, (b["eta_s"], etas)
     assert (a["done"], a["finish_reasons"], a["output_tokens"]) == (
         b["done"],
         b["finish_reasons"],
