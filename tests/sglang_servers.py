@@ -138,10 +138,15 @@ class RealServer(Server):
             os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "genq-real-sglang"
         return Path(base) / "run" / f"server-{self.port}.pid"
 
+    def send(self, sig: signal.Signals) -> int:
+        """Send `sig` to the server's whole process group; its leader's pid."""
+        pid = int(self.pid_file().read_text())
+        os.killpg(pid, sig)
+        return pid
+
     def kill(self) -> None:
         """SIGKILL the server's whole process group, as a crash would end it."""
-        pid = int(self.pid_file().read_text())
-        os.killpg(pid, signal.SIGKILL)
+        pid = self.send(signal.SIGKILL)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -162,14 +167,14 @@ class SharedRealServer(RealServer):
     or restarts its server starts its own (`own=True`)."""
 
     def close(self) -> None:
-        os.killpg(int(self.pid_file().read_text()), signal.SIGSTOP)
+        self.send(signal.SIGSTOP)
 
     def stop(self) -> None:
-        os.killpg(int(self.pid_file().read_text()), signal.SIGCONT)
+        self.send(signal.SIGCONT)
         super().close()
 
     def quiet(self, timeout: float = 120) -> SharedRealServer:
-        os.killpg(int(self.pid_file().read_text()), signal.SIGCONT)
+        self.send(signal.SIGCONT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             load = httpx.get(self.url + "/v1/loads", timeout=10).json()["loads"]
